@@ -1,0 +1,192 @@
+"""TrainingBackend: one implementation of "a training step under strategy S and precision P".
+
+Used three ways: by the Trainer's loop, directly in your own loop (`create_backend`), and remotely by
+the TrainingService. Calls:
+
+    metrics = backend.forward_backward(batch, loss_fn)   # accumulates gradients (a micro-batch)
+    metrics = backend.optim_step()                        # normalise, clip, step, schedule, zero_grad
+
+Normalisation: a loss function returns a *sum* and the number of items it covers (valid tokens for a
+language model), or a mean (then the count is the batch size). Gradients of the sums accumulate over
+micro-batches; `optim_step` divides by the valid items of the whole global batch, summed over
+micro-batches and ranks. So micro-batching, padding and world size never change the gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from disttrain.config import DistConfig, ParallelConfig
+from disttrain.data import IGNORE_INDEX
+from disttrain.optim import OptimizerFactory
+from disttrain.parallel import Prepared, get_strategy, resolve
+from disttrain.precision import Precision, get_precision
+from disttrain.runtime import Runtime, init_runtime
+
+LossOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor | int]
+LossFn = Callable[[Any, Any], LossOutput]
+
+
+def lm_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token cross-entropy and the number of non-padding labels."""
+    labels = batch["labels"]
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+    return loss, (labels != IGNORE_INDEX).sum()
+
+
+def model_inputs(batch: Any) -> Any:
+    """What the model is called with: `input_ids` of a dict batch, the first item of a tuple, or the tensor."""
+    if isinstance(batch, dict):
+        return batch["input_ids"]
+    if isinstance(batch, (list, tuple)):
+        return batch[0]
+    return batch
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def _batch_size(batch: Any) -> int:
+    return len(model_inputs(batch))
+
+
+class TrainingBackend:
+    def __init__(self, prepared: Prepared, optimizer: torch.optim.Optimizer, runtime: Runtime,
+                 precision: Precision, scheduler=None, grad_clip: float = 0.0, loss_fn: LossFn | None = None):
+        self.prepared, self.optimizer, self.runtime = prepared, optimizer, runtime
+        self.precision, self.scheduler, self.grad_clip = precision, scheduler, grad_clip
+        self.loss_fn = loss_fn or lm_loss
+        self.step = 0
+        self._params = [p for p in prepared.model.parameters() if p.requires_grad]
+        self._reset_accumulators()
+
+    @property
+    def model(self) -> nn.Module:
+        """The plain model (unwrapped), e.g. for saving weights."""
+        return self.prepared.model
+
+    def _reset_accumulators(self) -> None:
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
+        self._count = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
+        self._micro_batches = 0
+        self._unsynced = False
+
+    def loss_terms(self, outputs: Any, batch: Any, loss_fn: LossFn | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed loss, item count) of `outputs` for `batch`, whichever form the loss function returns."""
+        batch = to_device(batch, self.runtime.device)
+        result = (loss_fn or self.loss_fn)(outputs, batch)
+        if isinstance(result, tuple):
+            loss_sum, count = result
+            return loss_sum, torch.as_tensor(count, dtype=torch.float64, device=self.runtime.device)
+        count = _batch_size(batch)  # a mean over the batch: weight it by its size
+        return result * count, torch.tensor(float(count), dtype=torch.float64, device=self.runtime.device)
+
+    def forward_backward(self, batch: Any, loss_fn: LossFn | None = None, *, sync: bool = True) -> dict:
+        """Forward and backward one micro-batch, accumulating gradients.
+
+        `sync=False` marks a micro-batch that is not the last of its optimizer step, so the strategy may
+        skip gradient communication (DDP `no_sync`). The last micro-batch before `optim_step` must sync.
+        """
+        batch = to_device(batch, self.runtime.device)
+        self.prepared.module.train()
+        with contextlib.nullcontext() if sync else self.prepared.no_sync():
+            with self.precision.autocast(self.runtime.device.type):
+                outputs = self.prepared.module(model_inputs(batch))
+                loss_sum, count = self.loss_terms(outputs, batch, loss_fn)
+            loss_sum.backward()
+        self._loss_sum += loss_sum.detach().double()
+        self._count += count
+        self._micro_batches += 1
+        self._unsynced = not sync
+        local_count = count.item()
+        return {"loss": loss_sum.item() / max(local_count, 1.0), "count": local_count}
+
+    def optim_step(self) -> dict:
+        """Normalise by the global item count, clip, step the optimizer and the schedule, zero grads."""
+        if self._micro_batches == 0:
+            raise RuntimeError("optim_step() called before any forward_backward() in this step")
+        if self._unsynced:
+            raise RuntimeError("the last forward_backward() before optim_step() ran with sync=False, so its "
+                               "gradients were never reduced across ranks; pass sync=True on the last micro-batch")
+        totals = torch.stack([self._loss_sum, self._count])
+        if self.runtime.distributed:
+            dist.all_reduce(totals)
+        loss_sum, count = totals.tolist()
+        if count <= 0:
+            raise RuntimeError(f"step {self.step + 1}: the global batch has no valid items (all padding?)")
+        scale = self.prepared.grads_averaged_over / count
+        grads = [p.grad for p in self._params if p.grad is not None]
+        for grad in grads:
+            grad.mul_(scale)
+        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self._params, max_norm).item()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._reset_accumulators()
+        self.step += 1
+        return {"step": self.step, "loss": loss_sum / count, "grad_norm": grad_norm, "lr": lr, "count": count}
+
+    @torch.no_grad()
+    def forward(self, batch: Any) -> Any:
+        """Forward pass without gradients, in eval mode (every rank must call it the same number of times
+        under sharded strategies)."""
+        module = self.prepared.module
+        was_training = module.training
+        module.eval()
+        try:
+            with self.precision.autocast(self.runtime.device.type):
+                return module(model_inputs(to_device(batch, self.runtime.device)))
+        finally:
+            module.train(was_training)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"model": self.prepared.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "step": self.step}
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.prepared.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+
+
+def create_backend(model: nn.Module, optimizer_factory: OptimizerFactory, *, strategy: str = "auto",
+                   precision: str = "fp32", runtime: Runtime | None = None,
+                   parallel: ParallelConfig | None = None, scheduler_factory=None, grad_clip: float = 0.0,
+                   loss_fn: LossFn | None = None) -> TrainingBackend:
+    """Place `model` on this rank's device, apply the strategy, and build optimizer and schedule.
+
+    `runtime` defaults to one detected from the environment (forming the process group under torchrun).
+    `optimizer_factory(model) -> Optimizer` receives the plain model; `scheduler_factory(optimizer)` is
+    optional. `strategy="auto"` picks `single` for one process and `ddp` for several.
+    """
+    runtime = runtime or init_runtime(DistConfig())
+    parallel = parallel or ParallelConfig()
+    prepared = get_strategy(resolve(strategy, runtime.world_size))(model.to(runtime.device), runtime, parallel)
+    optimizer = prepared.build_optimizer(optimizer_factory)
+    scheduler = scheduler_factory(optimizer) if scheduler_factory else None
+    return TrainingBackend(prepared, optimizer, runtime, get_precision(precision), scheduler, grad_clip, loss_fn)

@@ -1,0 +1,146 @@
+"""Command line: argument parsing only; the work happens in launch, trainer and bench.
+
+    disttrain train [CONFIG] [--nproc N] [--set section.key=value ...]
+    disttrain launch [--nproc N] SCRIPT [ARGS ...]
+    disttrain config [CONFIG] [--set ...]      print the resolved config (or --list: every setting)
+    disttrain env                              versions, devices, backends, detected launcher
+    disttrain bench overhead                   disttrain DDP vs a hand-written DDP loop
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from disttrain.config import Config, ConfigError, describe, dumps_toml, load_config, resolve_strategy, save_config
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="disttrain", description="Distributed PyTorch training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a config (default: the built-in GPT job)")
+    train.add_argument("config", nargs="?", help="TOML config file")
+    train.add_argument("--nproc", type=int, help="processes on this node (sets dist.nproc)")
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override one setting, e.g. --set optim.lr=1e-3 (repeatable)")
+
+    launch = sub.add_parser("launch", help="run your own training script on N processes through torchrun")
+    launch.add_argument("--nproc", type=int, default=1, help="processes on this node")
+    launch.add_argument("--run-dir", default="runs/launch", help="where torchrun's logs go")
+    launch.add_argument("script")
+    launch.add_argument("args", nargs=argparse.REMAINDER)
+
+    config = sub.add_parser("config", help="print the resolved config, or every setting with --list")
+    config.add_argument("config", nargs="?")
+    config.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    config.add_argument("--list", action="store_true", help="every setting with its type, default and meaning")
+
+    sub.add_parser("env", help="versions, devices, backends and the detected launcher")
+
+    bench = sub.add_parser("bench", help="benchmarks that print and save their figures")
+    bench.add_argument("name", choices=["overhead"])
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (see its --help)")
+    return parser
+
+
+def _prepare_train(args: argparse.Namespace) -> Config:
+    """Load, override, validate and resolve the config; nothing has started yet when this raises."""
+    cfg = load_config(args.config, args.overrides)
+    if args.nproc is not None:
+        cfg.dist.nproc = args.nproc
+    import torch
+
+    from disttrain.config import validate
+
+    validate(cfg, gpu_count=torch.cuda.device_count())
+    if cfg.model.name != "gpt":
+        from disttrain.models import resolve_factory
+
+        resolve_factory(cfg.model.name)  # import errors surface here, before any worker starts
+    cfg.parallel.strategy = resolve_strategy(cfg, cfg.dist.nproc)
+    return cfg
+
+
+def _raise_on_sigterm() -> None:
+    def handler(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = _prepare_train(args)
+    config_path = cfg.run_dir / "config.toml"
+    save_config(cfg, config_path)
+    if cfg.dist.nproc == 1:
+        from disttrain.trainer import Trainer
+
+        print(f"disttrain: training {cfg.model.name} on 1 process; run dir {cfg.run_dir}", file=sys.stderr)
+        _raise_on_sigterm()
+        try:
+            Trainer(cfg).fit()
+        except KeyboardInterrupt as exc:
+            name = str(exc) or "SIGINT"
+            print(f"disttrain: stopped by {name}", file=sys.stderr)
+            return 143 if name == "SIGTERM" else 130
+        return 0
+    from disttrain.launch import launch
+
+    return launch(cfg.dist.nproc, ["disttrain.run", str(config_path)], cfg.run_dir)
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc {args.nproc}: must be >= 1")
+    if not Path(args.script).is_file():
+        raise ConfigError(f"script '{args.script}' not found; pass the path of your training script")
+    from disttrain.launch import launch
+
+    return launch(args.nproc, [args.script, *args.args], Path(args.run_dir), module=False)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    if args.list:
+        for key, typ, default, doc in describe():
+            print(f"{key} ({typ}, default {default!r}): {doc}")
+        return 0
+    print(dumps_toml(load_config(args.config, args.overrides)), end="")
+    return 0
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    from disttrain.envinfo import env_report
+
+    for key, value in env_report().items():
+        print(f"{key + ':':<22} {value}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from disttrain.bench import overhead
+
+    return overhead.main(args.args)
+
+
+COMMANDS = {"train": cmd_train, "launch": cmd_launch, "config": cmd_config, "env": cmd_env, "bench": cmd_bench}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="disttrain: %(message)s")
+    try:
+        code = COMMANDS[args.command](args)
+    except ConfigError as exc:
+        print(f"disttrain: error: {exc}", file=sys.stderr)
+        code = 2
+    if argv is None:
+        sys.exit(code)
+    return code
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,463 @@
+"""Typed configuration: nested dataclasses, TOML loading, dotted overrides and pure validation.
+
+Every field carries a docstring (the string literal under it); `describe()` reads them back, so the
+README table and `--help` never drift from the code. Each component receives only its own section.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import hashlib
+import inspect
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration. The message is one line: setting, value, fix."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "default"
+    """Run name; the run directory is `<out_dir>/<name>`."""
+    out_dir: str = "runs"
+    """Folder that holds run directories."""
+    seed: int = 0
+    """Seed for model initialisation, data order and every RNG; same seed, same run."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "gpt"
+    """`"gpt"` (the reference model) or `"package.module:factory"`, called as `factory(model_config)`."""
+    n_layer: int = 4
+    """Transformer blocks of the reference GPT."""
+    n_head: int = 4
+    """Attention heads per block; must divide `d_model`."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    seq_len: int = 64
+    """Tokens per training sequence (context length)."""
+    vocab_size: int = 256
+    """Vocabulary size; at least 256 for the byte-level built-in and text-file data."""
+    dropout: float = 0.0
+    """Dropout probability. Non-zero dropout draws per-rank random masks, so N-rank runs no longer
+    match one process bit for bit."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "builtin"
+    """`"builtin"` (an offline, learnable synthetic language), a UTF-8 text file (byte tokens), or a
+    pre-tokenised `.bin` / `.npy` token file (memory-mapped)."""
+    global_batch_size: int = 32
+    """Sequences per optimizer step, summed over all ranks and accumulation micro-batches."""
+    micro_batch_size: int = 8
+    """Sequences per rank per forward pass; accumulation steps = global / (micro x world size)."""
+    token_dtype: str = "uint16"
+    """Element type of a raw `.bin` token file: `uint16`, `uint32` or `int32`."""
+    val_fraction: float = 0.1
+    """Fraction of the tokens (taken from the end) held out for evaluation."""
+    shuffle: bool = True
+    """Shuffle sample order each epoch (a pure function of seed and epoch)."""
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    """Optimizer: `adamw` or `sgd`."""
+    lr: float = 2e-3
+    """Peak learning rate, reached after warmup."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (not to biases, norms or embeddings' bias)."""
+    beta1: float = 0.9
+    """AdamW beta1 (momentum for `sgd`)."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    warmup_steps: int = 10
+    """Linear warmup steps from 0 to `lr`; cosine decay follows until `train.steps`."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of `lr` at the end of the cosine decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    """Optimizer steps to train."""
+    eval_every: int = 50
+    """Evaluate every N steps and at the end; 0 disables evaluation."""
+    eval_samples: int = 256
+    """Validation sequences per evaluation (0 = the whole validation set); each counted exactly once."""
+    log_every: int = 1
+    """Write a `metrics.jsonl` line and refresh the progress bar every N steps."""
+
+
+@dataclass
+class ParallelConfig:
+    strategy: str = "auto"
+    """`auto` (`single` on one process, `ddp` on more), `single` or `ddp`."""
+    precision: str = "fp32"
+    """Numeric precision policy: `fp32`."""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size in MiB."""
+    gradient_as_bucket_view: bool = True
+    """DDP: gradients are views into the communication buckets (saves one gradient copy)."""
+    static_graph: bool = False
+    """DDP: the set of used parameters never changes between iterations (enables optimisations)."""
+    find_unused_parameters: bool = False
+    """DDP: tolerate parameters that receive no gradient in a step (slower; needed for branching models)."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Save a checkpoint every N steps; 0 disables saving."""
+    keep_last: int = 3
+    """Keep the newest N committed checkpoints."""
+    keep_best: int = 0
+    """Also keep the best K checkpoints by `eval_loss`."""
+    async_save: bool = False
+    """Write checkpoints in the background while training continues."""
+
+
+@dataclass
+class DistConfig:
+    nproc: int = 1
+    """Processes on this node (`--nproc`); 1 runs in the current process without torchrun."""
+    backend: str = "auto"
+    """Process-group backend: `auto` (nccl on CUDA, gloo on CPU), `nccl` or `gloo`."""
+    device: str = "auto"
+    """`auto` (cuda:LOCAL_RANK when a GPU is present, else cpu), `cpu` or `cuda`."""
+    timeout_s: float = 300.0
+    """Collective timeout in seconds: a rank stuck longer than this fails the job instead of hanging."""
+    threads_per_rank: int = 0
+    """torch intra-op threads per rank; 0 = cores / processes on this node (at least 1)."""
+
+
+@dataclass
+class LogConfig:
+    progress: bool = True
+    """Show a progress bar with loss and tokens/s on rank 0."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to `RUN_DIR/tensorboard` (needs `pip install tensorboard`)."""
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.out_dir) / self.run.name
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def hash(self) -> str:
+        """Stable digest of the resolved configuration (used to check that ranks agree)."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config)}
+SECTIONS = {name: globals()[typ] if isinstance(typ, str) else typ for name, typ in SECTIONS.items()}
+
+# Values accepted by choice-valued settings; strategies and precisions come from their registries,
+# which are imported lazily by `validate` so that loading a config never imports torch.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "data.token_dtype": ("uint16", "uint32", "int32"),
+    "optim.name": ("adamw", "sgd"),
+    "dist.backend": ("auto", "nccl", "gloo"),
+    "dist.device": ("auto", "cpu", "cuda"),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading and overriding
+
+
+def _suggest(word: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.5)
+    return f"did you mean '{close[0]}'?" if close else f"valid names: {', '.join(options)}"
+
+
+def _coerce(key: str, value: Any, typ: type) -> Any:
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif typ is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"{key} = {value!r}: expected {typ.__name__}; fix the value in the config or --set")
+
+
+def _field_types(section_cls: type) -> dict[str, type]:
+    hints = inspect.get_annotations(section_cls, eval_str=True)
+    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+
+
+def set_value(cfg: Config, dotted: str, value: Any) -> None:
+    """Set `section.key` on `cfg`, checking the names and coercing the value to the field's type."""
+    section, _, key = dotted.partition(".")
+    if section not in SECTIONS or not key:
+        raise ConfigError(f"unknown setting '{dotted}': {_suggest(section, list(SECTIONS))}")
+    types = _field_types(SECTIONS[section])
+    if key not in types:
+        names = list(types)
+        raise ConfigError(f"unknown setting '{dotted}': {_suggest(key, names)} (section [{section}])")
+    setattr(getattr(cfg, section), key, _coerce(dotted, value, types[key]))
+
+
+def _parse_override(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. --set optim.lr=1e-3")
+    key, raw = (part.strip() for part in text.split("=", 1))
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # bare words are strings: --set model.name=gpt
+    return key, value
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the TOML file (if any), then `--set section.key=value` overrides, in that order."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file '{path}' does not exist; pass an existing TOML file")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file '{path}' is not valid TOML ({exc}); fix the syntax") from None
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(
+                    f"'{section}' in {path}: settings belong in sections, e.g. [{section}]; "
+                    f"{_suggest(section, list(SECTIONS))}"
+                )
+            for key, value in values.items():
+                set_value(cfg, f"{section}.{key}", value)
+    for text in overrides:
+        set_value(cfg, *_parse_override(text))
+    return cfg
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) else ("nan" if math.isnan(value) else
+                                                         ("inf" if value > 0 else "-inf"))
+    if isinstance(value, int):
+        return str(value)
+    return json.dumps(str(value))  # a JSON string is a valid TOML basic string
+
+
+def dumps_toml(cfg: Config) -> str:
+    lines = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> None:
+    """Write the fully resolved config atomically (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(dumps_toml(cfg))
+    os.replace(tmp, path)
+
+
+def describe() -> list[tuple[str, str, Any, str]]:
+    """(dotted key, type, default, docstring) for every setting, read from the source docstrings."""
+    rows = []
+    for section, cls in SECTIONS.items():
+        docs = _field_docstrings(cls)
+        defaults = cls()
+        for name, typ in _field_types(cls).items():
+            rows.append((f"{section}.{name}", typ.__name__, getattr(defaults, name), docs.get(name, "")))
+    return rows
+
+
+def _field_docstrings(cls: type) -> dict[str, str]:
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation: pure checks on the values (plus whether named files exist), before any process starts.
+
+TOKEN_FILE_SUFFIXES = (".bin", ".npy")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_choice(key: str, value: str, options: tuple[str, ...] | list[str]) -> None:
+    if value not in options:
+        raise ConfigError(f"{key} = {value!r} is not known; {_suggest(value, list(options))}")
+
+
+def world_size(cfg: Config) -> int:
+    return cfg.dist.nproc
+
+
+def resolve_strategy(cfg: Config, world: int) -> str:
+    """`auto` means `single` on one process and `ddp` on several; other names are returned as given."""
+    from disttrain.parallel import resolve
+
+    return resolve(cfg.parallel.strategy, world)
+
+
+def uses_cuda(cfg: Config, gpu_count: int) -> bool:
+    return cfg.dist.device == "cuda" or (cfg.dist.device == "auto" and gpu_count > 0)
+
+
+def validate(cfg: Config, gpu_count: int = 0, world: int | None = None) -> None:
+    """Raise ConfigError (one line: setting, value, fix) for the first impossible setting.
+
+    `gpu_count` is passed in rather than probed so that this stays a pure function of its inputs.
+    `world` defaults to `dist.nproc` (the launcher passes the real world size on a running job).
+    """
+    from disttrain.parallel import STRATEGIES
+    from disttrain.precision import PRECISIONS
+
+    world = world_size(cfg) if world is None else world
+    for key, options in CHOICES.items():
+        section, name = key.split(".")
+        _check_choice(key, getattr(getattr(cfg, section), name), options)
+    _validate_run(cfg)
+    _validate_model(cfg)
+    _validate_data(cfg, world)
+    _validate_optim_train(cfg)
+    _check_choice("parallel.strategy", cfg.parallel.strategy, ["auto", *STRATEGIES])
+    _check_choice("parallel.precision", cfg.parallel.precision, list(PRECISIONS))
+    _check(not (cfg.parallel.strategy == "single" and world > 1),
+           f"parallel.strategy = 'single' runs one process but dist.nproc = {world}; "
+           "use parallel.strategy = 'ddp' (or 'auto') or --nproc 1")
+    _check(cfg.parallel.bucket_cap_mb > 0, f"parallel.bucket_cap_mb = {cfg.parallel.bucket_cap_mb}: must be > 0")
+    _check(cfg.checkpoint.every == 0,
+           f"checkpoint.every = {cfg.checkpoint.every}: checkpoint saving is not available in this version "
+           "yet; set checkpoint.every = 0")
+    _validate_dist(cfg, gpu_count, world)
+    if cfg.log.tensorboard:
+        import importlib.util
+
+        _check(importlib.util.find_spec("tensorboard") is not None,
+               "log.tensorboard = true but the tensorboard package is not installed; "
+               "pip install 'disttrain[tensorboard]' or set log.tensorboard = false")
+
+
+def _validate_run(cfg: Config) -> None:
+    name = cfg.run.name
+    _check(bool(name) and "/" not in name and name not in (".", ".."),
+           f"run.name = {name!r}: must be a non-empty folder name without '/'; e.g. run.name = \"exp1\"")
+    _check(bool(cfg.run.out_dir), "run.out_dir is empty; set it to a folder, e.g. run.out_dir = \"runs\"")
+
+
+def _validate_model(cfg: Config) -> None:
+    m = cfg.model
+    if m.name != "gpt":
+        module, _, factory = m.name.partition(":")
+        _check(bool(module) and bool(factory),
+               f"model.name = {m.name!r}: use \"gpt\" or \"package.module:factory\"")
+    for key in ("n_layer", "n_head", "d_model", "seq_len", "vocab_size"):
+        value = getattr(m, key)
+        _check(value > 0, f"model.{key} = {value}: must be > 0")
+    _check(m.d_model % m.n_head == 0,
+           f"model.d_model = {m.d_model} is not divisible by model.n_head = {m.n_head}; "
+           f"choose n_head among the divisors of {m.d_model}")
+    _check(0.0 <= m.dropout < 1.0, f"model.dropout = {m.dropout}: must be in [0, 1)")
+
+
+def _validate_data(cfg: Config, world: int) -> None:
+    d, m = cfg.data, cfg.model
+    if d.source != "builtin":
+        path = Path(d.source)
+        _check(path.is_file(), f"data.source = {d.source!r}: file not found; give an existing text, "
+               f".bin or .npy file, or \"builtin\"")
+        _check(path.stat().st_size > 0, f"data.source = {d.source!r}: the file is empty; give a file with data")
+    if d.source == "builtin" or not d.source.endswith(TOKEN_FILE_SUFFIXES):
+        _check(m.vocab_size >= 256, f"model.vocab_size = {m.vocab_size}: byte-level data needs >= 256; "
+               "set model.vocab_size = 256")
+    _check(d.micro_batch_size > 0, f"data.micro_batch_size = {d.micro_batch_size}: must be > 0")
+    _check(d.global_batch_size > 0, f"data.global_batch_size = {d.global_batch_size}: must be > 0")
+    per_step = d.micro_batch_size * world
+    if d.global_batch_size % per_step:
+        lower = max(per_step, d.global_batch_size // per_step * per_step)
+        raise ConfigError(
+            f"data.global_batch_size = {d.global_batch_size} is not divisible by data.micro_batch_size x "
+            f"world size = {d.micro_batch_size} x {world} = {per_step}; set data.global_batch_size to a "
+            f"multiple of {per_step} (e.g. {lower} or {lower + per_step}) or change micro_batch_size")
+    _check(0.0 < d.val_fraction < 1.0, f"data.val_fraction = {d.val_fraction}: must be in (0, 1)")
+
+
+def _validate_optim_train(cfg: Config) -> None:
+    o, t = cfg.optim, cfg.train
+    _check(o.lr > 0 and math.isfinite(o.lr), f"optim.lr = {o.lr}: must be a finite number > 0, e.g. 3e-4")
+    _check(o.weight_decay >= 0, f"optim.weight_decay = {o.weight_decay}: must be >= 0")
+    _check(o.warmup_steps >= 0, f"optim.warmup_steps = {o.warmup_steps}: must be >= 0")
+    _check(0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio = {o.min_lr_ratio}: must be in [0, 1]")
+    _check(o.grad_clip >= 0, f"optim.grad_clip = {o.grad_clip}: must be >= 0 (0 disables clipping)")
+    _check(t.steps > 0, f"train.steps = {t.steps}: must be > 0; e.g. --set train.steps=100")
+    _check(t.eval_every >= 0, f"train.eval_every = {t.eval_every}: must be >= 0 (0 disables evaluation)")
+    _check(t.eval_samples >= 0, f"train.eval_samples = {t.eval_samples}: must be >= 0 (0 = all)")
+    _check(t.log_every >= 1, f"train.log_every = {t.log_every}: must be >= 1")
+
+
+def _validate_dist(cfg: Config, gpu_count: int, world: int) -> None:
+    dc = cfg.dist
+    _check(dc.nproc >= 1, f"dist.nproc = {dc.nproc}: must be >= 1 (--nproc)")
+    _check(dc.timeout_s > 0, f"dist.timeout_s = {dc.timeout_s}: must be > 0 seconds")
+    _check(dc.threads_per_rank >= 0, f"dist.threads_per_rank = {dc.threads_per_rank}: must be >= 0")
+    if dc.device == "cuda":
+        _check(gpu_count > 0, "dist.device = 'cuda' but no CUDA GPU is visible; set dist.device = 'cpu'")
+    cuda = uses_cuda(cfg, gpu_count)
+    if cuda:
+        _check(dc.nproc <= gpu_count,
+               f"dist.nproc = {dc.nproc} but this node has {gpu_count} GPU(s); use --nproc {gpu_count} "
+               "or fewer, or set dist.device = 'cpu'")
+    _check(not (dc.backend == "nccl" and not cuda),
+           "dist.backend = 'nccl' needs CUDA GPUs, and this run uses the CPU; set dist.backend = 'gloo' or 'auto'")

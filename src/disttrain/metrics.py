@@ -1,0 +1,91 @@
+"""Metric sinks: `metrics.jsonl` always, a progress line on the terminal, TensorBoard optionally.
+
+Only rank 0 writes; other ranks get `NullMetrics`, so the loop never branches on the rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from disttrain.config import LogConfig
+
+
+class NullMetrics:
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ProgressBar:
+    """`[####......] 40/100 loss 2.310 | 51.2k tok/s | eta 12s` redrawn in place on a terminal; on a pipe
+    (CI, log files) the same text as a new line about 20 times per run."""
+
+    def __init__(self, total: int, stream: TextIO = sys.stderr):
+        self.total, self.stream = total, stream
+        self.tty = stream.isatty()
+        self.every = max(1, total // 20)
+        self.start = time.perf_counter()
+
+    def update(self, step: int, values: dict[str, Any]) -> None:
+        if not self.tty and step % self.every and step != self.total:
+            return
+        done = int(30 * step / self.total)
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / step * (self.total - step) if step else 0.0
+        parts = [f"[{'#' * done}{'.' * (30 - done)}] {step}/{self.total}"]
+        if "loss" in values:
+            parts.append(f"loss {values['loss']:.4f}")
+        if "tokens_per_s" in values:
+            parts.append(f"{values['tokens_per_s'] / 1000:.1f}k tok/s")
+        if "eval_loss" in values:
+            parts.append(f"eval {values['eval_loss']:.4f}")
+        parts.append(f"eta {eta:.0f}s")
+        line = " | ".join(parts)
+        self.stream.write(("\r" + line + "\x1b[K") if self.tty else line + "\n")
+        if self.tty and step == self.total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+class Metrics:
+    """Rank 0's sinks. `log` takes a step and any scalar values; every call appends one JSON line."""
+
+    def __init__(self, run_dir: Path, cfg: LogConfig, total_steps: int):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        self.file = self.path.open("w")
+        self.progress = ProgressBar(total_steps) if cfg.progress else None
+        self.tensorboard = None
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        record = {"step": step, **{k: _jsonable(v) for k, v in values.items()}}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.progress is not None:
+            self.progress.update(step, values)
+        if self.tensorboard is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)):
+                    self.tensorboard.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf; keep the line parseable by strict readers
+    return value

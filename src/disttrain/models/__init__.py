@@ -1,0 +1,36 @@
+"""Model registry: `"gpt"` is the reference model; anything else is `"package.module:factory"`."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from torch import nn
+
+from disttrain.config import ConfigError, ModelConfig
+
+
+def resolve_factory(name: str) -> Callable[[ModelConfig], nn.Module]:
+    """Import `package.module:factory`; a failure is a ConfigError naming `model.name`."""
+    if name == "gpt":
+        from disttrain.models.gpt import GPT
+
+        return GPT
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"model.name = {name!r}: cannot import '{module_name}' ({exc}); "
+                          "check the module is on PYTHONPATH") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ConfigError(f"model.name = {name!r}: '{module_name}' has no callable '{attr}'")
+    return factory
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    model = resolve_factory(cfg.name)(cfg)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model.name = {cfg.name!r}: the factory returned {type(model).__name__}, "
+                          "not a torch.nn.Module")
+    return model

@@ -1,0 +1,48 @@
+"""Optimizer factories and the learning-rate schedule (linear warmup, then cosine to a floor)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from disttrain.config import OptimConfig
+
+OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
+
+
+def optimizer_factory(cfg: OptimConfig) -> OptimizerFactory:
+    """A factory for `optim.name`; weight decay applies to matrices only (not biases, norms)."""
+
+    def build(model: nn.Module) -> torch.optim.Optimizer:
+        params = [p for p in model.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        groups = [g for g in groups if g["params"]]
+        if cfg.name == "sgd":
+            return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.beta1)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+
+    return build
+
+
+def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float) -> Callable[[int], float]:
+    """Multiplier of the peak LR for optimizer step `s` (0-based): (s+1)/warmup, then cosine to min_ratio."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        span = max(1, total_steps - warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / span)
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def scheduler_factory(cfg: OptimConfig, total_steps: int):
+    factor = lr_lambda(cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -1,0 +1,159 @@
+"""Who am I: rank, local rank, world, node, device and backend; init and teardown of the process group.
+
+The launch environment is read once, by `detect_launch(environ)` (a pure function of the environment
+mapping), and the result travels explicitly as a `Runtime` object: nothing else in disttrain reads
+RANK/WORLD_SIZE or asks torch.distributed who it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from disttrain.config import DistConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    launcher: str  # "torchrun", "slurm" or "single"
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+
+
+def _ints(env: Mapping[str, str], *names: str) -> list[int]:
+    try:
+        return [int(env[name]) for name in names]
+    except ValueError as exc:
+        raise RuntimeError(f"launcher environment variable is not an integer: {exc}") from None
+
+
+def detect_launch(env: Mapping[str, str]) -> LaunchInfo:
+    """torchrun (RANK/WORLD_SIZE/LOCAL_RANK), Slurm (SLURM_PROCID/SLURM_NTASKS/...) or one process."""
+    if all(name in env for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        rank, world, local = _ints(env, "RANK", "WORLD_SIZE", "LOCAL_RANK")
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+        node = int(env.get("GROUP_RANK", rank // max(local_world, 1)))
+        return LaunchInfo("torchrun", rank, local, world, local_world, node)
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, world = _ints(env, "SLURM_PROCID", "SLURM_NTASKS")
+        local = int(env.get("SLURM_LOCALID", 0))
+        local_world = int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0].split(",")[0] or 1)
+        node = int(env.get("SLURM_NODEID", 0))
+        return LaunchInfo("slurm", rank, local, world, local_world, node)
+    return LaunchInfo("single")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """The facts about this process in the job, passed to every component that needs them."""
+
+    launch: LaunchInfo
+    device: torch.device
+    backend: str  # process-group backend ("gloo"/"nccl"); meaningful when distributed
+    distributed: bool  # a process group is initialised
+
+    @property
+    def rank(self) -> int:
+        return self.launch.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.launch.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.launch.world_size
+
+    @property
+    def node_rank(self) -> int:
+        return self.launch.node_rank
+
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.distributed:
+            if self.device.type == "cuda":
+                dist.barrier(device_ids=[self.device.index])
+            else:
+                dist.barrier()
+
+
+def pick_device(device: str, local_rank: int) -> torch.device:
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def pick_backend(backend: str, device: torch.device) -> str:
+    if backend != "auto":
+        return backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_runtime(cfg: DistConfig, environ: Mapping[str, str] | None = None) -> Runtime:
+    """Detect the launcher, pick device and backend, and form the process group when world > 1.
+
+    If a process group already exists (the user formed it), it is used as it is.
+    """
+    info = detect_launch(os.environ if environ is None else environ)
+    device = pick_device(cfg.device, info.local_rank)
+    backend = pick_backend(cfg.backend, device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // max(info.local_world_size, 1))
+    torch.set_num_threads(threads)
+    if info.world_size == 1:
+        return Runtime(info, device, backend, distributed=False)
+    if not dist.is_initialized():
+        if info.launcher == "slurm":
+            _slurm_rendezvous_env()
+        dist.init_process_group(
+            backend=backend,
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=timedelta(seconds=cfg.timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    runtime = Runtime(info, device, dist.get_backend(), distributed=True)
+    _check_world_agrees(runtime)
+    return runtime
+
+
+def _slurm_rendezvous_env() -> None:
+    """Slurm gives ranks but no rendezvous address: use MASTER_ADDR/PORT if set, else the launch node."""
+    if "MASTER_ADDR" not in os.environ:
+        addr = os.environ.get("SLURM_LAUNCH_NODE_IPADDR")
+        if not addr:
+            raise RuntimeError("Slurm launch without MASTER_ADDR: export MASTER_ADDR=<first node's address>")
+        os.environ["MASTER_ADDR"] = addr
+    os.environ.setdefault("MASTER_PORT", str(29500 + int(os.environ.get("SLURM_JOB_ID", "0")) % 1000))
+
+
+def _check_world_agrees(runtime: Runtime) -> None:
+    """Every rank must see the same world size as the process group; never train silently undistributed."""
+    seen = torch.tensor([runtime.world_size, -runtime.world_size], dtype=torch.int64, device=runtime.device)
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    pg_world = dist.get_world_size()
+    if seen[0].item() != runtime.world_size or -seen[1].item() != runtime.world_size or pg_world != runtime.world_size:
+        raise RuntimeError(
+            f"rank {runtime.rank}: launcher says world size {runtime.world_size}, the process group has "
+            f"{pg_world}, other ranks say {seen[0].item()}..{-seen[1].item()}; relaunch all ranks with one command"
+        )
+
+
+def shutdown(runtime: Runtime) -> None:
+    """Tear the process group down cleanly (avoids gloo/nccl aborts at interpreter exit)."""
+    if runtime.distributed and dist.is_initialized():
+        dist.destroy_process_group()
