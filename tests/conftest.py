@@ -1,0 +1,52 @@
+"""Shared helpers: run the real CLI in a subprocess with a bounded wait, read metrics, find leftovers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+DISTTRAIN = [sys.executable, "-m", "disttrain"]
+
+
+def cli_env(tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), PYTHONPATH=str(SCRIPTS))
+    return env
+
+
+def run_cli(args: list[str], tmp_path: Path, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+    """`disttrain ARGS` in `tmp_path`, killed (and the test failed) if it outlives `timeout` seconds."""
+    return subprocess.run(DISTTRAIN + args, cwd=tmp_path, env=cli_env(tmp_path), capture_output=True,
+                          text=True, timeout=timeout, **kwargs)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def processes_mentioning(marker: str) -> list[int]:
+    """PIDs (other than ours) whose command line contains `marker`: used to prove nothing was left behind."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        if marker in cmdline and int(pid) != os.getpid() and "State:\tZ" not in status:
+            found.append(int(pid))
+    return found
+
+
+@pytest.fixture
+def small_gpt() -> list[str]:
+    """Overrides for a GPT small enough for fast multi-process tests."""
+    return ["--set", "model.n_layer=2", "--set", "model.d_model=64", "--set", "model.n_head=4",
+            "--set", "model.seq_len=32", "--set", "log.progress=false"]

@@ -1,0 +1,116 @@
+import pytest
+import torch
+
+from disttrain.backend import create_backend
+from disttrain.config import DistConfig, ModelConfig, OptimConfig
+from disttrain.data import collate
+from disttrain.models.gpt import GPT
+from disttrain.optim import optimizer_factory
+from disttrain.runtime import init_runtime
+
+RUNTIME = None
+
+
+def _runtime():
+    global RUNTIME
+    RUNTIME = RUNTIME or init_runtime(DistConfig(device="cpu", threads_per_rank=1), environ={})
+    return RUNTIME
+
+
+def _variable_length_batch(n: int, seed: int = 0) -> list[dict]:
+    """Sequences of 3..16 tokens: padding differs wildly between micro-batches."""
+    g = torch.Generator().manual_seed(seed)
+    items = []
+    for _ in range(n):
+        length = int(torch.randint(3, 17, (1,), generator=g))
+        seq = torch.randint(0, 256, (length + 1,), generator=g)
+        items.append({"input_ids": seq[:-1], "labels": seq[1:]})
+    return items
+
+
+def _backend():
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=16))
+    return create_backend(model, optimizer_factory(OptimConfig(lr=1e-2)), strategy="single",
+                          runtime=_runtime(), grad_clip=0.0)
+
+
+def _accumulate(backend, items, micro: int) -> None:
+    chunks = [items[i:i + micro] for i in range(0, len(items), micro)]
+    for i, chunk in enumerate(chunks):
+        backend.forward_backward(collate(chunk), sync=i == len(chunks) - 1)
+
+
+def test_accumulation_normalises_by_valid_tokens_of_the_whole_batch():
+    """micro-batch 2 x 4 accumulation == micro-batch 8 x 1, losses and gradients within 1e-6."""
+    losses = {}
+    for micro in (2, 8):
+        backend = _backend()
+        grads = []  # the gradients the optimizer sees, captured by a public step pre-hook
+        backend.optimizer.register_step_pre_hook(
+            lambda opt, args, kwargs: grads.append([p.grad.clone() for p in backend.model.parameters()]))
+        steps = []
+        for step in range(3):
+            _accumulate(backend, _variable_length_batch(8, seed=step), micro)
+            steps.append(backend.optim_step()["loss"])
+        losses[micro] = (steps, [g for step_grads in grads for g in step_grads])
+    (steps_a, grads_a), (steps_b, grads_b) = losses[2], losses[8]
+    assert steps_a == pytest.approx(steps_b, abs=1e-6)
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_loss_is_token_mean_of_the_global_batch():
+    backend = _backend()
+    items = _variable_length_batch(4)
+    with torch.no_grad():
+        logits = backend.forward(collate(items))
+        labels = collate(items)["labels"]
+        expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    _accumulate(backend, items, micro=1)
+    assert backend.optim_step()["loss"] == pytest.approx(expected.item(), abs=1e-6)
+
+
+def test_optim_step_refuses_unsynced_last_micro_batch_and_empty_step():
+    backend = _backend()
+    with pytest.raises(RuntimeError, match="before any forward_backward"):
+        backend.optim_step()
+    backend.forward_backward(collate(_variable_length_batch(2)), sync=False)
+    with pytest.raises(RuntimeError, match="sync=True on the last micro-batch"):
+        backend.optim_step()
+
+
+def test_mean_loss_functions_are_weighted_by_batch_size():
+    """Micro-batches of 2 and 4 samples with a mean loss give the full-batch step of a plain loop."""
+    def sgd(m):
+        return torch.optim.SGD(m.parameters(), lr=0.1)
+
+    x, y = torch.randn(6, 3), torch.randn(6, 1)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    backend = create_backend(model, sgd, runtime=_runtime(),
+                             loss_fn=lambda out, batch: torch.nn.functional.mse_loss(out, batch[1]))
+    backend.forward_backward((x[:2], y[:2]), sync=False)
+    backend.forward_backward((x[2:], y[2:]))
+    loss = backend.optim_step()["loss"]
+
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(3, 1)
+    full = torch.nn.functional.mse_loss(reference(x), y)
+    full.backward()
+    sgd(reference).step()
+    assert loss == pytest.approx(full.item(), abs=1e-6)
+    for p, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, ref, atol=1e-6, rtol=0)
+
+
+def test_state_dict_round_trip_continues_identically():
+    a = _backend()
+    items = _variable_length_batch(4)
+    _accumulate(a, items, 2)
+    a.optim_step()
+    b = _backend()
+    b.load_state_dict(a.state_dict())
+    _accumulate(a, items, 2)
+    _accumulate(b, items, 2)
+    assert a.optim_step()["loss"] == b.optim_step()["loss"] and b.step == 2

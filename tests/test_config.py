@@ -1,0 +1,78 @@
+from pathlib import Path
+
+import pytest
+
+from disttrain.config import Config, ConfigError, describe, dumps_toml, load_config, save_config, validate
+
+
+def _cfg(*overrides: str) -> Config:
+    return load_config(None, list(overrides))
+
+
+def test_toml_file_then_overrides_in_that_order(tmp_path: Path):
+    path = tmp_path / "job.toml"
+    path.write_text('[optim]\nlr = 0.5\nname = "sgd"\n[run]\nname = "exp"\n')
+    cfg = load_config(path, ["optim.lr=1e-3", "train.steps=7", "log.progress=false"])
+    assert (cfg.optim.lr, cfg.optim.name, cfg.run.name, cfg.train.steps) == (1e-3, "sgd", "exp", 7)
+    assert cfg.log.progress is False and cfg.run_dir == Path("runs/exp")
+
+
+def test_resolved_config_round_trips_through_toml(tmp_path: Path):
+    cfg = _cfg("optim.lr=0.25", "model.name=pkg.mod:make", "data.source=some file.txt", "dist.timeout_s=12")
+    save_config(cfg, tmp_path / "config.toml")
+    again = load_config(tmp_path / "config.toml")
+    assert again == cfg and again.hash() == cfg.hash()
+    assert dumps_toml(again) == (tmp_path / "config.toml").read_text()
+
+
+def test_every_setting_is_documented():
+    rows = describe()
+    assert len(rows) > 40
+    undocumented = [key for key, _, _, doc in rows if len(doc) < 10]
+    assert not undocumented
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.lrr=1", "did you mean 'lr'"),
+    ("optimm.lr=1", "did you mean 'optim'"),
+    ("train.steps=abc", "expected int"),
+    ("optim.lr=true", "expected float"),
+])
+def test_bad_names_and_types_are_named(override, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg(override)
+
+
+@pytest.mark.parametrize("overrides, world, gpus, message", [
+    (["data.global_batch_size=30", "data.micro_batch_size=4"], 2, 0,
+     r"data.global_batch_size = 30 is not divisible by .* 4 x 2 = 8; .*multiple of 8 \(e.g. 24 or 32\)"),
+    (["parallel.strategy=dpp"], 1, 0, "did you mean 'ddp'"),
+    (["parallel.strategy=single"], 2, 0, "use parallel.strategy = 'ddp'"),
+    (["parallel.precision=fp64"], 1, 0, "parallel.precision = 'fp64' is not known"),
+    (["train.steps=0"], 1, 0, "train.steps = 0: must be > 0"),
+    (["data.source=/nonexistent/file.txt"], 1, 0, "file not found"),
+    (["model.d_model=100", "model.n_head=3"], 1, 0, "not divisible by model.n_head"),
+    (["dist.device=cuda"], 1, 0, "no CUDA GPU is visible"),
+    (["dist.backend=nccl"], 1, 0, "needs CUDA GPUs"),
+    (["dist.nproc=4"], 4, 2, "this node has 2 GPU"),
+    (["checkpoint.every=10"], 1, 0, "checkpoint.every"),
+    (["optim.lr=-1"], 1, 0, "optim.lr = -1.0"),
+])
+def test_validate_names_setting_value_and_fix(overrides, world, gpus, message):
+    cfg = _cfg(*overrides)
+    with pytest.raises(ConfigError, match=message) as info:
+        validate(cfg, gpu_count=gpus, world=world)
+    assert "\n" not in str(info.value)
+
+
+def test_empty_data_file_is_refused(tmp_path: Path):
+    empty = tmp_path / "empty.txt"
+    empty.touch()
+    with pytest.raises(ConfigError, match="the file is empty"):
+        validate(_cfg(f"data.source={empty}"))
+
+
+def test_valid_configs_pass():
+    validate(_cfg())
+    validate(_cfg("dist.nproc=2", "data.global_batch_size=32", "data.micro_batch_size=4"))
+    validate(_cfg("dist.nproc=2"), gpu_count=2)  # on GPUs: as many processes as GPUs is fine
