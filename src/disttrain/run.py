@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from disttrain.config import ConfigError, load_config
+from disttrain.runtime import exit_process
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,18 +30,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def exit_now(code: int) -> None:
-    """Exit without running C++ static destructors.
-
-    After the process group is destroyed, gloo keeps its transport threads (gloo_tcp_loop,
-    pt_gloo_runloop) alive until interpreter exit, where their destructors race and abort the process
-    now and then ("terminate called without an active exception", SIGABRT) after all work finished,
-    which torchrun reports as a failed job. Everything of ours is flushed and closed by now.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    exit_now(main())
+    exit_process(main())

@@ -105,8 +105,8 @@ class Trainer:
                 result.losses.append(values["loss"])
                 if val is not None and cfg.train.eval_every and (step % cfg.train.eval_every == 0
                                                                  or step == cfg.train.steps):
-                    values["eval_loss"] = evaluate(backend, val, runtime, cfg.data.micro_batch_size,
-                                                   cfg.train.eval_samples)
+                    values["eval_loss"], _ = evaluate(backend, val, runtime, cfg.data.micro_batch_size,
+                                                      cfg.train.eval_samples)
                     result.eval_losses[step] = values["eval_loss"]
                 if step % cfg.train.log_every == 0 or step == cfg.train.steps or "eval_loss" in values:
                     metrics.log(step, values)
@@ -129,8 +129,9 @@ class Trainer:
 
 
 def evaluate(backend: TrainingBackend, dataset: Dataset, runtime: Runtime, micro_batch_size: int,
-             limit: int = 0) -> float:
-    """Mean loss over the first `limit` samples (0 = all), each counted exactly once across ranks.
+             limit: int = 0) -> tuple[float, int]:
+    """(mean loss, items counted) over the first `limit` samples (0 = all), each sample counted exactly
+    once across ranks.
 
     Ranks get contiguous shards whose sizes differ by at most one; every rank runs the same number of
     forward passes (a rank with a shorter shard repeats a batch and discards it), so strategies whose
@@ -150,4 +151,5 @@ def evaluate(backend: TrainingBackend, dataset: Dataset, runtime: Runtime, micro
             totals += torch.stack([loss_sum.detach().double(), count])
     if runtime.distributed:
         dist.all_reduce(totals)
-    return (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
+    loss_sum, count = totals.tolist()
+    return (loss_sum / count if count > 0 else float("nan")), int(count)
