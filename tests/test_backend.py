@@ -47,8 +47,9 @@ def test_accumulation_normalises_by_valid_tokens_of_the_whole_batch():
     for micro in (2, 8):
         backend = _backend()
         grads = []  # the gradients the optimizer sees, captured by a public step pre-hook
+        params = list(backend.model.parameters())
         backend.optimizer.register_step_pre_hook(
-            lambda opt, args, kwargs: grads.append([p.grad.clone() for p in backend.model.parameters()]))
+            lambda opt, args, kwargs, grads=grads, params=params: grads.append([p.grad.clone() for p in params]))
         steps = []
         for step in range(3):
             _accumulate(backend, _variable_length_batch(8, seed=step), micro)
@@ -56,7 +57,7 @@ def test_accumulation_normalises_by_valid_tokens_of_the_whole_batch():
         losses[micro] = (steps, [g for step_grads in grads for g in step_grads])
     (steps_a, grads_a), (steps_b, grads_b) = losses[2], losses[8]
     assert steps_a == pytest.approx(steps_b, abs=1e-6)
-    for a, b in zip(grads_a, grads_b):
+    for a, b in zip(grads_a, grads_b, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
@@ -100,7 +101,7 @@ def test_mean_loss_functions_are_weighted_by_batch_size():
     full.backward()
     sgd(reference).step()
     assert loss == pytest.approx(full.item(), abs=1e-6)
-    for p, ref in zip(model.parameters(), reference.parameters()):
+    for p, ref in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, ref, atol=1e-6, rtol=0)
 
 

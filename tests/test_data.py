@@ -5,8 +5,17 @@ import pytest
 import torch
 
 from disttrain.config import DataConfig
-from disttrain.data import (IGNORE_INDEX, GlobalSampler, TokenWindows, build_datasets, collate, eval_shard,
-                            load_tokens, split_micro, synthetic_corpus)
+from disttrain.data import (
+    IGNORE_INDEX,
+    GlobalSampler,
+    TokenWindows,
+    build_datasets,
+    collate,
+    eval_shard,
+    load_tokens,
+    split_micro,
+    synthetic_corpus,
+)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

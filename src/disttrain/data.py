@@ -42,7 +42,7 @@ def synthetic_corpus(n_bytes: int = 1 << 20, seed: int = 1234, n_words: int = 50
     picks = rng.choice(4, size=n_bytes // 3, p=[0.5, 0.25, 0.15, 0.1])
     stops = rng.random(n_bytes // 3) < 0.08
     out, word, size = [], 0, 0
-    for pick, stop in zip(picks.tolist(), stops.tolist()):
+    for pick, stop in zip(picks.tolist(), stops.tolist(), strict=True):
         word = successors[word, pick]
         piece = words[word] + (". " if stop else " ")
         out.append(piece)

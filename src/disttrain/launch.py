@@ -46,8 +46,12 @@ def launch(nproc: int, entry: list[str], run_dir: Path, module: bool = True) -> 
     tempfile.tempdir = str(tmp)
     argv = torchrun_argv(nproc, entry, run_dir / "logs", module)
     print("disttrain: launching: torchrun " + shlex.join(argv), file=sys.stderr, flush=True)
+    # The entry's own arguments are attached after parsing: torchrun's argparse would otherwise take a
+    # script flag such as --nproc=2 for an abbreviation of its own --nproc-per-node.
+    args = get_args_parser().parse_args(argv[:len(argv) - len(entry) + 1])
+    args.training_script_args = entry[1:]
     try:
-        run(get_args_parser().parse_args(argv))
+        run(args)
     except ChildFailedError as exc:
         return _report_failure(exc)
     except SignalException as exc:
