@@ -105,3 +105,17 @@ def test_module_entry_point_runs(tmp_path):
     result = subprocess.run([sys.executable, "-m", "disttrain", "config", "--set", "optim.lr=0.5"],
                             capture_output=True, text=True, timeout=60, env=cli_env(tmp_path))
     assert result.returncode == 0 and "lr = 0.5" in result.stdout
+
+
+def test_user_model_factory_trains_from_the_cli(tmp_path, monkeypatch, capsys):
+    from conftest import SCRIPTS
+
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "--set", "model.name=tiny_models:bigram", "--set", "train.steps=30", "--set", "optim.lr=0.1",
+            "--set", "log.progress=false", "--set", "train.eval_every=0", "--set", "dist.threads_per_rank=1"]
+    assert main(args) == 0
+    losses = [m["loss"] for m in read_metrics(tmp_path / "runs" / "default")]
+    assert len(losses) == 30 and losses[-1] < losses[0] - 1.0
+    assert main([*args[:2], "model.name=tiny_models:not_a_module"]) == 2
+    assert "returned str, not a torch.nn.Module" in capsys.readouterr().err

@@ -76,3 +76,10 @@ def test_valid_configs_pass():
     validate(_cfg())
     validate(_cfg("dist.nproc=2", "data.global_batch_size=32", "data.micro_batch_size=4"))
     validate(_cfg("dist.nproc=2"), gpu_count=2)  # on GPUs: as many processes as GPUs is fine
+
+
+def test_docs_config_reference_is_current():
+    from disttrain.docs import config_reference
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+    assert path.read_text() == config_reference(), "run: python -m disttrain.docs > docs/config.md"

@@ -1,0 +1,20 @@
+"""A user model module for `model.name = "tiny_models:bigram"` tests."""
+
+import torch
+
+
+class Bigram(torch.nn.Module):
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.table = torch.nn.Embedding(vocab_size, vocab_size)
+
+    def forward(self, idx):
+        return self.table(idx)
+
+
+def bigram(model_config):
+    return Bigram(model_config.vocab_size)
+
+
+def not_a_module(model_config):
+    return "oops"
