@@ -55,7 +55,9 @@ def test_bad_names_and_types_are_named(override, message):
     (["dist.device=cuda"], 1, 0, "no CUDA GPU is visible"),
     (["dist.backend=nccl"], 1, 0, "needs CUDA GPUs"),
     (["dist.nproc=4"], 4, 2, "this node has 2 GPU"),
-    (["checkpoint.every=10"], 1, 0, "checkpoint.every"),
+    (["checkpoint.every=-1"], 1, 0, "checkpoint.every = -1: must be >= 0"),
+    (["checkpoint.resume=nowhere"], 1, 0, "checkpoint.resume = .nowhere.: no such checkpoint folder"),
+    (["checkpoint.best_mode=lowest"], 1, 0, "checkpoint.best_mode = .lowest. is not known"),
     (["optim.lr=-1"], 1, 0, "optim.lr = -1.0"),
 ])
 def test_validate_names_setting_value_and_fix(overrides, world, gpus, message):

@@ -1,7 +1,8 @@
 """Command line: argument parsing only; the work happens in launch, trainer and bench.
 
-    disttrain train [CONFIG] [--nproc N] [--set section.key=value ...]
+    disttrain train [CONFIG] [--nproc N] [--resume auto|never|PATH] [--set section.key=value ...]
     disttrain launch [--nproc N] SCRIPT [ARGS ...]
+    disttrain ckpt list|verify|export ...      inspect, check and export checkpoints
     disttrain config [CONFIG] [--set ...]      print the resolved config (or --list: every setting)
     disttrain env                              versions, devices, backends, detected launcher
     disttrain bench overhead                   disttrain DDP vs a hand-written DDP loop
@@ -27,6 +28,17 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc", type=int, help="processes on this node (sets dist.nproc)")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override one setting, e.g. --set optim.lr=1e-3 (repeatable)")
+    train.add_argument("--resume", help="auto (default: newest committed checkpoint), never, or a checkpoint folder "
+                       "(sets checkpoint.resume)")
+
+    ckpt = sub.add_parser("ckpt", help="list, verify or export checkpoints")
+    ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
+    ckpt_sub.add_parser("list", help="committed checkpoints of a run").add_argument("path", help="RUN_DIR")
+    ckpt_sub.add_parser("verify", help="check commit markers and checksums").add_argument(
+        "path", help="RUN_DIR, its checkpoints/ folder, or one step_<N> folder")
+    export = ckpt_sub.add_parser("export", help="consolidated model weights for inference")
+    export.add_argument("path", help="a step_<N> folder")
+    export.add_argument("out", help="OUT.safetensors")
 
     launch = sub.add_parser("launch", help="run your own training script on N processes through torchrun")
     launch.add_argument("--nproc", type=int, default=1, help="processes on this node")
@@ -52,6 +64,8 @@ def _prepare_train(args: argparse.Namespace) -> Config:
     cfg = load_config(args.config, args.overrides)
     if args.nproc is not None:
         cfg.dist.nproc = args.nproc
+    if args.resume is not None:
+        cfg.checkpoint.resume = args.resume
     import torch
 
     from disttrain.config import validate
@@ -93,6 +107,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     return launch(cfg.dist.nproc, ["disttrain.run", str(config_path)], cfg.run_dir)
 
 
+def cmd_ckpt(args: argparse.Namespace) -> int:
+    from disttrain import ckpt_tools
+
+    return getattr(ckpt_tools, args.ckpt_command)(Path(args.path), *([Path(args.out)] if "out" in args else []))
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: must be >= 1")
@@ -126,7 +146,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return overhead.main(args.args)
 
 
-COMMANDS = {"train": cmd_train, "launch": cmd_launch, "config": cmd_config, "env": cmd_env, "bench": cmd_bench}
+COMMANDS = {"train": cmd_train, "ckpt": cmd_ckpt, "launch": cmd_launch, "config": cmd_config, "env": cmd_env, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"disttrain: error: {exc}", file=sys.stderr)
         code = 2
+    except RuntimeError as exc:
+        from disttrain.checkpoint import CheckpointError
+
+        if not isinstance(exc, CheckpointError):
+            raise
+        print(f"disttrain: error: {exc}", file=sys.stderr)
+        code = 1
     if argv is None:
         sys.exit(code)
     return code

@@ -105,6 +105,9 @@ class TrainConfig:
     """Validation sequences per evaluation (0 = the whole validation set); each counted exactly once."""
     log_every: int = 1
     """Write a `metrics.jsonl` line and refresh the progress bar every N steps."""
+    stop_at: int = 0
+    """End this run after step N (0 = at `steps`), saving a checkpoint there when `checkpoint.every > 0`;
+    the schedule still spans `steps`, so running again resumes exactly where this run stopped."""
 
 
 @dataclass
@@ -130,9 +133,17 @@ class CheckpointConfig:
     keep_last: int = 3
     """Keep the newest N committed checkpoints."""
     keep_best: int = 0
-    """Also keep the best K checkpoints by `eval_loss`."""
+    """Also keep the best K checkpoints by `best_metric`."""
+    best_metric: str = "eval_loss"
+    """Metric that ranks checkpoints for `keep_best` (a checkpoint without it, or with NaN, is never best)."""
+    best_mode: str = "min"
+    """`min` or `max`: whether a smaller or a larger `best_metric` is better."""
     async_save: bool = False
-    """Write checkpoints in the background while training continues."""
+    """Write checkpoints in the background while training continues (at most one save in flight)."""
+    on_error: str = "abort"
+    """When a save fails (disk full, I/O error): `abort` the run, or `continue` training with a warning."""
+    resume: str = "auto"
+    """`auto` (newest committed checkpoint of this run, if any), `never`, or the path of a checkpoint folder."""
 
 
 @dataclass
@@ -192,6 +203,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.name": ("adamw", "sgd"),
     "dist.backend": ("auto", "nccl", "gloo"),
     "dist.device": ("auto", "cpu", "cuda"),
+    "checkpoint.best_mode": ("min", "max"),
+    "checkpoint.on_error": ("abort", "continue"),
 }
 
 
@@ -378,9 +391,7 @@ def validate(cfg: Config, gpu_count: int = 0, world: int | None = None) -> None:
            f"parallel.strategy = 'single' runs one process but dist.nproc = {world}; "
            "use parallel.strategy = 'ddp' (or 'auto') or --nproc 1")
     _check(cfg.parallel.bucket_cap_mb > 0, f"parallel.bucket_cap_mb = {cfg.parallel.bucket_cap_mb}: must be > 0")
-    _check(cfg.checkpoint.every == 0,
-           f"checkpoint.every = {cfg.checkpoint.every}: checkpoint saving is not available in this version "
-           "yet; set checkpoint.every = 0")
+    _validate_checkpoint(cfg)
     _validate_dist(cfg, gpu_count, world)
     if cfg.log.tensorboard:
         import importlib.util
@@ -445,6 +456,17 @@ def _validate_optim_train(cfg: Config) -> None:
     _check(t.eval_every >= 0, f"train.eval_every = {t.eval_every}: must be >= 0 (0 disables evaluation)")
     _check(t.eval_samples >= 0, f"train.eval_samples = {t.eval_samples}: must be >= 0 (0 = all)")
     _check(t.log_every >= 1, f"train.log_every = {t.log_every}: must be >= 1")
+    _check(0 <= t.stop_at <= t.steps, f"train.stop_at = {t.stop_at}: must be between 0 and train.steps = {t.steps}")
+
+
+def _validate_checkpoint(cfg: Config) -> None:
+    c = cfg.checkpoint
+    _check(c.every >= 0, f"checkpoint.every = {c.every}: must be >= 0 (0 disables saving)")
+    _check(c.keep_last >= 1, f"checkpoint.keep_last = {c.keep_last}: must be >= 1 (the newest is always kept)")
+    _check(c.keep_best >= 0, f"checkpoint.keep_best = {c.keep_best}: must be >= 0")
+    if c.resume not in ("auto", "never"):
+        _check(Path(c.resume).is_dir(), f"checkpoint.resume = {c.resume!r}: no such checkpoint folder; give a "
+               "step_<N> folder, or 'auto' / 'never'")
 
 
 def _validate_dist(cfg: Config, gpu_count: int, world: int) -> None:

@@ -27,8 +27,8 @@ class ProgressBar:
     """`[####......] 40/100 loss 2.310 | 51.2k tok/s | eta 12s` redrawn in place on a terminal; on a pipe
     (CI, log files) the same text as a new line about 20 times per run."""
 
-    def __init__(self, total: int, stream: TextIO = sys.stderr):
-        self.total, self.stream = total, stream
+    def __init__(self, total: int, stream: TextIO = sys.stderr, start_step: int = 0):
+        self.total, self.stream, self.start_step = total, stream, start_step
         self.tty = stream.isatty()
         self.every = max(1, total // 20)
         self.start = time.perf_counter()
@@ -38,7 +38,8 @@ class ProgressBar:
             return
         done = int(30 * step / self.total)
         elapsed = time.perf_counter() - self.start
-        eta = elapsed / step * (self.total - step) if step else 0.0
+        done_here = step - self.start_step
+        eta = elapsed / done_here * (self.total - step) if done_here > 0 else 0.0
         parts = [f"[{'#' * done}{'.' * (30 - done)}] {step}/{self.total}"]
         if "loss" in values:
             parts.append(f"loss {values['loss']:.4f}")
@@ -57,11 +58,21 @@ class ProgressBar:
 class Metrics:
     """Rank 0's sinks. `log` takes a step and any scalar values; every call appends one JSON line."""
 
-    def __init__(self, run_dir: Path, cfg: LogConfig, total_steps: int):
+    def __init__(self, run_dir: Path, cfg: LogConfig, total_steps: int, start_step: int = 0):
+        """`start_step > 0` (a resumed run): keep the lines up to that step, drop later ones (they belong
+        to the interrupted run after its checkpoint), and append."""
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
-        self.file = self.path.open("w")
-        self.progress = ProgressBar(total_steps) if cfg.progress else None
+        if start_step > 0 and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines(keepends=True)
+                    if line.strip() and json.loads(line)["step"] <= start_step]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(kept))
+            tmp.replace(self.path)
+            self.file = self.path.open("a")
+        else:
+            self.file = self.path.open("w")
+        self.progress = ProgressBar(total_steps, start_step=start_step) if cfg.progress else None
         self.tensorboard = None
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter

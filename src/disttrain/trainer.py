@@ -13,6 +13,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from disttrain.backend import LossFn, TrainingBackend, create_backend
-from disttrain.config import Config, resolve_strategy, save_config, validate
+from disttrain.checkpoint import CheckpointError, CheckpointManager, parse_step, restore_rng
+from disttrain.config import Config, ConfigError, resolve_strategy, save_config, validate
 from disttrain.data import GlobalSampler, build_datasets, eval_shard, fetch, split_micro
 from disttrain.metrics import Metrics, NullMetrics
 from disttrain.models import build_model
@@ -94,25 +96,71 @@ class Trainer:
         cfg = self.cfg
         backend, train, val = self._setup(runtime)
         sampler = GlobalSampler(len(train), cfg.run.seed, cfg.data.shuffle)
-        metrics = Metrics(cfg.run_dir, cfg.log, cfg.train.steps) if runtime.is_main_process() else NullMetrics()
-        if runtime.is_main_process():
+        manager = CheckpointManager(cfg.run_dir / "checkpoints", cfg.checkpoint, runtime,
+                                    info={"strategy": resolve_strategy(cfg, runtime.world_size),
+                                          "config_hash": cfg.hash()}, timeout_s=cfg.dist.timeout_s)
+        start, cursor = self._resume(manager, backend, runtime)
+        main = runtime.is_main_process()
+        metrics = Metrics(cfg.run_dir, cfg.log, cfg.train.steps, start) if main else NullMetrics()
+        if main:
             save_config(cfg, cfg.run_dir / "config.toml")
-        result, cursor = TrainResult(), 0
+        last = cfg.train.stop_at or cfg.train.steps
+        result = TrainResult()
         try:
-            for step in range(1, cfg.train.steps + 1):
+            for step in range(start + 1, last + 1):
                 values = self._train_step(backend, train, sampler, cursor, runtime)
                 cursor += cfg.data.global_batch_size
                 result.losses.append(values["loss"])
-                if val is not None and cfg.train.eval_every and (step % cfg.train.eval_every == 0
-                                                                 or step == cfg.train.steps):
+                if val is not None and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == last):
                     values["eval_loss"], _ = evaluate(backend, val, runtime, cfg.data.micro_batch_size,
                                                       cfg.train.eval_samples)
                     result.eval_losses[step] = values["eval_loss"]
-                if step % cfg.train.log_every == 0 or step == cfg.train.steps or "eval_loss" in values:
+                if step % cfg.train.log_every == 0 or step == last or "eval_loss" in values:
                     metrics.log(step, values)
+                if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == last):
+                    self._save(manager, backend, step, cursor, values)
+            self._checkpoint_guard(manager.wait)  # an async save's error surfaces at the latest here
         finally:
             metrics.close()
         return result
+
+    def _save(self, manager: CheckpointManager, backend: TrainingBackend, step: int, cursor: int,
+              values: dict[str, Any]) -> None:
+        state = backend.state_dict()
+        state["trainer"] = {"cursor": cursor, "global_batch_size": self.cfg.data.global_batch_size}
+        state["config"] = self.cfg.to_dict()
+        self._checkpoint_guard(lambda: manager.save(step, state, metrics=values))
+
+    def _checkpoint_guard(self, action) -> None:
+        """Run a save (or wait for one); by `checkpoint.on_error` a failure aborts or becomes a warning."""
+        try:
+            action()
+        except CheckpointError as exc:
+            if self.cfg.checkpoint.on_error == "abort":
+                raise
+            log.warning("checkpoint save failed, training continues (checkpoint.on_error = 'continue'): %s", exc)
+
+    def _resume(self, manager: CheckpointManager, backend: TrainingBackend, runtime: Runtime) -> tuple[int, int]:
+        """(step, sample cursor) to start from: 0, 0 for a fresh run."""
+        mode = self.cfg.checkpoint.resume
+        if mode == "never" or (mode == "auto" and not manager.list()):
+            return 0, 0
+        if mode == "auto":
+            state = manager.load("latest")
+        else:
+            path = Path(mode)
+            state = CheckpointManager(path.parent, self.cfg.checkpoint, runtime).load(parse_step(path))
+        check_resumable(state["config"], self.cfg)
+        backend.load_state_dict(state)
+        manifest = state["manifest"]
+        if state["rank_state"] is not None and manifest["world_size"] == runtime.world_size:
+            restore_rng(state["rank_state"]["rng"])
+        elif runtime.is_main_process():
+            log.info("world size %d -> %d: per-rank RNG states start fresh (the data stream continues exactly)",
+                     manifest["world_size"], runtime.world_size)
+        if runtime.is_main_process():
+            log.info("resumed from checkpoint step %d (%s)", state["step"], manager.path(state["step"]))
+        return int(state["step"]), int(state["trainer"]["cursor"])
 
     def _train_step(self, backend: TrainingBackend, train: Dataset, sampler: GlobalSampler, cursor: int,
                     runtime: Runtime) -> dict[str, Any]:
@@ -153,3 +201,24 @@ def evaluate(backend: TrainingBackend, dataset: Dataset, runtime: Runtime, micro
         dist.all_reduce(totals)
     loss_sum, count = totals.tolist()
     return (loss_sum / count if count > 0 else float("nan")), int(count)
+
+
+# Settings a checkpoint cannot be resumed under when changed: they define the model, the sample stream or
+# the optimizer state's meaning. Everything else (steps, lr, micro-batch, world size, strategy, ...) may change.
+RESUME_FIXED = ("model.", "data.source", "data.global_batch_size", "data.shuffle", "data.val_fraction",
+                "data.token_dtype", "run.seed", "optim.name")
+
+
+def check_resumable(saved: dict[str, dict[str, Any]], cfg: Config) -> None:
+    """ConfigError naming every fixed setting that differs from the checkpoint's config."""
+    current = cfg.to_dict()
+    diffs = []
+    for section, values in saved.items():
+        for key, old in values.items():
+            name = f"{section}.{key}"
+            new = current.get(section, {}).get(key)
+            if name.startswith(RESUME_FIXED) and old != new:
+                diffs.append(f"{name} was {old!r}, now {new!r}")
+    if diffs:
+        raise ConfigError("cannot resume: the checkpoint was saved with different settings (" + "; ".join(diffs)
+                          + "); restore them, or start over with --resume never or another run.name")

@@ -1,0 +1,382 @@
+"""CheckpointManager: checkpoints that exist only once committed, verified before use, rotated safely.
+
+On-disk layout (`<directory>` is usually `RUN_DIR/checkpoints`):
+
+    step_<N>/
+        state.safetensors, state.json      full state (model, optimizer, scheduler, counters, config), rank 0
+        rank<R>.safetensors, rank<R>.json  per-rank state (RNG), every rank
+        files_rank<R>.json                 size + sha256 of the files rank R wrote (read by rank 0)
+        manifest.json                      step, time, world size, strategy, config hash, versions, metrics,
+                                           and size + sha256 of every file above
+        COMMITTED                          sha256 of manifest.json; written last, by rank 0
+    latest                                 name of the newest committed checkpoint (a hint; replaced atomically)
+
+Save protocol: every rank writes and fsyncs its files and a `files_rank<R>.json`; the ranks agree that all
+writes succeeded (one small all-reduce); rank 0 writes the manifest, then the commit marker, then `latest`,
+then rotates. A crash at any moment leaves at worst an uncommitted folder, which discovery ignores and the
+next save removes. Loading scans for commit markers (it never trusts `latest` alone) and verifies every
+file's size and sha256 before anything is deserialised; a bad checkpoint is skipped with a warning naming
+the file, falling back to the previous committed one.
+
+The manager is usable on its own: it needs a folder, a `CheckpointConfig`, and optionally a `Runtime`.
+Sharded strategies will write their `state` with torch.distributed.checkpoint into the same folder; the
+commit marker, manifest and checksums are the same.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from disttrain.config import CheckpointConfig
+from disttrain.runtime import Runtime
+from disttrain.statefile import (
+    ChecksumError,
+    FileInfo,
+    atomic_write,
+    fsync_dir,
+    read_state,
+    read_verified,
+    write_bytes,
+    write_state,
+)
+
+log = logging.getLogger(__name__)
+
+COMMIT, MANIFEST, LATEST = "COMMITTED", "manifest.json", "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or no valid checkpoint could be loaded; the message says why."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step}"
+
+
+def parse_step(path: Path) -> int | None:
+    name = path.name
+    if name.startswith("step_") and name[5:].isdigit():
+        return int(name[5:])
+    return None
+
+
+def is_committed(path: Path) -> bool:
+    return (path / COMMIT).is_file()
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """Check a checkpoint folder (commit marker, manifest, every file); return the manifest or raise
+    ChecksumError naming the first bad file."""
+    if not is_committed(path):
+        raise ChecksumError(f"{path}: not committed (no {COMMIT} marker; the save did not finish)")
+    manifest_bytes = (path / MANIFEST).read_bytes() if (path / MANIFEST).is_file() else None
+    if manifest_bytes is None:
+        raise ChecksumError(f"{path / MANIFEST}: missing")
+    import hashlib
+
+    if hashlib.sha256(manifest_bytes).hexdigest() != (path / COMMIT).read_text().strip():
+        raise ChecksumError(f"{path / MANIFEST}: does not match the commit marker (altered)")
+    manifest = json.loads(manifest_bytes)
+    for name, info in manifest["files"].items():
+        read_verified(path / name, FileInfo(**info))
+    return manifest
+
+
+def _rng_state() -> dict[str, Any]:
+    import random
+
+    import numpy as np
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class CheckpointManager:
+    """save / load / list / latest / best over one checkpoint folder. See the module docstring."""
+
+    def __init__(self, directory: str | Path, cfg: CheckpointConfig | None = None, runtime: Runtime | None = None,
+                 info: dict[str, Any] | None = None, timeout_s: float = 600.0):
+        self.dir = Path(directory)
+        self.cfg = cfg or CheckpointConfig()
+        self.runtime = runtime
+        self.timeout_s = timeout_s  # how long rank 0 waits for other ranks' background writes
+        self.info = dict(info or {})  # recorded in every manifest: strategy, config hash, ...
+        self._pending: threading.Thread | None = None
+        self._pending_error: BaseException | None = None
+
+    # -- facts -------------------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self.runtime.rank if self.runtime else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.runtime.world_size if self.runtime else 1
+
+    def _distributed(self) -> bool:
+        return bool(self.runtime and self.runtime.distributed)
+
+    def list(self) -> list[int]:
+        """Steps of committed checkpoints, oldest first (found by scanning, not from `latest`)."""
+        if not self.dir.is_dir():
+            return []
+        steps = [parse_step(p) for p in self.dir.iterdir() if p.is_dir() and is_committed(p)]
+        return sorted(s for s in steps if s is not None)
+
+    def latest(self) -> int | None:
+        steps = self.list()
+        return steps[-1] if steps else None
+
+    def path(self, step: int) -> Path:
+        return self.dir / step_dir_name(step)
+
+    def manifest(self, step: int) -> dict[str, Any]:
+        return json.loads((self.path(step) / MANIFEST).read_text())
+
+    def best(self) -> int | None:
+        """Best committed checkpoint by `best_metric` (`best_mode` min/max); NaN or missing is never best;
+        ties go to the earlier step."""
+        ranked = self._ranked_by_metric()
+        return ranked[0] if ranked else None
+
+    def _ranked_by_metric(self) -> list[int]:
+        sign = 1.0 if self.cfg.best_mode == "min" else -1.0
+        scored = []
+        for step in self.list():
+            value = self.manifest(step).get("metrics", {}).get(self.cfg.best_metric)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                scored.append((sign * value, step))
+        return [step for _, step in sorted(scored)]
+
+    # -- save --------------------------------------------------------------------------------------
+
+    def save(self, step: int, state: dict[str, Any], metrics: dict[str, Any] | None = None,
+             rank_state: dict[str, Any] | None = None) -> None:
+        """Save `state` (rank 0's full state) and this rank's `rank_state` (default: its RNG states) as
+        checkpoint `step`; every rank calls this. With `async_save` the tensors are copied now and the
+        files are written in the background; at most one save is in flight."""
+        self.wait()  # the previous async save, and its error if it failed
+        rank_state = {"rng": _rng_state()} if rank_state is None else rank_state
+        self._prepare_folder(step)
+        if self.cfg.async_save:
+            state, rank_state = _snapshot(state), _snapshot(rank_state)
+            self._pending = threading.Thread(target=self._save_in_background, name="disttrain-ckpt",
+                                             args=(step, state, metrics, rank_state), daemon=True)
+            self._pending.start()
+        else:
+            self._save(step, state, metrics, rank_state, collective=True)
+
+    def _save_in_background(self, step, state, metrics, rank_state) -> None:
+        try:
+            self._save(step, state, metrics, rank_state, collective=False)
+        except BaseException as exc:  # surfaced by wait()
+            self._pending_error = exc
+
+    def wait(self) -> None:
+        """Block until the in-flight async save (if any) is done; raise its error."""
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+        if self._pending_error is not None:
+            error, self._pending_error = self._pending_error, None
+            raise error
+
+    def _prepare_folder(self, step: int) -> None:
+        """Rank 0 creates an empty `step_<N>/` (removing a stale one); then every rank may write."""
+        path = self.path(step)
+        if self.rank == 0:
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                if path.exists():  # left by an interrupted save, or a re-save of this step
+                    _remove_checkpoint(path)
+                path.mkdir()
+            except OSError as exc:
+                raise CheckpointError(_describe_os_error(exc, path)) from None
+        if self._distributed():
+            self.runtime.barrier()
+
+    def _save(self, step: int, state, metrics, rank_state, collective: bool) -> None:
+        path = self.path(step)
+        error = None
+        try:
+            files = write_state(path, f"rank{self.rank}", rank_state)
+            if self.rank == 0:
+                files.update(write_state(path, "state", state))
+            write_bytes(path / f"files_rank{self.rank}.json",
+                        json.dumps({k: vars(v) for k, v in files.items()}).encode())
+        except OSError as exc:
+            error = CheckpointError(_describe_os_error(exc, path))
+            if not collective:  # tell rank 0 now rather than let it wait for the timeout
+                _try_write(path / f"files_rank{self.rank}.json", json.dumps({"__error__": str(error)}).encode())
+        failed = self._any_rank_failed(error is not None, collective)
+        if not failed and self.rank == 0:
+            try:
+                self._commit(step, path, metrics or {}, timeout=None if collective else self.timeout_s)
+            except OSError as exc:
+                error, failed = CheckpointError(_describe_os_error(exc, path)), True
+            except CheckpointError as exc:
+                error, failed = exc, True
+        if failed:
+            if self.rank == 0:
+                _remove_checkpoint(path)
+            raise error or CheckpointError(f"checkpoint {path} not committed: another rank failed to write")
+        if self.rank == 0:
+            self._rotate(keep=step)
+
+    def _any_rank_failed(self, failed: bool, collective: bool) -> bool:
+        if not (collective and self._distributed()):
+            return failed
+        flag = torch.tensor([1.0 if failed else 0.0], device=self.runtime.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _commit(self, step: int, path: Path, metrics: dict[str, Any], timeout: float | None) -> None:
+        """Rank 0: gather every rank's file list, write the manifest, then the commit marker, then `latest`."""
+        files: dict[str, Any] = {}
+        deadline = time.monotonic() + (timeout or 0)
+        for rank in range(self.world_size):
+            listing = path / f"files_rank{rank}.json"
+            while not listing.is_file():  # async saves: other ranks write in their own time
+                if timeout is None or time.monotonic() > deadline:
+                    raise CheckpointError(f"checkpoint {path} not committed: rank {rank} never finished writing")
+                time.sleep(0.05)
+            listed = json.loads(listing.read_text())
+            if "__error__" in listed:
+                raise CheckpointError(f"rank {rank}: {listed['__error__']}")
+            files.update(listed)
+        for rank in range(self.world_size):
+            (path / f"files_rank{rank}.json").unlink()
+        manifest = {"format": 1, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "world_size": self.world_size, **self.info, "torch": torch.__version__,
+                    "disttrain": _version(), "metrics": _finite_or_str(metrics), "files": files}
+        manifest_info = write_bytes(path / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        write_bytes(path / COMMIT, manifest_info.sha256.encode())
+        fsync_dir(path)
+        atomic_write(self.dir / LATEST, step_dir_name(step).encode())
+        log.info("checkpoint step %d committed (%s)", step, path)
+
+    def _rotate(self, keep: int) -> None:
+        """Keep the newest `keep_last` plus the best `keep_best`; never the newest committed one;
+        remove uncommitted leftovers."""
+        steps = self.list()
+        keep_set = set(steps[-max(self.cfg.keep_last, 1):]) | {keep}
+        if self.cfg.keep_best > 0:
+            keep_set |= set(self._ranked_by_metric()[: self.cfg.keep_best])
+        for child in self.dir.iterdir():
+            step = parse_step(child)
+            if step is None or not child.is_dir():
+                continue
+            if (is_committed(child) and step not in keep_set) or (not is_committed(child) and step != keep):
+                _remove_checkpoint(child)
+
+    # -- load --------------------------------------------------------------------------------------
+
+    def load(self, step: int | str = "latest") -> dict[str, Any]:
+        """The state saved at `step` ("latest": the newest committed checkpoint that verifies), with this
+        rank's per-rank state under "rank_state" and the manifest under "manifest".
+
+        Every file is checked against the manifest before anything is deserialised. With "latest", a bad
+        checkpoint is skipped with a warning naming the bad file; rank 0 decides and all ranks follow.
+        """
+        self.wait()
+        chosen = self._choose(step) if self.rank == 0 else -1
+        if self._distributed():
+            box = torch.tensor([chosen], dtype=torch.int64, device=self.runtime.device)
+            dist.broadcast(box, src=0)
+            chosen = int(box.item())
+        if chosen < 0:
+            raise CheckpointError(f"no valid checkpoint to load in {self.dir}")
+        return self._read(self.path(chosen))
+
+    def _choose(self, step: int | str) -> int:
+        candidates = list(reversed(self.list())) if step == "latest" else [int(step)]
+        for candidate in candidates:
+            try:
+                verify(self.path(candidate))
+                return candidate
+            except (ChecksumError, OSError, ValueError, KeyError) as exc:
+                if step != "latest":
+                    raise CheckpointError(f"checkpoint step {candidate} is not valid: {exc}") from None
+                log.warning("skipping checkpoint step %d: %s", candidate, exc)
+        return -1
+
+    def _read(self, path: Path) -> dict[str, Any]:
+        try:
+            manifest = verify(path)  # checks the marker and manifest; files are re-checked as read below
+            blobs = {name: read_verified(path / name, FileInfo(**info)) for name, info in manifest["files"].items()}
+        except (ChecksumError, OSError) as exc:
+            raise CheckpointError(f"checkpoint {path} changed while loading: {exc}") from None
+        state = read_state(blobs, "state")
+        rank_name = f"rank{self.rank}"
+        state["rank_state"] = read_state(blobs, rank_name) if f"{rank_name}.json" in blobs else None
+        state["manifest"] = manifest
+        return state
+
+
+def _remove_checkpoint(path: Path) -> None:
+    """Uncommit first, so that a deletion interrupted half-way leaves a folder discovery ignores."""
+    (path / COMMIT).unlink(missing_ok=True)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _describe_os_error(exc: OSError, path: Path) -> str:
+    try:
+        free = shutil.disk_usage(path.parent).free
+        space = f"{free / 2**20:.1f} MiB free on that file system"
+    except OSError:
+        space = "free space unknown"
+    return f"cannot write checkpoint {exc.filename or path}: {exc.strerror or exc} ({space}); earlier checkpoints " \
+           "are untouched"
+
+
+def _try_write(path: Path, data: bytes) -> None:
+    try:
+        write_bytes(path, data)
+    except OSError:
+        pass  # the disk is what failed; rank 0 will time out and say so
+
+
+def _snapshot(obj: Any) -> Any:
+    """A copy whose tensors training cannot modify while a background save writes them."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_snapshot(v) for v in obj)
+    return obj
+
+
+def _finite_or_str(metrics: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in metrics.items()}
+
+
+def _version() -> str:
+    from disttrain import __version__
+
+    return __version__

@@ -1,0 +1,89 @@
+"""`disttrain ckpt list | verify | export`: look into checkpoint folders without training."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from disttrain.checkpoint import MANIFEST, CheckpointManager, is_committed, parse_step
+from disttrain.checkpoint import verify as verify_folder
+from disttrain.config import CheckpointConfig, ConfigError, load_config
+from disttrain.statefile import ChecksumError
+
+
+def _checkpoints_dir(path: Path) -> Path:
+    if (path / "checkpoints").is_dir():
+        return path / "checkpoints"
+    if path.is_dir():
+        return path
+    raise ConfigError(f"'{path}' is not a run folder or a checkpoints folder; pass RUN_DIR")
+
+
+def _step_dirs(directory: Path) -> list[Path]:
+    return sorted((p for p in directory.iterdir() if p.is_dir() and parse_step(p) is not None), key=parse_step)
+
+
+def _manager(directory: Path) -> CheckpointManager:
+    """A manager configured like the run that wrote the checkpoints (for best_metric / best_mode)."""
+    config = directory.parent / "config.toml"
+    cfg = load_config(config).checkpoint if config.is_file() else CheckpointConfig()
+    return CheckpointManager(directory, cfg)
+
+
+def list(path: Path) -> int:  # noqa: A001 - named after the subcommand
+    directory = _checkpoints_dir(path)
+    manager = _manager(directory)
+    latest, best = manager.latest(), manager.best()
+    print(f"{'step':>8}  {'state':<11} {'saved':<25} {'world':>5}  {'size MiB':>8}  metrics")
+    for step_dir in _step_dirs(directory):
+        step = parse_step(step_dir)
+        if not is_committed(step_dir):
+            print(f"{step:>8}  {'uncommitted':<11}")
+            continue
+        manifest = json.loads((step_dir / MANIFEST).read_text())
+        size = sum(f["size"] for f in manifest["files"].values()) / 2**20
+        marks = "".join([" (latest)" if step == latest else "", " (best)" if step == best else ""])
+        metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                            for k, v in manifest.get("metrics", {}).items() if k in ("loss", "eval_loss"))
+        print(f"{step:>8}  {'committed':<11} {manifest['time']:<25} {manifest['world_size']:>5}  {size:>8.2f}  "
+              f"{metrics}{marks}")
+    return 0
+
+
+def verify(path: Path) -> int:
+    folders = [path] if parse_step(path) is not None else _step_dirs(_checkpoints_dir(path))
+    if not folders:
+        print(f"no checkpoints in {path}")
+        return 1
+    bad = 0
+    for folder in folders:
+        if not is_committed(folder):
+            print(f"{folder.name}: uncommitted (an interrupted save; ignored by resume)")
+            bad += parse_step(path) is not None
+            continue
+        try:
+            manifest = verify_folder(folder)
+            print(f"{folder.name}: ok ({len(manifest['files'])} files verified by sha256)")
+        except (ChecksumError, OSError, ValueError, KeyError) as exc:
+            print(f"{folder.name}: BAD: {exc}")
+            bad += 1
+    return 1 if bad else 0
+
+
+def export(path: Path, out: Path) -> int:
+    """Consolidated model weights of one checkpoint as a safetensors file (tied weights stored per name)."""
+    from safetensors.torch import save_file
+
+    if parse_step(path) is None:
+        raise ConfigError(f"'{path}' is not a step_<N> checkpoint folder; see `disttrain ckpt list RUN_DIR`")
+    state = CheckpointManager(path.parent).load(parse_step(path))
+    seen: set[int] = set()
+    weights = {}
+    for name, tensor in state["model"].items():
+        weights[name] = tensor.clone() if id(tensor) in seen else tensor
+        seen.add(id(tensor))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(out), metadata={"step": str(state["step"]), "source": str(path)})
+    print(f"wrote {len(weights)} tensors from {path} to {out}")
+    return 0
+
