@@ -1,0 +1,172 @@
+"""CheckpointManager on its own (no trainer): layout, retention, corruption, full disk, async, no pickle."""
+
+import json
+import logging
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from disttrain.checkpoint import COMMIT, LATEST, MANIFEST, CheckpointError, CheckpointManager
+from disttrain.cli import main
+from disttrain.config import CheckpointConfig
+
+
+def _state(seed: int = 0, size: int = 1000) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randn(8, 4, generator=g)
+    return {
+        "model": {"emb.weight": shared, "head.weight": shared, "big": torch.randn(size, generator=g)},
+        "optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(4, generator=g)}},
+                      "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": [0]}]},
+        "step": seed, "note": None, "nan": float("nan"),
+    }
+
+
+def test_round_trip_layout_and_commit_marker(tmp_path):
+    manager = CheckpointManager(tmp_path, info={"strategy": "single", "config_hash": "abc"})
+    manager.save(7, _state(7), metrics={"eval_loss": 1.5})
+    folder = tmp_path / "step_7"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [COMMIT, MANIFEST, "state.json", "state.safetensors", "rank0.json", "rank0.safetensors"])
+    manifest = json.loads((folder / MANIFEST).read_text())
+    assert manifest["step"] == 7 and manifest["world_size"] == 1 and manifest["strategy"] == "single"
+    assert manifest["metrics"] == {"eval_loss": 1.5} and manifest["torch"] == torch.__version__
+    assert set(manifest["files"]) == {"state.json", "state.safetensors", "rank0.json", "rank0.safetensors"}
+    assert (tmp_path / LATEST).read_text() == "step_7"
+
+    loaded = manager.load()
+    original = _state(7)
+    assert loaded["step"] == 7 and loaded["note"] is None and math.isnan(loaded["nan"])
+    assert loaded["model"]["emb.weight"] is loaded["model"]["head.weight"]  # tied weights stay tied
+    torch.testing.assert_close(loaded["model"]["big"], original["model"]["big"], rtol=0, atol=0)
+    assert loaded["optimizer"]["state"][0]["step"].item() == 3.0  # int keys and tuples come back as such
+    assert loaded["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.95)
+    assert set(loaded["rank_state"]["rng"]) >= {"python", "numpy", "torch"}
+
+
+def test_retention_keep_last_and_best_with_a_nan_in_the_middle(tmp_path):
+    manager = CheckpointManager(tmp_path, CheckpointConfig(keep_last=2, keep_best=1))
+    for step, value in zip(range(1, 7), [5.0, 3.0, float("nan"), 3.0, 6.0, 7.0], strict=True):
+        manager.save(step, _state(step, size=10), metrics={"eval_loss": value})
+    # last two (5, 6) plus the best: 3.0 at steps 2 and 4, a tie that goes to the earlier step
+    assert manager.list() == [2, 5, 6]
+    assert manager.best() == 2 and manager.latest() == 6
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step_2", "step_5", "step_6"]
+
+
+def test_best_by_max_and_missing_metric_is_never_best(tmp_path):
+    manager = CheckpointManager(tmp_path, CheckpointConfig(keep_last=5, best_metric="acc", best_mode="max"))
+    manager.save(1, _state(1, 10), metrics={"acc": 0.5})
+    manager.save(2, _state(2, 10), metrics={})
+    manager.save(3, _state(3, 10), metrics={"acc": float("nan")})
+    assert manager.best() == 1
+
+
+def test_discovery_scans_for_commits_and_cleans_leftovers(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, _state(1, 10))
+    (tmp_path / "step_9").mkdir()  # an interrupted save: files but no commit marker
+    (tmp_path / "step_9" / "state.safetensors").write_bytes(b"partial")
+    (tmp_path / LATEST).write_text("step_9")  # even a lying `latest` is not trusted
+    assert manager.list() == [1] and manager.load()["step"] == 1
+    manager.save(2, _state(2, 10))
+    assert not (tmp_path / "step_9").exists()
+
+
+def _newest_two(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, _state(1))
+    manager.save(2, _state(2))
+    return manager, tmp_path / "step_2"
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda d: _flip_byte(d / "state.safetensors"), "sha256 does not match"),
+    (lambda d: (d / "state.safetensors").write_bytes((d / "state.safetensors").read_bytes()[:100]), "truncated"),
+    (lambda d: (d / "rank0.json").unlink(), "missing"),
+    (lambda d: (d / MANIFEST).write_text((d / MANIFEST).read_text().replace('"step": 2', '"step": 3')),
+     "does not match the commit marker"),
+])
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(damage, reason, tmp_path, caplog, capsys):
+    manager, newest = _newest_two(tmp_path)
+    damage(newest)
+    assert main(["ckpt", "verify", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "step_1: ok" in out and "step_2: BAD" in out and reason in out
+    with caplog.at_level(logging.WARNING, logger="disttrain.checkpoint"):
+        assert manager.load()["step"] == 1
+    assert "skipping checkpoint step 2" in caplog.text and reason in caplog.text
+    with pytest.raises(CheckpointError, match="step 2 is not valid"):
+        manager.load(2)
+
+
+def test_no_valid_checkpoint_left_fails_clearly(tmp_path):
+    manager, newest = _newest_two(tmp_path)
+    _flip_byte(newest / "state.safetensors")
+    _flip_byte(tmp_path / "step_1" / "state.safetensors")
+    with pytest.raises(CheckpointError, match="no valid checkpoint to load"):
+        manager.load()
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A real 1 MiB file system (tmpfs), so a save really hits ENOSPC."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)]).returncode != 0:
+        pytest.skip("needs permission to mount a tmpfs (root)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_full_disk_fails_the_save_cleanly_and_keeps_earlier_checkpoints(tiny_disk):
+    manager = CheckpointManager(tiny_disk)
+    manager.save(1, _state(1, size=10_000))  # ~40 KB: fits
+    with pytest.raises(CheckpointError) as info:
+        manager.save(2, _state(2, size=400_000))  # ~1.6 MB: does not
+    message = str(info.value)
+    assert str(tiny_disk / "step_2") in message and "No space left on device" in message and "MiB free" in message
+    assert manager.list() == [1] and not (tiny_disk / "step_2").exists()
+    assert manager.load()["step"] == 1
+
+
+def test_async_save_snapshots_the_state_and_surfaces_errors_later(tiny_disk):
+    manager = CheckpointManager(tiny_disk, CheckpointConfig(async_save=True))
+    state = _state(1, size=10_000)
+    expected = state["model"]["big"].clone()
+    manager.save(1, state)
+    state["model"]["big"].add_(1.0)  # training goes on mutating the live tensors
+    manager.wait()
+    torch.testing.assert_close(manager.load()["model"]["big"], expected, rtol=0, atol=0)
+
+    manager.save(2, _state(2, size=400_000))  # returns at once; the write fails in the background
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        manager.save(3, _state(3, size=10))  # the error surfaces at the next save
+    assert manager.list() == [1]  # the failed checkpoint was never committed
+    manager.save(3, _state(3, size=10))
+    manager.wait()
+    assert manager.list() == [1, 3]
+
+
+def test_loading_never_unpickles(tmp_path, monkeypatch):
+    import pickle
+
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, _state(1))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("pickle used on the load path")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    assert manager.load()["step"] == 1

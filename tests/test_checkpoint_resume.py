@@ -1,0 +1,117 @@
+"""Checkpoints wired into `disttrain train`: exact resume, elastic resume 2->1 and 1->2, refused changes,
+and a rank killed (SIGKILL) in the middle of a save. Real processes, gloo, the real CLI."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import DISTTRAIN, cli_env, processes_mentioning, read_metrics, run_cli
+from disttrain.cli import main
+
+COMMON = ["--set", "model.n_layer=2", "--set", "model.d_model=64", "--set", "model.seq_len=32",
+          "--set", "data.global_batch_size=16", "--set", "data.micro_batch_size=4", "--set", "train.steps=60",
+          "--set", "train.eval_every=10", "--set", "train.eval_samples=32", "--set", "checkpoint.every=10",
+          "--set", "log.progress=false"]
+
+
+def _train(tmp, name, nproc, *extra):
+    result = run_cli(["train", "--nproc", str(nproc), "--set", f"run.out_dir={tmp}", "--set", f"run.name={name}",
+                      *COMMON, *extra], tmp)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def _losses(run_dir):
+    return [m["loss"] for m in read_metrics(run_dir)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Straight 0->60 runs and interrupted 0->30 (+ rerun to 60) runs, on 1 process and on 2 ranks."""
+    tmp = tmp_path_factory.mktemp("resume")
+    for name, nproc in (("single", 1), ("ddp", 2)):
+        _train(tmp, f"{name}_straight", nproc)
+        _train(tmp, f"{name}_resumed", nproc, "--set", "train.stop_at=30")
+        shutil.copytree(tmp / f"{name}_resumed", tmp / f"{name}_at30")  # for the elastic resumes below
+        result = _train(tmp, f"{name}_resumed", nproc)
+        assert "resumed from checkpoint step 30" in result.stderr
+    return tmp
+
+
+@pytest.mark.parametrize("name", ["single", "ddp"])
+def test_resume_is_bitwise_identical_to_an_uninterrupted_run(runs, name):
+    straight, resumed = read_metrics(runs / f"{name}_straight"), read_metrics(runs / f"{name}_resumed")
+    assert [m["step"] for m in resumed] == list(range(1, 61))  # the interrupted run's lines are kept, once
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in straight]  # bitwise
+    assert [m.get("eval_loss") for m in resumed] == [m.get("eval_loss") for m in straight]
+
+
+@pytest.mark.parametrize("saved, nproc, reference", [("ddp_at30", 1, "ddp_straight"),
+                                                     ("single_at30", 2, "single_straight")])
+def test_resume_on_a_different_world_size_continues_the_same_stream(runs, saved, nproc, reference):
+    result = run_cli(["train", "--nproc", str(nproc), "--set", f"run.out_dir={runs}", "--set", f"run.name={saved}",
+                      *COMMON], runs)
+    assert result.returncode == 0, result.stderr
+    assert "resumed from checkpoint step 30" in result.stderr
+    assert _losses(runs / saved) == pytest.approx(_losses(runs / reference), abs=1e-5)
+
+
+def test_changed_global_batch_is_refused_at_load_time(runs, monkeypatch, capsys):
+    monkeypatch.chdir(runs)
+    shutil.copytree(runs / "single_straight", runs / "changed")
+    code = main(["train", "--set", f"run.out_dir={runs}", "--set", "run.name=changed", *COMMON,
+                 "--set", "data.global_batch_size=32", "--set", "model.d_model=32"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 2  # the "training ..." banner, then the error line
+    assert "data.global_batch_size was 16, now 32" in err[-1] and "model.d_model was 64, now 32" in err[-1]
+
+
+def _rank_pid(marker: str, rank: int) -> int:
+    """The worker process of `rank` in the job whose command line mentions `marker`."""
+    for pid in processes_mentioning(marker):
+        try:
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and b"disttrain.run" in cmdline:
+            return pid
+    raise AssertionError(f"no rank {rank} worker found")
+
+
+def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path):
+    args = ["--set", "model.name=tiny_models:bigram_with_ballast", "--set", "optim.lr=0.05", "--set",
+            "train.steps=20", "--set", "checkpoint.every=5", "--set", "train.eval_every=0", "--set",
+            "log.progress=false", "--set", "data.global_batch_size=8", "--set", "data.micro_batch_size=4"]
+    _train_kill = ["train", "--nproc", "2", "--set", f"run.out_dir={tmp_path}", "--set", "run.name=killed", *args]
+    straight = run_cli(["train", "--nproc", "2", "--set", f"run.out_dir={tmp_path}", "--set", "run.name=straight",
+                        *args], tmp_path)
+    assert straight.returncode == 0, straight.stderr
+
+    marker = str(tmp_path / "killed")
+    proc = subprocess.Popen(DISTTRAIN + _train_kill, cwd=tmp_path, env=cli_env(tmp_path),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    target = tmp_path / "killed" / "checkpoints" / "step_10"
+    deadline = time.monotonic() + 120
+    try:
+        while not (target.is_dir() and any(target.iterdir())):  # the save of step 10 has begun
+            assert proc.poll() is None and time.monotonic() < deadline, "never reached the second save"
+            time.sleep(0.001)
+        os.kill(_rank_pid(marker, 0), signal.SIGKILL)
+        assert proc.wait(timeout=60) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not (target / "COMMITTED").exists(), "the save finished before the kill; make the ballast bigger"
+    assert json.loads((tmp_path / "killed" / "checkpoints" / "step_5" / "manifest.json").read_text())["step"] == 5
+
+    resumed = run_cli(_train_kill, tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from checkpoint step 5" in resumed.stderr
+    assert _losses(tmp_path / "killed")[-1] == _losses(tmp_path / "straight")[-1]
+    assert processes_mentioning(marker) == []
