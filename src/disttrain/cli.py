@@ -146,7 +146,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return overhead.main(args.args)
 
 
-COMMANDS = {"train": cmd_train, "ckpt": cmd_ckpt, "launch": cmd_launch, "config": cmd_config, "env": cmd_env, "bench": cmd_bench}
+COMMANDS = {"train": cmd_train, "ckpt": cmd_ckpt, "launch": cmd_launch, "config": cmd_config, "env": cmd_env,
+            "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:
