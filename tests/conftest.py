@@ -50,3 +50,14 @@ def small_gpt() -> list[str]:
     """Overrides for a GPT small enough for fast multi-process tests."""
     return ["--set", "model.n_layer=2", "--set", "model.d_model=64", "--set", "model.n_head=4",
             "--set", "model.seq_len=32", "--set", "log.progress=false"]
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A real 1 MiB file system (tmpfs), so a save really hits ENOSPC."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)]).returncode != 0:
+        pytest.skip("needs permission to mount a tmpfs (root)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)

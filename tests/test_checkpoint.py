@@ -3,7 +3,6 @@
 import json
 import logging
 import math
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -115,17 +114,6 @@ def test_no_valid_checkpoint_left_fails_clearly(tmp_path):
     _flip_byte(tmp_path / "step_1" / "state.safetensors")
     with pytest.raises(CheckpointError, match="no valid checkpoint to load"):
         manager.load()
-
-
-@pytest.fixture
-def tiny_disk(tmp_path):
-    """A real 1 MiB file system (tmpfs), so a save really hits ENOSPC."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)]).returncode != 0:
-        pytest.skip("needs permission to mount a tmpfs (root)")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
 def test_full_disk_fails_the_save_cleanly_and_keeps_earlier_checkpoints(tiny_disk):

@@ -40,12 +40,16 @@ def runs(tmp_path_factory):
         shutil.copytree(tmp / f"{name}_resumed", tmp / f"{name}_at30")  # for the elastic resumes below
         result = _train(tmp, f"{name}_resumed", nproc)
         assert "resumed from checkpoint step 30" in result.stderr
+    async_save = ["--set", "checkpoint.async_save=true"]
+    _train(tmp, "ddp_async", 2, "--set", "train.stop_at=30", *async_save)
+    assert "resumed from checkpoint step 30" in _train(tmp, "ddp_async", 2, *async_save).stderr
     return tmp
 
 
-@pytest.mark.parametrize("name", ["single", "ddp"])
-def test_resume_is_bitwise_identical_to_an_uninterrupted_run(runs, name):
-    straight, resumed = read_metrics(runs / f"{name}_straight"), read_metrics(runs / f"{name}_resumed")
+@pytest.mark.parametrize("name, resumed", [("single", "single_resumed"), ("ddp", "ddp_resumed"),
+                                           ("ddp", "ddp_async")])
+def test_resume_is_bitwise_identical_to_an_uninterrupted_run(runs, name, resumed):
+    straight, resumed = read_metrics(runs / f"{name}_straight"), read_metrics(runs / resumed)
     assert [m["step"] for m in resumed] == list(range(1, 61))  # the interrupted run's lines are kept, once
     assert [m["loss"] for m in resumed] == [m["loss"] for m in straight]  # bitwise
     assert [m.get("eval_loss") for m in resumed] == [m.get("eval_loss") for m in straight]
@@ -115,3 +119,22 @@ def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path):
     assert "resumed from checkpoint step 5" in resumed.stderr
     assert _losses(tmp_path / "killed")[-1] == _losses(tmp_path / "straight")[-1]
     assert processes_mentioning(marker) == []
+
+
+def test_ckpt_list_and_export_for_inference(runs, capsys):
+    import torch
+    from safetensors.torch import load_file
+
+    from disttrain.config import load_config
+    from disttrain.models import build_model
+
+    assert main(["ckpt", "list", str(runs / "ddp_straight")]) == 0
+    out = capsys.readouterr().out
+    assert "60  committed" in out and "(latest)" in out and "40  committed" in out and "step" in out
+    assert " 30  committed" not in out  # keep_last = 3: steps 40, 50, 60
+    weights = runs / "export" / "model.safetensors"
+    assert main(["ckpt", "export", str(runs / "ddp_straight" / "checkpoints" / "step_60"), str(weights)]) == 0
+    model = build_model(load_config(runs / "ddp_straight" / "config.toml").model)
+    model.load_state_dict(load_file(weights))  # strict: every name present, tied weights included
+    state = main(["ckpt", "verify", str(runs / "ddp_straight" / "checkpoints" / "step_60")])
+    assert state == 0 and isinstance(model.tok_emb.weight, torch.Tensor)

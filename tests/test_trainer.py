@@ -50,3 +50,22 @@ def test_same_seed_same_run_and_another_seed_differs(tmp_path):
     first = losses(0)
     assert losses(0) == first  # bitwise
     assert losses(1) != first
+
+
+@pytest.mark.parametrize("policy", ["abort", "continue"])
+def test_checkpoint_on_error_policy_with_a_full_disk(policy, tiny_disk, caplog):
+    import logging
+
+    from disttrain.checkpoint import CheckpointError
+
+    cfg = load_config(None, [f"run.out_dir={tiny_disk}", "train.steps=4", "checkpoint.every=2",
+                             f"checkpoint.on_error={policy}", "train.eval_every=0", "log.progress=false",
+                             "dist.threads_per_rank=1", "model.n_layer=2", "model.d_model=64"])  # ~3 MB state
+    if policy == "abort":
+        with pytest.raises(CheckpointError, match="No space left on device"):
+            Trainer(cfg).fit()
+    else:
+        with caplog.at_level(logging.WARNING):
+            assert len(Trainer(cfg).fit().losses) == 4
+        assert "training continues" in caplog.text and "No space left on device" in caplog.text
+    assert not list((tiny_disk / "default" / "checkpoints").glob("step_*"))
