@@ -158,3 +158,37 @@ def test_loading_never_unpickles(tmp_path, monkeypatch):
         monkeypatch.setattr(pickle, name, refuse)
     monkeypatch.setattr(torch, "load", refuse)
     assert manager.load()["step"] == 1
+
+
+def test_large_files_are_verified_chunk_by_chunk(tmp_path):
+    from disttrain.statefile import READ_CHUNK
+
+    n = READ_CHUNK // 4 * 2 + 5  # more than two read chunks
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, {"big": torch.arange(n, dtype=torch.int32)})
+    manager.save(2, {"big": torch.arange(n, dtype=torch.int32) + 1})
+    assert manager.load()["big"][-1].item() == n  # the last element of step 2
+    path = tmp_path / "step_2" / "state.safetensors"
+    data = bytearray(path.read_bytes())
+    data[READ_CHUNK + 123] ^= 0x01  # one bit in the second chunk
+    path.write_bytes(bytes(data))
+    assert manager.load()["big"][-1].item() == n - 1  # fell back to step 1
+
+
+def test_files_interoperate_with_the_safetensors_library(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from disttrain.statefile import load_safetensors, write_safetensors
+
+    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int16),
+               "c": torch.ones(2, dtype=torch.bfloat16),
+               "empty": torch.zeros(0, 4), "scalar": torch.tensor(2.5, dtype=torch.float64)}
+    write_safetensors(tmp_path / "ours.safetensors", tensors)
+    theirs = load_file(tmp_path / "ours.safetensors")
+    save_file(tensors, tmp_path / "theirs.safetensors")
+    buf = torch.frombuffer(bytearray((tmp_path / "theirs.safetensors").read_bytes()), dtype=torch.uint8)
+    ours = load_safetensors(buf)
+    for loaded in (theirs, ours):
+        assert loaded.keys() == tensors.keys()
+        for name, tensor in tensors.items():
+            assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor)

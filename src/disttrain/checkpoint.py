@@ -25,6 +25,7 @@ commit marker, manifest and checksums are the same.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -43,9 +44,11 @@ from disttrain.statefile import (
     ChecksumError,
     FileInfo,
     atomic_write,
+    flatten,
     fsync_dir,
     read_state,
     read_verified,
+    unflatten,
     write_bytes,
     write_state,
 )
@@ -77,19 +80,21 @@ def is_committed(path: Path) -> bool:
 def verify(path: Path) -> dict[str, Any]:
     """Check a checkpoint folder (commit marker, manifest, every file); return the manifest or raise
     ChecksumError naming the first bad file."""
+    return read_checkpoint_files(path)[0]
+
+
+def read_checkpoint_files(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(manifest, {file name: verified bytes}): every file read once and checked against the manifest."""
     if not is_committed(path):
         raise ChecksumError(f"{path}: not committed (no {COMMIT} marker; the save did not finish)")
-    manifest_bytes = (path / MANIFEST).read_bytes() if (path / MANIFEST).is_file() else None
-    if manifest_bytes is None:
+    if not (path / MANIFEST).is_file():
         raise ChecksumError(f"{path / MANIFEST}: missing")
-    import hashlib
-
+    manifest_bytes = (path / MANIFEST).read_bytes()
     if hashlib.sha256(manifest_bytes).hexdigest() != (path / COMMIT).read_text().strip():
         raise ChecksumError(f"{path / MANIFEST}: does not match the commit marker (altered)")
     manifest = json.loads(manifest_bytes)
-    for name, info in manifest["files"].items():
-        read_verified(path / name, FileInfo(**info))
-    return manifest
+    blobs = {name: read_verified(path / name, FileInfo(**info)) for name, info in manifest["files"].items()}
+    return manifest, blobs
 
 
 def _rng_state() -> dict[str, Any]:
@@ -126,6 +131,7 @@ class CheckpointManager:
         self.timeout_s = timeout_s  # how long rank 0 waits for other ranks' background writes
         self.info = dict(info or {})  # recorded in every manifest: strategy, config hash, ...
         self._pending: threading.Thread | None = None
+        self._staging: dict[str, torch.Tensor] = {}  # async saves copy into these (reused: no page faults)
         self._pending_error: BaseException | None = None
 
     # -- facts -------------------------------------------------------------------------------------
@@ -184,7 +190,7 @@ class CheckpointManager:
         rank_state = {"rng": _rng_state()} if rank_state is None else rank_state
         self._prepare_folder(step)
         if self.cfg.async_save:
-            state, rank_state = _snapshot(state), _snapshot(rank_state)
+            state, rank_state = self._snapshot({"state": state, "rank": rank_state}).values()
             self._pending = threading.Thread(target=self._save_in_background, name="disttrain-ckpt",
                                              args=(step, state, metrics, rank_state), daemon=True)
             self._pending.start()
@@ -294,6 +300,21 @@ class CheckpointManager:
             if (is_committed(child) and step not in keep_set) or (not is_committed(child) and step != keep):
                 _remove_checkpoint(child)
 
+    def _snapshot(self, state: Any) -> Any:
+        """A copy that training cannot modify while the background thread writes it. The copies go into
+        buffers kept from the previous save (only one save is in flight), so after the first save a
+        snapshot costs one memcpy instead of fresh allocations and their page faults."""
+        skeleton, tensors = flatten(state)
+        staged = {}
+        for key, t in tensors.items():
+            buf = self._staging.get(key)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = self._staging[key] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            staged[key] = buf.copy_(t)
+        for key in self._staging.keys() - tensors.keys():
+            del self._staging[key]
+        return unflatten(skeleton, staged)
+
     # -- load --------------------------------------------------------------------------------------
 
     def load(self, step: int | str = "latest") -> dict[str, Any]:
@@ -304,33 +325,32 @@ class CheckpointManager:
         checkpoint is skipped with a warning naming the bad file; rank 0 decides and all ranks follow.
         """
         self.wait()
-        chosen = self._choose(step) if self.rank == 0 else -1
+        chosen, files = self._choose(step) if self.rank == 0 else (-1, None)
         if self._distributed():
             box = torch.tensor([chosen], dtype=torch.int64, device=self.runtime.device)
             dist.broadcast(box, src=0)
             chosen = int(box.item())
         if chosen < 0:
             raise CheckpointError(f"no valid checkpoint to load in {self.dir}")
-        return self._read(self.path(chosen))
+        if files is None:  # ranks other than 0 read (and verify) the checkpoint rank 0 chose
+            try:
+                files = read_checkpoint_files(self.path(chosen))
+            except (ChecksumError, OSError) as exc:
+                raise CheckpointError(f"checkpoint {self.path(chosen)} changed while loading: {exc}") from None
+        return self._state(*files)
 
-    def _choose(self, step: int | str) -> int:
+    def _choose(self, step: int | str) -> tuple[int, tuple | None]:
         candidates = list(reversed(self.list())) if step == "latest" else [int(step)]
         for candidate in candidates:
             try:
-                verify(self.path(candidate))
-                return candidate
+                return candidate, read_checkpoint_files(self.path(candidate))
             except (ChecksumError, OSError, ValueError, KeyError) as exc:
                 if step != "latest":
                     raise CheckpointError(f"checkpoint step {candidate} is not valid: {exc}") from None
                 log.warning("skipping checkpoint step %d: %s", candidate, exc)
-        return -1
+        return -1, None
 
-    def _read(self, path: Path) -> dict[str, Any]:
-        try:
-            manifest = verify(path)  # checks the marker and manifest; files are re-checked as read below
-            blobs = {name: read_verified(path / name, FileInfo(**info)) for name, info in manifest["files"].items()}
-        except (ChecksumError, OSError) as exc:
-            raise CheckpointError(f"checkpoint {path} changed while loading: {exc}") from None
+    def _state(self, manifest: dict[str, Any], blobs: dict[str, torch.Tensor]) -> dict[str, Any]:
         state = read_state(blobs, "state")
         rank_name = f"rank{self.rank}"
         state["rank_state"] = read_state(blobs, rank_name) if f"{rank_name}.json" in blobs else None
@@ -359,17 +379,6 @@ def _try_write(path: Path, data: bytes) -> None:
         write_bytes(path, data)
     except OSError:
         pass  # the disk is what failed; rank 0 will time out and say so
-
-
-def _snapshot(obj: Any) -> Any:
-    """A copy whose tensors training cannot modify while a background save writes them."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _snapshot(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_snapshot(v) for v in obj)
-    return obj
 
 
 def _finite_or_str(metrics: dict[str, Any]) -> dict[str, Any]:

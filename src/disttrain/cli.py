@@ -5,7 +5,7 @@
     disttrain ckpt list|verify|export ...      inspect, check and export checkpoints
     disttrain config [CONFIG] [--set ...]      print the resolved config (or --list: every setting)
     disttrain env                              versions, devices, backends, detected launcher
-    disttrain bench overhead                   disttrain DDP vs a hand-written DDP loop
+    disttrain bench overhead|checkpoint        figures: step-time overhead, checkpoint throughput
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("env", help="versions, devices, backends and the detected launcher")
 
     bench = sub.add_parser("bench", help="benchmarks that print and save their figures")
-    bench.add_argument("name", choices=["overhead"])
+    bench.add_argument("name", choices=["overhead", "checkpoint"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (see its --help)")
     return parser
 
@@ -141,9 +141,9 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from disttrain.bench import overhead
+    import importlib
 
-    return overhead.main(args.args)
+    return importlib.import_module(f"disttrain.bench.{args.name}").main(args.args)
 
 
 COMMANDS = {"train": cmd_train, "ckpt": cmd_ckpt, "launch": cmd_launch, "config": cmd_config, "env": cmd_env,

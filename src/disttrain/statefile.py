@@ -8,6 +8,13 @@ stored once.
 
 Every write returns the file's size and sha256, computed from the bytes written (one pass, no re-read);
 `read_verified` checks both before anything is deserialised.
+
+Why safetensors files are streamed here rather than through `safetensors.torch.save/load`: those build
+the whole file as one bytes object and copy every tensor once more on load, which made a save 4x and a
+load 7x slower than `torch.save`/`torch.load` on a 300 MB state. Writing the (simple, documented)
+safetensors layout from zero-copy views, hashing in a second thread while writing, and loading tensors
+as views of the verified buffer keeps checkpoints at the speed of the plain calls. The files are
+ordinary safetensors files: tests load them with the safetensors library and vice versa.
 """
 
 from __future__ import annotations
@@ -15,17 +22,26 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 TENSOR, TUPLE, DICT = "__tensor__", "__tuple__", "__dict__"
+READ_CHUNK = 16 * 2**20  # hashing of one chunk overlaps reading the next
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+DTYPES_BY_NAME = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
 class ChecksumError(ValueError):
@@ -36,6 +52,7 @@ class ChecksumError(ValueError):
 class FileInfo:
     size: int
     sha256: str
+    """sha256 of the whole file (what `sha256sum` prints)."""
 
 
 def flatten(obj: Any, tensors: dict[str, torch.Tensor] | None = None, prefix: str = "",
@@ -84,20 +101,69 @@ def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return skeleton
 
 
-def write_bytes(path: Path, data: bytes) -> FileInfo:
-    """Write and fsync `data`, hashing it in a second thread while it is written (hashlib and file
-    writes both release the GIL, so on 2+ cores this costs little more than the write)."""
+def write_chunks(path: Path, chunks: list) -> FileInfo:
+    """Write and fsync the byte chunks while a second thread hashes them (hashlib and file writes both
+    release the GIL, so on 2+ cores the checksum costs little more than the write)."""
     digest = hashlib.sha256()
-    hasher = threading.Thread(target=digest.update, args=(data,))
+    hasher = threading.Thread(target=lambda: [digest.update(chunk) for chunk in chunks])
     hasher.start()
+    size = 0
     try:
         with open(path, "wb") as f:
-            f.write(data)
+            for chunk in chunks:
+                size += f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
     finally:
         hasher.join()
-    return FileInfo(len(data), digest.hexdigest())
+    return FileInfo(size, digest.hexdigest())
+
+
+def write_bytes(path: Path, data: bytes) -> FileInfo:
+    return write_chunks(path, [data])
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> FileInfo:
+    """A safetensors file written from zero-copy views of the tensors (largest element size first, so every
+    tensor stays aligned when loaded as a view)."""
+    items = sorted(((k, t.detach().cpu().contiguous()) for k, t in tensors.items()),
+                   key=lambda kv: -kv[1].element_size())
+    header, views, offset = {}, [], 0
+    for name, t in items:
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        if nbytes:
+            views.append(_byte_view(t))
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data section starts 8-byte aligned
+    return write_chunks(path, [struct.pack("<Q", len(head)), head, *views])
+
+
+def load_safetensors(buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors file held in the uint8 tensor `buf`, as views of it (no copy when aligned)."""
+    raw_bytes = buf.numpy()
+    (n,) = struct.unpack_from("<Q", raw_bytes, 0)
+    header = json.loads(raw_bytes[8:8 + n].tobytes())
+    base, tensors = 8 + n, {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape = DTYPES_BY_NAME[info["dtype"]], info["shape"]
+        begin, end = info["data_offsets"]
+        if end == begin:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+            continue
+        raw = buf[base + begin:base + end]
+        if (base + begin) % raw.new_empty((), dtype=dtype).element_size():
+            raw = raw.clone()  # misaligned (a file from another writer): copy once
+        tensors[name] = raw.view(dtype).reshape(shape)
+    return tensors
 
 
 def write_state(directory: Path, name: str, state: Any) -> dict[str, FileInfo]:
@@ -105,29 +171,43 @@ def write_state(directory: Path, name: str, state: Any) -> dict[str, FileInfo]:
     skeleton, tensors = flatten(state)
     files = {}
     if tensors:
-        blob = st_save({k: t.cpu().contiguous() for k, t in tensors.items()})
-        files[f"{name}.safetensors"] = write_bytes(directory / f"{name}.safetensors", blob)
+        files[f"{name}.safetensors"] = write_safetensors(directory / f"{name}.safetensors", tensors)
     files[f"{name}.json"] = write_bytes(directory / f"{name}.json", json.dumps(skeleton).encode())
     return files
 
 
-def read_verified(path: Path, expected: FileInfo) -> bytes:
-    """The file's bytes, after checking its size and sha256 against `expected`."""
+def read_verified(path: Path, expected: FileInfo) -> torch.Tensor:
+    """The file's bytes (a uint8 tensor), after checking its size and sha256 against `expected`.
+
+    A second thread hashes each chunk while the next is read. (`torch.empty`, not a bytearray: no
+    zero-filling pass over memory that is about to be overwritten.)
+    """
     try:
-        data = path.read_bytes()
+        size = path.stat().st_size
     except FileNotFoundError:
         raise ChecksumError(f"{path}: missing") from None
-    if len(data) != expected.size:
-        raise ChecksumError(f"{path}: size {len(data)} bytes, manifest says {expected.size} (truncated or altered)")
-    if hashlib.sha256(data).hexdigest() != expected.sha256:
+    if size != expected.size:
+        raise ChecksumError(f"{path}: size {size} bytes, manifest says {expected.size} (truncated or altered)")
+    buf = torch.empty(size, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    digest = hashlib.sha256()
+    with ThreadPoolExecutor(max_workers=1) as hasher, open(path, "rb") as f:  # one worker: chunks in order
+        pos = 0
+        while pos < size:
+            n = f.readinto(view[pos:pos + READ_CHUNK])
+            if n == 0:
+                raise ChecksumError(f"{path}: shorter than its size while reading (changed on disk)")
+            hasher.submit(digest.update, view[pos:pos + n])
+            pos += n
+    if digest.hexdigest() != expected.sha256:
         raise ChecksumError(f"{path}: sha256 does not match the manifest (altered)")
-    return data
+    return buf
 
 
-def read_state(blobs: dict[str, bytes], name: str) -> Any:
+def read_state(blobs: dict[str, torch.Tensor], name: str) -> Any:
     """Rebuild the state written by `write_state(name)` from already verified bytes."""
-    tensors = st_load(blobs[f"{name}.safetensors"]) if f"{name}.safetensors" in blobs else {}
-    return unflatten(json.loads(blobs[f"{name}.json"]), tensors)
+    tensors = load_safetensors(blobs[f"{name}.safetensors"]) if f"{name}.safetensors" in blobs else {}
+    return unflatten(json.loads(blobs[f"{name}.json"].numpy().tobytes()), tensors)
 
 
 def fsync_dir(directory: Path) -> None:
