@@ -17,6 +17,7 @@ import platform
 import shutil
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -68,7 +69,7 @@ def _round(state, flat, work: Path, i: int, sync, async_) -> dict[str, float]:
     t = {
         "plain_save": _timed(lambda: _plain_save(state, work / f"plain{i}.pt", fsync=False)),
         "plain_save_fsync": _timed(lambda: _plain_save(state, work / f"plainf{i}.pt", fsync=True)),
-        "dcp_save": _timed(lambda: dcp.save(flat, checkpoint_id=str(work / f"dcp{i}"))),
+        "dcp_save": _timed(lambda: dcp.save(flat, checkpoint_id=str(work / f"dcp{i}"), no_dist=True)),
         "manager_save": _timed(lambda: sync.save(i, state)),
         "async_blocked": _timed(lambda: async_.save(i, state)),
     }
@@ -76,7 +77,7 @@ def _round(state, flat, work: Path, i: int, sync, async_) -> dict[str, float]:
     os.sync()  # loads are timed without the saves' writeback competing for the disk
     target = {k: torch.empty_like(v) for k, v in flat.items()}
     t["plain_load"] = _timed(lambda: torch.load(work / f"plain{i}.pt", weights_only=True))
-    t["dcp_load"] = _timed(lambda: dcp.load(target, checkpoint_id=str(work / f"dcp{i}")))
+    t["dcp_load"] = _timed(lambda: dcp.load(target, checkpoint_id=str(work / f"dcp{i}"), no_dist=True))
     t["manager_load"] = _timed(lambda: sync.load(i))
     for path in work.glob(f"*{i}*"):  # keep the page cache and writeback small between rounds
         shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     from disttrain.statefile import flatten
 
     args = _args(argv)
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP in one process: intended
     out = Path(args.out)
     work = out / "checkpoint_bench_files"
     shutil.rmtree(work, ignore_errors=True)
