@@ -192,3 +192,24 @@ def test_files_interoperate_with_the_safetensors_library(tmp_path):
         assert loaded.keys() == tensors.keys()
         for name, tensor in tensors.items():
             assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor)
+
+
+def test_rng_states_round_trip(tmp_path):
+    import random
+
+    import numpy as np
+
+    from disttrain.checkpoint import restore_rng
+
+    manager = CheckpointManager(tmp_path)
+    torch.manual_seed(3)
+    random.seed(3)
+    np.random.seed(3)
+    manager.save(1, {"x": torch.zeros(1)})  # the RNG states go into this rank's file
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(99)
+    random.seed(99)
+    np.random.seed(99)
+    restore_rng(manager.load()["rank_state"]["rng"])
+    again = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(again[0], expected[0]) and again[1:] == expected[1:]

@@ -115,9 +115,11 @@ def restore_rng(state: dict[str, Any]) -> None:
 
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    # Loaded tensors are views into the checkpoint's buffer; torch's RNG setters need tensors of their own
+    # (torch 2.13 segfaults on a view with a storage offset).
+    torch.set_rng_state(state["torch"].clone())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.clone() for s in state["cuda"]])
 
 
 class CheckpointManager:
