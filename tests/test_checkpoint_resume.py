@@ -40,6 +40,7 @@ def runs(tmp_path_factory):
         shutil.copytree(tmp / f"{name}_resumed", tmp / f"{name}_at30")  # for the elastic resumes below
         result = _train(tmp, f"{name}_resumed", nproc)
         assert "resumed from checkpoint step 30" in result.stderr
+    _train(tmp, "fsdp_at30", 2, "--set", "train.stop_at=30", "--set", "parallel.strategy=fsdp")
     async_save = ["--set", "checkpoint.async_save=true"]
     _train(tmp, "ddp_async", 2, "--set", "train.stop_at=30", *async_save)
     assert "resumed from checkpoint step 30" in _train(tmp, "ddp_async", 2, *async_save).stderr
@@ -58,11 +59,24 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(runs, name, resumed
 @pytest.mark.parametrize("saved, nproc, reference", [("ddp_at30", 1, "ddp_straight"),
                                                      ("single_at30", 2, "single_straight")])
 def test_resume_on_a_different_world_size_continues_the_same_stream(runs, saved, nproc, reference):
-    result = run_cli(["train", "--nproc", str(nproc), "--set", f"run.out_dir={runs}", "--set", f"run.name={saved}",
+    name = f"{saved}_on{nproc}"
+    shutil.copytree(runs / saved, runs / name)
+    result = run_cli(["train", "--nproc", str(nproc), "--set", f"run.out_dir={runs}", "--set", f"run.name={name}",
                       *COMMON], runs)
     assert result.returncode == 0, result.stderr
     assert "resumed from checkpoint step 30" in result.stderr
-    assert _losses(runs / saved) == pytest.approx(_losses(runs / reference), abs=1e-5)
+    assert _losses(runs / name) == pytest.approx(_losses(runs / reference), abs=1e-5)
+
+
+@pytest.mark.parametrize("saved, nproc, strategy", [("fsdp_at30", 1, "fsdp"), ("ddp_at30", 2, "fsdp"),
+                                                    ("fsdp_at30", 1, "ddp")])
+def test_resume_under_another_strategy_and_world_size(runs, saved, nproc, strategy):
+    """Checkpoints hold the full, strategy-independent state: fsdp@2 -> fsdp@1, ddp@2 -> fsdp@2, fsdp@2 -> ddp@1."""
+    name = f"{saved}_to_{strategy}{nproc}"
+    shutil.copytree(runs / saved, runs / name)
+    result = _train(runs, name, nproc, "--set", f"parallel.strategy={strategy}")
+    assert "resumed from checkpoint step 30" in result.stderr
+    assert _losses(runs / name) == pytest.approx(_losses(runs / "single_straight"), abs=1e-5)
 
 
 def test_changed_global_batch_is_refused_at_load_time(runs, monkeypatch, capsys):

@@ -59,6 +59,9 @@ def test_bad_names_and_types_are_named(override, message):
     (["checkpoint.resume=nowhere"], 1, 0, "checkpoint.resume = .nowhere.: no such checkpoint folder"),
     (["checkpoint.best_mode=lowest"], 1, 0, "checkpoint.best_mode = .lowest. is not known"),
     (["optim.lr=-1"], 1, 0, "optim.lr = -1.0"),
+    (["parallel.strategy=hsdp", "parallel.hsdp_shard_size=3"], 4, 0, "hsdp_shard_size = 3 does not divide"),
+    (["parallel.strategy=fsdp", "parallel.cpu_offload=true"], 2, 0, "this run uses the CPU"),
+    (["parallel.strategy=ddp", "parallel.cpu_offload=true"], 2, 2, "needs an FSDP strategy"),
 ])
 def test_validate_names_setting_value_and_fix(overrides, world, gpus, message):
     cfg = _cfg(*overrides)

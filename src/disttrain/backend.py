@@ -28,6 +28,7 @@ from disttrain.config import DistConfig, ParallelConfig
 from disttrain.data import IGNORE_INDEX
 from disttrain.optim import OptimizerFactory
 from disttrain.parallel import Prepared, get_strategy, resolve
+from disttrain.parallel.blocks import apply_activation_checkpointing
 from disttrain.precision import Precision, get_precision
 from disttrain.runtime import Runtime, init_runtime
 
@@ -60,6 +61,11 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(v, device) for v in batch)
     return batch
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) result as one tensor; a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _batch_size(batch: Any) -> int:
@@ -136,7 +142,7 @@ class TrainingBackend:
         for grad in grads:
             grad.mul_(scale)
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self._params, max_norm).item()
+        grad_norm = _full(torch.nn.utils.clip_grad_norm_(self._params, max_norm)).item()
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         if self.scheduler is not None:
@@ -160,15 +166,15 @@ class TrainingBackend:
             module.train(was_training)
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"model": self.prepared.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "step": self.step}
+        """Full, strategy-independent state (every rank gets it; rank 0 saves it)."""
+        model_state, optimizer_state = self.prepared.state_dict(self.optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state, "step": self.step}
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.prepared.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.prepared.load_state_dict(self.optimizer, state["model"], state["optimizer"])
         if self.scheduler is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
@@ -186,6 +192,8 @@ def create_backend(model: nn.Module, optimizer_factory: OptimizerFactory, *, str
     """
     runtime = runtime or init_runtime(DistConfig())
     parallel = parallel or ParallelConfig()
+    if parallel.activation_checkpointing:
+        apply_activation_checkpointing(model)
     prepared = get_strategy(resolve(strategy, runtime.world_size))(model.to(runtime.device), runtime, parallel)
     optimizer = prepared.build_optimizer(optimizer_factory)
     scheduler = scheduler_factory(optimizer) if scheduler_factory else None

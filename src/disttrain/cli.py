@@ -166,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"disttrain: error: {exc}", file=sys.stderr)
         code = 1
     if argv is None:
+        if "torch.distributed" in sys.modules:  # see exit_process: gloo threads can abort at interpreter exit
+            from disttrain.runtime import exit_process
+
+            exit_process(code)
         sys.exit(code)
     return code
 

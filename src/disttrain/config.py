@@ -113,7 +113,8 @@ class TrainConfig:
 @dataclass
 class ParallelConfig:
     strategy: str = "auto"
-    """`auto` (`single` on one process, `ddp` on more), `single` or `ddp`."""
+    """`auto` (`single` on one process, `ddp` on more), `single`, `ddp`, `zero2`, `fsdp` (alias `zero3`)
+    or `hsdp`."""
     precision: str = "fp32"
     """Numeric precision policy: `fp32`."""
     bucket_cap_mb: float = 25.0
@@ -124,6 +125,14 @@ class ParallelConfig:
     """DDP: the set of used parameters never changes between iterations (enables optimisations)."""
     find_unused_parameters: bool = False
     """DDP: tolerate parameters that receive no gradient in a step (slower; needed for branching models)."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward (less memory, ~1/3 more compute)."""
+    reshard_after_forward: bool = True
+    """fsdp/zero3/hsdp: free gathered parameters after each block's forward (gather again in backward)."""
+    hsdp_shard_size: int = 0
+    """hsdp: ranks per sharding group (replicated across groups); 0 = all ranks (plain FSDP)."""
+    cpu_offload: bool = False
+    """FSDP strategies: keep parameters and optimizer state in host memory (FSDP2 CPUOffloadPolicy; CUDA)."""
 
 
 @dataclass
@@ -390,7 +399,7 @@ def validate(cfg: Config, gpu_count: int = 0, world: int | None = None) -> None:
     _check(not (cfg.parallel.strategy == "single" and world > 1),
            f"parallel.strategy = 'single' runs one process but dist.nproc = {world}; "
            "use parallel.strategy = 'ddp' (or 'auto') or --nproc 1")
-    _check(cfg.parallel.bucket_cap_mb > 0, f"parallel.bucket_cap_mb = {cfg.parallel.bucket_cap_mb}: must be > 0")
+    _validate_parallel(cfg, gpu_count, world)
     _validate_checkpoint(cfg)
     _validate_dist(cfg, gpu_count, world)
     if cfg.log.tensorboard:
@@ -457,6 +466,25 @@ def _validate_optim_train(cfg: Config) -> None:
     _check(t.eval_samples >= 0, f"train.eval_samples = {t.eval_samples}: must be >= 0 (0 = all)")
     _check(t.log_every >= 1, f"train.log_every = {t.log_every}: must be >= 1")
     _check(0 <= t.stop_at <= t.steps, f"train.stop_at = {t.stop_at}: must be between 0 and train.steps = {t.steps}")
+
+
+FSDP_FAMILY = ("zero2", "fsdp", "zero3", "hsdp")
+
+
+def _validate_parallel(cfg: Config, gpu_count: int, world: int) -> None:
+    p = cfg.parallel
+    strategy = resolve_strategy(cfg, world)
+    _check(p.bucket_cap_mb > 0, f"parallel.bucket_cap_mb = {p.bucket_cap_mb}: must be > 0")
+    if strategy == "hsdp":
+        shard = p.hsdp_shard_size or world
+        _check(shard >= 1 and world % shard == 0,
+               f"parallel.hsdp_shard_size = {p.hsdp_shard_size} does not divide the world size {world}; choose "
+               f"a divisor of {world}")
+    _check(not (p.cpu_offload and strategy not in FSDP_FAMILY),
+           f"parallel.cpu_offload = true needs an FSDP strategy (zero2, fsdp, zero3, hsdp), not {strategy!r}")
+    _check(not (p.cpu_offload and not uses_cuda(cfg, gpu_count)),
+           "parallel.cpu_offload = true offloads GPU memory to the host, and this run uses the CPU; set "
+           "parallel.cpu_offload = false")
 
 
 def _validate_checkpoint(cfg: Config) -> None:

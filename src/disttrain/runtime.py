@@ -103,10 +103,13 @@ def pick_backend(backend: str, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_runtime(cfg: DistConfig, environ: Mapping[str, str] | None = None) -> Runtime:
+def init_runtime(cfg: DistConfig, environ: Mapping[str, str] | None = None, always_form_group: bool = False
+                 ) -> Runtime:
     """Detect the launcher, pick device and backend, and form the process group when world > 1.
 
-    If a process group already exists (the user formed it), it is used as it is.
+    `always_form_group` forms a one-process group even in a single process (in-memory store, no network):
+    strategies such as DDP or FSDP then run unchanged at world size 1, e.g. to resume a 2-rank FSDP
+    checkpoint on one process. An existing process group (formed by the user) is used as it is.
     """
     info = detect_launch(os.environ if environ is None else environ)
     device = pick_device(cfg.device, info.local_rank)
@@ -115,9 +118,12 @@ def init_runtime(cfg: DistConfig, environ: Mapping[str, str] | None = None) -> R
         torch.cuda.set_device(device)
     threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // max(info.local_world_size, 1))
     torch.set_num_threads(threads)
-    if info.world_size == 1:
+    if info.world_size == 1 and not always_form_group and not dist.is_initialized():
         return Runtime(info, device, backend, distributed=False)
-    if not dist.is_initialized():
+    if info.world_size == 1 and not dist.is_initialized():
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(seconds=cfg.timeout_s))
+    elif not dist.is_initialized():
         if info.launcher == "slurm":
             _slurm_rendezvous_env()
         dist.init_process_group(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from disttrain.data import GlobalSampler, build_datasets, eval_shard, fetch, spl
 from disttrain.metrics import Metrics, NullMetrics
 from disttrain.models import build_model
 from disttrain.optim import OptimizerFactory, optimizer_factory, scheduler_factory
-from disttrain.runtime import Runtime, init_runtime, shutdown
+from disttrain.runtime import Runtime, detect_launch, init_runtime, shutdown
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,9 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         owns_runtime = self.runtime is None
-        runtime = self.runtime or init_runtime(self.cfg.dist)
+        world = detect_launch(os.environ).world_size
+        runtime = self.runtime or init_runtime(self.cfg.dist,
+                                               always_form_group=resolve_strategy(self.cfg, world) != "single")
         try:
             return self._fit(runtime)
         finally:

@@ -19,6 +19,10 @@ if TYPE_CHECKING:
 STRATEGIES: dict[str, str] = {
     "single": "disttrain.parallel.single:apply",
     "ddp": "disttrain.parallel.ddp:apply",
+    "zero2": "disttrain.parallel.fsdp:apply_zero2",
+    "fsdp": "disttrain.parallel.fsdp:apply_fsdp",
+    "zero3": "disttrain.parallel.fsdp:apply_fsdp",  # the documented alias of fsdp
+    "hsdp": "disttrain.parallel.fsdp:apply_hsdp",
 }
 
 
@@ -31,6 +35,9 @@ class Prepared:
     no_sync:  context manager for accumulation micro-batches whose gradients must not be reduced yet.
     make_optimizer: builds the optimizer from the user's factory (strategies that shard optimizer
               state wrap it here).
+    state_dict / load_state_dict: (model, optimizer) <-> a full, strategy-independent state (parameter
+              names as in the plain model; optimizer state keyed by those names), so a checkpoint saved
+              under one strategy and world size loads under any other.
     """
 
     module: torch.nn.Module
@@ -41,6 +48,13 @@ class Prepared:
     """Ranks whose gradients the strategy averages (DDP: world size); the backend turns the mean back
     into a sum before dividing by the global item count."""
     info: dict[str, Any] = field(default_factory=dict)
+    state_dict: Callable[[Any], tuple[dict, dict]] | None = None
+    load_state_dict: Callable[[Any, dict, dict], None] | None = None
+
+    def __post_init__(self):
+        if self.state_dict is None:
+            fns = full_state_dict_fns(self.model)
+            self.state_dict, self.load_state_dict = fns["state_dict"], fns["load_state_dict"]
 
     def build_optimizer(self, factory: Callable[[Any], Any]):
         return self.make_optimizer(factory) if self.make_optimizer else factory(self.model)
@@ -60,3 +74,22 @@ def resolve(name: str, world_size: int) -> str:
     if name != "auto":
         return name
     return "single" if world_size == 1 else "ddp"
+
+
+def full_state_dict_fns(model) -> dict[str, Callable]:
+    """state_dict/load_state_dict through torch.distributed.checkpoint.state_dict with full (unsharded)
+    tensors on every rank: the same names and layout for a plain module, DDP and FSDP2."""
+
+    def state_dict(optimizer):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+
+    def load_state_dict(optimizer, model_state: dict, optimizer_state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                       options=StateDictOptions(full_state_dict=True))
+
+    return {"state_dict": state_dict, "load_state_dict": load_state_dict}
+

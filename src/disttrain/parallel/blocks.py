@@ -1,0 +1,24 @@
+"""Per-block transformations shared by strategies: finding the transformer blocks, activation checkpointing."""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks (to shard or checkpoint one by one): the elements of the largest ModuleList."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each transformer block's activations in backward instead of keeping them.
+
+    The block's forward is wrapped in place (non-reentrant `torch.utils.checkpoint`), so parameter names and
+    checkpoints are unchanged, and it composes with whichever strategy is applied afterwards (DDP, FSDP2).
+    """
+    for block in transformer_blocks(model):
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
