@@ -4,6 +4,7 @@
     disttrain launch [--nproc N] SCRIPT [ARGS ...]
     disttrain ckpt list|verify|export ...      inspect, check and export checkpoints
     disttrain config [CONFIG] [--set ...]      print the resolved config (or --list: every setting)
+    disttrain verify [CONFIG] --strategies ... one job under several strategies vs the 1-process reference
     disttrain env                              versions, devices, backends, detected launcher
     disttrain bench overhead|checkpoint        figures: step-time overhead, checkpoint throughput
 """
@@ -52,6 +53,10 @@ def _parser() -> argparse.ArgumentParser:
     config.add_argument("--list", action="store_true", help="every setting with its type, default and meaning")
 
     sub.add_parser("env", help="versions, devices, backends and the detected launcher")
+
+    from disttrain import verify
+
+    verify.add_arguments(sub.add_parser("verify", help="the same job under several strategies vs 1 process"))
 
     bench = sub.add_parser("bench", help="benchmarks that print and save their figures")
     bench.add_argument("name", choices=["overhead", "checkpoint"])
@@ -132,6 +137,12 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from disttrain import verify
+
+    return verify.run(args)
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     from disttrain.envinfo import env_report
 
@@ -147,7 +158,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"train": cmd_train, "ckpt": cmd_ckpt, "launch": cmd_launch, "config": cmd_config, "env": cmd_env,
-            "bench": cmd_bench}
+            "verify": cmd_verify, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

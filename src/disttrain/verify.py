@@ -1,0 +1,98 @@
+"""`disttrain verify`: does your job give the same numbers under every strategy as in one process?
+
+    disttrain verify [CONFIG] [--set k=v ...] --strategies ddp,zero2,fsdp,hsdp --nproc 2 --steps 10
+
+Runs your config for K steps in one process (the reference) and then, in one torchrun launch of N ranks,
+under each strategy in turn (one process group, so start-up is paid once). Prints the max |loss
+difference| per strategy and exits 1 if any exceeds the tolerance. Runs go to `RUN_DIR/verify/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+
+from disttrain.config import Config, ConfigError, load_config, save_config, validate
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", help="TOML config file (default: the built-in job)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--strategies", default="ddp,zero2,fsdp,hsdp", help="comma-separated strategy names")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks for the distributed runs")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
+    parser.add_argument("--tolerance", type=float, default=1e-5, help="max allowed |loss difference|")
+
+
+def _job(cfg: Config, steps: int, out: Path, name: str, strategy: str, nproc: int) -> Config:
+    job = copy.deepcopy(cfg)
+    job.train.steps, job.train.stop_at, job.train.eval_every = steps, 0, 0
+    job.checkpoint.every, job.checkpoint.resume, job.log.progress = 0, "never", False
+    job.run.out_dir, job.run.name = str(out), name
+    job.parallel.strategy, job.dist.nproc = strategy, nproc
+    return job
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    cfg = load_config(args.config, args.overrides)
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    if args.steps < 1 or args.nproc < 1 or not strategies:
+        raise ConfigError("verify: --steps and --nproc must be >= 1 and --strategies non-empty")
+    out = cfg.run_dir / "verify"
+    jobs = {s: _job(cfg, args.steps, out, s, s, args.nproc) for s in strategies}
+    reference = _job(cfg, args.steps, out, "single", "single", 1)
+    for job in [reference, *jobs.values()]:
+        validate(job, gpu_count=torch.cuda.device_count())  # every problem before anything starts
+    for name, job in jobs.items():
+        save_config(job, out / name / "config.toml")
+
+    from disttrain.launch import launch
+    from disttrain.trainer import Trainer
+
+    print(f"disttrain verify: reference run (1 process, {args.steps} steps)", file=sys.stderr)
+    single = Trainer(reference).fit().losses
+    code = launch(args.nproc, ["disttrain.verify", str(out), *strategies], out)
+    if code != 0:
+        return code
+    results = json.loads((out / "losses.json").read_text())
+    return _report(single, results, args.tolerance)
+
+
+def _report(single: list[float], results: dict[str, list[float]], tolerance: float) -> int:
+    print(f"{'strategy':<10} {'steps':>5} {'max |loss diff|':>16} {'final loss':>11}  verdict")
+    print(f"{'single':<10} {len(single):>5} {'(reference)':>16} {single[-1]:>11.6f}")
+    failed = 0
+    for name, losses in results.items():
+        diff = max(abs(a - b) for a, b in zip(losses, single, strict=True))
+        ok = diff <= tolerance
+        failed += not ok
+        print(f"{name:<10} {len(losses):>5} {diff:>16.3e} {losses[-1]:>11.6f}  "
+              f"{'ok' if ok else f'DIFFERS (tolerance {tolerance:g})'}")
+    return 1 if failed else 0
+
+
+def _worker(out: Path, strategies: list[str]) -> None:
+    """One rank: train every strategy's job in turn on one process group; rank 0 writes the losses."""
+    from disttrain.runtime import init_runtime, shutdown
+    from disttrain.trainer import Trainer
+
+    runtime, losses = None, {}
+    for name in strategies:
+        job = load_config(out / name / "config.toml")
+        runtime = runtime or init_runtime(job.dist, always_form_group=True)
+        losses[name] = Trainer(job, runtime=runtime).fit().losses
+    if runtime.is_main_process():
+        (out / "losses.json").write_text(json.dumps(losses))
+    shutdown(runtime)
+
+
+if __name__ == "__main__":
+    from disttrain.runtime import exit_process
+
+    _worker(Path(sys.argv[1]), sys.argv[2:])
+    exit_process(0)

@@ -1,0 +1,29 @@
+"""`disttrain verify`: the user's job under several strategies against the 1-process reference."""
+
+import pytest
+
+from conftest import run_cli
+
+SMALL = ["--set", "model.n_layer=2", "--set", "model.d_model=64", "--set", "model.seq_len=32", "--steps", "6"]
+
+
+def test_verify_passes_when_every_strategy_matches(tmp_path):
+    result = run_cli(["verify", *SMALL, "--strategies", "ddp,fsdp,hsdp"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
+    assert set(rows) == {"single", "ddp", "fsdp", "hsdp"}
+    assert all(rows[s].endswith("ok") for s in ("ddp", "fsdp", "hsdp"))
+
+
+@pytest.mark.parametrize("extra", [["--set", "model.dropout=0.2"]])
+def test_verify_fails_when_ranks_cannot_match(tmp_path, extra):
+    """Dropout draws different masks per rank: the numbers cannot match, and verify must say so."""
+    result = run_cli(["verify", *SMALL, "--strategies", "ddp", *extra], tmp_path)
+    assert result.returncode == 1
+    assert "DIFFERS (tolerance 1e-05)" in result.stdout
+
+
+def test_verify_rejects_a_bad_strategy_before_starting(tmp_path):
+    result = run_cli(["verify", *SMALL, "--strategies", "ddp,fsdpp"], tmp_path)
+    assert result.returncode == 2 and "did you mean 'fsdp'" in result.stderr
+    assert not (tmp_path / "runs").exists()
