@@ -41,6 +41,7 @@ def runs(tmp_path_factory):
         result = _train(tmp, f"{name}_resumed", nproc)
         assert "resumed from checkpoint step 30" in result.stderr
     _train(tmp, "fsdp_at30", 2, "--set", "train.stop_at=30", "--set", "parallel.strategy=fsdp")
+    _train(tmp, "zero1_at30", 2, "--set", "train.stop_at=30", "--set", "parallel.strategy=zero1")
     async_save = ["--set", "checkpoint.async_save=true"]
     _train(tmp, "ddp_async", 2, "--set", "train.stop_at=30", *async_save)
     assert "resumed from checkpoint step 30" in _train(tmp, "ddp_async", 2, *async_save).stderr
@@ -69,9 +70,11 @@ def test_resume_on_a_different_world_size_continues_the_same_stream(runs, saved,
 
 
 @pytest.mark.parametrize("saved, nproc, strategy", [("fsdp_at30", 1, "fsdp"), ("ddp_at30", 2, "fsdp"),
-                                                    ("fsdp_at30", 1, "ddp")])
+                                                    ("fsdp_at30", 1, "ddp"), ("zero1_at30", 1, "single"),
+                                                    ("fsdp_at30", 2, "zero1")])
 def test_resume_under_another_strategy_and_world_size(runs, saved, nproc, strategy):
-    """Checkpoints hold the full, strategy-independent state: fsdp@2 -> fsdp@1, ddp@2 -> fsdp@2, fsdp@2 -> ddp@1."""
+    """Checkpoints hold the full, strategy-independent state: fsdp@2 -> fsdp@1, ddp@2 -> fsdp@2, fsdp@2 -> ddp@1,
+    zero1@2 -> single, fsdp@2 -> zero1@2."""
     name = f"{saved}_to_{strategy}{nproc}"
     shutil.copytree(runs / saved, runs / name)
     result = _train(runs, name, nproc, "--set", f"parallel.strategy={strategy}")

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import SCRIPTS, cli_env, run_cli
 
-VARIANTS = ["ddp", "zero2", "fsdp", "zero3", "hsdp:1", "hsdp:2"]  # hsdp:N = shard groups of N ranks
+VARIANTS = ["ddp", "zero1", "zero2", "fsdp", "zero3", "hsdp:1", "hsdp:2"]  # hsdp:N = shard groups of N ranks
 
 
 def with_ac(variant: str) -> str:

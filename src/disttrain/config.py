@@ -113,8 +113,8 @@ class TrainConfig:
 @dataclass
 class ParallelConfig:
     strategy: str = "auto"
-    """`auto` (`single` on one process, `ddp` on more), `single`, `ddp`, `zero2`, `fsdp` (alias `zero3`)
-    or `hsdp`."""
+    """`auto` (`single` on one process, `ddp` on more), `single`, `ddp`, `zero1`, `zero2`, `fsdp` (alias
+    `zero3`) or `hsdp`."""
     precision: str = "fp32"
     """Numeric precision policy: `fp32`."""
     bucket_cap_mb: float = 25.0

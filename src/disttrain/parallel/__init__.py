@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 STRATEGIES: dict[str, str] = {
     "single": "disttrain.parallel.single:apply",
     "ddp": "disttrain.parallel.ddp:apply",
+    "zero1": "disttrain.parallel.zero:apply",
     "zero2": "disttrain.parallel.fsdp:apply_zero2",
     "fsdp": "disttrain.parallel.fsdp:apply_fsdp",
     "zero3": "disttrain.parallel.fsdp:apply_fsdp",  # the documented alias of fsdp

@@ -1,0 +1,55 @@
+"""`zero1`: DDP for the gradients plus torch's ZeroRedundancyOptimizer, which shards the optimizer state
+(each rank keeps and updates the state of its share of the parameters, then broadcasts them).
+
+Checkpoints use the same full, parameter-name-keyed state as every other strategy: the optimizer state is
+consolidated on rank 0 and renamed from ZeRO's parameter indices to parameter names (and back on load).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from disttrain.config import ParallelConfig
+from disttrain.parallel import Prepared
+from disttrain.parallel import ddp as ddp_strategy
+from disttrain.runtime import Runtime
+
+
+def apply(model: nn.Module, runtime: Runtime, cfg: ParallelConfig) -> Prepared:
+    prepared = ddp_strategy.apply(model, runtime, cfg)
+    names = {param: name for name, param in model.named_parameters()}
+    order: list = []  # ZeRO's global parameter order (its state_dict keys are indices into it)
+
+    def make_optimizer(factory):
+        inner = factory(model)  # the user's optimizer, used for its class, groups and defaults only
+        groups = [dict(group) for group in inner.param_groups]
+        order.extend(p for group in groups for p in group["params"])
+        accepted = inspect.signature(type(inner).__init__).parameters  # defaults may hold internal keys
+        defaults = {k: v for k, v in inner.defaults.items() if k in accepted}
+        return ZeroRedundancyOptimizer(groups, optimizer_class=type(inner), **defaults)
+
+    def state_dict(optimizer):
+        optimizer.consolidate_state_dict(to=0)  # collective; only rank 0 receives (and saves) the state
+        if runtime.rank != 0:
+            return get_model_state_dict(model), {}
+        raw = optimizer.state_dict()
+        return get_model_state_dict(model), {
+            "state": {names[order[i]]: value for i, value in raw["state"].items()},
+            "param_groups": [{**g, "params": [names[order[i]] for i in g["params"]]} for g in raw["param_groups"]],
+        }
+
+    def load_state_dict(optimizer, model_state, optimizer_state):
+        set_model_state_dict(model, model_state)
+        index = {names[p]: i for i, p in enumerate(order)}
+        optimizer.load_state_dict({
+            "state": {index[name]: value for name, value in optimizer_state["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in optimizer_state["param_groups"]],
+        })
+
+    prepared.make_optimizer = make_optimizer
+    prepared.state_dict, prepared.load_state_dict = state_dict, load_state_dict
+    return prepared
