@@ -53,13 +53,15 @@ def model_inputs(batch: Any) -> Any:
     return batch
 
 
-def to_device(batch: Any, device: torch.device) -> Any:
+def to_device(batch: Any, device: torch.device, float_dtype: torch.dtype | None = None) -> Any:
+    """Move tensors to `device`; floating tensors also to `float_dtype` when given (bf16-true)."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        dtype = float_dtype if float_dtype is not None and batch.is_floating_point() else None
+        return batch.to(device, dtype=dtype, non_blocking=True)
     if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
+        return {k: to_device(v, device, float_dtype) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
+        return type(batch)(to_device(v, device, float_dtype) for v in batch)
     return batch
 
 
@@ -72,13 +74,22 @@ def _batch_size(batch: Any) -> int:
     return len(model_inputs(batch))
 
 
+class NonFiniteError(RuntimeError):
+    """Training produced a non-finite loss or gradient (or too many skipped steps); the message says where."""
+
+
 class TrainingBackend:
     def __init__(self, prepared: Prepared, optimizer: torch.optim.Optimizer, runtime: Runtime,
-                 precision: Precision, scheduler=None, grad_clip: float = 0.0, loss_fn: LossFn | None = None):
+                 precision: Precision, scheduler=None, grad_clip: float = 0.0, loss_fn: LossFn | None = None,
+                 on_nonfinite: str = "stop", max_consecutive_skips: int = 25):
         self.prepared, self.optimizer, self.runtime = prepared, optimizer, runtime
         self.precision, self.scheduler, self.grad_clip = precision, scheduler, grad_clip
         self.loss_fn = loss_fn or lm_loss
+        self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
+        self.scaler = precision.grad_scaler(runtime.device.type, distributed=runtime.distributed)
         self.step = 0
+        self.skipped_steps = 0  # total optimizer steps skipped (fp16 overflow, or non-finite with "skip")
+        self._consecutive_skips = 0
         self._params = [p for p in prepared.model.parameters() if p.requires_grad]
         self._reset_accumulators()
 
@@ -92,6 +103,7 @@ class TrainingBackend:
         self._count = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
         self._micro_batches = 0
         self._unsynced = False
+        self._nonfinite_loss = False
 
     def loss_terms(self, outputs: Any, batch: Any, loss_fn: LossFn | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,19 +122,20 @@ class TrainingBackend:
         `sync=False` marks a micro-batch that is not the last of its optimizer step, so the strategy may
         skip gradient communication (DDP `no_sync`). The last micro-batch before `optim_step` must sync.
         """
-        batch = to_device(batch, self.runtime.device)
+        batch = to_device(batch, self.runtime.device, self.precision.param_dtype)
         self.prepared.module.train()
         with contextlib.nullcontext() if sync else self.prepared.no_sync():
             with self.precision.autocast(self.runtime.device.type):
                 outputs = self.prepared.module(model_inputs(batch))
                 loss_sum, count = self.loss_terms(outputs, batch, loss_fn)
-            loss_sum.backward()
+            (self.scaler.scale(loss_sum) if self.scaler else loss_sum).backward()
         self._loss_sum += loss_sum.detach().double()
         self._count += count
         self._micro_batches += 1
         self._unsynced = not sync
-        local_count = count.item()
-        return {"loss": loss_sum.item() / max(local_count, 1.0), "count": local_count}
+        local_loss, local_count = loss_sum.item(), count.item()
+        self._nonfinite_loss |= not math.isfinite(local_loss)
+        return {"loss": local_loss / max(local_count, 1.0), "count": local_count}
 
     def optim_step(self) -> dict:
         """Normalise by the global item count, clip, step the optimizer and the schedule, zero grads."""
@@ -131,26 +144,74 @@ class TrainingBackend:
         if self._unsynced:
             raise RuntimeError("the last forward_backward() before optim_step() ran with sync=False, so its "
                                "gradients were never reduced across ranks; pass sync=True on the last micro-batch")
-        totals = torch.stack([self._loss_sum, self._count])
-        if self.runtime.distributed:
-            dist.all_reduce(totals)
-        loss_sum, count = totals.tolist()
-        if count <= 0:
-            raise RuntimeError(f"step {self.step + 1}: the global batch has no valid items (all padding?)")
-        scale = self.prepared.grads_averaged_over / count
-        grads = [p.grad for p in self._params if p.grad is not None]
-        for grad in grads:
-            grad.mul_(scale)
-        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
-        grad_norm = _full(torch.nn.utils.clip_grad_norm_(self._params, max_norm)).item()
+        loss_sum, count, bad_ranks = self._reduce_totals()
+        grad_norm = self._normalise_and_clip(count)
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
+        skipped = self._update(math.isfinite(grad_norm) and not bad_ranks, bad_ranks, loss_sum / count)
+        if self.scheduler is not None and not skipped:
+            self.scheduler.step()  # a skipped step does not advance the schedule (as in HF Accelerate)
         self.optimizer.zero_grad(set_to_none=True)
         self._reset_accumulators()
         self.step += 1
-        return {"step": self.step, "loss": loss_sum / count, "grad_norm": grad_norm, "lr": lr, "count": count}
+        out = {"step": self.step, "loss": loss_sum / count, "grad_norm": grad_norm, "lr": lr, "count": count,
+               "skipped": skipped, "skipped_steps": self.skipped_steps}
+        if self.scaler is not None:
+            out["loss_scale"] = self.scaler.get_scale()
+        return out
+
+    def _reduce_totals(self) -> tuple[float, float, list[int]]:
+        """(global loss sum, global item count, ranks whose loss was non-finite): one small all-reduce."""
+        world, rank = self.runtime.world_size, self.runtime.rank
+        flags = torch.zeros(world, dtype=torch.float64, device=self.runtime.device)
+        flags[rank] = float(self._nonfinite_loss)
+        totals = torch.cat([torch.stack([self._loss_sum, self._count]), flags])
+        if self.runtime.distributed:
+            dist.all_reduce(totals)
+        values = totals.tolist()
+        if values[1] <= 0:
+            raise RuntimeError(f"step {self.step + 1}: the global batch has no valid items (all padding?)")
+        return values[0], values[1], [r for r in range(world) if values[2 + r] > 0]
+
+    def _normalise_and_clip(self, count: float) -> float:
+        """Gradients -> token mean over the global batch (undoing the loss scale), clipped; returns the norm,
+        which is the same on every rank (replicated gradients, or a norm reduced over the shards)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # records inf/NaN (agreed across ranks, see precision.py)
+        scale = self.prepared.grads_averaged_over / count
+        for param in self._params:
+            if param.grad is not None:
+                param.grad.mul_(scale)
+        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
+        return _full(torch.nn.utils.clip_grad_norm_(self._params, max_norm)).item()
+
+    def _update(self, finite: bool, bad_ranks: list[int], loss: float) -> bool:
+        """Step the optimizer unless the step must be skipped; return whether it was skipped."""
+        step = self.step + 1
+        if self.scaler is not None:
+            before = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)  # skips when unscale_ found inf/NaN
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < before
+            reason = f"fp16 gradients overflowed; the loss scale fell to {self.scaler.get_scale():g}"
+        elif finite:
+            self.optimizer.step()
+            skipped = False
+        else:
+            where = (f"the loss was non-finite on rank(s) {', '.join(map(str, bad_ranks))}" if bad_ranks else
+                     "the gradients were non-finite (the loss was finite on every rank)")
+            message = (f"step {step}: {where} (loss {loss:g}); the optimizer did not touch the parameters. "
+                       "Try a lower optim.lr, optim.grad_clip > 0, or parallel.precision = 'fp32'")
+            if self.on_nonfinite == "stop":
+                raise NonFiniteError(message + ", or train.on_nonfinite = 'skip' to skip such steps")
+            skipped, reason = True, message
+        self._consecutive_skips = self._consecutive_skips + 1 if skipped else 0
+        self.skipped_steps += skipped
+        if self._consecutive_skips > self.max_consecutive_skips:
+            raise NonFiniteError(
+                f"step {step}: {self._consecutive_skips} optimizer steps in a row were skipped ({reason}). "
+                "The model is producing inf/NaN: lower optim.lr, set optim.grad_clip, use parallel.precision = "
+                "'bf16-mixed' or 'fp32', or raise train.max_consecutive_skips")
+        return skipped
 
     @torch.no_grad()
     def forward(self, batch: Any) -> Any:
@@ -161,20 +222,26 @@ class TrainingBackend:
         module.eval()
         try:
             with self.precision.autocast(self.runtime.device.type):
-                return module(model_inputs(to_device(batch, self.runtime.device)))
+                return module(model_inputs(to_device(batch, self.runtime.device, self.precision.param_dtype)))
         finally:
             module.train(was_training)
 
     def state_dict(self) -> dict[str, Any]:
         """Full, strategy-independent state (every rank gets it; rank 0 saves it)."""
         model_state, optimizer_state = self.prepared.state_dict(self.optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state, "step": self.step}
+        state = {"model": model_state, "optimizer": optimizer_state, "step": self.step,
+                 "skipped_steps": self.skipped_steps}
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
+        if self.scaler is not None:
+            state["grad_scaler"] = self.scaler.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.prepared.load_state_dict(self.optimizer, state["model"], state["optimizer"])
+        if self.scaler is not None and "grad_scaler" in state:
+            self.scaler.load_state_dict(state["grad_scaler"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
         if self.scheduler is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
@@ -183,7 +250,8 @@ class TrainingBackend:
 def create_backend(model: nn.Module, optimizer_factory: OptimizerFactory, *, strategy: str = "auto",
                    precision: str = "fp32", runtime: Runtime | None = None,
                    parallel: ParallelConfig | None = None, scheduler_factory=None, grad_clip: float = 0.0,
-                   loss_fn: LossFn | None = None) -> TrainingBackend:
+                   loss_fn: LossFn | None = None, on_nonfinite: str = "stop",
+                   max_consecutive_skips: int = 25) -> TrainingBackend:
     """Place `model` on this rank's device, apply the strategy, and build optimizer and schedule.
 
     `runtime` defaults to one detected from the environment (forming the process group under torchrun).
@@ -191,10 +259,13 @@ def create_backend(model: nn.Module, optimizer_factory: OptimizerFactory, *, str
     optional. `strategy="auto"` picks `single` for one process and `ddp` for several.
     """
     runtime = runtime or init_runtime(DistConfig())
-    parallel = parallel or ParallelConfig()
+    parallel = parallel or ParallelConfig(precision=precision)
+    policy = get_precision(precision)
     if parallel.activation_checkpointing:
         apply_activation_checkpointing(model)
-    prepared = get_strategy(resolve(strategy, runtime.world_size))(model.to(runtime.device), runtime, parallel)
+    model = model.to(runtime.device, dtype=policy.param_dtype)
+    prepared = get_strategy(resolve(strategy, runtime.world_size))(model, runtime, parallel)
     optimizer = prepared.build_optimizer(optimizer_factory)
     scheduler = scheduler_factory(optimizer) if scheduler_factory else None
-    return TrainingBackend(prepared, optimizer, runtime, get_precision(precision), scheduler, grad_clip, loss_fn)
+    return TrainingBackend(prepared, optimizer, runtime, policy, scheduler, grad_clip, loss_fn, on_nonfinite,
+                           max_consecutive_skips)

@@ -170,9 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"disttrain: error: {exc}", file=sys.stderr)
         code = 2
     except RuntimeError as exc:
+        from disttrain.backend import NonFiniteError
         from disttrain.checkpoint import CheckpointError
 
-        if not isinstance(exc, CheckpointError):
+        if not isinstance(exc, (CheckpointError, NonFiniteError)):
             raise
         print(f"disttrain: error: {exc}", file=sys.stderr)
         code = 1

@@ -105,6 +105,11 @@ class TrainConfig:
     """Validation sequences per evaluation (0 = the whole validation set); each counted exactly once."""
     log_every: int = 1
     """Write a `metrics.jsonl` line and refresh the progress bar every N steps."""
+    on_nonfinite: str = "stop"
+    """fp32/bf16: a non-finite loss or gradient `stop`s the run (naming step and rank) before the optimizer
+    touches the parameters, or the step is `skip`ped and counted. (fp16 always skips, via loss scaling.)"""
+    max_consecutive_skips: int = 25
+    """Stop the run, explaining why, after this many skipped optimizer steps in a row."""
     stop_at: int = 0
     """End this run after step N (0 = at `steps`), saving a checkpoint there when `checkpoint.every > 0`;
     the schedule still spans `steps`, so running again resumes exactly where this run stopped."""
@@ -116,7 +121,7 @@ class ParallelConfig:
     """`auto` (`single` on one process, `ddp` on more), `single`, `ddp`, `zero1`, `zero2`, `fsdp` (alias
     `zero3`) or `hsdp`."""
     precision: str = "fp32"
-    """Numeric precision policy: `fp32`."""
+    """`fp32`, `bf16-mixed`, `fp16-mixed` (with dynamic loss scaling) or `bf16-true` (see precision.py)."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB."""
     gradient_as_bucket_view: bool = True
@@ -214,6 +219,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dist.device": ("auto", "cpu", "cuda"),
     "checkpoint.best_mode": ("min", "max"),
     "checkpoint.on_error": ("abort", "continue"),
+    "train.on_nonfinite": ("stop", "skip"),
 }
 
 
@@ -465,6 +471,7 @@ def _validate_optim_train(cfg: Config) -> None:
     _check(t.eval_every >= 0, f"train.eval_every = {t.eval_every}: must be >= 0 (0 disables evaluation)")
     _check(t.eval_samples >= 0, f"train.eval_samples = {t.eval_samples}: must be >= 0 (0 = all)")
     _check(t.log_every >= 1, f"train.log_every = {t.log_every}: must be >= 1")
+    _check(t.max_consecutive_skips >= 0, f"train.max_consecutive_skips = {t.max_consecutive_skips}: must be >= 0")
     _check(0 <= t.stop_at <= t.steps, f"train.stop_at = {t.stop_at}: must be between 0 and train.steps = {t.steps}")
 
 

@@ -1,34 +1,78 @@
-"""Precision policies, one object per name: the autocast context and the dtypes a strategy uses.
+"""Precision policies, one object per name: the autocast context, parameter and reduction dtypes, and
+whether the loss is scaled.
 
-Only `fp32` exists so far; mixed precision (bf16/fp16 with loss scaling) plugs in here as more
-entries without the backend changing.
+    fp32        everything in float32
+    bf16-mixed  float32 parameters and optimizer; forward under bfloat16 autocast; under FSDP parameters
+                are gathered in bfloat16 and gradients reduced in float32 (MixedPrecisionPolicy)
+    fp16-mixed  as bf16-mixed with float16, plus dynamic loss scaling (torch's GradScaler; the sharded
+                scaler under FSDP) so small gradients do not underflow
+    bf16-true   parameters, optimizer state and floating inputs in bfloat16 (half the memory, no fp32 master)
+
+Listing the names does not import torch (config validation uses them before any process starts).
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any
+
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 
 
 @dataclass(frozen=True)
 class Precision:
     name: str
-    param_dtype: str = "float32"
-    """dtype the parameters are stored in."""
+    compute_dtype: Any = None
+    """autocast dtype of the forward pass (None: no autocast)."""
+    param_dtype: Any = None
+    """dtype parameters are stored in (None: float32)."""
+    loss_scaling: bool = False
+    """Dynamic loss scaling (fp16)."""
 
     def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
         """Context for forward passes (and the loss)."""
-        return contextlib.nullcontext()
+        if self.compute_dtype is None:
+            return contextlib.nullcontext()
+        import torch
 
+        return torch.autocast(device_type, dtype=self.compute_dtype)
 
-PRECISIONS: dict[str, Precision] = {
-    "fp32": Precision("fp32"),
-}
+    def fsdp_policy(self):
+        """FSDP2 MixedPrecisionPolicy: gather parameters in the compute dtype, reduce gradients in float32."""
+        if self.compute_dtype is None:
+            return None
+        import torch
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+
+    def grad_scaler(self, device_type: str, distributed: bool):
+        """torch's GradScaler in one process; with a process group FSDP's ShardedGradScaler (a GradScaler
+        for sharded and replicated gradients alike), which all-reduces the inf/NaN finding so that every
+        rank skips the same steps, even when only one rank's gradients (or shard) overflowed."""
+        if not self.loss_scaling:
+            return None
+        import torch
+
+        if distributed:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            return ShardedGradScaler(device=device_type)
+        return torch.amp.GradScaler(device_type)
 
 
 def get_precision(name: str) -> Precision:
-    if name not in PRECISIONS:
+    import torch
+
+    policies = {
+        "fp32": Precision("fp32"),
+        "bf16-mixed": Precision("bf16-mixed", compute_dtype=torch.bfloat16),
+        "fp16-mixed": Precision("fp16-mixed", compute_dtype=torch.float16, loss_scaling=True),
+        "bf16-true": Precision("bf16-true", param_dtype=torch.bfloat16),
+    }
+    if name not in policies:
         from disttrain.config import ConfigError
 
         raise ConfigError(f"parallel.precision = {name!r} is not known; valid names: {', '.join(PRECISIONS)}")
-    return PRECISIONS[name]
+    return policies[name]

@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 
+from disttrain.backend import NonFiniteError
 from disttrain.checkpoint import CheckpointError
 from disttrain.config import ConfigError, load_config
 from disttrain.runtime import exit_process
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"disttrain: error: {exc}", file=sys.stderr)
         return 2
-    except CheckpointError as exc:
+    except (CheckpointError, NonFiniteError) as exc:
         print(f"disttrain: error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -91,7 +91,8 @@ class Trainer:
             model, self.optimizer_factory or optimizer_factory(cfg.optim),
             strategy=resolve_strategy(cfg, runtime.world_size), precision=cfg.parallel.precision,
             runtime=runtime, parallel=cfg.parallel, scheduler_factory=scheduler_factory(cfg.optim, cfg.train.steps),
-            grad_clip=cfg.optim.grad_clip, loss_fn=self.loss_fn,
+            grad_clip=cfg.optim.grad_clip, loss_fn=self.loss_fn, on_nonfinite=cfg.train.on_nonfinite,
+            max_consecutive_skips=cfg.train.max_consecutive_skips,
         )
         return backend, train, val
 
@@ -175,8 +176,11 @@ class Trainer:
             backend.forward_backward(fetch(train, batch_indices), sync=i == len(micro) - 1)
         out = backend.optim_step()
         elapsed = time.perf_counter() - start
-        return {"loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"], "tokens": int(out["count"]),
-                "tokens_per_s": out["count"] / elapsed, "step_time_s": elapsed}
+        values = {"loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"], "tokens": int(out["count"]),
+                  "tokens_per_s": out["count"] / elapsed, "step_time_s": elapsed, "skipped_steps": out["skipped_steps"]}
+        if "loss_scale" in out:
+            values["loss_scale"] = out["loss_scale"]
+        return values
 
 
 def evaluate(backend: TrainingBackend, dataset: Dataset, runtime: Runtime, micro_batch_size: int,

@@ -18,11 +18,12 @@ import contextlib
 
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from disttrain.config import ParallelConfig
 from disttrain.parallel import Prepared, full_state_dict_fns
 from disttrain.parallel.blocks import transformer_blocks
+from disttrain.precision import get_precision
 from disttrain.runtime import Runtime
 
 
@@ -35,7 +36,8 @@ def _shard(model: nn.Module, runtime: Runtime, cfg: ParallelConfig, reshard_afte
         mesh = init_device_mesh(device_type, (runtime.world_size,))
     else:
         mesh = init_device_mesh(device_type, mesh_shape, mesh_dim_names=("replicate", "shard"))
-    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
+              "mp_policy": get_precision(cfg.precision).fsdp_policy() or MixedPrecisionPolicy()}
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for block in transformer_blocks(model):
