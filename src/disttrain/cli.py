@@ -5,6 +5,7 @@
     disttrain ckpt list|verify|export ...      inspect, check and export checkpoints
     disttrain config [CONFIG] [--set ...]      print the resolved config (or --list: every setting)
     disttrain verify [CONFIG] --strategies ... one job under several strategies vs the 1-process reference
+    disttrain estimate-memory [CONFIG] --world-size N [--strategy S] [--budget-gib G]
     disttrain env                              versions, devices, backends, detected launcher
     disttrain bench overhead|checkpoint        figures: step-time overhead, checkpoint throughput
 """
@@ -54,12 +55,19 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("env", help="versions, devices, backends and the detected launcher")
 
+    mem = sub.add_parser("estimate-memory", help="per-rank memory of a config under every strategy")
+    mem.add_argument("config", nargs="?")
+    mem.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    mem.add_argument("--world-size", type=int, default=2, help="ranks to estimate for")
+    mem.add_argument("--strategy", help="one strategy (default: all of them, side by side)")
+    mem.add_argument("--budget-gib", type=float, help="say which strategies fit this much memory per rank")
+
     from disttrain import verify
 
     verify.add_arguments(sub.add_parser("verify", help="the same job under several strategies vs 1 process"))
 
     bench = sub.add_parser("bench", help="benchmarks that print and save their figures")
-    bench.add_argument("name", choices=["overhead", "checkpoint"])
+    bench.add_argument("name", choices=["overhead", "checkpoint", "memory"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (see its --help)")
     return parser
 
@@ -143,6 +151,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return verify.run(args)
 
 
+def cmd_estimate_memory(args: argparse.Namespace) -> int:
+    from disttrain.config import validate
+    from disttrain.memory import ALL_STRATEGIES, report
+
+    cfg = load_config(args.config, args.overrides)
+    if args.world_size < 1:
+        raise ConfigError(f"--world-size {args.world_size}: must be >= 1")
+    cfg.dist.nproc = args.world_size
+    strategies = [args.strategy] if args.strategy else [s for s in ALL_STRATEGIES
+                                                         if not (s == "single" and args.world_size > 1)]
+    for strategy in strategies:
+        cfg.parallel.strategy = strategy
+        validate(cfg, gpu_count=args.world_size, world=args.world_size)  # GPUs assumed: this is a plan
+    print(report(cfg, args.world_size, strategies, args.budget_gib))
+    return 0
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     from disttrain.envinfo import env_report
 
@@ -158,7 +183,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"train": cmd_train, "ckpt": cmd_ckpt, "launch": cmd_launch, "config": cmd_config, "env": cmd_env,
-            "verify": cmd_verify, "bench": cmd_bench}
+            "verify": cmd_verify, "estimate-memory": cmd_estimate_memory, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

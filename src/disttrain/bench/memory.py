@@ -1,0 +1,130 @@
+"""Benchmark: the memory estimator against measurement, for every strategy at world sizes 1 and N.
+
+    disttrain bench memory [--nproc 2] [--n-layer 4] [--d-model 128] [--micro 8] [--out bench_results]
+
+Each world size is one torchrun launch in which every strategy (with and without activation checkpointing)
+builds the reference GPT, runs one step, and measures the bytes its rank holds (memory.measure). The report
+puts estimate and measurement side by side, with the per-rank model-state bytes of fsdp vs ddp and the
+optimizer-state bytes of zero1 vs ddp. Results: `<out>/memory.json` and `<out>/memory.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "hsdp")
+KINDS = ("params", "grads", "optimizer", "activations")
+
+
+def _args(argv):
+    p = argparse.ArgumentParser(prog="disttrain bench memory", description=__doc__.split("\n")[0])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--micro", type=int, default=8)
+    p.add_argument("--out", default="bench_results")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _config(args, strategy: str, checkpointing: bool):
+    from disttrain.config import load_config
+
+    return load_config(None, [f"model.n_layer={args.n_layer}", f"model.d_model={args.d_model}",
+                              f"data.micro_batch_size={args.micro}", f"parallel.strategy={strategy}",
+                              f"parallel.activation_checkpointing={str(checkpointing).lower()}",
+                              "dist.threads_per_rank=1"])
+
+
+def _worker(args) -> None:
+    import torch
+
+    from disttrain.backend import create_backend
+    from disttrain.data import build_datasets, fetch
+    from disttrain.memory import estimate, measure
+    from disttrain.models import build_model
+    from disttrain.optim import optimizer_factory
+    from disttrain.runtime import exit_process, init_runtime, shutdown
+
+    runtime = init_runtime(_config(args, "ddp", False).dist, always_form_group=True)
+    world = runtime.world_size
+    rows = []
+    for strategy in STRATEGIES if world == 1 else STRATEGIES[1:]:
+        for checkpointing in (False, True):
+            cfg = _config(args, strategy, checkpointing)
+            torch.manual_seed(0)
+            backend = create_backend(build_model(cfg.model), optimizer_factory(cfg.optim), strategy=strategy,
+                                     runtime=runtime, parallel=cfg.parallel)
+            train, _ = build_datasets(cfg.data, cfg.model.seq_len)
+            start = runtime.rank * args.micro
+            measured = measure(backend, fetch(train, range(start, start + args.micro)))
+            est = estimate(cfg, world, strategy)
+            rows.append({"strategy": strategy, "ac": checkpointing, "world": world, "rank": runtime.rank,
+                         "measured": measured,
+                         "estimated": {"params": est.params, "grads": est.grads, "optimizer": est.optimizer,
+                                       "activations": est.activations_ac if checkpointing else est.activations}})
+            del backend
+    out = Path(args.out)
+    (out / f"memory_w{world}_rank{runtime.rank}.json").write_text(json.dumps(rows))
+    shutdown(runtime)
+    exit_process(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    if args.worker:
+        _worker(args)
+        return 0
+    from disttrain.launch import launch
+
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    forwarded = [f"--n-layer={args.n_layer}", f"--d-model={args.d_model}", f"--micro={args.micro}", f"--out={out}"]
+    for world in (1, args.nproc):
+        code = launch(world, ["disttrain.bench.memory", "--worker", *forwarded], out / "memory_run")
+        if code:
+            return code
+    rows = [row for path in sorted(out.glob("memory_w*_rank*.json")) for row in json.loads(path.read_text())]
+    report = _report(rows, args)
+    (out / "memory.json").write_text(json.dumps({"rows": rows, **report["figures"]}, indent=1))
+    (out / "memory.md").write_text(report["markdown"])
+    print(report["markdown"])
+    return 0
+
+
+def _report(rows: list[dict], args) -> dict:
+    lines = ["| world | strategy | AC | rank | " + " | ".join(f"{k} est/meas MiB (err)" for k in KINDS) + " |",
+             "|---|---|---|---|" + "---|" * len(KINDS)]
+    worst = 0.0
+    for r in rows:
+        cells = []
+        for k in KINDS:
+            est, meas = r["estimated"][k], r["measured"][k]
+            err = abs(est - meas) / meas if meas else 0.0
+            worst = max(worst, err)
+            cells.append(f"{est / 2**20:.2f}/{meas / 2**20:.2f} ({err:.1%})")
+        lines.append(f"| {r['world']} | {r['strategy']} | {'yes' if r['ac'] else 'no'} | {r['rank']} | "
+                     + " | ".join(cells) + " |")
+
+    def state(strategy, key):
+        return max(sum(r["measured"][k] for k in key) for r in rows
+                   if r["strategy"] == strategy and r["world"] == args.nproc and not r["ac"])
+
+    model_states = ("params", "grads", "optimizer")
+    figures = {"worst_relative_error": worst,
+               "fsdp_over_ddp_model_state_bytes": state("fsdp", model_states) / state("ddp", model_states),
+               "zero1_over_ddp_optimizer_bytes": state("zero1", ("optimizer",)) / state("ddp", ("optimizer",))}
+    markdown = (f"# Memory: estimate vs measurement (GPT {args.n_layer} layers x d_model {args.d_model}, "
+                f"micro-batch {args.micro}, fp32, AdamW)\n\n" + "\n".join(lines) + "\n\n"
+                f"- worst relative error of the estimate: **{worst:.2%}** (target <= 10%)\n"
+                f"- per-rank model-state bytes, fsdp / ddp at world size {args.nproc}: "
+                f"**{figures['fsdp_over_ddp_model_state_bytes']:.3f}** (target <= 0.52)\n"
+                f"- per-rank optimizer-state bytes, zero1 / ddp at world size {args.nproc}: "
+                f"**{figures['zero1_over_ddp_optimizer_bytes']:.3f}** (target <= 0.52)\n")
+    return {"figures": figures, "markdown": markdown}
+
+
+if __name__ == "__main__":
+    main()
