@@ -6,8 +6,10 @@ from conftest import run_cli
 
 
 def test_overhead_benchmark_runs_and_saves_its_figures(tmp_path):
-    result = run_cli(["bench", "overhead", "--rounds", "2", "--steps", "1", "--out", str(tmp_path / "b")], tmp_path)
+    result = run_cli(["bench", "overhead", "--rounds", "2", "--steps", "1", "--strategies", "ddp,zero1,fsdp",
+                      "--out", str(tmp_path / "b")], tmp_path, timeout=240)
     assert result.returncode == 0, result.stderr
     figures = json.loads((tmp_path / "b" / "overhead.json").read_text())
-    assert figures["ratio_disttrain_over_plain"] > 0 and figures["steps_per_loop"] == 2
-    assert "ratio disttrain / plain" in result.stdout
+    assert set(figures["strategies"]) == {"ddp", "zero1", "fsdp"} and figures["steps_per_loop"] == 2
+    assert figures["strategies"]["ddp"]["disttrain_vs_ddp"] == 1.0
+    assert "ratio disttrain / hand-written" in result.stdout

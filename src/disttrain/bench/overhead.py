@@ -1,6 +1,7 @@
-"""Benchmark: disttrain's DDP step vs a hand-written plain PyTorch DDP loop, same model, data and threads.
+"""Benchmark: disttrain's step vs the same strategy written by hand in plain PyTorch, same model, data
+and threads; for several strategies, also each strategy's step time relative to ddp.
 
-    disttrain bench overhead [--nproc 2] [--rounds 8] [--steps 10] [--micro 16] [--global-batch 32]
+    disttrain bench overhead [--strategies ddp,zero1,zero2,fsdp] [--nproc 2] [--rounds 8] [--steps 10]
 
 Both loops run in the same processes, interleaved in rounds (A B B A ...) so that machine noise hits
 both alike, and each is built first for half of the rounds. The figure is the ratio of median step
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="disttrain bench overhead", description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--strategies", default="ddp", help="comma-separated: ddp, zero1, zero2, fsdp")
     p.add_argument("--rounds", type=int, default=8, help="interleaved rounds per loop (even)")
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per round")
     p.add_argument("--micro", type=int, default=16, help="micro-batch per rank")
@@ -50,25 +52,56 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _config(args: argparse.Namespace):
+def _config(args: argparse.Namespace, strategy: str = "ddp"):
     from disttrain.config import load_config
 
     return load_config(None, [f"data.global_batch_size={args.global_batch}", f"data.micro_batch_size={args.micro}",
                               "dist.threads_per_rank=1", "log.progress=false", "train.steps=100000",
-                              f"dist.nproc={args.nproc}", f"run.out_dir={args.out}", "run.name=overhead_run"])
+                              f"dist.nproc={args.nproc}", f"run.out_dir={args.out}", "run.name=overhead_run",
+                              f"parallel.strategy={strategy}"])
+
+
+def _plain_setup(cfg, strategy: str):
+    """(module, optimizer, no_sync) wired by hand with torch's own engines, as their tutorials do."""
+    import contextlib
+
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from disttrain.models.gpt import GPT
+    from disttrain.optim import optimizer_factory
+
+    torch.manual_seed(cfg.run.seed)
+    model = GPT(cfg.model)
+    optimizer = optimizer_factory(cfg.optim)(model)
+    if strategy in ("ddp", "zero1"):
+        module = DDP(model, bucket_cap_mb=cfg.parallel.bucket_cap_mb, gradient_as_bucket_view=True)
+        if strategy == "zero1":
+            optimizer = ZeroRedundancyOptimizer([dict(g) for g in optimizer.param_groups],
+                                                optimizer_class=torch.optim.AdamW, lr=cfg.optim.lr,
+                                                betas=(cfg.optim.beta1, cfg.optim.beta2))
+        return module, optimizer, module.no_sync
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=strategy != "zero2")
+    fully_shard(model, reshard_after_forward=strategy != "zero2")
+    optimizer = optimizer_factory(cfg.optim)(model)  # over the sharded parameters
+
+    @contextlib.contextmanager
+    def no_sync():
+        model.set_requires_gradient_sync(False)
+        yield
+        model.set_requires_gradient_sync(True)
+
+    return model, optimizer, no_sync
 
 
 def _plain_loop(cfg, runtime, train, sampler):
-    """The loop a user writes by hand from the PyTorch DDP tutorial (mean loss, no_sync, clip, step)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
+    """The loop a user writes by hand from the PyTorch tutorials (mean loss, no_sync, clip, step)."""
     from disttrain.data import fetch, split_micro
-    from disttrain.models.gpt import GPT
-    from disttrain.optim import optimizer_factory, scheduler_factory
+    from disttrain.optim import scheduler_factory
 
-    torch.manual_seed(cfg.run.seed)
-    model = DDP(GPT(cfg.model), bucket_cap_mb=cfg.parallel.bucket_cap_mb, gradient_as_bucket_view=True)
-    optimizer = optimizer_factory(cfg.optim)(model.module)
+    model, optimizer, no_sync = _plain_setup(cfg, cfg.parallel.strategy)
     scheduler = scheduler_factory(cfg.optim, cfg.train.steps)(optimizer)
     d = cfg.data
     accum = d.global_batch_size // (d.micro_batch_size * runtime.world_size)
@@ -79,7 +112,7 @@ def _plain_loop(cfg, runtime, train, sampler):
         micro = split_micro(indices, d.micro_batch_size)
         for i, idx in enumerate(micro):
             batch = fetch(train, idx)
-            ctx = model.no_sync() if i < len(micro) - 1 else torch.enable_grad()
+            ctx = no_sync() if i < len(micro) - 1 else torch.enable_grad()
             with ctx:
                 logits = model(batch["input_ids"])
                 loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()) / accum
@@ -112,16 +145,10 @@ def _time(step, first: int, steps: int) -> list[float]:
     return times
 
 
-def _worker(args: argparse.Namespace) -> None:
+def _compare(args, cfg, runtime, train, sampler) -> dict[str, list[float]]:
+    """Step times of the hand-written loop and disttrain's, interleaved in rounds."""
     import torch.distributed as dist
 
-    from disttrain.data import GlobalSampler, build_datasets
-    from disttrain.runtime import exit_process, init_runtime, shutdown
-
-    cfg = _config(args)
-    runtime = init_runtime(cfg.dist)
-    train, _ = build_datasets(cfg.data, cfg.model.seq_len)
-    sampler = GlobalSampler(len(train), cfg.run.seed)
     builders = {"plain": _plain_loop, "disttrain": _disttrain_loop}
     times: dict[str, list[float]] = {name: [] for name in builders}
     # Whichever loop is built second runs ~7% slower here (measured plain vs plain: memory placement),
@@ -136,35 +163,57 @@ def _worker(args: argparse.Namespace) -> None:
                 times[name] += _time(step, r * args.steps, args.steps)
         del loops, step
         gc.collect()
+    return times
+
+
+def _worker(args: argparse.Namespace) -> None:
+
+    from disttrain.data import GlobalSampler, build_datasets
+    from disttrain.runtime import exit_process, init_runtime, shutdown
+
+    cfg = _config(args)
+    runtime = init_runtime(cfg.dist)
+    train, _ = build_datasets(cfg.data, cfg.model.seq_len)
+    sampler = GlobalSampler(len(train), cfg.run.seed)
+    strategies = [s for s in args.strategies.split(",") if s]
+    times = {s: _compare(args, _config(args, s), runtime, train, sampler) for s in strategies}
     if runtime.is_main_process():
         _report(args, cfg, times)
     shutdown(runtime)
     exit_process(0)
 
 
-def _report(args, cfg, times: dict[str, list[float]]) -> None:
+def _report(args, cfg, times: dict[str, dict[str, list[float]]]) -> None:
     import disttrain
 
-    med = {name: statistics.median(t) for name, t in times.items()}
-    ratio = med["disttrain"] / med["plain"]
-    result = {"ratio_disttrain_over_plain": ratio, "median_step_s": med, "steps_per_loop": len(times["plain"]),
-              "nproc": args.nproc, "micro_batch": args.micro, "global_batch": args.global_batch,
-              "model": vars(cfg.model), "threads_per_rank": 1, "torch": torch.__version__,
-              "disttrain": disttrain.__version__, "python": platform.python_version(),
-              "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    med = {s: {loop: statistics.median(t) for loop, t in loops.items()} for s, loops in times.items()}
+    rows, figures = [], {}
+    for strategy, m in med.items():
+        ratio = m["disttrain"] / m["plain"]
+        vs_ddp = m["disttrain"] / med["ddp"]["disttrain"] if "ddp" in med else float("nan")
+        figures[strategy] = {"plain_s": m["plain"], "disttrain_s": m["disttrain"], "ratio_vs_plain": ratio,
+                             "disttrain_vs_ddp": vs_ddp}
+        rows.append(f"| {strategy} | {m['plain'] * 1e3:.1f} | {m['disttrain'] * 1e3:.1f} | **{ratio:.3f}** | "
+                    f"{vs_ddp:.2f} |")
+    steps = len(next(iter(times.values()))["plain"])
+    result = {"strategies": figures, "ratio_disttrain_over_plain": figures[next(iter(figures))]["ratio_vs_plain"],
+              "steps_per_loop": steps, "nproc": args.nproc, "micro_batch": args.micro,
+              "global_batch": args.global_batch, "model": vars(cfg.model), "threads_per_rank": 1,
+              "torch": torch.__version__, "disttrain": disttrain.__version__,
+              "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "overhead.json").write_text(json.dumps(result, indent=2))
     m = cfg.model
     (out / "overhead.md").write_text(
-        f"# disttrain overhead vs a plain DDP loop ({result['date']})\n\n"
-        f"| loop | median step (ms) |\n|---|---|\n"
-        f"| plain PyTorch DDP | {med['plain'] * 1e3:.1f} |\n| disttrain | {med['disttrain'] * 1e3:.1f} |\n\n"
-        f"**ratio disttrain / plain = {ratio:.3f}** (target <= 1.02)\n\n"
+        f"# disttrain step time vs the same strategy written by hand ({result['date']})\n\n"
+        "| strategy | hand-written (ms) | disttrain (ms) | ratio disttrain / hand-written | vs ddp |\n"
+        "|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
+        "Targets: ratio <= 1.02 for ddp, <= 1.03 for the other strategies.\n\n"
         f"{args.nproc} ranks x 1 thread, gloo; GPT {m.n_layer} layers, d_model {m.d_model}, seq_len "
-        f"{m.seq_len}; micro-batch {args.micro}, global batch {args.global_batch}; {len(times['plain'])} timed "
-        f"steps per loop in {args.rounds} interleaved rounds; torch {torch.__version__}, "
-        f"disttrain {disttrain.__version__}, Python {platform.python_version()}.\n")
+        f"{m.seq_len}; micro-batch {args.micro}, global batch {args.global_batch}; {steps} timed steps per loop "
+        f"in {args.rounds} interleaved rounds; torch {torch.__version__}, disttrain {disttrain.__version__}, "
+        f"Python {platform.python_version()}.\n")
 
 
 if __name__ == "__main__":
