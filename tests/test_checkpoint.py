@@ -211,3 +211,54 @@ def test_rng_states_round_trip(tmp_path):
     restore_rng(manager.load()["rank_state"]["rng"])
     again = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(again[0], expected[0]) and again[1:] == expected[1:]
+
+
+@pytest.fixture
+def one_rank_group():
+    """A real one-process gloo group (in-memory store), destroyed afterwards."""
+    import torch.distributed as dist
+
+    from disttrain.config import DistConfig
+    from disttrain.runtime import init_runtime, shutdown
+
+    runtime = init_runtime(DistConfig(device="cpu", threads_per_rank=1), environ={}, always_form_group=True)
+    yield runtime
+    shutdown(runtime)
+    assert not dist.is_initialized()
+
+
+def test_sharded_state_goes_through_dcp_with_json_metadata_and_no_pickle(tmp_path, one_rank_group, monkeypatch):
+    import pickle
+
+    from disttrain.backend import create_backend
+    from disttrain.config import ModelConfig, OptimConfig
+    from disttrain.models.gpt import GPT
+    from disttrain.optim import optimizer_factory
+
+    def build():
+        torch.manual_seed(0)
+        return create_backend(GPT(ModelConfig(n_layer=1, n_head=2, d_model=32, seq_len=8)),
+                              optimizer_factory(OptimConfig()), strategy="fsdp", runtime=one_rank_group)
+
+    backend = build()
+    x = torch.randint(0, 256, (2, 9))
+    backend.forward_backward({"input_ids": x[:, :-1], "labels": x[:, 1:]})
+    backend.optim_step()
+    manager = CheckpointManager(tmp_path, runtime=one_rank_group)
+    manager.save(1, backend.state_dict())
+    folder = tmp_path / "step_1"
+    manifest = json.loads((folder / MANIFEST).read_text())
+    assert manifest["layout"] == "dcp" and "__0_0.distcp" in manifest["files"] and "metadata.json" in manifest["files"]
+    assert not (folder / ".metadata").exists()  # DCP's pickled metadata is replaced by JSON
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("pickle used on the load path")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+    restored = build()
+    restored.load_state_dict(manager.load(target=restored.prepared.checkpoint_target))
+    for a, b in zip(backend.model.parameters(), restored.model.parameters(), strict=True):
+        assert torch.equal(a.full_tensor(), b.full_tensor())
+    full = CheckpointManager(tmp_path).load(1)  # without a target: full tensors, e.g. for export
+    assert torch.equal(full["model"]["tok_emb.weight"], backend.model.tok_emb.weight.full_tensor())

@@ -40,12 +40,14 @@ import torch.distributed as dist
 
 from disttrain.config import CheckpointConfig
 from disttrain.runtime import Runtime
+from disttrain.shardfile import load_sharded, save_sharded, tensor_metadata
 from disttrain.statefile import (
     ChecksumError,
     FileInfo,
     atomic_write,
     flatten,
     fsync_dir,
+    hash_file,
     read_state,
     read_verified,
     unflatten,
@@ -134,6 +136,7 @@ class CheckpointManager:
         self.info = dict(info or {})  # recorded in every manifest: strategy, config hash, ...
         self._pending: threading.Thread | None = None
         self._staging: dict[str, torch.Tensor] = {}  # async saves copy into these (reused: no page faults)
+        self._warned_sync = False
         self._pending_error: BaseException | None = None
 
     # -- facts -------------------------------------------------------------------------------------
@@ -191,7 +194,12 @@ class CheckpointManager:
         self.wait()  # the previous async save, and its error if it failed
         rank_state = {"rng": _rng_state()} if rank_state is None else rank_state
         self._prepare_folder(step)
-        if self.cfg.async_save:
+        if self.cfg.async_save and _is_sharded(state):
+            if not self._warned_sync:
+                log.warning("checkpoint.async_save: sharded (DCP) state is saved synchronously in this version")
+                self._warned_sync = True
+            self._save(step, state, metrics, rank_state, collective=True)
+        elif self.cfg.async_save:
             state, rank_state = self._snapshot({"state": state, "rank": rank_state}).values()
             self._pending = threading.Thread(target=self._save_in_background, name="disttrain-ckpt",
                                              args=(step, state, metrics, rank_state), daemon=True)
@@ -233,7 +241,9 @@ class CheckpointManager:
         error = None
         try:
             files = write_state(path, f"rank{self.rank}", rank_state)
-            if self.rank == 0:
+            if _is_sharded(state):  # every rank writes its shards through DCP
+                files.update(_write_sharded(path, state, self.rank))
+            elif self.rank == 0:
                 files.update(write_state(path, "state", state))
             write_bytes(path / f"files_rank{self.rank}.json",
                         json.dumps({k: vars(v) for k, v in files.items()}).encode())
@@ -244,7 +254,8 @@ class CheckpointManager:
         failed = self._any_rank_failed(error is not None, collective)
         if not failed and self.rank == 0:
             try:
-                self._commit(step, path, metrics or {}, timeout=None if collective else self.timeout_s)
+                self._commit(step, path, metrics or {}, timeout=None if collective else self.timeout_s,
+                             layout="dcp" if _is_sharded(state) else "full")
             except OSError as exc:
                 error, failed = CheckpointError(_describe_os_error(exc, path)), True
             except CheckpointError as exc:
@@ -263,7 +274,7 @@ class CheckpointManager:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def _commit(self, step: int, path: Path, metrics: dict[str, Any], timeout: float | None) -> None:
+    def _commit(self, step: int, path: Path, metrics: dict[str, Any], timeout: float | None, layout: str) -> None:
         """Rank 0: gather every rank's file list, write the manifest, then the commit marker, then `latest`."""
         files: dict[str, Any] = {}
         deadline = time.monotonic() + (timeout or 0)
@@ -279,7 +290,7 @@ class CheckpointManager:
             files.update(listed)
         for rank in range(self.world_size):
             (path / f"files_rank{rank}.json").unlink()
-        manifest = {"format": 1, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        manifest = {"format": 1, "layout": layout, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                     "world_size": self.world_size, **self.info, "torch": torch.__version__,
                     "disttrain": _version(), "metrics": _finite_or_str(metrics), "files": files}
         manifest_info = write_bytes(path / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
@@ -319,12 +330,14 @@ class CheckpointManager:
 
     # -- load --------------------------------------------------------------------------------------
 
-    def load(self, step: int | str = "latest") -> dict[str, Any]:
+    def load(self, step: int | str = "latest", target=None) -> dict[str, Any]:
         """The state saved at `step` ("latest": the newest committed checkpoint that verifies), with this
         rank's per-rank state under "rank_state" and the manifest under "manifest".
 
         Every file is checked against the manifest before anything is deserialised. With "latest", a bad
         checkpoint is skipped with a warning naming the bad file; rank 0 decides and all ranks follow.
+        For a sharded (DCP) checkpoint, `target(key, size, dtype)` gives the tensor each saved tensor is
+        loaded into (a DTensor receives its shard); by default a full tensor on every rank.
         """
         self.wait()
         chosen, files = self._choose(step) if self.rank == 0 else (-1, None)
@@ -339,7 +352,7 @@ class CheckpointManager:
                 files = read_checkpoint_files(self.path(chosen))
             except (ChecksumError, OSError) as exc:
                 raise CheckpointError(f"checkpoint {self.path(chosen)} changed while loading: {exc}") from None
-        return self._state(*files)
+        return self._state(*files, path=self.path(chosen), target=target)
 
     def _choose(self, step: int | str) -> tuple[int, tuple | None]:
         candidates = list(reversed(self.list())) if step == "latest" else [int(step)]
@@ -352,12 +365,39 @@ class CheckpointManager:
                 log.warning("skipping checkpoint step %d: %s", candidate, exc)
         return -1, None
 
-    def _state(self, manifest: dict[str, Any], blobs: dict[str, torch.Tensor]) -> dict[str, Any]:
-        state = read_state(blobs, "state")
+    def _state(self, manifest: dict[str, Any], blobs: dict[str, torch.Tensor], path: Path, target=None
+               ) -> dict[str, Any]:
+        if manifest.get("layout", "full") == "full":
+            state = read_state(blobs, "state")
+        else:
+            state = _read_sharded(path, json.loads(blobs["state.json"].numpy().tobytes())["skeleton"], target)
         rank_name = f"rank{self.rank}"
         state["rank_state"] = read_state(blobs, rank_name) if f"{rank_name}.json" in blobs else None
         state["manifest"] = manifest
         return state
+
+
+def _read_sharded(path: Path, skeleton: Any, target) -> Any:
+    meta = tensor_metadata(path)
+    make = target or (lambda key, size, dtype: torch.empty(size, dtype=dtype))
+    targets = {key: make(key, torch.Size(m["size"]), getattr(torch, m["dtype"])) for key, m in meta.items()}
+    load_sharded(targets, path)
+    return unflatten(skeleton, targets)
+
+
+def _is_sharded(state: Any) -> bool:
+    return any(hasattr(t, "to_local") for t in flatten(state)[1].values())
+
+
+def _write_sharded(path: Path, state: Any, rank: int) -> dict[str, FileInfo]:
+    """DCP layout: the skeleton as `state.json` (rank 0), the tensors as DCP shards with JSON metadata."""
+    skeleton, tensors = flatten(state)
+    files = {}
+    if rank == 0:
+        files["state.json"] = write_bytes(path / "state.json", json.dumps({"skeleton": skeleton}).encode())
+    for name in save_sharded(tensors, path):
+        files[name] = hash_file(path / name)
+    return files
 
 
 def _remove_checkpoint(path: Path) -> None:

@@ -60,9 +60,12 @@ def flatten(obj: Any, tensors: dict[str, torch.Tensor] | None = None, prefix: st
     tensors = {} if tensors is None else tensors
     seen = {} if seen is None else seen
     if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
-                 t.device)
+        t = obj.detach() if not hasattr(obj, "to_local") else obj
+        if hasattr(t, "to_local"):  # a DTensor (sharded): the object itself identifies it
+            ident = ("dtensor", id(obj))
+        else:
+            ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+                     t.dtype, t.device)
         if ident not in seen:  # tied weights are one tensor: store it once
             key = prefix or "tensor"
             seen[ident] = key
@@ -116,6 +119,15 @@ def write_chunks(path: Path, chunks: list) -> FileInfo:
     finally:
         hasher.join()
     return FileInfo(size, digest.hexdigest())
+
+
+def hash_file(path: Path) -> FileInfo:
+    """Size and sha256 of a file written by someone else (DCP's shard files)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 * 2**20):
+            digest.update(chunk)
+    return FileInfo(path.stat().st_size, digest.hexdigest())
 
 
 def write_bytes(path: Path, data: bytes) -> FileInfo:

@@ -149,11 +149,12 @@ class Trainer:
         mode = self.cfg.checkpoint.resume
         if mode == "never" or (mode == "auto" and not manager.list()):
             return 0, 0
+        target = backend.prepared.checkpoint_target
         if mode == "auto":
-            state = manager.load("latest")
+            state = manager.load("latest", target=target)
         else:
             path = Path(mode)
-            state = CheckpointManager(path.parent, self.cfg.checkpoint, runtime).load(parse_step(path))
+            state = CheckpointManager(path.parent, self.cfg.checkpoint, runtime).load(parse_step(path), target=target)
         check_resumable(state["config"], self.cfg)
         backend.load_state_dict(state)
         manifest = state["manifest"]

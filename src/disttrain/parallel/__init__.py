@@ -51,6 +51,9 @@ class Prepared:
     info: dict[str, Any] = field(default_factory=dict)
     state_dict: Callable[[Any], tuple[dict, dict]] | None = None
     load_state_dict: Callable[[Any, dict, dict], None] | None = None
+    checkpoint_target: Callable[[str, Any, Any], Any] | None = None
+    """For sharded checkpoints: the tensor a saved tensor (key, global size, dtype) is loaded into
+    (None: a full tensor on every rank)."""
 
     def __post_init__(self):
         if self.state_dict is None:
@@ -77,20 +80,22 @@ def resolve(name: str, world_size: int) -> str:
     return "single" if world_size == 1 else "ddp"
 
 
-def full_state_dict_fns(model) -> dict[str, Callable]:
-    """state_dict/load_state_dict through torch.distributed.checkpoint.state_dict with full (unsharded)
-    tensors on every rank: the same names and layout for a plain module, DDP and FSDP2."""
+def full_state_dict_fns(model, sharded: bool = False) -> dict[str, Callable]:
+    """state_dict/load_state_dict through torch.distributed.checkpoint.state_dict, keyed by parameter
+    names for a plain module, DDP and FSDP2 alike. `sharded`: each rank's own shards (DTensors, saved
+    through DCP); otherwise full tensors on every rank. Loading accepts either form."""
 
     def state_dict(optimizer):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+        return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=not sharded))
 
     def load_state_dict(optimizer, model_state: dict, optimizer_state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+        full = not any(hasattr(t, "to_local") for t in model_state.values())
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
-                       options=StateDictOptions(full_state_dict=True))
+                       options=StateDictOptions(full_state_dict=full))
 
     return {"state_dict": state_dict, "load_state_dict": load_state_dict}
 

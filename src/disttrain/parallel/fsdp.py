@@ -44,7 +44,27 @@ def _shard(model: nn.Module, runtime: Runtime, cfg: ParallelConfig, reshard_afte
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return Prepared(module=model, model=model, no_sync=lambda: _no_gradient_sync(model),
-                    grads_averaged_over=runtime.world_size, **full_state_dict_fns(model))
+                    grads_averaged_over=runtime.world_size, checkpoint_target=_sharded_targets(model),
+                    **full_state_dict_fns(model, sharded=True))
+
+
+def _sharded_targets(model: nn.Module):
+    """Load a DCP checkpoint shard by shard: parameters and their optimizer moments (same global shape)
+    into empty DTensors sharded like the parameter; anything else (steps, scalars) as a full tensor."""
+    import torch
+
+    params = dict(model.named_parameters(remove_duplicate=False))  # tied weights under each name
+
+    def target(key: str, size, dtype):
+        name = key.removeprefix("model.")
+        if key.startswith("optimizer.state."):
+            name = key.removeprefix("optimizer.state.").rsplit(".", 1)[0]
+        param = params.get(name)
+        if param is not None and tuple(param.shape) == tuple(size) and hasattr(param, "to_local"):
+            return torch.empty_like(param, dtype=dtype)
+        return torch.empty(size, dtype=dtype)
+
+    return target
 
 
 @contextlib.contextmanager
