@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,10 +22,19 @@ def cli_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def run_cli(args: list[str], tmp_path: Path, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
-    """`disttrain ARGS` in `tmp_path`, killed (and the test failed) if it outlives `timeout` seconds."""
-    return subprocess.run(DISTTRAIN + args, cwd=tmp_path, env=cli_env(tmp_path), capture_output=True,
-                          text=True, timeout=timeout, **kwargs)
+def run_cli(args: list[str], tmp_path: Path, timeout: float = 120, env: dict | None = None
+            ) -> subprocess.CompletedProcess:
+    """`disttrain ARGS` in `tmp_path`; if it outlives `timeout` seconds its whole process group (workers
+    included) is killed and the test fails."""
+    proc = subprocess.Popen(DISTTRAIN + args, cwd=tmp_path, env={**cli_env(tmp_path), **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"disttrain {' '.join(args)} ran over {timeout}s; stderr tail:\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -86,6 +86,8 @@ class TrainingBackend:
         self.precision, self.scheduler, self.grad_clip = precision, scheduler, grad_clip
         self.loss_fn = loss_fn or lm_loss
         self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
+        self.on_phase: Callable[[str], None] = lambda phase: None  # e.g. the rank's status file (monitor.py)
+        self._stop_requested = False
         self.scaler = precision.grad_scaler(runtime.device.type, distributed=runtime.distributed)
         self.step = 0
         self.skipped_steps = 0  # total optimizer steps skipped (fp16 overflow, or non-finite with "skip")
@@ -125,9 +127,11 @@ class TrainingBackend:
         batch = to_device(batch, self.runtime.device, self.precision.param_dtype)
         self.prepared.module.train()
         with contextlib.nullcontext() if sync else self.prepared.no_sync():
+            self.on_phase("forward")
             with self.precision.autocast(self.runtime.device.type):
                 outputs = self.prepared.module(model_inputs(batch))
                 loss_sum, count = self.loss_terms(outputs, batch, loss_fn)
+            self.on_phase("backward")
             (self.scaler.scale(loss_sum) if self.scaler else loss_sum).backward()
         self._loss_sum += loss_sum.detach().double()
         self._count += count
@@ -144,7 +148,8 @@ class TrainingBackend:
         if self._unsynced:
             raise RuntimeError("the last forward_backward() before optim_step() ran with sync=False, so its "
                                "gradients were never reduced across ranks; pass sync=True on the last micro-batch")
-        loss_sum, count, bad_ranks = self._reduce_totals()
+        self.on_phase("optimizer")
+        loss_sum, count, bad_ranks, stop = self._reduce_totals()
         grad_norm = self._normalise_and_clip(count)
         lr = self.optimizer.param_groups[0]["lr"]
         skipped = self._update(math.isfinite(grad_norm) and not bad_ranks, bad_ranks, loss_sum / count)
@@ -154,23 +159,30 @@ class TrainingBackend:
         self._reset_accumulators()
         self.step += 1
         out = {"step": self.step, "loss": loss_sum / count, "grad_norm": grad_norm, "lr": lr, "count": count,
-               "skipped": skipped, "skipped_steps": self.skipped_steps}
+               "skipped": skipped, "skipped_steps": self.skipped_steps, "stop_requested": stop}
         if self.scaler is not None:
             out["loss_scale"] = self.scaler.get_scale()
         return out
 
-    def _reduce_totals(self) -> tuple[float, float, list[int]]:
-        """(global loss sum, global item count, ranks whose loss was non-finite): one small all-reduce."""
+    def request_stop(self) -> None:
+        """Ask every rank to stop after the current step (e.g. on SIGTERM); `optim_step` reports it, on every
+        rank at the same step, as `stop_requested`."""
+        self._stop_requested = True
+
+    def _reduce_totals(self) -> tuple[float, float, list[int], bool]:
+        """(global loss sum, global item count, ranks whose loss was non-finite, stop requested anywhere):
+        one small all-reduce per step carries all of it."""
         world, rank = self.runtime.world_size, self.runtime.rank
-        flags = torch.zeros(world, dtype=torch.float64, device=self.runtime.device)
+        flags = torch.zeros(world + 1, dtype=torch.float64, device=self.runtime.device)
         flags[rank] = float(self._nonfinite_loss)
+        flags[world] = float(self._stop_requested)
         totals = torch.cat([torch.stack([self._loss_sum, self._count]), flags])
         if self.runtime.distributed:
             dist.all_reduce(totals)
         values = totals.tolist()
         if values[1] <= 0:
             raise RuntimeError(f"step {self.step + 1}: the global batch has no valid items (all padding?)")
-        return values[0], values[1], [r for r in range(world) if values[2 + r] > 0]
+        return values[0], values[1], [r for r in range(world) if values[2 + r] > 0], values[2 + world] > 0
 
     def _normalise_and_clip(self, count: float) -> float:
         """Gradients -> token mean over the global batch (undoing the loss scale), clipped; returns the norm,

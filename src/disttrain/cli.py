@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 from pathlib import Path
 
-from disttrain.config import Config, ConfigError, describe, dumps_toml, load_config, resolve_strategy, save_config
+from disttrain.config import ConfigError, describe, dumps_toml, load_config, resolve_strategy, save_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,6 +31,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="override one setting, e.g. --set optim.lr=1e-3 (repeatable)")
     train.add_argument("--resume", help="auto (default: newest committed checkpoint), never, or a checkpoint folder "
                        "(sets checkpoint.resume)")
+    train.add_argument("--nnodes", default="1", help="nodes in the job, or MIN:MAX for elastic membership")
+    train.add_argument("--node-rank", type=int, default=0, help="this node's rank (informational with c10d)")
+    train.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous, the same on every node")
+    train.add_argument("--max-restarts", type=int, default=0,
+                       help="restart the whole group up to K times when a rank fails; each restart resumes from "
+                            "the newest committed checkpoint")
 
     ckpt = sub.add_parser("ckpt", help="list, verify or export checkpoints")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
@@ -72,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _prepare_train(args: argparse.Namespace) -> Config:
+def _prepare_train(args: argparse.Namespace):
     """Load, override, validate and resolve the config; nothing has started yet when this raises."""
     cfg = load_config(args.config, args.overrides)
     if args.nproc is not None:
@@ -82,42 +87,41 @@ def _prepare_train(args: argparse.Namespace) -> Config:
     import torch
 
     from disttrain.config import validate
+    from disttrain.launch import LaunchPlan
 
-    validate(cfg, gpu_count=torch.cuda.device_count())
+    plan = LaunchPlan(nproc=cfg.dist.nproc, nnodes=str(args.nnodes), node_rank=args.node_rank,
+                      rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts, timeout_s=cfg.dist.timeout_s,
+                      startup_timeout_s=cfg.dist.startup_timeout_s, shutdown_grace_s=cfg.dist.shutdown_grace_s)
+    plan.check()
+    low, _, high = plan.nnodes.partition(":")
+    for nodes in range(int(low), int(high or low) + 1):  # elastic: every membership must be valid
+        validate(cfg, gpu_count=torch.cuda.device_count(), world=cfg.dist.nproc * nodes)
     if cfg.model.name != "gpt":
         from disttrain.models import resolve_factory
 
         resolve_factory(cfg.model.name)  # import errors surface here, before any worker starts
-    cfg.parallel.strategy = resolve_strategy(cfg, cfg.dist.nproc)
-    return cfg
-
-
-def _raise_on_sigterm() -> None:
-    def handler(signum, frame):
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    signal.signal(signal.SIGTERM, handler)
+    cfg.parallel.strategy = resolve_strategy(cfg, cfg.dist.nproc * int(high or low))
+    return cfg, plan
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    cfg = _prepare_train(args)
+    cfg, plan = _prepare_train(args)
     config_path = cfg.run_dir / "config.toml"
     save_config(cfg, config_path)
-    if cfg.dist.nproc == 1:
+    if plan.nproc == 1 and plan.single_node and plan.max_restarts == 0:
+        from disttrain.runtime import Preempted
         from disttrain.trainer import Trainer
 
         print(f"disttrain: training {cfg.model.name} on 1 process; run dir {cfg.run_dir}", file=sys.stderr)
-        _raise_on_sigterm()
         try:
             Trainer(cfg).fit()
-        except KeyboardInterrupt as exc:
-            name = str(exc) or "SIGINT"
-            print(f"disttrain: stopped by {name}", file=sys.stderr)
-            return 143 if name == "SIGTERM" else 130
+        except Preempted as exc:
+            print(f"disttrain: {exc}", file=sys.stderr)
+            return exc.exit_code
         return 0
     from disttrain.launch import launch
 
-    return launch(cfg.dist.nproc, ["disttrain.run", str(config_path)], cfg.run_dir)
+    return launch(plan, ["disttrain.run", str(config_path)], cfg.run_dir)
 
 
 def cmd_ckpt(args: argparse.Namespace) -> int:

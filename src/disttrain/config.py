@@ -169,7 +169,12 @@ class DistConfig:
     device: str = "auto"
     """`auto` (cuda:LOCAL_RANK when a GPU is present, else cpu), `cpu` or `cuda`."""
     timeout_s: float = 300.0
-    """Collective timeout in seconds: a rank stuck longer than this fails the job instead of hanging."""
+    """Collective timeout and watchdog limit in seconds: a rank that makes no progress for this long (after
+    the first step) ends the job, and the summary names it, instead of a silent hang."""
+    startup_timeout_s: float = 900.0
+    """The same limit until the first step completes (start-up, data loading, compilation are slower)."""
+    shutdown_grace_s: float = 60.0
+    """After SIGTERM/SIGINT, ranks finish their step and checkpoint within this many seconds, then exit."""
     threads_per_rank: int = 0
     """torch intra-op threads per rank; 0 = cores / processes on this node (at least 1)."""
 
@@ -507,7 +512,8 @@ def _validate_checkpoint(cfg: Config) -> None:
 def _validate_dist(cfg: Config, gpu_count: int, world: int) -> None:
     dc = cfg.dist
     _check(dc.nproc >= 1, f"dist.nproc = {dc.nproc}: must be >= 1 (--nproc)")
-    _check(dc.timeout_s > 0, f"dist.timeout_s = {dc.timeout_s}: must be > 0 seconds")
+    for key in ("timeout_s", "startup_timeout_s", "shutdown_grace_s"):
+        _check(getattr(dc, key) > 0, f"dist.{key} = {getattr(dc, key)}: must be > 0 seconds")
     _check(dc.threads_per_rank >= 0, f"dist.threads_per_rank = {dc.threads_per_rank}: must be >= 0")
     if dc.device == "cuda":
         _check(gpu_count > 0, "dist.device = 'cuda' but no CUDA GPU is visible; set dist.device = 'cpu'")

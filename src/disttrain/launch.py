@@ -1,8 +1,12 @@
-"""Build and run torchrun (torch.distributed.run, torch's own elastic launcher) for N local processes.
+"""Build and run torchrun (torch.distributed.run, torch's own elastic launcher): one node or many,
+with elastic restarts, a watchdog, per-rank logs and a failure summary.
 
 The launcher prints the equivalent `torchrun` command, so what disttrain does is never a mystery and
 can be reproduced by hand. Workers run `python -m disttrain.run CONFIG` (or a user script).
-SIGINT/SIGTERM reach torchrun's agent, which stops every worker; the exit code is 128 + signal.
+SIGINT/SIGTERM reach torchrun's agent, which forwards them to every worker (they finish the step and
+checkpoint within `dist.shutdown_grace_s`); the exit code is 128 + signal. When a worker fails, torchrun
+restarts the whole group up to `--max-restarts` times (each attempt resumes from the newest committed
+checkpoint), then the job ends with a summary of every rank.
 """
 
 from __future__ import annotations
@@ -12,60 +16,102 @@ import os
 import shlex
 import sys
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+
+from disttrain.config import ConfigError
 
 log = logging.getLogger(__name__)
 
 
-def torchrun_argv(nproc: int, entry: list[str], log_dir: Path, module: bool) -> list[str]:
-    """torchrun arguments for one node with `nproc` workers; the rendezvous binds to loopback."""
-    argv = [
-        "--nnodes", "1",
-        "--nproc-per-node", str(nproc),
-        "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", "127.0.0.1:0",
-        "--rdzv-id", uuid.uuid4().hex[:12],
-        "--local-addr", "127.0.0.1",
-        "--max-restarts", "0",
-        "--log-dir", str(log_dir),
-    ]
+@dataclass
+class LaunchPlan:
+    """Where and how many: one node on loopback by default."""
+
+    nproc: int = 1
+    nnodes: str = "1"  # "M" or elastic "MIN:MAX"
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None  # HOST:PORT of the c10d rendezvous; None: loopback, any free port
+    rdzv_id: str | None = None
+    max_restarts: int = 0
+    timeout_s: float = 300.0
+    startup_timeout_s: float = 900.0
+    shutdown_grace_s: float = 60.0
+
+    @property
+    def single_node(self) -> bool:
+        return self.nnodes == "1"
+
+    def check(self) -> None:
+        parts = self.nnodes.split(":")
+        if not (1 <= len(parts) <= 2 and all(p.isdigit() and int(p) >= 1 for p in parts)
+                and int(parts[0]) <= int(parts[-1])):
+            raise ConfigError(f"--nnodes {self.nnodes}: use a number of nodes, or MIN:MAX for elastic, e.g. 2 or 1:4")
+        if not self.single_node and not self.rdzv_endpoint:
+            raise ConfigError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node)")
+        if self.rdzv_endpoint and ":" not in self.rdzv_endpoint:
+            raise ConfigError(f"--rdzv-endpoint {self.rdzv_endpoint}: expected HOST:PORT, e.g. 10.0.0.1:29400")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts {self.max_restarts}: must be >= 0")
+
+
+def torchrun_argv(plan: LaunchPlan, entry: list[str], log_dir: Path, module: bool) -> list[str]:
+    """torchrun arguments; a single node binds its rendezvous to loopback."""
+    argv = ["--nnodes", plan.nnodes, "--nproc-per-node", str(plan.nproc), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", plan.rdzv_endpoint or "127.0.0.1:0",
+            "--rdzv-id", plan.rdzv_id or (uuid.uuid4().hex[:12] if plan.single_node else "disttrain"),
+            "--max-restarts", str(plan.max_restarts), "--log-dir", str(log_dir), "--tee", "3",
+            "--shutdown-timeout", str(int(plan.shutdown_grace_s + 10))]
+    if plan.single_node:
+        argv += ["--local-addr", "127.0.0.1"]
     return argv + (["-m"] if module else []) + entry
 
 
-def launch(nproc: int, entry: list[str], run_dir: Path, module: bool = True) -> int:
-    """Run `entry` on `nproc` local processes through torchrun; return the job's exit code."""
+def launch(plan: LaunchPlan | int, entry: list[str], run_dir: Path, module: bool = True) -> int:
+    """Run `entry` on this node's workers through torchrun; return the job's exit code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    from disttrain.monitor import Watchdog, clear_statuses, summary
+
+    plan = LaunchPlan(nproc=plan) if isinstance(plan, int) else plan
+    plan.check()
     tmp = run_dir / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     os.environ["TMPDIR"] = str(tmp)  # torchrun's per-run folders land in the run, not in /tmp
     import tempfile
 
     tempfile.tempdir = str(tmp)
-    argv = torchrun_argv(nproc, entry, run_dir / "logs", module)
+    argv = torchrun_argv(plan, entry, run_dir / "logs", module)
     print("disttrain: launching: torchrun " + shlex.join(argv), file=sys.stderr, flush=True)
     # The entry's own arguments are attached after parsing: torchrun's argparse would otherwise take a
     # script flag such as --nproc=2 for an abbreviation of its own --nproc-per-node.
     args = get_args_parser().parse_args(argv[:len(argv) - len(entry) + 1])
     args.training_script_args = entry[1:]
+    if plan.node_rank == 0:
+        clear_statuses(run_dir)
+    watchdog = Watchdog(run_dir, plan.timeout_s, plan.startup_timeout_s)
     try:
-        run(args)
+        with watchdog:
+            run(args)
     except ChildFailedError as exc:
-        return _report_failure(exc)
+        failures = {rank: _describe(f) for rank, f in exc.failures.items()}
+        print(summary(run_dir, failures, watchdog.stuck), file=sys.stderr, flush=True)
+        return _exit_code(exc)
     except SignalException as exc:
-        print(f"disttrain: stopped by {exc.sigval.name}; all ranks were terminated", file=sys.stderr)
+        print(f"disttrain: stopped by {exc.sigval.name}; every rank finished its step and exited",
+              file=sys.stderr)
         return 128 + int(exc.sigval)
     return 0
 
 
-def _report_failure(exc) -> int:
-    """One line per failed rank; a worker's own exit code 2 (a user error, already explained) passes through."""
-    codes = []
-    for rank, failure in sorted(exc.failures.items()):
-        code = failure.exitcode
-        what = f"signal {failure.signal_name()}" if code < 0 else f"exit code {code}"
-        print(f"disttrain: rank {rank} failed with {what}", file=sys.stderr)
-        codes.append(128 - code if code < 0 else code)
+def _describe(failure) -> str:
+    code = failure.exitcode
+    return f"killed by signal {failure.signal_name()}" if code < 0 else f"exited with code {code}"
+
+
+def _exit_code(exc) -> int:
+    """A worker's own exit code 2 (a user error, already explained) passes through; otherwise the first."""
+    codes = [128 - f.exitcode if f.exitcode < 0 else f.exitcode for _, f in sorted(exc.failures.items())]
     return 2 if 2 in codes else (codes[0] if codes else 1)

@@ -13,7 +13,7 @@ import sys
 from disttrain.backend import NonFiniteError
 from disttrain.checkpoint import CheckpointError
 from disttrain.config import ConfigError, load_config
-from disttrain.runtime import exit_process
+from disttrain.runtime import Preempted, exit_process
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +31,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (CheckpointError, NonFiniteError) as exc:
         print(f"disttrain: error: {exc}", file=sys.stderr)
+        return 1
+    except Preempted as exc:
+        print(f"disttrain: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except MemoryError as exc:  # torch.OutOfMemoryError is a MemoryError too
+        print(f"disttrain: error: out of memory ({exc}); lower data.micro_batch_size, set "
+              "parallel.activation_checkpointing = true, use a sharded strategy or parallel.cpu_offload, and see "
+              "`disttrain estimate-memory`", file=sys.stderr)
         return 1
     return 0
 

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -160,9 +163,18 @@ def _check_world_agrees(runtime: Runtime) -> None:
         )
 
 
-def shutdown(runtime: Runtime) -> None:
-    """Destroy the process group (call `exit_process` afterwards in a script that used DDP on gloo)."""
+def shutdown(runtime: Runtime, drain: bool = True) -> None:
+    """Destroy the process group (call `exit_process` afterwards in a script that used DDP on gloo).
+
+    `drain` (the normal end, every rank alive) first waits at a barrier, with the GIL released: gloo's
+    worker threads finish destroying completed work (which needs the GIL to free Python tensors). Without
+    it, the last reference to the group dropped later from Python (e.g. a DDP Reducer freed when a
+    function returns) joins those threads while holding the GIL, and the process deadlocks (seen with
+    torch 2.13). On error paths `drain=False` skips the barrier, which a dead peer would never reach.
+    """
     if runtime.distributed and dist.is_initialized():
+        if drain:
+            runtime.barrier()
         dist.destroy_process_group()
 
 
@@ -179,3 +191,73 @@ def exit_process(code: int = 0) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+class Preempted(Exception):
+    """Training stopped on SIGTERM/SIGINT after finishing a step (and checkpointing, if enabled)."""
+
+    def __init__(self, step: int, signum: int = signal.SIGTERM):
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}")
+        self.step, self.signum = step, signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + int(self.signum)
+
+
+class StopSignals:
+    """SIGTERM/SIGINT ask for a graceful stop: `on_signal()` is called (the Trainer asks all ranks to stop
+    after the current step and checkpoint), and if the process is still alive `grace_s` later (stuck in a
+    collective or in user code) it exits with 128 + signal. Handlers are installed only in the main thread
+    and restored on exit."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self.on_signal = lambda: None
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:
+            exit_process(128 + signum)  # a second signal: stop now
+        self.signum = signum
+        self.on_signal()
+        timer = threading.Timer(self.grace_s, exit_process, args=(128 + signum,))
+        timer.daemon = True
+        timer.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        if isinstance(exc, Preempted) and self.signum is not None:
+            exc.signum = self.signum
+
+
+def check_ranks_agree(cfg, runtime: Runtime) -> None:
+    """Every rank must run the same config, disttrain and torch: compared as hashes in one all-gather of
+    integers (no pickling), so a mismatch is named before the first step instead of showing up as a hang."""
+    if not runtime.distributed or runtime.world_size == 1:
+        return
+    import hashlib
+
+    import disttrain
+
+    facts = {"config": cfg.hash(), "disttrain version": disttrain.__version__, "torch version": torch.__version__}
+    mine = torch.tensor([int(hashlib.sha256(v.encode()).hexdigest()[:15], 16) for v in facts.values()],
+                        dtype=torch.int64, device=runtime.device)
+    everyone = [torch.empty_like(mine) for _ in range(runtime.world_size)]
+    dist.all_gather(everyone, mine)
+    for i, name in enumerate(facts):
+        differing = [r for r, theirs in enumerate(everyone) if theirs[i] != everyone[0][i]]
+        if differing:
+            from disttrain.config import ConfigError
+
+            raise ConfigError(f"rank(s) {', '.join(map(str, differing))} run a different {name} than rank 0 "
+                              f"(here, rank {runtime.rank}: {facts[name]}); launch every rank with the same "
+                              "config file, --set values and installation")

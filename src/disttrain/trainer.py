@@ -29,8 +29,9 @@ from disttrain.config import Config, ConfigError, resolve_strategy, save_config,
 from disttrain.data import GlobalSampler, build_datasets, eval_shard, fetch, split_micro
 from disttrain.metrics import Metrics, NullMetrics
 from disttrain.models import build_model
+from disttrain.monitor import RankStatus
 from disttrain.optim import OptimizerFactory, optimizer_factory, scheduler_factory
-from disttrain.runtime import Runtime, detect_launch, init_runtime, shutdown
+from disttrain.runtime import Preempted, Runtime, StopSignals, check_ranks_agree, detect_launch, init_runtime, shutdown
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +73,21 @@ class Trainer:
         world = detect_launch(os.environ).world_size
         runtime = self.runtime or init_runtime(self.cfg.dist,
                                                always_form_group=resolve_strategy(self.cfg, world) != "single")
+        status = RankStatus(self.cfg.run_dir, runtime.rank, runtime.node_rank)
+        clean = False
         try:
-            return self._fit(runtime)
+            with StopSignals(self.cfg.dist.shutdown_grace_s) as stop:
+                result = self._fit(runtime, status, stop)
+            status.close()
+            clean = True
+            return result
+        except BaseException as exc:
+            status.error(exc)
+            status.close(phase="failed")
+            raise
         finally:
             if owns_runtime:
-                shutdown(runtime)
+                shutdown(runtime, drain=clean)
 
     def _setup(self, runtime: Runtime) -> tuple[TrainingBackend, Dataset, Dataset | None]:
         cfg = self.cfg
@@ -96,36 +107,50 @@ class Trainer:
         )
         return backend, train, val
 
-    def _fit(self, runtime: Runtime) -> TrainResult:
+    def _fit(self, runtime: Runtime, status: RankStatus, stop: StopSignals) -> TrainResult:
         cfg = self.cfg
         backend, train, val = self._setup(runtime)
+        backend.on_phase = status.phase
+        stop.on_signal = backend.request_stop
+        check_ranks_agree(cfg, runtime)
         sampler = GlobalSampler(len(train), cfg.run.seed, cfg.data.shuffle)
         manager = CheckpointManager(cfg.run_dir / "checkpoints", cfg.checkpoint, runtime,
                                     info={"strategy": resolve_strategy(cfg, runtime.world_size),
                                           "config_hash": cfg.hash()}, timeout_s=cfg.dist.timeout_s)
         start, cursor = self._resume(manager, backend, runtime)
-        main = runtime.is_main_process()
-        metrics = Metrics(cfg.run_dir, cfg.log, cfg.train.steps, start) if main else NullMetrics()
-        if main:
+        status.phase("data", step=start)
+        metrics = Metrics(cfg.run_dir, cfg.log, cfg.train.steps, start) if runtime.is_main_process() \
+            else NullMetrics()
+        if runtime.is_main_process():
             save_config(cfg, cfg.run_dir / "config.toml")
-        last = cfg.train.stop_at or cfg.train.steps
-        result = TrainResult()
         try:
-            for step in range(start + 1, last + 1):
-                values = self._train_step(backend, train, sampler, cursor, runtime)
-                cursor += cfg.data.global_batch_size
-                result.losses.append(values["loss"])
-                if val is not None and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == last):
-                    values["eval_loss"], _ = evaluate(backend, val, runtime, cfg.data.micro_batch_size,
-                                                      cfg.train.eval_samples)
-                    result.eval_losses[step] = values["eval_loss"]
-                if step % cfg.train.log_every == 0 or step == last or "eval_loss" in values:
-                    metrics.log(step, values)
-                if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == last):
-                    self._save(manager, backend, step, cursor, values)
-            self._checkpoint_guard(manager.wait)  # an async save's error surfaces at the latest here
+            return self._loop(backend, train, val, sampler, manager, metrics, status, start, cursor, runtime)
         finally:
             metrics.close()
+
+    def _loop(self, backend, train, val, sampler, manager, metrics, status, start, cursor, runtime) -> TrainResult:
+        cfg, result = self.cfg, TrainResult()
+        last = cfg.train.stop_at or cfg.train.steps
+        for step in range(start + 1, last + 1):
+            values = self._train_step(backend, train, sampler, cursor, runtime)
+            cursor += cfg.data.global_batch_size
+            result.losses.append(values["loss"])
+            stopping = values.pop("stop_requested")
+            if val is not None and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == last):
+                status.phase("eval")
+                values["eval_loss"], _ = evaluate(backend, val, runtime, cfg.data.micro_batch_size,
+                                                  cfg.train.eval_samples)
+                result.eval_losses[step] = values["eval_loss"]
+            if step % cfg.train.log_every == 0 or step == last or "eval_loss" in values or stopping:
+                metrics.log(step, values)
+            if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == last or stopping):
+                status.phase("checkpoint")
+                self._save(manager, backend, step, cursor, values)
+            status.phase("data", step=step)
+            if stopping:  # every rank saw the request at this same step (it rode on the step's all-reduce)
+                self._checkpoint_guard(manager.wait)
+                raise Preempted(step)
+        self._checkpoint_guard(manager.wait)  # an async save's error surfaces at the latest here
         return result
 
     def _save(self, manager: CheckpointManager, backend: TrainingBackend, step: int, cursor: int,
@@ -174,11 +199,13 @@ class Trainer:
         indices = sampler.rank_indices(cursor, d.global_batch_size, runtime.world_size, runtime.rank)
         micro = split_micro(indices, d.micro_batch_size)
         for i, batch_indices in enumerate(micro):
+            backend.on_phase("data")
             backend.forward_backward(fetch(train, batch_indices), sync=i == len(micro) - 1)
         out = backend.optim_step()
         elapsed = time.perf_counter() - start
         values = {"loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"], "tokens": int(out["count"]),
-                  "tokens_per_s": out["count"] / elapsed, "step_time_s": elapsed, "skipped_steps": out["skipped_steps"]}
+                  "tokens_per_s": out["count"] / elapsed, "step_time_s": elapsed, "skipped_steps": out["skipped_steps"],
+                  "stop_requested": out["stop_requested"]}
         if "loss_scale" in out:
             values["loss_scale"] = out["loss_scale"]
         return values

@@ -30,3 +30,32 @@ class BigramWithBallast(Bigram):
 
 def bigram_with_ballast(model_config):
     return BigramWithBallast(model_config.vocab_size)
+
+
+class Faulty(Bigram):
+    """A bigram model that misbehaves on one rank at one training step (set by the environment):
+    FAULT=raise|sleep|oom, FAULT_RANK, FAULT_STEP (counted in training forwards of one micro-batch each)."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__(vocab_size)
+        self.calls = 0
+
+    def forward(self, idx):
+        import os
+        import time
+
+        self.calls += self.training
+        if (self.training and os.environ.get("RANK", "0") == os.environ.get("FAULT_RANK", "1")
+                and self.calls == int(os.environ.get("FAULT_STEP", "7"))
+                and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) < int(os.environ.get("FAULT_ATTEMPTS", "99"))):
+            fault = os.environ.get("FAULT", "raise")
+            if fault == "sleep":
+                time.sleep(10_000)
+            if fault == "oom":
+                raise torch.OutOfMemoryError("injected: cannot allocate 64 GiB")
+            raise ValueError(f"injected failure at step {self.calls}")
+        return super().forward(idx)
+
+
+def faulty(model_config):
+    return Faulty(model_config.vocab_size)

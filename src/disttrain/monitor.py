@@ -1,0 +1,181 @@
+"""Who is doing what: per-rank status files (worker side), and the launcher's watchdog and failure summary.
+
+Each rank keeps `RUN_DIR/status/rank<R>.json` current: node, pid, attempt, last completed step, the phase
+it is in (startup, data, forward, backward, optimizer, eval, checkpoint, done) and since when, and, if it
+failed, the exception and the last lines of its traceback. A background thread rewrites the file once a
+second (a heartbeat; the main thread only updates a dict), and immediately on errors.
+
+The launcher reads these files: its watchdog SIGKILLs the job when a rank has made no progress for longer
+than `dist.timeout_s` (a longer `dist.startup_timeout_s` before the first step completes, and no limit
+while a checkpoint is being written), and the summary it prints when a job fails names the ranks, their
+exit codes or signals, exceptions, phases and last steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+STATUS_DIR = "status"
+
+
+def status_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / STATUS_DIR
+
+
+class RankStatus:
+    """This rank's status file. `phase()` is cheap (a dict update); a thread writes the file."""
+
+    def __init__(self, run_dir: Path, rank: int, node: int, interval_s: float = 1.0):
+        self.path = status_dir(run_dir) / f"rank{rank}.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        now = time.time()
+        self.state: dict[str, Any] = {
+            "rank": rank, "node": node, "host": socket.gethostname(), "pid": os.getpid(),
+            "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "step": 0, "phase": "startup",
+            "since": now, "heartbeat": now,
+        }
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._beat, args=(interval_s,), name="disttrain-status", daemon=True)
+        self.write()
+        self._thread.start()
+
+    def phase(self, name: str, step: int | None = None) -> None:
+        self.state["phase"] = name
+        self.state["since"] = time.time()
+        if step is not None:
+            self.state["step"] = step
+
+    def error(self, exc: BaseException) -> None:
+        lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
+        self.state["error"] = {"type": type(exc).__name__, "message": str(exc).splitlines()[0] if str(exc) else "",
+                               "traceback": "".join(lines).splitlines()[-8:]}
+        self.write()
+
+    def write(self) -> None:
+        with self._lock:
+            self.state["heartbeat"] = time.time()
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            tmp.write_text(json.dumps(self.state))
+            os.replace(tmp, self.path)
+
+    def _beat(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            try:
+                self.write()
+            except OSError:
+                pass  # a full disk must not kill training; the next beat tries again
+
+    def close(self, phase: str = "done") -> None:
+        self.phase(phase)
+        self._stop.set()
+        self._thread.join()
+        self.write()
+
+
+def read_statuses(run_dir: Path) -> list[dict[str, Any]]:
+    out = []
+    for path in sorted(status_dir(run_dir).glob("rank*.json")):
+        try:
+            out.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue  # being replaced right now
+    return sorted(out, key=lambda s: s["rank"])
+
+
+def clear_statuses(run_dir: Path) -> None:
+    for path in status_dir(run_dir).glob("rank*.json"):
+        path.unlink(missing_ok=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher side
+
+
+def stuck_ranks(statuses: list[dict], timeout_s: float, startup_timeout_s: float, now: float | None = None
+                ) -> list[dict]:
+    """Ranks that have made no progress for longer than their limit. While one rank hangs, its peers wait
+    for it inside a collective, so only the rank(s) stuck the longest are named."""
+    now = time.time() if now is None else now
+    over = []
+    for s in statuses:
+        if s["phase"] in ("done", "checkpoint") or "error" in s:
+            continue
+        limit = startup_timeout_s if s["step"] == 0 else timeout_s
+        if now - s["since"] > limit:
+            over.append(s)
+    if not over:
+        return []
+    oldest = min(s["since"] for s in over)
+    return [s for s in over if s["since"] - oldest < 1.0]
+
+
+def summary(run_dir: Path, failures: dict[int, str] | None = None, stuck: list[dict] | None = None) -> str:
+    """The failure report: one line per rank, then the exception of the first rank that raised."""
+    failures = failures or {}
+    stuck_set = {s["rank"] for s in stuck or []}
+    statuses = read_statuses(run_dir)
+    now = time.time()
+    lines = ["disttrain: job failed. Rank summary (last completed step, phase, state):"]
+    for s in statuses:
+        state = "STUCK, no progress for %.0fs" % (now - s["since"]) if s["rank"] in stuck_set else \
+            failures.get(s["rank"], "raised " + s["error"]["type"] if "error" in s else "stopped by the launcher")
+        lines.append(f"  rank {s['rank']} (node {s['node']}, {s['host']}, pid {s['pid']}): step {s['step']}, "
+                     f"phase {s['phase']}: {state}")
+    raised = [s for s in statuses if "error" in s]
+    if raised:
+        first = min(raised, key=lambda s: s["since"])  # the first to fail; the others often follow from it
+        lines.append(f"rank {first['rank']} raised {first['error']['type']} at step {first['step'] + 1} "
+                     f"({first['phase']}): {first['error']['message']}")
+        lines += ["    " + line for line in first["error"]["traceback"]]
+        if first["error"]["type"] in ("OutOfMemoryError", "MemoryError"):
+            lines.append("out of memory: lower data.micro_batch_size, set parallel.activation_checkpointing = true, "
+                         "use a sharded strategy (fsdp) or parallel.cpu_offload; see `disttrain estimate-memory`")
+    if stuck:
+        lines.append("stuck: " + ", ".join(f"rank {s['rank']} in {s['phase']} after step {s['step']}"
+                                           for s in stuck) + "; other ranks were waiting for it")
+    lines.append(f"full per-rank logs: {Path(run_dir) / 'logs'}")
+    return "\n".join(lines)
+
+
+class Watchdog:
+    """Launcher thread: SIGKILL every worker when a rank stops making progress, after recording why."""
+
+    def __init__(self, run_dir: Path, timeout_s: float, startup_timeout_s: float, poll_s: float = 1.0):
+        self.run_dir, self.timeout_s, self.startup_timeout_s = run_dir, timeout_s, startup_timeout_s
+        self.stuck: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(poll_s,), name="disttrain-watchdog", daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self, poll_s: float) -> None:
+        while not self._stop.wait(poll_s):
+            statuses = read_statuses(self.run_dir)
+            stuck = stuck_ranks(statuses, self.timeout_s, self.startup_timeout_s)
+            if stuck:
+                self.stuck = stuck
+                print(f"disttrain: rank(s) {', '.join(str(s['rank']) for s in stuck)} made no progress for "
+                      f"{self.timeout_s:g}s; stopping the job", file=sys.stderr, flush=True)
+                for s in statuses:  # local workers only: each node's launcher watches its own
+                    if s["host"] == socket.gethostname():
+                        try:
+                            os.kill(s["pid"], signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                return
