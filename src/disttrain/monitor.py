@@ -58,7 +58,7 @@ class RankStatus:
     def error(self, exc: BaseException) -> None:
         lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
         self.state["error"] = {"type": type(exc).__name__, "message": str(exc).splitlines()[0] if str(exc) else "",
-                               "traceback": "".join(lines).splitlines()[-8:]}
+                               "traceback": "".join(lines).splitlines()[-8:], "phase": self.state["phase"]}
         self.write()
 
     def write(self) -> None:
@@ -75,8 +75,10 @@ class RankStatus:
             except OSError:
                 pass  # a full disk must not kill training; the next beat tries again
 
-    def close(self, phase: str = "done") -> None:
-        self.phase(phase)
+    def close(self, phase: str | None = "done") -> None:
+        """Stop the heartbeat; `phase=None` keeps the phase the rank was in (where it failed)."""
+        if phase is not None:
+            self.phase(phase)
         self._stop.set()
         self._thread.join()
         self.write()
@@ -133,9 +135,9 @@ def summary(run_dir: Path, failures: dict[int, str] | None = None, stuck: list[d
                      f"phase {s['phase']}: {state}")
     raised = [s for s in statuses if "error" in s]
     if raised:
-        first = min(raised, key=lambda s: s["since"])  # the first to fail; the others often follow from it
+        first = min(raised, key=lambda s: s["heartbeat"])  # the first to fail; the others often follow from it
         lines.append(f"rank {first['rank']} raised {first['error']['type']} at step {first['step'] + 1} "
-                     f"({first['phase']}): {first['error']['message']}")
+                     f"({first['error']['phase']}): {first['error']['message']}")
         lines += ["    " + line for line in first["error"]["traceback"]]
         if first["error"]["type"] in ("OutOfMemoryError", "MemoryError"):
             lines.append("out of memory: lower data.micro_batch_size, set parallel.activation_checkpointing = true, "

@@ -83,7 +83,7 @@ class Trainer:
             return result
         except BaseException as exc:
             status.error(exc)
-            status.close(phase="failed")
+            status.close(phase=None)
             raise
         finally:
             if owns_runtime:

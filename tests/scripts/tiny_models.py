@@ -45,9 +45,10 @@ class Faulty(Bigram):
         import time
 
         self.calls += self.training
-        if (self.training and os.environ.get("RANK", "0") == os.environ.get("FAULT_RANK", "1")
-                and self.calls == int(os.environ.get("FAULT_STEP", "7"))
-                and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) < int(os.environ.get("FAULT_ATTEMPTS", "99"))):
+        env = os.environ
+        attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if (self.training and env.get("RANK", "0") == env.get("FAULT_RANK", "1")
+                and self.calls == int(env.get("FAULT_STEP", "7")) and attempt < int(env.get("FAULT_ATTEMPTS", "99"))):
             fault = os.environ.get("FAULT", "raise")
             if fault == "sleep":
                 time.sleep(10_000)

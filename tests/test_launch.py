@@ -1,0 +1,167 @@
+"""Launch and survive: failure summaries, hangs, restarts with auto-resume, preemption, multi-node on loopback,
+Slurm-style start, and rank agreement. Real processes, real signals, bounded waits."""
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import DISTTRAIN, cli_env, processes_mentioning, read_metrics, run_cli
+
+JOB = ["--set", "model.name=tiny_models:faulty", "--set", "optim.lr=0.05", "--set", "data.global_batch_size=8",
+       "--set", "data.micro_batch_size=4", "--set", "train.eval_every=0", "--set", "log.progress=false"]
+
+
+def _job(tmp, name, steps=20, *extra):
+    return ["train", "--nproc", "2", "--set", f"run.out_dir={tmp}", "--set", f"run.name={name}",
+            "--set", f"train.steps={steps}", *JOB, *extra]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted 20-step run every recovery must reproduce."""
+    tmp = tmp_path_factory.mktemp("reference")
+    result = run_cli(_job(tmp, "straight", 20, "--set", "checkpoint.every=5"), tmp, env={"FAULT_STEP": "0"})
+    assert result.returncode == 0, result.stderr
+    return [m["loss"] for m in read_metrics(tmp / "straight")]
+
+
+def test_a_rank_that_raises_ends_the_job_with_a_summary(tmp_path):
+    start = time.monotonic()
+    result = run_cli(_job(tmp_path, "raises"), tmp_path, env={"FAULT": "raise", "FAULT_RANK": "1", "FAULT_STEP": "7"})
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0 and elapsed < 30
+    err = result.stderr
+    assert "job failed" in err and "rank 1 raised ValueError at step 7" in err
+    assert "injected failure at step 7" in err and "rank 0 (node 0" in err and "rank 1 (node 0" in err
+    assert list((tmp_path / "raises" / "logs").rglob("stderr.log"))  # full per-rank logs kept
+
+
+def test_out_of_memory_is_named_with_advice(tmp_path):
+    result = run_cli(_job(tmp_path, "oom"), tmp_path, env={"FAULT": "oom", "FAULT_RANK": "0", "FAULT_STEP": "3"})
+    assert result.returncode != 0
+    assert "rank 0 raised OutOfMemoryError at step 3 (forward)" in result.stderr
+    assert "estimate-memory" in result.stderr and "activation_checkpointing" in result.stderr
+
+
+def test_a_hung_rank_is_named_within_timeout(tmp_path):
+    start = time.monotonic()
+    result = run_cli(_job(tmp_path, "hang", 20, "--set", "dist.timeout_s=8"), tmp_path, timeout=60,
+                     env={"FAULT": "sleep", "FAULT_RANK": "1", "FAULT_STEP": "5"})
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0 and elapsed < 8 + 20
+    assert "rank 1 in forward after step 4" in result.stderr
+    assert processes_mentioning(str(tmp_path / "hang")) == []
+
+
+def test_sigkill_with_restarts_resumes_and_finishes_like_an_uninterrupted_run(tmp_path, reference):
+    kill_after = random.Random().randint(6, 14)
+    args = _job(tmp_path, "killed", 20, "--set", "checkpoint.every=5") + ["--max-restarts", "2"]
+    proc = subprocess.Popen(DISTTRAIN + args, cwd=tmp_path, env={**cli_env(tmp_path), "FAULT_STEP": "0"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        metrics = tmp_path / "killed" / "metrics.jsonl"
+        deadline = time.monotonic() + 90
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= kill_after):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        from test_checkpoint_resume import _rank_pid
+
+        os.kill(_rank_pid(str(tmp_path / "killed"), 1), signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err
+    assert "resumed from checkpoint step" in err
+    assert [m["loss"] for m in read_metrics(tmp_path / "killed")][-1] == pytest.approx(reference[-1], abs=1e-6)
+
+
+def test_restart_budget_exhausted_after_exactly_k_plus_one_attempts(tmp_path):
+    result = run_cli(_job(tmp_path, "budget", 20, "--set", "checkpoint.every=5") + ["--max-restarts", "2"], tmp_path,
+                     timeout=180, env={"FAULT": "raise", "FAULT_RANK": "1", "FAULT_STEP": "7"})
+    assert result.returncode != 0 and "job failed" in result.stderr
+    attempts = {p.name for p in (tmp_path / "budget" / "logs").glob("*/attempt_*")}
+    assert attempts == {"attempt_0", "attempt_1", "attempt_2"}
+    assert run_cli(["ckpt", "verify", str(tmp_path / "budget")], tmp_path).returncode == 0  # checkpoints intact
+
+
+def test_sigterm_checkpoints_exits_143_and_the_next_run_resumes(tmp_path, reference):
+    args = _job(tmp_path, "preempted", 20, "--set", "checkpoint.every=100")
+    proc = subprocess.Popen(DISTTRAIN + args, cwd=tmp_path, env={**cli_env(tmp_path), "FAULT_STEP": "0"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    metrics = tmp_path / "preempted" / "metrics.jsonl"
+    deadline = time.monotonic() + 60
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 6):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    committed = run_cli(["ckpt", "list", str(tmp_path / "preempted")], tmp_path).stdout
+    assert "committed" in committed  # a checkpoint at the step where every rank agreed to stop
+    assert processes_mentioning(str(tmp_path / "preempted")) == []
+    resumed = run_cli(args, tmp_path, env={"FAULT_STEP": "0"})
+    assert resumed.returncode == 0 and "resumed from checkpoint step" in resumed.stderr
+    assert [m["loss"] for m in read_metrics(tmp_path / "preempted")] == pytest.approx(reference, abs=1e-6)
+
+
+def test_two_nodes_on_loopback_match_one_node(tmp_path, reference):
+    endpoint = f"127.0.0.1:{_free_port()}"
+    nodes = [subprocess.Popen(DISTTRAIN + ["train", "--nproc", "1", "--nnodes", "2", "--node-rank", str(rank),
+                                           "--rdzv-endpoint", endpoint, "--set", f"run.out_dir={tmp_path}",
+                                           "--set", "run.name=multinode", "--set", "train.steps=20",
+                                           "--set", "checkpoint.every=5", *JOB],
+                              cwd=tmp_path, env={**cli_env(tmp_path), "FAULT_STEP": "0"}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True) for rank in (0, 1)]
+    try:
+        codes = [node.wait(timeout=120) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    assert codes == [0, 0], [n.stderr.read()[-2000:] for n in nodes]
+    assert [m["loss"] for m in read_metrics(tmp_path / "multinode")] == pytest.approx(reference, abs=1e-5)
+
+
+def _slurm_ranks(tmp_path, overrides_per_rank):
+    port = _free_port()
+    procs = []
+    for rank, overrides in enumerate(overrides_per_rank):
+        env = {**cli_env(tmp_path), "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
+               "SLURM_NODEID": "0", "SLURM_NTASKS_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "FAULT_STEP": "0"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "disttrain.run", *overrides], cwd=tmp_path, env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True))
+    try:
+        return [(p.wait(timeout=120), p.stderr.read()) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_slurm_started_ranks_form_one_job_that_matches(tmp_path, reference):
+    args = ["--set", f"run.out_dir={tmp_path}", "--set", "run.name=slurm", "--set", "train.steps=20",
+            "--set", "checkpoint.every=5", "--set", "dist.nproc=2", *JOB]
+    results = _slurm_ranks(tmp_path, [args, args])
+    assert [code for code, _ in results] == [0, 0], results
+    assert [m["loss"] for m in read_metrics(tmp_path / "slurm")] == pytest.approx(reference, abs=1e-5)
+
+
+def test_ranks_with_different_configs_are_refused_naming_the_difference(tmp_path):
+    base = ["--set", f"run.out_dir={tmp_path}", "--set", "run.name=mismatch", "--set", "dist.nproc=2", *JOB]
+    results = _slurm_ranks(tmp_path, [base + ["--set", "optim.lr=0.05"], base + ["--set", "optim.lr=0.01"]])
+    assert all(code == 2 for code, _ in results)
+    assert any("rank(s) 1 run a different config than rank 0" in err for _, err in results)
