@@ -112,6 +112,7 @@ def _describe(failure) -> str:
 
 
 def _exit_code(exc) -> int:
-    """A worker's own exit code 2 (a user error, already explained) passes through; otherwise the first."""
-    codes = [128 - f.exitcode if f.exitcode < 0 else f.exitcode for _, f in sorted(exc.failures.items())]
-    return 2 if 2 in codes else (codes[0] if codes else 1)
+    """A worker's own exit code 2 (a user error, already explained) passes through; otherwise the code of the
+    first rank that failed by itself (ranks stopped by torchrun's SIGTERM are followers, not the cause)."""
+    own = [f.exitcode for _, f in sorted(exc.failures.items()) if f.exitcode > 0]
+    return 2 if 2 in own else (own[0] if own else 1)

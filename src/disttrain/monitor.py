@@ -84,6 +84,21 @@ class RankStatus:
         self.write()
 
 
+def peer_failed(run_dir: Path, rank: int, attempt: int) -> bool:
+    """Has another rank of this attempt raised, or died (on this host)?"""
+    for s in read_statuses(run_dir):
+        if s["rank"] == rank or s.get("attempt") != attempt:
+            continue
+        if "error" in s:
+            return True
+        if s["host"] == socket.gethostname():
+            try:
+                os.kill(s["pid"], 0)
+            except ProcessLookupError:
+                return s["phase"] != "done"
+    return False
+
+
 def read_statuses(run_dir: Path) -> list[dict[str, Any]]:
     out = []
     for path in sorted(status_dir(run_dir).glob("rank*.json")):

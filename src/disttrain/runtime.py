@@ -208,12 +208,14 @@ class Preempted(Exception):
 class StopSignals:
     """SIGTERM/SIGINT ask for a graceful stop: `on_signal()` is called (the Trainer asks all ranks to stop
     after the current step and checkpoint), and if the process is still alive `grace_s` later (stuck in a
-    collective or in user code) it exits with 128 + signal. Handlers are installed only in the main thread
-    and restored on exit."""
+    collective or in user code) it exits with 128 + signal. When `peer_failed()` says another rank already
+    failed (torchrun stopping the group to restart it), the process exits at once instead: there is no
+    step to finish with a dead peer. Handlers are installed only in the main thread and restored on exit."""
 
     def __init__(self, grace_s: float):
         self.grace_s = grace_s
         self.on_signal = lambda: None
+        self.peer_failed = lambda: False  # torchrun also sends SIGTERM when a peer died: then exit at once
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
 
@@ -224,8 +226,8 @@ class StopSignals:
         return self
 
     def _handle(self, signum, frame) -> None:
-        if self.signum is not None:
-            exit_process(128 + signum)  # a second signal: stop now
+        if self.signum is not None or self.peer_failed():
+            exit_process(128 + signum)  # a second signal, or the group is being torn down for a restart
         self.signum = signum
         self.on_signal()
         timer = threading.Timer(self.grace_s, exit_process, args=(128 + signum,))

@@ -29,7 +29,7 @@ from disttrain.config import Config, ConfigError, resolve_strategy, save_config,
 from disttrain.data import GlobalSampler, build_datasets, eval_shard, fetch, split_micro
 from disttrain.metrics import Metrics, NullMetrics
 from disttrain.models import build_model
-from disttrain.monitor import RankStatus
+from disttrain.monitor import RankStatus, peer_failed
 from disttrain.optim import OptimizerFactory, optimizer_factory, scheduler_factory
 from disttrain.runtime import Preempted, Runtime, StopSignals, check_ranks_agree, detect_launch, init_runtime, shutdown
 
@@ -112,6 +112,7 @@ class Trainer:
         backend, train, val = self._setup(runtime)
         backend.on_phase = status.phase
         stop.on_signal = backend.request_stop
+        stop.peer_failed = lambda: peer_failed(cfg.run_dir, runtime.rank, status.state["attempt"])
         check_ranks_agree(cfg, runtime)
         sampler = GlobalSampler(len(train), cfg.run.seed, cfg.data.shuffle)
         manager = CheckpointManager(cfg.run_dir / "checkpoints", cfg.checkpoint, runtime,
