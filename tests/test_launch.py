@@ -67,7 +67,6 @@ def test_a_hung_rank_is_named_within_timeout(tmp_path):
 
 def test_sigkill_with_restarts_resumes_and_finishes_like_an_uninterrupted_run(tmp_path, reference):
     kill_after = random.Random().randint(6, 14)
-    # dist.timeout_s bounds a restart whose process-group start-up stalls (seen now and then on loopback)
     args = _job(tmp_path, "killed", 20, "--set", "checkpoint.every=5", "--set", "dist.timeout_s=15") + [
         "--max-restarts", "2"]
     proc = subprocess.Popen(DISTTRAIN + args, cwd=tmp_path, env={**cli_env(tmp_path), "FAULT_STEP": "0"},

@@ -47,6 +47,7 @@ def main() -> None:
         (out / "result.json").write_text(json.dumps({
             "losses": result.losses, "eval_losses": result.eval_losses, "world": runtime.world_size,
             "id_sum": mean_id * counted, "id_count": counted}))
+    del probe, model  # see runtime.shutdown: nothing holding the process group may outlive it
     shutdown(runtime)
 
 
