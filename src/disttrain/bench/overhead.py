@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import statistics
 import time
@@ -173,6 +174,9 @@ def _worker(args: argparse.Namespace) -> None:
 
     cfg = _config(args)
     runtime = init_runtime(cfg.dist)
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= runtime.launch.local_world_size:  # one core per rank: less scheduler noise in the figures
+        os.sched_setaffinity(0, {cores[runtime.local_rank]})
     train, _ = build_datasets(cfg.data, cfg.model.seq_len)
     sampler = GlobalSampler(len(train), cfg.run.seed)
     strategies = [s for s in args.strategies.split(",") if s]
