@@ -41,7 +41,7 @@ def test_a_rank_that_raises_ends_the_job_with_a_summary(tmp_path):
     start = time.monotonic()
     result = run_cli(_job(tmp_path, "raises"), tmp_path, env={"FAULT": "raise", "FAULT_RANK": "1", "FAULT_STEP": "7"})
     elapsed = time.monotonic() - start
-    assert result.returncode != 0 and elapsed < 30
+    assert result.returncode != 0 and elapsed < 20  # ~4 s of start-up, then the failure ends the job at once
     err = result.stderr
     assert "job failed" in err and "rank 1 raised ValueError at step 7" in err
     assert "injected failure at step 7" in err and "rank 0 (node 0" in err and "rank 1 (node 0" in err
@@ -57,10 +57,10 @@ def test_out_of_memory_is_named_with_advice(tmp_path):
 
 def test_a_hung_rank_is_named_within_timeout(tmp_path):
     start = time.monotonic()
-    result = run_cli(_job(tmp_path, "hang", 20, "--set", "dist.timeout_s=8"), tmp_path, timeout=60,
+    result = run_cli(_job(tmp_path, "hang", 20, "--set", "dist.timeout_s=20"), tmp_path, timeout=90,
                      env={"FAULT": "sleep", "FAULT_RANK": "1", "FAULT_STEP": "5"})
     elapsed = time.monotonic() - start
-    assert result.returncode != 0 and elapsed < 8 + 20
+    assert result.returncode != 0 and elapsed < 40
     assert "rank 1 in forward after step 4" in result.stderr
     assert processes_mentioning(str(tmp_path / "hang")) == []
 
