@@ -194,22 +194,23 @@ class CheckpointManager:
         self.wait()  # the previous async save, and its error if it failed
         rank_state = {"rng": _rng_state()} if rank_state is None else rank_state
         self._prepare_folder(step)
-        if self.cfg.async_save and _is_sharded(state):
+        sharded = _is_sharded(state)  # decided once: it walks the whole state
+        if self.cfg.async_save and sharded:
             if not self._warned_sync:
                 log.warning("checkpoint.async_save: sharded (DCP) state is saved synchronously in this version")
                 self._warned_sync = True
-            self._save(step, state, metrics, rank_state, collective=True)
+            self._save(step, state, metrics, rank_state, collective=True, sharded=True)
         elif self.cfg.async_save:
             state, rank_state = self._snapshot({"state": state, "rank": rank_state}).values()
             self._pending = threading.Thread(target=self._save_in_background, name="disttrain-ckpt",
                                              args=(step, state, metrics, rank_state), daemon=True)
             self._pending.start()
         else:
-            self._save(step, state, metrics, rank_state, collective=True)
+            self._save(step, state, metrics, rank_state, collective=True, sharded=sharded)
 
     def _save_in_background(self, step, state, metrics, rank_state) -> None:
         try:
-            self._save(step, state, metrics, rank_state, collective=False)
+            self._save(step, state, metrics, rank_state, collective=False, sharded=False)
         except BaseException as exc:  # surfaced by wait()
             self._pending_error = exc
 
@@ -236,12 +237,12 @@ class CheckpointManager:
         if self._distributed():
             self.runtime.barrier()
 
-    def _save(self, step: int, state, metrics, rank_state, collective: bool) -> None:
+    def _save(self, step: int, state, metrics, rank_state, collective: bool, sharded: bool) -> None:
         path = self.path(step)
         error = None
         try:
             files = write_state(path, f"rank{self.rank}", rank_state)
-            if _is_sharded(state):  # every rank writes its shards through DCP
+            if sharded:  # every rank writes its shards through DCP
                 files.update(_write_sharded(path, state, self.rank))
             elif self.rank == 0:
                 files.update(write_state(path, "state", state))
@@ -255,7 +256,7 @@ class CheckpointManager:
         if not failed and self.rank == 0:
             try:
                 self._commit(step, path, metrics or {}, timeout=None if collective else self.timeout_s,
-                             layout="dcp" if _is_sharded(state) else "full")
+                             layout="dcp" if sharded else "full")
             except OSError as exc:
                 error, failed = CheckpointError(_describe_os_error(exc, path)), True
             except CheckpointError as exc:
