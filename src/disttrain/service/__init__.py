@@ -1,0 +1,12 @@
+"""Immediate-mode training as a service: `TrainingService` over local worker processes or Ray actors.
+
+Two tiers: `worker.py` + `group.py` (spawn workers, send them commands; usable on their own) and
+`service.py` (the convenient async API with health monitoring and a failure policy). `wire.py` is the
+message format (JSON + safetensors; never pickle).
+"""
+
+from disttrain.service.group import LocalLauncher, RemoteError, WorkerFailure, WorkerGroup
+from disttrain.service.service import ServiceOptions, TrainingService, WorkersRestarted, split_batch
+
+__all__ = ["LocalLauncher", "RemoteError", "ServiceOptions", "TrainingService", "WorkerFailure", "WorkerGroup",
+           "WorkersRestarted", "split_batch"]

@@ -1,0 +1,119 @@
+"""The Ray backend of the worker tier: workers are Ray actors in a placement group (optional extra `ray`).
+
+Ray places and supervises the processes (PACK or SPREAD bundles, CPUs, fractional GPUs, custom
+resources, several nodes); everything else is the same as the local backend: each actor runs
+`worker.serve`, connects back to the driver, and the actors form the torch process group among
+themselves through the driver's rendezvous store. Only strings and numbers go through Ray's own calls;
+commands and tensors travel on the disttrain wire (JSON + safetensors, no pickle).
+
+A Ray actor is a lean process group: measured here, two actors formed a gloo group and trained in ~3 s,
+where Ray Train's `TorchTrainer.fit()` took ~38 s for the same job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from disttrain.service.group import WorkerFailure
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        from disttrain.config import ConfigError
+
+        raise ConfigError("backend = 'ray' needs Ray: pip install 'disttrain[ray]'") from None
+    return ray
+
+
+class _Actor:
+    """The body of each Ray actor (made a Ray class lazily, so importing this module never needs Ray)."""
+
+    def serve(self, host: str, port: int, token: str, rank: int, world: int, heartbeat_s: float,
+              env: dict[str, str]) -> int:
+        os.environ.update(env)
+        from disttrain.service.worker import serve
+
+        return serve(host, port, token, rank, world, heartbeat_s)
+
+    def where(self) -> dict[str, Any]:
+        import ray
+
+        context = ray.get_runtime_context()
+        return {"node_id": context.get_node_id(), "pid": os.getpid(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+
+
+class RayLauncher:
+    """Starts `procs` actors, one per placement-group bundle; `exit_status` reports a dead actor."""
+
+    name = "ray"
+
+    def __init__(self, options):
+        self.options = options
+        self.actors: list[Any] = []
+        self.refs: list[Any] = []
+        self.nodes: list[str] = []
+        self.group = None
+
+    async def spawn(self, host: str, port: int, token: str, procs: int, heartbeat_s: float) -> None:
+        ray = _import_ray()
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        o = self.options
+        if not ray.is_initialized():
+            ray.init(address=o.ray_address, include_dashboard=False, log_to_driver=True,
+                     configure_logging=False)
+        bundle = {"CPU": o.cpus_per_worker, **({"GPU": o.gpus_per_worker} if o.gpus_per_worker else {}),
+                  **o.resources_per_worker}
+        self.group = placement_group([dict(bundle) for _ in range(procs)], strategy=o.placement)
+        ready = await asyncio.to_thread(ray.wait, [self.group.ready()], timeout=o.startup_timeout_s)
+        if not ready[0]:
+            ray.util.remove_placement_group(self.group)
+            raise WorkerFailure(f"Ray could not place {procs} workers with {bundle} each ({o.placement}) within "
+                                f"{o.startup_timeout_s:g} s; cluster resources: {ray.cluster_resources()}")
+        actor_cls = ray.remote(_Actor)
+        env = {**o.env, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+        for rank in range(procs):
+            actor = actor_cls.options(
+                num_cpus=o.cpus_per_worker, num_gpus=o.gpus_per_worker, resources=o.resources_per_worker or None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank),
+            ).remote()
+            self.actors.append(actor)
+        self.nodes = [w["node_id"] for w in await asyncio.to_thread(ray.get, [a.where.remote() for a in self.actors])]
+        self.refs = [a.serve.remote(host, port, token, rank, procs, heartbeat_s, env)
+                     for rank, a in enumerate(self.actors)]
+
+    def exit_status(self, rank: int) -> str | None:
+        if not self.refs:
+            return None
+        ray = _import_ray()
+        done, _ = ray.wait([self.refs[rank]], timeout=0)
+        if not done:
+            return None
+        try:
+            return f"(Ray actor) exited with code {ray.get(done[0])}"
+        except Exception as exc:  # ActorDiedError and friends
+            return f"(Ray actor) died: {str(exc).splitlines()[0]}"
+
+    def node(self, rank: int) -> str:
+        return self.nodes[rank] if rank < len(self.nodes) else ""
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        if self.refs:
+            ray = _import_ray()
+            await asyncio.to_thread(ray.wait, self.refs, num_returns=len(self.refs), timeout=timeout_s)
+        await self.kill()
+
+    async def kill(self) -> None:
+        if not self.actors and self.group is None:
+            return
+        ray = _import_ray()
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        if self.group is not None:
+            ray.util.remove_placement_group(self.group)
+        self.actors, self.refs, self.group = [], [], None

@@ -1,0 +1,420 @@
+"""TrainingService: the immediate-mode API (`forward_backward`, `optim_step`, ...) over a group of workers.
+
+    service = await TrainingService.options(procs=2, backend="local").as_service(
+        model_fn="pkg.mod:build_model", loss_fn="pkg.mod:loss", strategy="fsdp", precision="bf16-mixed")
+    metrics = await service.forward_backward(batch)   # the global batch; each rank gets its slice
+    metrics = await service.optim_step()
+    out = await service.forward(batch)
+    await service.save(path); await service.load(path)
+    await service.shutdown()
+
+The caller keeps the loop; each call runs on every worker (one rank each) through the same
+TrainingBackend that `disttrain train` uses. The driver splits the global batch the way the sampler does
+(rank r gets the r-th contiguous slice) and the backend normalises by the global item count, so the
+results equal `disttrain train` and the single-process reference.
+
+Failures (`on_failure`): `fail` raises a `WorkerFailure` naming the worker from the call that was
+running (or the next one) and the service stays failed; `restart` kills the group, starts a new one,
+reloads the newest checkpoint saved through this service (`save`, or `checkpoint_dir`), and raises
+`WorkersRestarted(step)` from the call that was interrupted (or the next call, if the failure was seen
+between calls and work since the checkpoint was lost), so the loop can go back to that step; the call
+after it proceeds. A restart that loses nothing (no step or micro-batch since the checkpoint) is silent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from disttrain.service.group import LocalLauncher, RemoteError, WorkerFailure, WorkerGroup
+from disttrain.service.wire import pack, unpack
+
+log = logging.getLogger(__name__)
+
+
+class WorkersRestarted(RuntimeError):
+    """The worker group was restarted after a failure and restored to checkpoint `step` (0: no checkpoint,
+    fresh weights); the work since then was lost and the caller should continue from that step."""
+
+    def __init__(self, step: int, cause: WorkerFailure):
+        super().__init__(f"workers restarted after: {cause}; restored step {step}")
+        self.step, self.cause = step, cause
+
+
+@dataclass
+class ServiceOptions:
+    procs: int = 1
+    """Workers (ranks)."""
+    backend: str = "local"
+    """`local` (child processes) or `ray` (Ray actors in a placement group)."""
+    on_failure: str = "fail"
+    """`fail` (raise a WorkerFailure naming the worker) or `restart` (new group, newest checkpoint)."""
+    heartbeat_s: float = 0.5
+    """Seconds between worker heartbeats."""
+    heartbeat_timeout_s: float = 10.0
+    """A worker silent for this long is declared unresponsive (dead workers are detected at once)."""
+    max_restarts: int = 3
+    """`restart` policy: give up (and fail) after this many restarts."""
+    checkpoint_dir: str | None = None
+    """Where `save()` writes by default and where a restart reloads from (default: the last `save` path)."""
+    host: str = "127.0.0.1"
+    """Address the driver listens on; loopback unless workers run on other machines (Ray, several nodes)."""
+    threads: int = 0
+    """torch threads per worker; 0 = cores / procs on a local machine, 1 on Ray."""
+    device: str = "auto"
+    """`auto`, `cpu` or `cuda`."""
+    timeout_s: float = 300.0
+    """Collective timeout inside the worker group."""
+    startup_timeout_s: float = 180.0
+    """How long workers may take to start and connect."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for the workers."""
+    log_dir: str | None = None
+    """Local backend: write each worker's output to LOG_DIR/worker<R>.log (default: the driver's terminal)."""
+    ray_address: str | None = None
+    """Ray: cluster address (None: the running cluster, or a new local one)."""
+    placement: str = "PACK"
+    """Ray: placement-group strategy, `PACK` or `SPREAD` (`STRICT_PACK`, `STRICT_SPREAD` too)."""
+    cpus_per_worker: float = 1.0
+    """Ray: CPUs reserved per worker."""
+    gpus_per_worker: float = 0.0
+    """Ray: GPUs per worker (fractions allowed)."""
+    resources_per_worker: dict[str, float] = field(default_factory=dict)
+    """Ray: other custom resources per worker."""
+
+    def validate(self) -> None:
+        from disttrain.config import ConfigError
+
+        if self.procs < 1:
+            raise ConfigError(f"procs = {self.procs}: need at least 1 worker")
+        if self.backend not in ("local", "ray"):
+            raise ConfigError(f"backend = {self.backend!r}: choose 'local' or 'ray'")
+        if self.on_failure not in ("fail", "restart"):
+            raise ConfigError(f"on_failure = {self.on_failure!r}: choose 'fail' or 'restart'")
+        if self.heartbeat_timeout_s <= self.heartbeat_s:
+            raise ConfigError(f"heartbeat_timeout_s = {self.heartbeat_timeout_s:g} must exceed heartbeat_s = "
+                              f"{self.heartbeat_s:g}")
+        if self.placement not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ConfigError(f"placement = {self.placement!r}: choose PACK, SPREAD, STRICT_PACK or STRICT_SPREAD")
+
+    async def as_service(self, model_fn: str, optimizer_fn: str | None = None, loss_fn: str | None = None, *,
+                         strategy: str = "auto", precision: str = "fp32", model_args: dict | None = None,
+                         optimizer: dict | None = None, optimizer_args: dict | None = None,
+                         parallel: dict | None = None, seed: int = 0, grad_clip: float | None = None,
+                         total_steps: int = 0, on_nonfinite: str = "stop") -> TrainingService:
+        """Start the workers and build the model in each.
+
+        model_fn:     "pkg.mod:factory" called as factory(**model_args), or "gpt" (model_args = ModelConfig).
+        optimizer_fn: "pkg.mod:factory" called as factory(model, **optimizer_args); default: disttrain's
+                      AdamW/SGD from `optimizer` (OptimConfig fields), with the warmup-cosine schedule
+                      when `total_steps` > 0.
+        loss_fn:      "pkg.mod:fn"(outputs, batch) -> (sum, count) or a mean; default: token cross-entropy.
+        """
+        self.validate()
+        setup = {"op": "setup", "model_fn": model_fn, "model_args": model_args or {}, "optimizer_fn": optimizer_fn,
+                 "optimizer_args": optimizer_args or {}, "optimizer": optimizer or {}, "loss_fn": loss_fn,
+                 "strategy": strategy, "precision": precision, "parallel": parallel or {}, "seed": seed,
+                 "total_steps": total_steps, "on_nonfinite": on_nonfinite, "device": self.device,
+                 "timeout_s": self.timeout_s, "sys_path": _import_paths()}
+        if grad_clip is not None:
+            setup["grad_clip"] = grad_clip
+        service = TrainingService(self, setup)
+        await service._start()
+        return service
+
+
+class TrainingService:
+    """See the module docstring. Create with `await TrainingService.options(...).as_service(...)`."""
+
+    @staticmethod
+    def options(**options: Any) -> ServiceOptions:
+        return ServiceOptions(**options)
+
+    def __init__(self, options: ServiceOptions, setup: dict[str, Any]):
+        self.options, self._setup = options, setup
+        self.group: WorkerGroup | None = None
+        self.generation = 0
+        self.restarts = 0
+        self.step = 0
+        self._micro_batches = 0  # since the last optim_step
+        self._checkpoint: tuple[str, int] | None = None  # (path, step) of the newest save/load
+        self._failed: WorkerFailure | None = None
+        self._notice: WorkersRestarted | None = None
+        self._restarting: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
+        self.failures: list[dict[str, Any]] = []
+        if options.checkpoint_dir:
+            self._checkpoint = (options.checkpoint_dir, -1)
+
+    @property
+    def procs(self) -> int:
+        return self.options.procs
+
+    # -- group life cycle --------------------------------------------------------------------------
+
+    def _launcher(self):
+        if self.options.backend == "ray":
+            from disttrain.service.ray_backend import RayLauncher
+
+            return RayLauncher(self.options)
+        return LocalLauncher(self.options.env, self.options.log_dir)
+
+    async def _start(self) -> None:
+        o = self.options
+        group = WorkerGroup(self._launcher(), o.procs, host=o.host, heartbeat_s=o.heartbeat_s,
+                            heartbeat_timeout_s=o.heartbeat_timeout_s, startup_timeout_s=o.startup_timeout_s,
+                            on_failure=self._on_failure)
+        await group.start()
+        self.group = group
+        threads = o.threads or (1 if o.backend == "ray" else max(1, (os.cpu_count() or 1) // o.procs))
+        local = o.backend == "local"
+        messages = [({**self._setup, "store_host": o.host, "store_port": group.store.port,
+                      "generation": self.generation, "threads": threads, "local_rank": rank if local else 0,
+                      "local_world_size": o.procs if local else 1}, None) for rank in range(o.procs)]
+        try:
+            await group.all(messages)
+        except BaseException:
+            await group.close(graceful=False)
+            raise
+
+    def _on_failure(self, failure: WorkerFailure) -> None:
+        self.failures.append({"time": time.time(), "error": str(failure), "rank": failure.rank,
+                              "generation": self.generation})
+        if self.options.on_failure == "restart" and self._restarting is None:
+            self._restarting = asyncio.get_running_loop().create_task(self._restart(failure))
+
+    async def _restart(self, failure: WorkerFailure) -> None:
+        """Kill the group, start a new one, reload the newest checkpoint."""
+        try:
+            if self.restarts >= self.options.max_restarts:
+                raise WorkerFailure(f"{failure}; giving up after {self.restarts} restarts "
+                                    f"(max_restarts = {self.options.max_restarts})", failure.rank)
+            lost = self._micro_batches > 0 or self._checkpoint is None or self.step != self._checkpoint[1]
+            await self.group.close(graceful=False)
+            self.restarts += 1
+            self.generation += 1
+            log.warning("restarting the worker group (restart %d): %s", self.restarts, failure)
+            await self._start()
+            restored = 0
+            if self._checkpoint is not None and _has_checkpoint(self._checkpoint[0]):
+                restored = await self._load(self._checkpoint[0], "latest")
+            self.step, self._micro_batches = restored, 0
+            if lost:
+                self._notice = WorkersRestarted(restored, failure)
+        except BaseException as exc:
+            self._failed = exc if isinstance(exc, WorkerFailure) else WorkerFailure(f"{failure}; restart failed: {exc}")
+        finally:
+            self._restarting = None
+
+    async def _run(self, action):
+        """Run one public call under the failure policy."""
+        async with self._lock:
+            await self._settle()
+            try:
+                return await action()
+            except WorkerFailure as failure:
+                if self.options.on_failure == "fail":
+                    self._failed = self._failed or failure
+                    await self.group.close(graceful=False)
+                    raise self._failed from None
+                while self._restarting is not None:  # the call was interrupted: always say so
+                    await asyncio.shield(self._restarting)
+                if self._failed is not None:
+                    raise self._failed from None
+                notice, self._notice = self._notice or WorkersRestarted(self.step, failure), None
+                raise notice from None
+
+    async def _settle(self) -> None:
+        """Wait for a restart in progress; raise a failure or a pending restart notice."""
+        while self._restarting is not None:
+            await asyncio.shield(self._restarting)
+        if self._failed is not None:
+            raise self._failed
+        if self.group.failure is not None and self.options.on_failure == "fail":
+            self._failed = self.group.failure
+            await self.group.close(graceful=False)
+            raise self._failed
+        if self._notice is not None:
+            notice, self._notice = self._notice, None
+            raise notice
+
+    def _scatter(self, batch: Any, **fields: Any) -> list[tuple[dict, dict]]:
+        shards = split_batch(batch, self.procs)
+        out = []
+        for shard in shards:
+            skeleton, tensors = pack(shard, "batch")
+            out.append(({**fields, "batch": skeleton}, tensors))
+        return out
+
+    # -- the API -----------------------------------------------------------------------------------
+
+    async def forward_backward(self, batch: Any, loss_fn: str | None = None, *, sync: bool = True) -> dict[str, float]:
+        """Forward and backward the global `batch` (gradients accumulate until `optim_step`); returns the
+        global mean loss of this batch and its item count."""
+
+        async def action():
+            messages = self._scatter(batch, op="forward_backward", sync=sync, loss_fn=loss_fn)
+            replies = await self.group.all(messages)
+            self._micro_batches += 1
+            counts = [r["metrics"]["count"] for r, _ in replies]
+            total = sum(counts)
+            loss = sum(r["metrics"]["loss"] * c for (r, _), c in zip(replies, counts, strict=True)) / max(total, 1.0)
+            return {"loss": loss, "count": total}
+
+        return await self._run(action)
+
+    async def optim_step(self) -> dict[str, Any]:
+        """Normalise, clip, step and zero the gradients on every rank; returns the step's metrics."""
+
+        async def action():
+            replies = await self.group.all([({"op": "optim_step"}, None)] * self.procs)
+            metrics = replies[0][0]["metrics"]
+            self.step, self._micro_batches = int(metrics["step"]), 0
+            return metrics
+
+        return await self._run(action)
+
+    async def forward(self, batch: Any) -> Any:
+        """Outputs of the model (eval mode, no gradients) for the global `batch`, in batch order."""
+
+        async def action():
+            replies = await self.group.all(self._scatter(batch, op="forward"))
+            return concat([unpack(r["result"], t) for r, t in replies])
+
+        return await self._run(action)
+
+    async def call(self, fn: str, batch: Any = None, **kwargs: Any) -> list[Any]:
+        """Run `fn(shard, **kwargs)` ("pkg.mod:fn") on every rank with its slice of `batch`, together (so it
+        may use `disttrain.collectives`); returns the results in rank order."""
+
+        async def action():
+            replies = await self.group.all(self._scatter(batch, op="call", fn=fn, kwargs=kwargs))
+            return [unpack(r["result"], t) for r, t in replies]
+
+        return await self._run(action)
+
+    async def save(self, path: str | os.PathLike | None = None, metrics: dict[str, float] | None = None,
+                   keep_last: int = 3) -> str:
+        """Save a committed checkpoint of the current step under `path` (a CheckpointManager folder);
+        returns the checkpoint's folder. A later restart reloads the newest checkpoint there."""
+        folder = str(path or self.options.checkpoint_dir or "")
+        if not folder:
+            raise ValueError("save(): give a path or set checkpoint_dir in TrainingService.options()")
+
+        async def action():
+            if self._micro_batches:
+                raise RuntimeError("save() between forward_backward() and optim_step(): the accumulated "
+                                   "gradients are not part of a checkpoint; call optim_step() first")
+            message = {"op": "save", "path": folder, "keep_last": keep_last, "metrics": metrics,
+                       "strategy": self._setup["strategy"], "timeout_s": self.options.timeout_s}
+            replies = await self.group.all([(message, None)] * self.procs)
+            self._checkpoint = (folder, self.step)
+            return replies[0][0]["path"]
+
+        return await self._run(action)
+
+    async def load(self, path: str | os.PathLike | None = None, step: int | str = "latest") -> int:
+        """Load checkpoint `step` (default the newest that verifies) from `path`; returns its step."""
+        folder = str(path or self.options.checkpoint_dir or "")
+
+        async def action():
+            restored = await self._load(folder, step)
+            self.step, self._micro_batches = restored, 0
+            self._checkpoint = (folder, restored)
+            return restored
+
+        return await self._run(action)
+
+    async def _load(self, folder: str, step: int | str) -> int:
+        message = {"op": "load", "path": folder, "step": step, "timeout_s": self.options.timeout_s}
+        replies = await self.group.all([(message, None)] * self.procs)
+        return int(replies[0][0]["step"])
+
+    async def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model weights (e.g. to sync a rollout policy)."""
+
+        async def action():
+            replies = await self.group.all([({"op": "state_dict"}, None)] * self.procs)
+            return dict(replies[0][1])
+
+        return await self._run(action)
+
+    async def status(self) -> dict[str, Any]:
+        """Health of every worker, restarts, failures, and the step (never raises for a failed group)."""
+        state = "failed" if self._failed else ("restarting" if self._restarting else (
+            "degraded" if self.group is not None and self.group.failure else "healthy"))
+        return {"state": state, "backend": self.options.backend, "procs": self.procs, "step": self.step,
+                "generation": self.generation, "restarts": self.restarts, "failures": list(self.failures),
+                "workers": self.group.status() if self.group is not None else [],
+                "checkpoint": self._checkpoint[0] if self._checkpoint else None,
+                "options": asdict(self.options)}
+
+    async def shutdown(self) -> None:
+        """Stop every worker (leaving the process group cleanly when the group is healthy)."""
+        while self._restarting is not None:
+            await asyncio.shield(self._restarting)
+        if self.group is not None:
+            await self.group.close(graceful=self.group.failure is None and self._failed is None)
+            self.group = None
+
+    async def __aenter__(self) -> TrainingService:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown()
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+
+
+def split_batch(batch: Any, n: int) -> list[Any]:
+    """`n` contiguous slices along dim 0 of every tensor in `batch` (as the sampler gives rank r the r-th
+    slice of the global batch); numbers, strings and 0-d tensors go to every slice unchanged."""
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0:
+            return [batch] * n
+        if len(batch) < n:
+            raise ValueError(f"a batch of {len(batch)} rows cannot be split over {n} workers; send at least {n}")
+        return list(torch.tensor_split(batch, n))
+    if isinstance(batch, dict):
+        parts = {k: split_batch(v, n) for k, v in batch.items()}
+        return [{k: parts[k][i] for k in batch} for i in range(n)]
+    if isinstance(batch, (list, tuple)):
+        parts = [split_batch(v, n) for v in batch]
+        return [type(batch)(p[i] for p in parts) for i in range(n)]
+    return [batch] * n
+
+
+def concat(parts: list[Any]) -> Any:
+    """Inverse of `split_batch` for per-rank outputs."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts) if first.dim() else first
+    if isinstance(first, dict):
+        return {k: concat([p[k] for p in parts]) for k in first}
+    if isinstance(first, (list, tuple)):
+        return type(first)(concat([p[i] for p in parts]) for i in range(len(first)))
+    return first
+
+
+def _import_paths() -> list[str]:
+    """Where the driver imports code from (its sys.path, the working directory), so workers, Ray actors
+    included, resolve the same factories."""
+    paths = [os.getcwd(), *sys.path]
+    return [os.path.abspath(p) for p in dict.fromkeys(paths) if p and os.path.isdir(p)]
+
+
+def _has_checkpoint(folder: str) -> bool:
+    from disttrain.checkpoint import CheckpointManager
+
+    return bool(CheckpointManager(folder).list())
+
+
+__all__ = ["RemoteError", "ServiceOptions", "TrainingService", "WorkerFailure", "WorkersRestarted", "split_batch"]

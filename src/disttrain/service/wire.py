@@ -1,0 +1,132 @@
+"""The driver <-> worker wire format: one JSON message plus named tensors as a safetensors buffer. No pickle.
+
+A frame is `MAGIC` (4 bytes) | JSON length (u32) | payload length (u64) | JSON (UTF-8) | payload, where
+the payload is empty or a safetensors buffer (a JSON header of dtypes, shapes and offsets, then raw
+bytes). Both halves are parsed by formats that can only produce data, never run code: anything else, a
+pickle included, fails the magic or the parse and is rejected with a `WireError`.
+
+Structured values (a batch that is a dict, tuple or list of tensors and numbers) travel as a JSON
+skeleton plus the tensors it references (`statefile.flatten`, the same encoding checkpoints use).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+import threading
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from disttrain.statefile import flatten, unflatten
+
+MAGIC = b"DTW1"
+PREFIX = struct.Struct("!4sIQ")
+MAX_JSON_BYTES = 64 << 20
+TOKEN_ENV = "DISTTRAIN_SERVICE_TOKEN"  # how a local worker learns the token that proves it to its driver
+
+
+class WireError(ValueError):
+    """A frame that is not a well-formed disttrain message (wrong magic, bad JSON, bad tensor buffer)."""
+
+
+def encode(message: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> list[bytes]:
+    """The frame for `message` and `tensors`, as chunks to write in order."""
+    body = json.dumps(message, separators=(",", ":")).encode()
+    payload = b""
+    if tensors:
+        payload = save_safetensors({k: _own_storage(t) for k, t in tensors.items()})
+    return [PREFIX.pack(MAGIC, len(body), len(payload)), body, payload]
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """safetensors refuses tensors that share memory (e.g. slices of one batch): copy those only."""
+    t = t.detach().cpu().contiguous()
+    return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
+
+
+def parse_prefix(prefix: bytes) -> tuple[int, int]:
+    """(JSON length, payload length) from a frame's first bytes; a foreign stream fails here."""
+    magic, json_len, payload_len = PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        kind = "a pickle" if prefix[:1] == b"\x80" else "not a disttrain frame"
+        raise WireError(f"rejected a message that is {kind} (first bytes {prefix[:8]!r}); the wire carries "
+                        "JSON and safetensors only")
+    if json_len > MAX_JSON_BYTES:
+        raise WireError(f"rejected a message with a {json_len}-byte JSON header (limit {MAX_JSON_BYTES})")
+    return json_len, payload_len
+
+
+def decode(body: bytes, payload: bytes) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    try:
+        message = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WireError(f"rejected a message whose header is not JSON ({exc})") from None
+    if not isinstance(message, dict):
+        raise WireError("rejected a message whose JSON header is not an object")
+    if not payload:
+        return message, {}
+    try:
+        return message, load_safetensors(payload)
+    except Exception as exc:  # safetensors raises its own error types for malformed buffers
+        raise WireError(f"rejected a message whose tensors are not a safetensors buffer ({exc})") from None
+
+
+def pack(value: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
+    """(JSON skeleton, tensors) for a nested value; `unpack` inverts it."""
+    return flatten(value, {}, prefix)
+
+
+def unpack(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    return unflatten(skeleton, tensors)
+
+
+class Connection:
+    """A blocking framed socket (the worker's side). `send` may be called from several threads."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self._send_lock = threading.Lock()
+        self._file = sock.makefile("rb")
+
+    def send(self, message: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> None:
+        chunks = encode(message, tensors)
+        with self._send_lock:
+            for chunk in chunks:
+                self.sock.sendall(chunk)
+
+    def recv(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The next message; EOFError when the peer closed the connection."""
+        json_len, payload_len = parse_prefix(self._read(PREFIX.size))
+        return decode(self._read(json_len), self._read(payload_len))
+
+    def _read(self, n: int) -> bytes:
+        data = self._file.read(n)
+        if len(data) < n:
+            raise EOFError("connection closed")
+        return data
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The next message from an asyncio stream (the driver's side); IncompleteReadError at EOF."""
+    json_len, payload_len = parse_prefix(await reader.readexactly(PREFIX.size))
+    body = await reader.readexactly(json_len)
+    payload = await reader.readexactly(payload_len) if payload_len else b""
+    return decode(body, payload)
+
+
+def write_frame(writer: asyncio.StreamWriter, message: dict[str, Any],
+                tensors: dict[str, torch.Tensor] | None = None) -> None:
+    for chunk in encode(message, tensors):
+        writer.write(chunk)

@@ -1,0 +1,278 @@
+"""The worker tier: one process (or Ray actor) = one rank, serving commands from a driver over a socket.
+
+A worker connects to the driver, says hello (rank, pid, host, token), then serves one command at a time:
+
+    setup            form the torch process group (the driver hosts its rendezvous store), build the model
+                     and optimizer from factories (import paths + JSON arguments) and a TrainingBackend
+    forward_backward this rank's slice of the global batch -> {"loss", "count"}
+    optim_step       -> the backend's step metrics (identical on every rank)
+    forward          this rank's slice -> its outputs
+    call             run `pkg.mod:fn(batch)` on this rank's slice (all ranks together: it may use
+                     `disttrain.collectives`) -> its result
+    save / load      CheckpointManager save / load of the backend state (every rank takes part)
+    state_dict       full model weights (rank 0 replies with them)
+    shutdown         leave the process group and exit
+
+Every reply carries the command's id; an exception becomes an error reply with its traceback, and the
+worker keeps serving. A background thread sends a heartbeat (with the backend's current phase) every
+`heartbeat_s`, so the driver can tell a dead or stuck worker from a busy one. Messages are JSON plus
+safetensors (`wire.py`); a frame that is anything else (a pickle) is rejected and the worker exits.
+
+Run directly: `python -m disttrain.service.worker --connect HOST:PORT --rank R --world N` with the token in
+the DISTTRAIN_SERVICE_TOKEN environment variable (the local backend does this; Ray actors call `serve`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from disttrain.service.wire import TOKEN_ENV, Connection, WireError, pack, unpack
+
+log = logging.getLogger(__name__)
+
+
+def import_object(path: str, setting: str) -> Any:
+    """`package.module:name` -> the object; a failure names the setting."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"{setting} = {path!r}: expected 'package.module:name'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"{setting} = {path!r}: cannot import '{module_name}' ({exc}); check PYTHONPATH") from None
+    if not hasattr(module, attr):
+        raise ValueError(f"{setting} = {path!r}: '{module_name}' has no '{attr}'")
+    return getattr(module, attr)
+
+
+class Worker:
+    """One rank's state and command handlers (see the module docstring)."""
+
+    def __init__(self, conn: Connection, rank: int, world: int, heartbeat_s: float):
+        self.conn, self.rank, self.world, self.heartbeat_s = conn, rank, world, heartbeat_s
+        self.backend = None
+        self.runtime = None
+        self.phase = "idle"
+        self.running = True
+        self._stop = threading.Event()
+        self._loss_fns: dict[str, Callable] = {}
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def serve(self) -> int:
+        beat = threading.Thread(target=self._heartbeat, name="disttrain-heartbeat", daemon=True)
+        beat.start()
+        try:
+            while self.running:
+                try:
+                    message, tensors = self.conn.recv()
+                except WireError as exc:  # never guess at a foreign stream: say why and leave
+                    self.conn.send({"op": "rejected", "error": str(exc), "rank": self.rank})
+                    log.error("worker %d: %s", self.rank, exc)
+                    return 2
+                except EOFError:
+                    return 0  # the driver is gone
+                self._handle(message, tensors)
+            return 0
+        finally:
+            self._stop.set()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                step = self.backend.step if self.backend is not None else 0
+                self.conn.send({"op": "heartbeat", "rank": self.rank, "phase": self.phase, "step": step,
+                                "time": time.time()})
+            except OSError:
+                return
+
+    def _handle(self, message: dict[str, Any], tensors: dict) -> None:
+        op, ident = message.get("op"), message.get("id")
+        handler = getattr(self, f"op_{op}", None) if isinstance(op, str) else None
+        try:
+            if handler is None:
+                raise ValueError(f"unknown command {op!r}")
+            if op != "setup" and op != "shutdown" and self.backend is None:
+                raise RuntimeError(f"command {op!r} before setup")
+            self.phase = op
+            reply, out = handler(message, tensors)
+            self.conn.send({"id": ident, "ok": True, **reply}, out)
+        except Exception as exc:  # reported to the driver, which raises it there
+            self.conn.send({"id": ident, "ok": False, "rank": self.rank, "type": type(exc).__name__,
+                            "error": str(exc), "traceback": traceback.format_exc()})
+        finally:
+            self.phase = "idle"
+
+    def _on_phase(self, phase: str) -> None:
+        self.phase = phase
+
+    # -- commands ----------------------------------------------------------------------------------
+
+    def op_setup(self, msg: dict, tensors: dict) -> tuple[dict, dict | None]:
+        import torch
+
+        from disttrain.backend import create_backend
+        from disttrain.config import DistConfig, OptimConfig, ParallelConfig
+        from disttrain.optim import optimizer_factory, scheduler_factory
+        from disttrain.runtime import init_runtime
+
+        for path in reversed(msg.get("sys_path", [])):
+            if path not in sys.path:
+                sys.path.insert(0, path)
+        os.environ.update({
+            "RANK": str(self.rank), "WORLD_SIZE": str(self.world), "LOCAL_RANK": str(msg.get("local_rank", 0)),
+            "LOCAL_WORLD_SIZE": str(msg.get("local_world_size", 1)), "MASTER_ADDR": msg["store_host"],
+            "MASTER_PORT": str(msg["store_port"]), "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RESTART_COUNT": str(msg.get("generation", 0)),  # a fresh key prefix per group
+        })
+        dist_cfg = DistConfig(device=msg.get("device", "auto"), timeout_s=float(msg.get("timeout_s", 300.0)),
+                              threads_per_rank=int(msg.get("threads", 0)))
+        strategy = msg.get("strategy", "auto")
+        self.runtime = init_runtime(dist_cfg, always_form_group=strategy not in ("auto", "single"))
+        torch.manual_seed(int(msg.get("seed", 0)))
+        model = self._build_model(msg)
+        optim = OptimConfig(**msg.get("optimizer", {}))
+        if msg.get("optimizer_fn"):
+            factory = import_object(msg["optimizer_fn"], "optimizer_fn")
+            opt_args = msg.get("optimizer_args", {})
+            make_optimizer = (lambda m: factory(m, **opt_args))
+        else:
+            make_optimizer = optimizer_factory(optim)
+        schedule = scheduler_factory(optim, int(msg["total_steps"])) if msg.get("total_steps") else None
+        parallel = ParallelConfig(**{"strategy": strategy, "precision": msg.get("precision", "fp32"),
+                                     **msg.get("parallel", {})})
+        loss_fn = self._loss_fn(msg.get("loss_fn"))
+        self.backend = create_backend(model, make_optimizer, strategy=strategy, precision=parallel.precision,
+                                      runtime=self.runtime, parallel=parallel, scheduler_factory=schedule,
+                                      grad_clip=float(msg.get("grad_clip", optim.grad_clip)), loss_fn=loss_fn,
+                                      on_nonfinite=msg.get("on_nonfinite", "stop"))
+        self.backend.on_phase = self._on_phase
+        params = sum(p.numel() for p in self.backend.model.parameters())
+        return {"rank": self.rank, "device": str(self.runtime.device), "parameters": params}, None
+
+    def _build_model(self, msg: dict):
+        from torch import nn
+
+        name, args = msg["model_fn"], msg.get("model_args", {})
+        if name == "gpt":
+            from disttrain.config import ModelConfig
+            from disttrain.models.gpt import GPT
+
+            model = GPT(ModelConfig(**args))
+        else:
+            model = import_object(name, "model_fn")(**args)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model_fn = {name!r} returned {type(model).__name__}, not a torch.nn.Module")
+        return model
+
+    def _loss_fn(self, path: str | None):
+        if not path:
+            return None
+        if path not in self._loss_fns:
+            self._loss_fns[path] = import_object(path, "loss_fn")
+        return self._loss_fns[path]
+
+    def op_forward_backward(self, msg: dict, tensors: dict) -> tuple[dict, None]:
+        batch = unpack(msg["batch"], tensors)
+        metrics = self.backend.forward_backward(batch, self._loss_fn(msg.get("loss_fn")), sync=msg.get("sync", True))
+        return {"metrics": metrics}, None
+
+    def op_optim_step(self, msg: dict, tensors: dict) -> tuple[dict, None]:
+        return {"metrics": self.backend.optim_step()}, None
+
+    def op_forward(self, msg: dict, tensors: dict) -> tuple[dict, dict]:
+        skeleton, out = pack(self.backend.forward(unpack(msg["batch"], tensors)), "out")
+        return {"result": skeleton}, out
+
+    def op_call(self, msg: dict, tensors: dict) -> tuple[dict, dict]:
+        fn = import_object(msg["fn"], "fn")
+        skeleton, out = pack(fn(unpack(msg["batch"], tensors), **msg.get("kwargs", {})), "out")
+        return {"result": skeleton}, out
+
+    def _manager(self, msg: dict):
+        from disttrain.checkpoint import CheckpointManager
+        from disttrain.config import CheckpointConfig
+
+        cfg = CheckpointConfig(keep_last=int(msg.get("keep_last", 3)))
+        return CheckpointManager(Path(msg["path"]), cfg, self.runtime,
+                                 info={"strategy": msg.get("strategy", ""), "source": "TrainingService"},
+                                 timeout_s=float(msg.get("timeout_s", 600.0)))
+
+    def op_save(self, msg: dict, tensors: dict) -> tuple[dict, None]:
+        manager = self._manager(msg)
+        state = self.backend.state_dict()
+        if "extra" in msg:
+            state["extra"] = msg["extra"]
+        manager.save(self.backend.step, state, metrics=msg.get("metrics"))
+        return {"step": self.backend.step, "path": str(manager.path(self.backend.step))}, None
+
+    def op_load(self, msg: dict, tensors: dict) -> tuple[dict, None]:
+        manager = self._manager(msg)
+        state = manager.load(msg.get("step", "latest"), target=self.backend.prepared.checkpoint_target)
+        self.backend.load_state_dict(state)
+        return {"step": self.backend.step, "extra": state.get("extra")}, None
+
+    def op_state_dict(self, msg: dict, tensors: dict) -> tuple[dict, dict | None]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        weights = get_model_state_dict(self.backend.model, options=StateDictOptions(full_state_dict=True,
+                                                                                      cpu_offload=True))
+        if self.rank != 0:
+            return {"keys": []}, None
+        return {"keys": list(weights)}, {k: v.detach().clone() for k, v in weights.items()}
+
+    def op_ping(self, msg: dict, tensors: dict) -> tuple[dict, None]:
+        return {"step": self.backend.step, "pid": os.getpid()}, None
+
+    def op_shutdown(self, msg: dict, tensors: dict) -> tuple[dict, None]:
+        from disttrain.runtime import shutdown
+
+        self.running = False
+        if self.runtime is not None:
+            self.backend = None
+            shutdown(self.runtime, drain=bool(msg.get("drain", True)))
+        return {}, None
+
+
+def serve(host: str, port: int, token: str, rank: int, world: int, heartbeat_s: float = 0.5) -> int:
+    """Connect to the driver at host:port and serve commands until shutdown; returns an exit code."""
+    sock = socket.create_connection((host, port), timeout=60)
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn = Connection(sock)
+    conn.send({"op": "hello", "rank": rank, "world": world, "token": token, "pid": os.getpid(),
+               "host": socket.gethostname()})
+    try:
+        return Worker(conn, rank, world, heartbeat_s).serve()
+    finally:
+        conn.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m disttrain.service.worker")
+    parser.add_argument("--connect", required=True, help="the driver's HOST:PORT")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"[worker {args.rank}] %(levelname)s %(message)s")
+    host, _, port = args.connect.rpartition(":")
+    code = serve(host, int(port), os.environ.get(TOKEN_ENV, ""), args.rank, args.world, args.heartbeat)
+    from disttrain.runtime import exit_process
+
+    exit_process(code)  # skip gloo's racy static destructors (see runtime.exit_process)
+
+
+if __name__ == "__main__":
+    main()

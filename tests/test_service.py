@@ -1,0 +1,257 @@
+"""TrainingService and its worker tier: parity with the single-process reference, checkpoints, the
+distributed utilities, failure detection with real signals, and the no-pickle wire."""
+
+import asyncio
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from disttrain.service import RemoteError, TrainingService, WorkerFailure, WorkersRestarted, split_batch
+from disttrain.service.wire import TOKEN_ENV, Connection, WireError, decode, encode, parse_prefix
+
+SCRIPTS = Path(__file__).parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+import service_job as job  # noqa: E402
+
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[float]:
+    torch.set_num_threads(1)
+    return job.reference(STEPS)
+
+
+async def start(strategy="ddp", procs=2, **options):
+    return await TrainingService.options(procs=procs, threads=1, **options).as_service(
+        "gpt", model_args=job.MODEL, optimizer=job.OPTIM, strategy=strategy, seed=job.SEED)
+
+
+async def train(service, start_step: int, steps: int) -> list[float]:
+    losses = []
+    for batch in job.batches(steps, start_step):
+        await service.forward_backward(batch)
+        losses.append((await service.optim_step())["loss"])
+    return losses
+
+
+def assert_close(got, want, tol=1e-5):
+    assert len(got) == len(want)
+    worst = max(abs(a - b) for a, b in zip(got, want, strict=True))
+    assert worst <= tol, f"max |loss difference| {worst:.3g} > {tol}: {got} vs {want}"
+
+
+# -- the wire --------------------------------------------------------------------------------------
+
+
+def test_wire_round_trip_and_refusals():
+    tensors = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.tensor([1, 2], dtype=torch.int64)}
+    prefix, body, payload = encode({"op": "x", "n": 1}, tensors)
+    assert parse_prefix(prefix) == (len(body), len(payload))
+    message, back = decode(body, payload)
+    assert message == {"op": "x", "n": 1}
+    assert torch.equal(back["a"], tensors["a"]) and torch.equal(back["b"], tensors["b"])
+    # slices of one tensor share memory (safetensors refuses that): the encoder copies them
+    rows = torch.arange(8.0).reshape(4, 2)
+    _, body, payload = encode({}, {"x": rows[1:3], "y": rows[3:]})
+    assert torch.equal(decode(body, payload)[1]["x"], rows[1:3])
+    evil = pickle.dumps({"op": "setup"})
+    with pytest.raises(WireError, match="pickle"):
+        parse_prefix(evil[:16])
+    with pytest.raises(WireError, match="safetensors"):
+        decode(b'{"op": "x"}', evil)
+    with pytest.raises(WireError, match="not JSON"):
+        decode(evil, b"")
+
+
+def test_split_batch_follows_the_sampler_rule():
+    batch = {"input_ids": torch.arange(10).reshape(5, 2), "scale": 2.0}
+    parts = split_batch(batch, 2)
+    assert [p["input_ids"][:, 0].tolist() for p in parts] == [[0, 2, 4], [6, 8]]
+    assert all(p["scale"] == 2.0 for p in parts)
+    with pytest.raises(ValueError, match="at least 3"):
+        split_batch(torch.zeros(2, 1), 3)
+
+
+class _Marker:
+    """Unpickling this would create a file: the proof that a worker never unpickles."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_worker_rejects_a_pickle_and_tensors_that_are_not_safetensors(tmp_path):
+    marker = tmp_path / "pwned"
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    env = {**os.environ, TOKEN_ENV: "t"}
+    cmd = [sys.executable, "-m", "disttrain.service.worker", "--connect", f"127.0.0.1:{port}", "--rank", "0",
+           "--world", "1", "--heartbeat", "30"]
+    for attack in ("raw", "payload"):
+        proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+        try:
+            server.settimeout(60)
+            sock, _ = server.accept()
+            conn = Connection(sock)
+            hello, _ = conn.recv()
+            assert hello["op"] == "hello" and hello["token"] == "t"
+            evil = pickle.dumps(_Marker(marker))
+            if attack == "raw":  # a pickle instead of a frame: rejected, and the worker leaves
+                sock.sendall(evil)
+                reply, _ = conn.recv()
+                assert reply["op"] == "rejected" and "pickle" in reply["error"]
+                assert proc.wait(timeout=30) == 2
+            else:  # a well-formed frame whose tensor payload is a pickle: an error reply, still serving
+                prefix, body, _ = encode({"op": "ping", "id": 1})
+                sock.sendall(prefix[:8] + len(evil).to_bytes(8, "big") + body + evil)
+                reply, _ = conn.recv()
+                assert reply["op"] == "rejected" and "safetensors" in reply["error"]
+                assert proc.wait(timeout=30) == 2
+            conn.close()
+        finally:
+            proc.kill()
+            proc.wait()
+    server.close()
+    assert not marker.exists()
+
+
+# -- parity, checkpoints, utilities ----------------------------------------------------------------
+
+
+def test_service_ddp_matches_reference_saves_loads_and_runs_collectives(tmp_path, reference):
+    async def scenario():
+        service = await start("ddp")
+        try:
+            first = await train(service, 0, 10)
+            saved = await service.save(tmp_path / "ckpt")
+            assert Path(saved).name == "step_10" and (Path(saved) / "COMMITTED").exists()
+            second = await train(service, 10, STEPS)
+            assert_close(first + second, reference)
+            assert await service.load(tmp_path / "ckpt") == 10
+            again = await train(service, 10, STEPS)
+            assert again == second  # the same state and batches give bitwise the same losses
+
+            # forward: outputs in batch order, equal to one process's
+            batch = next(job.batches(1))
+            logits = await service.forward(batch)
+            assert logits.shape == (job.GLOBAL_BATCH, job.MODEL["seq_len"], job.MODEL["vocab_size"]
+                                    if "vocab_size" in job.MODEL else 256)
+
+            # a custom loss (a mean) through forward_backward; accumulation over two micro-batches
+            half = split_batch(batch, 2)
+            m1 = await service.forward_backward(half[0], loss_fn="service_job:mean_loss", sync=False)
+            m2 = await service.forward_backward(half[1], loss_fn="service_job:mean_loss")
+            assert m1["count"] == m2["count"] == job.GLOBAL_BATCH // 2
+            step = await service.optim_step()
+            assert step["step"] == STEPS + 1 and step["count"] == job.GLOBAL_BATCH
+
+            # the distributed utilities, run on every rank with its slice
+            advantages = torch.randn(10, dtype=torch.float64)
+            results = await service.call("service_job:collective_checks", {"advantages": advantages}, offset=1.0)
+            whitened = torch.cat([r["whitened"] for r in results])
+            expected = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+            assert torch.allclose(whitened, expected, atol=1e-12)
+            for r in results:
+                assert r["gathered"].tolist() == [0.0, 10.0, 11.0]
+                assert r["mean"] == pytest.approx(1.5) and r["sum"] == 1.0
+                assert r["json"] == [{"rank": 0}, {"rank": 1}]
+
+            # a user error on every rank is reported with the worker's traceback; the service goes on
+            with pytest.raises(RemoteError, match="loss_fn = 'service_job:nope'"):
+                await service.forward_backward(batch, loss_fn="service_job:nope")
+            weights = await service.state_dict()
+            assert "lm_head.weight" in weights or any(k.endswith("weight") for k in weights)
+            status = await service.status()
+            assert status["state"] == "healthy" and [w["state"] for w in status["workers"]] == ["healthy"] * 2
+        finally:
+            await service.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_service_fsdp_matches_reference(reference):
+    async def scenario():
+        service = await start("fsdp")
+        try:
+            assert_close(await train(service, 0, STEPS), reference)
+        finally:
+            await service.shutdown()
+
+    asyncio.run(scenario())
+
+
+# -- failures --------------------------------------------------------------------------------------
+
+
+def _signal(service, rank: int, sig: int) -> float:
+    pid = service.group.workers[rank].pid
+    os.kill(pid, sig)
+    return time.monotonic()
+
+
+def test_sigkill_under_restart_policy_restores_the_checkpoint_and_training_continues(tmp_path, reference):
+    interval = 5.0
+
+    async def scenario():
+        service = await start("ddp", on_failure="restart", heartbeat_timeout_s=interval,
+                              checkpoint_dir=str(tmp_path / "ckpt"))
+        try:
+            losses = await train(service, 0, 5)
+            await service.save()
+            losses += await train(service, 5, 7)
+            batch = next(job.batches(8, 7))
+            killed = _signal(service, 1, signal.SIGKILL)
+            with pytest.raises(WorkersRestarted) as info:
+                await service.forward_backward(batch)
+            assert info.value.step == 5 and "worker 1" in str(info.value) and "SIGKILL" in str(info.value)
+            status = await service.status()
+            detected = status["failures"][0]["time"] - (time.time() - (time.monotonic() - killed))
+            assert detected <= interval, f"detected {detected:.1f} s after the kill"
+            assert status["restarts"] == 1 and status["state"] == "healthy" and status["step"] == 5
+            losses = losses[:5] + await train(service, 5, 12)  # training continues from the checkpoint
+            assert_close(losses, reference[:12])
+        finally:
+            await service.shutdown()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["dead", "unresponsive"])
+def test_fail_policy_names_the_worker_within_the_interval(sig):
+    interval = 3.0
+
+    async def scenario():
+        service = await start("ddp", heartbeat_timeout_s=interval)
+        pid = service.group.workers[1].pid
+        try:
+            await train(service, 0, 2)
+            killed = time.monotonic()
+            os.kill(pid, sig)
+            with pytest.raises(WorkerFailure) as info:
+                for batch in job.batches(50, 2):  # a worker stopped mid-collective blocks the others
+                    await service.forward_backward(batch)
+                    await service.optim_step()
+            elapsed = time.monotonic() - killed
+            expected = "killed by SIGKILL" if sig == signal.SIGKILL else "sent no heartbeat"
+            assert f"worker 1 (pid {pid}" in str(info.value) and expected in str(info.value)
+            assert elapsed <= interval + 1.0, f"the failure surfaced {elapsed:.1f} s after the signal"
+            with pytest.raises(WorkerFailure):  # the service stays failed
+                await service.optim_step()
+            assert (await service.status())["state"] == "failed"
+        finally:
+            await service.shutdown()
+        with pytest.raises(ProcessLookupError):  # no orphan: shutdown reaped the stopped worker too
+            os.kill(pid, 0)
+
+    asyncio.run(scenario())
