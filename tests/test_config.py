@@ -60,8 +60,15 @@ def test_bad_names_and_types_are_named(override, message):
     (["checkpoint.best_mode=lowest"], 1, 0, "checkpoint.best_mode = .lowest. is not known"),
     (["optim.lr=-1"], 1, 0, "optim.lr = -1.0"),
     (["parallel.strategy=hsdp", "parallel.hsdp_shard_size=3"], 4, 0, "hsdp_shard_size = 3 does not divide"),
-    (["parallel.strategy=fsdp", "parallel.cpu_offload=true"], 2, 0, "this run uses the CPU"),
     (["parallel.strategy=ddp", "parallel.cpu_offload=true"], 2, 2, "needs an FSDP strategy"),
+    (["parallel.strategy=ddp", "parallel.fsdp_prefetch=2"], 2, 0, "fsdp_prefetch = 2 needs an FSDP strategy"),
+    (["parallel.strategy=fsdp", "parallel.fsdp_prefetch=-1"], 2, 0, "fsdp_prefetch = -1: must be >= 0"),
+    (["parallel.strategy=fsdp", "parallel.deepspeed_config=ds.json"], 2, 0, "set parallel.strategy = 'deepspeed'"),
+    (["parallel.strategy=deepspeed", "parallel.deepspeed_stage=4"], 2, 0, "deepspeed_stage = 4: must be 0, 1, 2 or 3"),
+    (["parallel.strategy=deepspeed", "parallel.deepspeed_stage=0", "parallel.cpu_offload=true"], 2, 0,
+     "needs ZeRO stage 1, 2 or 3"),
+    (["parallel.strategy=deepspeed", "parallel.precision=bf16-mixed"], 2, 0, "only fp32 is supported"),
+    (["parallel.strategy=deepspeed", "parallel.deepspeed_config=/nonexistent.json"], 2, 0, "file not found"),
 ])
 def test_validate_names_setting_value_and_fix(overrides, world, gpus, message):
     cfg = _cfg(*overrides)
@@ -79,6 +86,7 @@ def test_empty_data_file_is_refused(tmp_path: Path):
 
 def test_valid_configs_pass():
     validate(_cfg())
+    validate(_cfg("parallel.strategy=fsdp", "parallel.cpu_offload=true", "parallel.fsdp_prefetch=2"), world=2)
     validate(_cfg("dist.nproc=2", "data.global_batch_size=32", "data.micro_batch_size=4"))
     validate(_cfg("dist.nproc=2"), gpu_count=2)  # on GPUs: as many processes as GPUs is fine
 

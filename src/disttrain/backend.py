@@ -132,7 +132,10 @@ class TrainingBackend:
                 outputs = self.prepared.module(model_inputs(batch))
                 loss_sum, count = self.loss_terms(outputs, batch, loss_fn)
             self.on_phase("backward")
-            (self.scaler.scale(loss_sum) if self.scaler else loss_sum).backward()
+            if self.prepared.engine is not None:
+                self.prepared.engine.backward(loss_sum, sync)
+            else:
+                (self.scaler.scale(loss_sum) if self.scaler else loss_sum).backward()
         self._loss_sum += loss_sum.detach().double()
         self._count += count
         self._micro_batches += 1
@@ -150,12 +153,16 @@ class TrainingBackend:
                                "gradients were never reduced across ranks; pass sync=True on the last micro-batch")
         self.on_phase("optimizer")
         loss_sum, count, bad_ranks, stop = self._reduce_totals()
-        grad_norm = self._normalise_and_clip(count)
         lr = self.optimizer.param_groups[0]["lr"]
-        skipped = self._update(math.isfinite(grad_norm) and not bad_ranks, bad_ranks, loss_sum / count)
+        if self.prepared.engine is None:
+            grad_norm = self._normalise_and_clip(count)
+            skipped = self._update(math.isfinite(grad_norm) and not bad_ranks, bad_ranks, loss_sum / count)
+        else:
+            grad_norm, skipped = self._engine_update(count, bad_ranks, loss_sum / count)
         if self.scheduler is not None and not skipped:
             self.scheduler.step()  # a skipped step does not advance the schedule (as in HF Accelerate)
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.prepared.engine is None:  # an engine manages (and may keep) its own gradient buffers
+            self.optimizer.zero_grad(set_to_none=True)
         self._reset_accumulators()
         self.step += 1
         out = {"step": self.step, "loss": loss_sum / count, "grad_norm": grad_norm, "lr": lr, "count": count,
@@ -196,8 +203,18 @@ class TrainingBackend:
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         return _full(torch.nn.utils.clip_grad_norm_(self._params, max_norm)).item()
 
-    def _update(self, finite: bool, bad_ranks: list[int], loss: float) -> bool:
-        """Step the optimizer unless the step must be skipped; return whether it was skipped."""
+    def _engine_update(self, count: float, bad_ranks: list[int], loss: float) -> tuple[float, bool]:
+        """An engine strategy normalises (by the same factor), clips and steps inside its engine, which itself
+        skips a step whose gradients are non-finite; returns (gradient norm, skipped)."""
+        if bad_ranks and self.on_nonfinite == "stop":
+            return math.nan, self._update(False, bad_ranks, loss)  # raises before the engine steps
+        grad_norm, applied = self.prepared.engine.step(self.prepared.grads_averaged_over / count)
+        return grad_norm, self._update(applied and not bad_ranks, bad_ranks, loss, apply=lambda: None)
+
+    def _update(self, finite: bool, bad_ranks: list[int], loss: float, apply: Callable[[], Any] | None = None
+                ) -> bool:
+        """Step the optimizer (`apply`: how, when an engine has not already done it) unless the step must be
+        skipped; return whether it was skipped."""
         step = self.step + 1
         if self.scaler is not None:
             before = self.scaler.get_scale()
@@ -206,7 +223,7 @@ class TrainingBackend:
             skipped = self.scaler.get_scale() < before
             reason = f"fp16 gradients overflowed; the loss scale fell to {self.scaler.get_scale():g}"
         elif finite:
-            self.optimizer.step()
+            (apply or self.optimizer.step)()
             skipped = False
         else:
             where = (f"the loss was non-finite on rank(s) {', '.join(map(str, bad_ranks))}" if bad_ranks else
@@ -277,7 +294,7 @@ def create_backend(model: nn.Module, optimizer_factory: OptimizerFactory, *, str
         apply_activation_checkpointing(model)
     model = model.to(runtime.device, dtype=policy.param_dtype)
     prepared = get_strategy(resolve(strategy, runtime.world_size))(model, runtime, parallel)
-    optimizer = prepared.build_optimizer(optimizer_factory)
+    optimizer = prepared.build_optimizer(optimizer_factory, grad_clip)
     scheduler = scheduler_factory(optimizer) if scheduler_factory else None
     return TrainingBackend(prepared, optimizer, runtime, policy, scheduler, grad_clip, loss_fn, on_nonfinite,
                            max_consecutive_skips)

@@ -6,6 +6,7 @@
     disttrain config [CONFIG] [--set ...]      print the resolved config (or --list: every setting)
     disttrain verify [CONFIG] --strategies ... one job under several strategies vs the 1-process reference
     disttrain estimate-memory [CONFIG] --world-size N [--strategy S] [--budget-gib G]
+    disttrain deepspeed-config [CONFIG] [--set ...] [--nproc N] -o ds.json   the DeepSpeed JSON of a config
     disttrain env                              versions, devices, backends, detected launcher
     disttrain bench overhead|checkpoint        figures: step-time overhead, checkpoint throughput
 """
@@ -66,6 +67,12 @@ def _parser() -> argparse.ArgumentParser:
     mem.add_argument("--world-size", type=int, default=2, help="ranks to estimate for")
     mem.add_argument("--strategy", help="one strategy (default: all of them, side by side)")
     mem.add_argument("--budget-gib", type=float, help="say which strategies fit this much memory per rank")
+
+    ds = sub.add_parser("deepspeed-config", help="write the DeepSpeed JSON that the deepspeed strategy runs with")
+    ds.add_argument("config", nargs="?")
+    ds.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    ds.add_argument("--nproc", type=int, help="world size the batch keys are computed for (default: dist.nproc)")
+    ds.add_argument("-o", "--output", required=True, help="where to write the JSON, e.g. ds.json")
 
     from disttrain import verify
 
@@ -172,6 +179,19 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_deepspeed_config(args: argparse.Namespace) -> int:
+    from disttrain.parallel.deepspeed_config import DeepSpeedConfig
+
+    cfg = load_config(args.config, args.overrides)
+    world = cfg.dist.nproc if args.nproc is None else args.nproc
+    if world < 1:
+        raise ConfigError(f"--nproc {world}: must be >= 1")
+    DeepSpeedConfig.from_config(cfg, world).save_config(args.output)
+    print(f"disttrain: wrote {args.output} (ZeRO stage {cfg.parallel.deepspeed_stage}, {world} ranks)",
+          file=sys.stderr)
+    return 0
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     from disttrain.envinfo import env_report
 
@@ -187,7 +207,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"train": cmd_train, "ckpt": cmd_ckpt, "launch": cmd_launch, "config": cmd_config, "env": cmd_env,
-            "verify": cmd_verify, "estimate-memory": cmd_estimate_memory, "bench": cmd_bench}
+            "verify": cmd_verify, "estimate-memory": cmd_estimate_memory, "bench": cmd_bench,
+            "deepspeed-config": cmd_deepspeed_config}
 
 
 def main(argv: list[str] | None = None) -> int:

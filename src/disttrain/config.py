@@ -119,7 +119,7 @@ class TrainConfig:
 class ParallelConfig:
     strategy: str = "auto"
     """`auto` (`single` on one process, `ddp` on more), `single`, `ddp`, `zero1`, `zero2`, `fsdp` (alias
-    `zero3`) or `hsdp`."""
+    `zero3`), `hsdp`, or `deepspeed` (DeepSpeed's engine; `pip install 'disttrain[deepspeed]'`)."""
     precision: str = "fp32"
     """`fp32`, `bf16-mixed`, `fp16-mixed` (with dynamic loss scaling) or `bf16-true` (see precision.py)."""
     bucket_cap_mb: float = 25.0
@@ -136,8 +136,19 @@ class ParallelConfig:
     """fsdp/zero3/hsdp: free gathered parameters after each block's forward (gather again in backward)."""
     hsdp_shard_size: int = 0
     """hsdp: ranks per sharding group (replicated across groups); 0 = all ranks (plain FSDP)."""
+    fsdp_prefetch: int = 0
+    """zero2/fsdp/zero3/hsdp: all-gather the next N transformer blocks' parameters while the current block runs
+    (forward and backward; FSDP2 explicit prefetching). 0 = FSDP2's default (one block, implicitly)."""
     cpu_offload: bool = False
-    """FSDP strategies: keep parameters and optimizer state in host memory (FSDP2 CPUOffloadPolicy; CUDA)."""
+    """Keep parameters and optimizer state in host memory: FSDP2 CPUOffloadPolicy for the FSDP strategies,
+    ZeRO-Offload (`offload_optimizer` to cpu) for `deepspeed` stages 1-3. Saves GPU memory; on a CPU-only run
+    it changes nothing but the code path (useful for testing it)."""
+    deepspeed_stage: int = 2
+    """deepspeed: ZeRO stage 0 (data parallel), 1 (optimizer state sharded), 2 (+ gradients) or 3 (+ parameters)."""
+    deepspeed_config: str = ""
+    """deepspeed: path of a DeepSpeed JSON whose other settings (bucket sizes, overlap_comm, stage-3 tuning, ...)
+    are used as they are; disttrain sets the batch, clipping, stage and offload keys (a disagreeing value is an
+    error). `disttrain deepspeed-config` writes a starting point."""
 
 
 @dataclass
@@ -492,11 +503,34 @@ def _validate_parallel(cfg: Config, gpu_count: int, world: int) -> None:
         _check(shard >= 1 and world % shard == 0,
                f"parallel.hsdp_shard_size = {p.hsdp_shard_size} does not divide the world size {world}; choose "
                f"a divisor of {world}")
-    _check(not (p.cpu_offload and strategy not in FSDP_FAMILY),
-           f"parallel.cpu_offload = true needs an FSDP strategy (zero2, fsdp, zero3, hsdp), not {strategy!r}")
-    _check(not (p.cpu_offload and not uses_cuda(cfg, gpu_count)),
-           "parallel.cpu_offload = true offloads GPU memory to the host, and this run uses the CPU; set "
-           "parallel.cpu_offload = false")
+    _check(not (p.cpu_offload and strategy not in (*FSDP_FAMILY, "deepspeed")),
+           f"parallel.cpu_offload = true needs an FSDP strategy (zero2, fsdp, zero3, hsdp) or deepspeed, not "
+           f"{strategy!r}")
+    _check(p.fsdp_prefetch >= 0, f"parallel.fsdp_prefetch = {p.fsdp_prefetch}: must be >= 0 (0 = FSDP2's default)")
+    _check(not (p.fsdp_prefetch and strategy not in FSDP_FAMILY),
+           f"parallel.fsdp_prefetch = {p.fsdp_prefetch} needs an FSDP strategy (zero2, fsdp, zero3, hsdp), not "
+           f"{strategy!r}; set it to 0")
+    if strategy == "deepspeed":
+        _validate_deepspeed(cfg, world)
+    else:
+        _check(not p.deepspeed_config, f"parallel.deepspeed_config is set but parallel.strategy = {strategy!r}; "
+               "set parallel.strategy = 'deepspeed' or remove parallel.deepspeed_config")
+
+
+def _validate_deepspeed(cfg: Config, world: int) -> None:
+    import importlib.util
+
+    p = cfg.parallel
+    _check(p.precision == "fp32",
+           f"parallel.precision = {p.precision!r} with parallel.strategy = 'deepspeed': only fp32 is supported "
+           "(DeepSpeed's bf16/fp16 optimizers keep their own master weights and loss scale, which disttrain's "
+           "policies do not drive); use fp32, or an FSDP strategy for mixed precision")
+    from disttrain.parallel.deepspeed_config import DeepSpeedConfig
+
+    DeepSpeedConfig.from_config(cfg, world)  # stage, offload and the JSON's keys, each checked with its setting
+    _check(importlib.util.find_spec("deepspeed") is not None,
+           "parallel.strategy = 'deepspeed' but the deepspeed package is not installed; "
+           "pip install 'disttrain[deepspeed]' or choose another strategy (zero1, zero2, fsdp)")
 
 
 def _validate_checkpoint(cfg: Config) -> None:

@@ -1,10 +1,12 @@
 """Train the same small GPT job under several strategies in one process group (one launch, many runs).
 
     python strategy_parity.py OUT single
-    disttrain launch --nproc 2 strategy_parity.py OUT ddp zero2 fsdp+ac hsdp:1 ...
+    disttrain launch --nproc 2 strategy_parity.py OUT ddp zero2 fsdp+ac hsdp:1 deepspeed+stage3 ...
 
-A variant is `strategy[+ac][:hsdp_shard_size]`. Rank 0 writes OUT/<world>.json: {variant: {"losses": [...],
-"eval": {...}}}.
+A variant is `strategy[+flag...][:hsdp_shard_size]`, flags: `ac` (activation checkpointing), `offload`
+(cpu_offload), `prefetchN` (fsdp_prefetch=N), `stageN` (deepspeed_stage=N). `A>B` trains A to step 10 with a
+checkpoint there, then resumes it under B to step 20 (its losses are steps 11-20). Rank 0 writes
+OUT/<world>.json: {variant: {"losses": [...], "eval": {...}}}.
 """
 
 import json
@@ -19,22 +21,37 @@ JOB = ["model.n_layer=2", "model.d_model=64", "model.seq_len=32", "data.global_b
        "log.progress=false", "dist.threads_per_rank=1", "dist.timeout_s=120"]
 
 
+FLAGS = {"ac": "parallel.activation_checkpointing=true", "offload": "parallel.cpu_offload=true",
+         "prefetch": "parallel.fsdp_prefetch={}", "stage": "parallel.deepspeed_stage={}"}
+
+
 def overrides(variant: str) -> list[str]:
     name, _, shard = variant.partition(":")
-    strategy, _, ac = name.partition("+")
-    out = [f"parallel.strategy={strategy}", f"parallel.activation_checkpointing={str(ac == 'ac').lower()}"]
+    strategy, *flags = name.split("+")
+    out = [f"parallel.strategy={strategy}"]
+    for flag in flags:
+        key = flag.rstrip("0123456789")
+        out.append(FLAGS[key].format(flag[len(key):]))
     return out + ([f"parallel.hsdp_shard_size={shard}"] if shard else [])
+
+
+def train(out: Path, runtime, name: str, variant: str, extra: list[str]):
+    cfg = load_config(None, [*JOB, f"run.out_dir={out}", f"run.name={name}", *overrides(variant), *extra])
+    return Trainer(cfg, runtime=runtime).fit()
 
 
 def main() -> None:
     out, variants = Path(sys.argv[1]), sys.argv[2:]
-    runtime = None
+    runtime = init_runtime(load_config(None, JOB).dist)
     results = {}
     for variant in variants:
-        cfg = load_config(None, [*JOB, f"run.out_dir={out}", f"run.name={variant.replace(':', '_')}",
-                                 *overrides(variant)])
-        runtime = runtime or init_runtime(cfg.dist)
-        result = Trainer(cfg, runtime=runtime).fit()
+        first, _, then = variant.partition(">")
+        name = variant.replace(":", "_").replace(">", "_to_")
+        if then:  # the second run resumes the first's checkpoint (same run dir, checkpoint.resume = auto)
+            train(out, runtime, name, first, ["checkpoint.every=10", "train.stop_at=10"])
+            result = train(out, runtime, name, then, ["checkpoint.every=10"])
+        else:
+            result = train(out, runtime, name, variant, [])
         results[variant] = {"losses": result.losses, "eval": result.eval_losses}
     if runtime.is_main_process():
         (out / f"{runtime.world_size}.json").write_text(json.dumps(results))

@@ -24,7 +24,26 @@ STRATEGIES: dict[str, str] = {
     "fsdp": "disttrain.parallel.fsdp:apply_fsdp",
     "zero3": "disttrain.parallel.fsdp:apply_fsdp",  # the documented alias of fsdp
     "hsdp": "disttrain.parallel.fsdp:apply_hsdp",
+    "deepspeed": "disttrain.parallel.deepspeed_engine:apply",  # optional extra: pip install 'disttrain[deepspeed]'
 }
+
+
+@dataclass
+class Engine:
+    """For a strategy whose engine owns backward, gradient reduction, clipping and the optimizer step
+    (DeepSpeed): the backend calls these instead of doing that work itself.
+
+    build(factory, grad_clip) -> optimizer: wraps the user's optimizer in the engine (the returned optimizer
+              is what the LR schedule drives).
+    backward(loss_sum, sync): back-propagates one micro-batch; `sync` marks the last of the step.
+    step(factor) -> (global gradient norm, applied): multiplies the reduced gradients by `factor` (the
+              backend's normalisation, the same as for every strategy), clips, and steps unless the gradients
+              are non-finite.
+    """
+
+    build: Callable[[Callable[[Any], Any], float], Any]
+    backward: Callable[[torch.Tensor, bool], None]
+    step: Callable[[float], tuple[float, bool]]
 
 
 @dataclass
@@ -54,13 +73,17 @@ class Prepared:
     checkpoint_target: Callable[[str, Any, Any], Any] | None = None
     """For sharded checkpoints: the tensor a saved tensor (key, global size, dtype) is loaded into
     (None: a full tensor on every rank)."""
+    engine: Engine | None = None
+    """Set by engine strategies (deepspeed); None for the torch-native ones."""
 
     def __post_init__(self):
         if self.state_dict is None:
             fns = full_state_dict_fns(self.model)
             self.state_dict, self.load_state_dict = fns["state_dict"], fns["load_state_dict"]
 
-    def build_optimizer(self, factory: Callable[[Any], Any]):
+    def build_optimizer(self, factory: Callable[[Any], Any], grad_clip: float = 0.0):
+        if self.engine is not None:
+            return self.engine.build(factory, grad_clip)
         return self.make_optimizer(factory) if self.make_optimizer else factory(self.model)
 
 

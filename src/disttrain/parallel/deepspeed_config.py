@@ -1,0 +1,153 @@
+"""The DeepSpeed JSON that the `deepspeed` strategy runs with, generated from the disttrain config.
+
+disttrain owns the keys that decide the numbers (batch, gradient clipping, ZeRO stage, optimizer offload,
+precision, optimizer and schedule); everything else in a user's JSON (`parallel.deepspeed_config`: bucket
+sizes, `overlap_comm`, stage-3 tuning, ...) is passed through unchanged. A user JSON that sets an owned key
+to a different value is an error naming both, rather than one silently winning. Pure: no torch, no deepspeed.
+
+    DeepSpeedConfig.from_config(cfg, world).save_config("ds.json")     # what `disttrain deepspeed-config` does
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from disttrain.config import ConfigError
+
+if TYPE_CHECKING:
+    from disttrain.config import Config, ParallelConfig
+
+# Sections disttrain refuses in a user JSON: the optimizer and schedule are the user's torch ones (the
+# client optimizer: no native op to compile, the same numbers as every other strategy), and precision is fp32.
+REFUSED = {"optimizer": "optim.*", "scheduler": "optim.* (warmup_steps, min_lr_ratio)",
+           "fp16": "parallel.precision", "bf16": "parallel.precision"}
+
+
+@dataclass
+class DeepSpeedConfig:
+    stage: int = 2
+    """ZeRO stage 0-3 (`parallel.deepspeed_stage`)."""
+    cpu_offload: bool = False
+    """ZeRO-Offload of the optimizer state and step to the host (`parallel.cpu_offload`)."""
+    grad_clip: float = 0.0
+    """`gradient_clipping` (`optim.grad_clip`): DeepSpeed clips inside its step, on the partitioned gradients."""
+    micro_batch_size: int = 1
+    accumulation_steps: int = 1
+    world_size: int = 1
+    user: dict[str, Any] = field(default_factory=dict)
+    """The JSON of `parallel.deepspeed_config` (empty when not set)."""
+    source: str = ""
+
+    @classmethod
+    def from_config(cls, cfg: Config, world: int) -> DeepSpeedConfig:
+        """The JSON for `cfg` at `world` ranks, with the true batch sizes (checked against a user JSON)."""
+        d = cfg.data
+        per_step = d.micro_batch_size * world
+        if per_step <= 0 or d.global_batch_size <= 0 or d.global_batch_size % per_step:
+            raise ConfigError(f"data.global_batch_size = {d.global_batch_size} is not a positive multiple of "
+                              f"data.micro_batch_size x world size = {d.micro_batch_size} x {world}; change one")
+        accumulation = d.global_batch_size // per_step
+        out = cls.from_parallel(cfg.parallel, world, cfg.optim.grad_clip, d.micro_batch_size, accumulation)
+        out.check_batch()
+        return out
+
+    @classmethod
+    def from_parallel(cls, p: ParallelConfig, world: int, grad_clip: float, micro_batch_size: int = 1,
+                      accumulation_steps: int = 1) -> DeepSpeedConfig:
+        """The strategy's view. The backend owns accumulation boundaries and normalisation (see
+        parallel/deepspeed_engine.py), so the engine's batch keys only have to be consistent."""
+        if p.deepspeed_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"parallel.deepspeed_stage = {p.deepspeed_stage}: must be 0, 1, 2 or 3")
+        if p.cpu_offload and p.deepspeed_stage == 0:
+            raise ConfigError("parallel.cpu_offload = true needs ZeRO stage 1, 2 or 3 under deepspeed; set "
+                              "parallel.deepspeed_stage >= 1 or parallel.cpu_offload = false")
+        out = cls(stage=p.deepspeed_stage, cpu_offload=p.cpu_offload, grad_clip=grad_clip,
+                  micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps, world_size=world,
+                  user=_read_json(p.deepspeed_config) if p.deepspeed_config else {}, source=p.deepspeed_config)
+        out.to_dict()  # conflicts surface here, before any process starts
+        return out
+
+    def owned(self) -> dict[str, Any]:
+        zero: dict[str, Any] = {"stage": self.stage}
+        if self.cpu_offload:
+            zero["offload_optimizer"] = {"device": "cpu"}
+        return {
+            "train_batch_size": self.micro_batch_size * self.accumulation_steps * self.world_size,
+            "train_micro_batch_size_per_gpu": self.micro_batch_size,
+            "gradient_accumulation_steps": self.accumulation_steps,
+            "gradient_clipping": self.grad_clip,
+            "zero_optimization": zero,
+            # the user's torch optimizer under ZeRO (DeepSpeed calls that "untested") and under ZeRO-Offload
+            # (by default it demands its compiled DeepSpeedCPUAdam)
+            "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """The user's JSON with disttrain's keys merged in; ConfigError on a disagreement."""
+        where = f"parallel.deepspeed_config ({self.source})"
+        for key, setting in REFUSED.items():
+            if key in self.user and (key not in ("fp16", "bf16") or self.user[key].get("enabled", False)):
+                raise ConfigError(f"{where} has a '{key}' section; disttrain sets that through {setting}: "
+                                  f"remove '{key}' from the JSON")
+        merged = json.loads(json.dumps(self.user))
+        offload = merged.get("zero_optimization", {}).get("offload_optimizer") or {}
+        if not self.cpu_offload and offload.get("device", "none") != "none":
+            _agree(where, "zero_optimization.offload_optimizer", offload, None)
+        for key, value in self.owned().items():
+            if key == "zero_optimization":
+                zero = merged.setdefault(key, {})
+                for zkey, zvalue in value.items():
+                    _agree(where, f"zero_optimization.{zkey}", zero.get(zkey, zvalue), zvalue)
+                    zero[zkey] = zvalue
+            elif key.startswith("train") or key == "gradient_accumulation_steps":
+                merged[key] = value  # checked against the real batch by check_batch (the CLI and validate)
+            else:
+                _agree(where, key, merged.get(key, value), value)
+                merged[key] = value
+        merged.setdefault("steps_per_print", 2**31 - 1)  # disttrain logs the steps
+        return merged
+
+    def check_batch(self) -> None:
+        where = f"parallel.deepspeed_config ({self.source})"
+        for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+            _agree(where, key, self.user.get(key, self.owned()[key]), self.owned()[key])
+
+    def save_config(self, path: str | os.PathLike) -> None:
+        """Write the JSON (indented, keys sorted) atomically."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+
+
+SETTING_OF = {"gradient_clipping": "optim.grad_clip", "zero_optimization.stage": "parallel.deepspeed_stage",
+              "zero_optimization.offload_optimizer": "parallel.cpu_offload",
+              "train_batch_size": "data.global_batch_size", "train_micro_batch_size_per_gpu": "data.micro_batch_size",
+              "gradient_accumulation_steps": "data.global_batch_size / (micro_batch_size x world size)",
+              "zero_allow_untested_optimizer": "the strategy (the user's torch optimizer runs under ZeRO)",
+              "zero_force_ds_cpu_optimizer": "the strategy (the user's torch optimizer runs under ZeRO-Offload)"}
+
+
+def _agree(where: str, key: str, theirs: Any, ours: Any) -> None:
+    if theirs != ours:
+        raise ConfigError(f"{where}: '{key}' = {json.dumps(theirs)} disagrees with {SETTING_OF[key]} "
+                          f"(which gives {json.dumps(ours)}); remove '{key}' from the JSON or change the setting")
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"parallel.deepspeed_config = {path!r}: file not found; give an existing DeepSpeed "
+                          "JSON, or \"\" to generate it from the config") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"parallel.deepspeed_config = {path!r} is not valid JSON ({exc}); fix the file") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"parallel.deepspeed_config = {path!r}: expected a JSON object {{...}}")
+    return data

@@ -1,0 +1,91 @@
+"""The `deepspeed` strategy (optional extra) on 2 real ranks (gloo, DS_ACCELERATOR=cpu) against the
+single-process reference: ZeRO stages 0-3, ZeRO-Offload, and checkpoints that resume across strategies.
+One launch trains every variant (DeepSpeed's start-up is shared), and `deepspeed-config` writes its JSON."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import SCRIPTS, cli_env, run_cli
+from disttrain.config import ConfigError, load_config
+from disttrain.parallel.deepspeed_config import DeepSpeedConfig
+
+STAGES = ["deepspeed+stage0", "deepspeed+stage1", "deepspeed+stage2", "deepspeed+stage3",
+          "deepspeed+stage2+offload", "deepspeed+stage3+offload"]
+RESUMES = ["deepspeed+stage2>ddp", "ddp>deepspeed+stage3"]  # trained to step 10 under A, resumed under B
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    pytest.importorskip("deepspeed")
+    tmp = tmp_path_factory.mktemp("deepspeed")
+    script = str(SCRIPTS / "strategy_parity.py")
+    single = subprocess.run([sys.executable, script, str(tmp), "single"], cwd=tmp, env=cli_env(tmp),
+                            capture_output=True, text=True, timeout=120)
+    assert single.returncode == 0, single.stderr
+    # first use compiles DeepSpeed's shm_comm op (~50 s) into the persistent torch extensions cache
+    multi = run_cli(["launch", "--nproc", "2", "--run-dir", str(tmp / "launch"), script, str(tmp), *STAGES,
+                     *RESUMES], tmp, timeout=400)
+    assert multi.returncode == 0, multi.stderr[-3000:]
+    return json.loads((tmp / "1.json").read_text())["single"], json.loads((tmp / "2.json").read_text())
+
+
+@pytest.mark.parametrize("variant", STAGES)
+def test_zero_stage_matches_single_process(results, variant):
+    reference, two = results
+    assert len(two[variant]["losses"]) == 20
+    assert two[variant]["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+    for step in reference["eval"]:
+        assert two[variant]["eval"][step] == pytest.approx(reference["eval"][step], abs=1e-5)
+
+
+@pytest.mark.parametrize("variant", RESUMES)
+def test_checkpoint_resumes_across_strategies(results, variant):
+    reference, two = results
+    assert two[variant]["losses"] == pytest.approx(reference["losses"][10:], abs=1e-5)
+    assert two[variant]["eval"]["20"] == pytest.approx(reference["eval"]["20"], abs=1e-5)
+
+
+def test_deepspeed_config_writes_the_engine_json(tmp_path):
+    user = tmp_path / "user.json"
+    user.write_text(json.dumps({"zero_optimization": {"overlap_comm": False, "reduce_bucket_size": 1000},
+                                "train_batch_size": 32}))
+    out = tmp_path / "ds.json"
+    result = run_cli(["deepspeed-config", "--nproc", "2", "--set", "parallel.deepspeed_stage=3", "--set",
+                      "parallel.cpu_offload=true", "--set", "optim.grad_clip=0.5", "--set",
+                      f"parallel.deepspeed_config={user}", "-o", str(out)], tmp_path)
+    assert result.returncode == 0, result.stderr
+    ds = json.loads(out.read_text())
+    assert ds["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu"}, "overlap_comm": False,
+                                       "reduce_bucket_size": 1000}
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"],
+            ds["gradient_clipping"]) == (32, 8, 2, 0.5)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "parallel.deepspeed_stage=4"], "parallel.deepspeed_stage = 4: must be 0, 1, 2 or 3"),
+    (["--nproc", "3"], "data.global_batch_size = 32 is not a positive multiple"),
+    (["--set", "parallel.deepspeed_config=missing.json"], "file not found"),
+])
+def test_deepspeed_config_bad_values_exit_2_in_one_line(tmp_path, args, message):
+    result = run_cli(["deepspeed-config", *args, "-o", str(tmp_path / "ds.json")], tmp_path)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("user, message", [
+    ({"gradient_clipping": 0.5}, "'gradient_clipping' = 0.5 disagrees with optim.grad_clip"),
+    ({"zero_optimization": {"stage": 3}}, "'zero_optimization.stage' = 3 disagrees with parallel.deepspeed_stage"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "disagrees with parallel.cpu_offload"),
+    ({"train_micro_batch_size_per_gpu": 4}, "disagrees with data.micro_batch_size"),
+    ({"optimizer": {"type": "Adam"}}, "has a 'optimizer' section; disttrain sets that through optim"),
+    ({"bf16": {"enabled": True}}, "sets that through parallel.precision"),
+])
+def test_user_json_that_disagrees_is_refused(tmp_path, user, message):
+    path = tmp_path / "user.json"
+    path.write_text(json.dumps(user))
+    with pytest.raises(ConfigError, match=message):
+        DeepSpeedConfig.from_config(load_config(None, [f"parallel.deepspeed_config={path}"]), 2)
