@@ -1,0 +1,115 @@
+"""TrainingService on Ray: actors in a placement group form the process group; parity, restart after a
+SIGKILL, and placement over two Ray nodes started with `ray start` on loopback. Ray's files stay in a
+temporary folder; token auth stays on, with a token in the environment rather than in ~/.ray."""
+
+import asyncio
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from disttrain.service import TrainingService, WorkersRestarted  # noqa: E402
+from test_service import STEPS, assert_close, job, train  # noqa: E402
+
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[float]:
+    return job.reference(STEPS)
+
+
+@pytest.fixture(scope="module")
+def ray_env():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
+        patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        with tempfile.TemporaryDirectory(prefix="dtray") as tmp:  # short: Ray's socket paths must fit
+            yield tmp
+
+
+@pytest.fixture(scope="module")
+def local_ray(ray_env):
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=ray_env, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+async def start(strategy, **options):
+    return await TrainingService.options(procs=2, backend="ray", **options).as_service(
+        "gpt", model_args=job.MODEL, optimizer=job.OPTIM, strategy=strategy, seed=job.SEED)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ray_service_matches_reference(local_ray, reference, strategy):
+    async def scenario():
+        service = await start(strategy)
+        try:
+            assert_close(await train(service, 0, STEPS), reference)
+            workers = (await service.status())["workers"]
+            assert [w["state"] for w in workers] == ["healthy", "healthy"] and all(w["node"] for w in workers)
+        finally:
+            await service.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_ray_actor_sigkill_restarts_from_the_checkpoint(local_ray, reference, tmp_path):
+    async def scenario():
+        service = await start("ddp", on_failure="restart", heartbeat_timeout_s=5.0,
+                              checkpoint_dir=str(tmp_path / "ckpt"))
+        try:
+            losses = await train(service, 0, 4)
+            await service.save()
+            os.kill(service.group.workers[0].pid, signal.SIGKILL)
+            with pytest.raises(WorkersRestarted) as info:
+                await train(service, 4, 6)
+            assert info.value.step == 4 and "worker 0" in str(info.value)
+            losses += await train(service, 4, 8)
+            assert_close(losses, reference[:8])
+        finally:
+            await service.shutdown()
+
+    asyncio.run(scenario())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ray_spread_places_workers_on_two_nodes(ray_env, reference):
+    """A head and a second node (`ray start`, loopback, one CPU each): SPREAD puts one worker on each."""
+    if ray.is_initialized():
+        ray.shutdown()
+    os.environ["RAY_AUTH_MODE"] = "token"  # `ray start` leaves auth off unless told; the driver must agree
+    port = _free_port()
+    common = ["--num-cpus=1", "--node-ip-address=127.0.0.1", "--disable-usage-stats"]
+    head = [RAY, "start", "--head", f"--port={port}", "--include-dashboard=false", f"--temp-dir={ray_env}"]
+    try:
+        subprocess.run([*head, *common], check=True, capture_output=True, timeout=120)
+        subprocess.run([RAY, "start", f"--address=127.0.0.1:{port}", *common], check=True, capture_output=True,
+                       timeout=120)
+
+        async def scenario():
+            service = await start("ddp", ray_address=f"127.0.0.1:{port}", placement="SPREAD")
+            try:
+                assert_close(await train(service, 0, 5), reference[:5])
+                nodes = [w["node"] for w in (await service.status())["workers"]]
+                assert len(set(nodes)) == 2, f"both workers on one node: {nodes}"
+            finally:
+                await service.shutdown()
+
+        asyncio.run(scenario())
+    finally:
+        ray.shutdown()
+        subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120)
+        del os.environ["RAY_AUTH_MODE"]
