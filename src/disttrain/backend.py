@@ -45,8 +45,11 @@ def lm_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch
 
 
 def model_inputs(batch: Any) -> Any:
-    """What the model is called with: `input_ids` of a dict batch, the first item of a tuple, or the tensor."""
+    """What the model is called with: `input_ids` (or `inputs`) of a dict batch, the first item of a tuple,
+    or the tensor."""
     if isinstance(batch, dict):
+        if "input_ids" not in batch and "inputs" in batch:
+            return batch["inputs"]
         return batch["input_ids"]
     if isinstance(batch, (list, tuple)):
         return batch[0]
