@@ -255,3 +255,20 @@ def test_fail_policy_names_the_worker_within_the_interval(sig):
             os.kill(pid, 0)
 
     asyncio.run(scenario())
+
+
+def run_rl_example(*args: str) -> dict:
+    import json
+
+    example = Path(__file__).parent.parent / "examples" / "rl_loop.py"
+    proc = subprocess.run([sys.executable, str(example), "--iters", "30", *args], capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["iterations"] == 30
+    assert result["first_reward"] < 0.7 and result["last_reward"] >= 0.9, result  # random play earns 0.25
+    return result
+
+
+def test_rl_example_learns_on_two_local_workers():
+    run_rl_example("--backend", "local")

@@ -113,3 +113,11 @@ def test_ray_spread_places_workers_on_two_nodes(ray_env, reference):
         ray.shutdown()
         subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120)
         del os.environ["RAY_AUTH_MODE"]
+
+
+def test_rl_example_learns_on_ray(ray_env):
+    from test_service import run_rl_example
+
+    if ray.is_initialized():
+        ray.shutdown()
+    run_rl_example("--backend", "ray")

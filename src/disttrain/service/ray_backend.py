@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 from typing import Any
 
 from disttrain.service.group import WorkerFailure
@@ -65,6 +66,8 @@ class RayLauncher:
 
         o = self.options
         if not ray.is_initialized():
+            if o.ray_address is None:  # a new local cluster: keep token auth on without writing ~/.ray/auth_token
+                os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
             ray.init(address=o.ray_address, include_dashboard=False, log_to_driver=True,
                      configure_logging=False)
         bundle = {"CPU": o.cpus_per_worker, **({"GPU": o.gpus_per_worker} if o.gpus_per_worker else {}),
