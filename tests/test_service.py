@@ -148,13 +148,23 @@ def test_service_ddp_matches_reference_saves_loads_and_runs_collectives(tmp_path
             assert logits.shape == (job.GLOBAL_BATCH, job.MODEL["seq_len"], job.MODEL["vocab_size"]
                                     if "vocab_size" in job.MODEL else 256)
 
-            # a custom loss (a mean) through forward_backward; accumulation over two micro-batches
+            # a custom loss (a mean) through forward_backward; accumulation over two calls
             half = split_batch(batch, 2)
             m1 = await service.forward_backward(half[0], loss_fn="service_job:mean_loss", sync=False)
             m2 = await service.forward_backward(half[1], loss_fn="service_job:mean_loss")
             assert m1["count"] == m2["count"] == job.GLOBAL_BATCH // 2
             step = await service.optim_step()
             assert step["step"] == STEPS + 1 and step["count"] == job.GLOBAL_BATCH
+            # ... and in micro-batches inside the workers (one call): the same update as one big batch
+            await service.load(tmp_path / "ckpt")
+            whole = await train(service, 10, 12)
+            await service.load(tmp_path / "ckpt")
+            micro = []
+            for b in job.batches(12, 10):
+                metrics = await service.forward_backward(b, micro_batch_size=2)
+                assert metrics["count"] == job.GLOBAL_BATCH * job.MODEL["seq_len"]
+                micro.append((await service.optim_step())["loss"])
+            assert_close(micro, whole, tol=1e-6)
 
             # the distributed utilities, run on every rank with its slice
             advantages = torch.randn(10, dtype=torch.float64)

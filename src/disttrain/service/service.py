@@ -255,12 +255,18 @@ class TrainingService:
 
     # -- the API -----------------------------------------------------------------------------------
 
-    async def forward_backward(self, batch: Any, loss_fn: str | None = None, *, sync: bool = True) -> dict[str, float]:
+    async def forward_backward(self, batch: Any, loss_fn: str | None = None, *, sync: bool = True,
+                               micro_batch_size: int = 0) -> dict[str, float]:
         """Forward and backward the global `batch` (gradients accumulate until `optim_step`); returns the
-        global mean loss of this batch and its item count."""
+        global mean loss of this batch and its item count.
+
+        `micro_batch_size` > 0: each rank runs its slice in micro-batches of that many rows (gradient
+        accumulation inside the workers, one round trip); `sync=False` defers the gradient reduction to a
+        later call (accumulation across calls)."""
 
         async def action():
-            messages = self._scatter(batch, op="forward_backward", sync=sync, loss_fn=loss_fn)
+            messages = self._scatter(batch, op="forward_backward", sync=sync, loss_fn=loss_fn,
+                                     micro_batch_size=micro_batch_size)
             replies = await self.group.all(messages)
             self._micro_batches += 1
             counts = [r["metrics"]["count"] for r, _ in replies]

@@ -184,9 +184,16 @@ class Worker:
         return self._loss_fns[path]
 
     def op_forward_backward(self, msg: dict, tensors: dict) -> tuple[dict, None]:
-        batch = unpack(msg["batch"], tensors)
-        metrics = self.backend.forward_backward(batch, self._loss_fn(msg.get("loss_fn")), sync=msg.get("sync", True))
-        return {"metrics": metrics}, None
+        """This rank's slice, in micro-batches of `micro_batch_size` rows when given (gradients reduced on
+        the last one only, if `sync`): a whole optimizer step's accumulation costs one round trip."""
+        batch, loss_fn, sync = unpack(msg["batch"], tensors), self._loss_fn(msg.get("loss_fn")), msg.get("sync", True)
+        micro = split_rows(batch, int(msg.get("micro_batch_size") or 0))
+        loss_sum = count = 0.0
+        for i, part in enumerate(micro):
+            metrics = self.backend.forward_backward(part, loss_fn, sync=sync and i == len(micro) - 1)
+            loss_sum += metrics["loss"] * metrics["count"]
+            count += metrics["count"]
+        return {"metrics": {"loss": loss_sum / max(count, 1.0), "count": count, "micro_batches": len(micro)}}, None
 
     def op_optim_step(self, msg: dict, tensors: dict) -> tuple[dict, None]:
         return {"metrics": self.backend.optim_step()}, None
@@ -243,6 +250,34 @@ class Worker:
             self.backend = None
             shutdown(self.runtime, drain=bool(msg.get("drain", True)))
         return {}, None
+
+
+def split_rows(batch: Any, size: int) -> list[Any]:
+    """`batch` in pieces of `size` rows (dim 0 of every tensor; other values repeat); size 0: one piece."""
+    import torch
+
+    def rows(value):
+        return len(value) if isinstance(value, torch.Tensor) and value.dim() else None
+
+    def leaves(value):
+        if isinstance(value, dict):
+            return [x for v in value.values() for x in leaves(v)]
+        if isinstance(value, (list, tuple)):
+            return [x for v in value for x in leaves(v)]
+        return [value]
+
+    total = max((rows(v) or 0 for v in leaves(batch)), default=0)
+    if size <= 0 or total <= size:
+        return [batch]
+
+    def take(value, start):
+        if isinstance(value, dict):
+            return {k: take(v, start) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(take(v, start) for v in value)
+        return value[start:start + size] if rows(value) else value
+
+    return [take(batch, start) for start in range(0, total, size)]
 
 
 def serve(host: str, port: int, token: str, rank: int, world: int, heartbeat_s: float = 0.5) -> int:
