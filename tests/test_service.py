@@ -282,3 +282,48 @@ def run_rl_example(*args: str) -> dict:
 
 def test_rl_example_learns_on_two_local_workers():
     run_rl_example("--backend", "local")
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Local addresses of listening TCP sockets on `port` (from /proc/net/tcp*)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.partition(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                found.add(address)
+    return found
+
+
+def test_worker_tier_on_its_own_and_listening_on_loopback_only():
+    """Spawn workers with WorkerGroup and send them commands directly (no TrainingService)."""
+    from disttrain.service import LocalLauncher, WorkerGroup
+    from disttrain.service.wire import pack
+
+    async def scenario():
+        group = WorkerGroup(LocalLauncher(), 2)
+        await group.start()
+        try:
+            loopback = {"0100007F"}  # 127.0.0.1 as /proc/net/tcp writes it
+            assert _listening_addresses(group.port) == loopback
+            assert _listening_addresses(group.store.port) == loopback
+            setup = {"op": "setup", "model_fn": "gpt", "model_args": job.MODEL, "optimizer": job.OPTIM,
+                     "strategy": "ddp", "seed": job.SEED, "store_host": "127.0.0.1", "store_port": group.store.port,
+                     "threads": 1, "sys_path": [str(SCRIPTS)]}
+            replies = await group.all([({**setup, "local_rank": r}, None) for r in range(2)])
+            assert [r["rank"] for r, _ in replies] == [0, 1]
+            losses = []
+            for batch in job.batches(3):
+                shards = [pack(part, "batch") for part in split_batch(batch, 2)]
+                await group.all([({"op": "forward_backward", "batch": skeleton}, tensors)
+                                 for skeleton, tensors in shards])
+                replies = await group.all([({"op": "optim_step"}, None)] * 2)
+                losses.append(replies[0][0]["metrics"]["loss"])
+            assert_close(losses, job.reference(3))
+            with pytest.raises(RemoteError, match="unknown command 'nope'"):
+                await group.all([({"op": "nope"}, None)] * 2)
+        finally:
+            await group.close()
+
+    asyncio.run(scenario())

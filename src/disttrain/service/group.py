@@ -5,7 +5,8 @@
     replies = await group.all([{"op": "setup", ...}] * 2) # one message per rank, replies in rank order
     await group.close()
 
-The driver listens on `host` (loopback unless asked otherwise) and hosts the torch rendezvous store;
+The driver listens on `host` (loopback unless asked otherwise), for commands and for the torch rendezvous
+store alike;
 workers connect back and prove they were started by this driver with a random token. One reader task
 per worker routes replies to the waiting call and records heartbeats. A monitor task declares a worker
 failed when its process exits, its connection closes, or no frame (heartbeat or reply) has arrived for
@@ -22,6 +23,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -152,10 +154,13 @@ class WorkerGroup:
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._accept, self.host, 0)
-        # the rendezvous store for the workers' torch process group (workers connect as clients)
-        self.store = torch.distributed.TCPStore(self.host, 0, self.procs, is_master=True,
-                                                timeout=timedelta(seconds=self.startup_timeout_s),
-                                                wait_for_workers=False)
+        # The rendezvous store of the workers' torch process group (they connect as clients). TCPStore
+        # binds to every interface when it opens its own port, so it gets a socket bound to `host`.
+        listener = socket.create_server((self.host, 0), backlog=128)
+        self.store = torch.distributed.TCPStore(self.host, listener.getsockname()[1], self.procs,
+                                                is_master=True, timeout=timedelta(seconds=self.startup_timeout_s),
+                                                wait_for_workers=False, master_listen_fd=listener.fileno())
+        listener.detach()  # the store owns the descriptor now (and closes it)
         await self.launcher.spawn(self.host, self.port, self._token, self.procs, self.heartbeat_s)
         deadline = time.monotonic() + self.startup_timeout_s
         while not self._all_connected.is_set():
