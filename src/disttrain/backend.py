@@ -90,6 +90,9 @@ class TrainingBackend:
         self.loss_fn = loss_fn or lm_loss
         self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
         self.on_phase: Callable[[str], None] = lambda phase: None  # e.g. the rank's status file (monitor.py)
+        self.before_update: Callable[[], None] = lambda: None
+        """Called before `optim_step` changes any parameter or optimizer state (e.g. an async checkpoint
+        still copying them)."""
         self._stop_requested = False
         self.scaler = precision.grad_scaler(runtime.device.type, distributed=runtime.distributed)
         self.step = 0
@@ -155,6 +158,7 @@ class TrainingBackend:
             raise RuntimeError("the last forward_backward() before optim_step() ran with sync=False, so its "
                                "gradients were never reduced across ranks; pass sync=True on the last micro-batch")
         self.on_phase("optimizer")
+        self.before_update()
         loss_sum, count, bad_ranks, stop = self._reduce_totals()
         lr = self.optimizer.param_groups[0]["lr"]
         if self.prepared.engine is None:
@@ -208,7 +212,9 @@ class TrainingBackend:
 
     def _engine_update(self, count: float, bad_ranks: list[int], loss: float) -> tuple[float, bool]:
         """An engine strategy normalises (by the same factor), clips and steps inside its engine, which itself
-        skips a step whose gradients are non-finite; returns (gradient norm, skipped)."""
+        skips a step whose gradients are non-finite; returns (gradient norm, skipped). One gap: with
+        on_nonfinite = 'skip', a non-finite loss whose gradients are finite is counted as skipped although
+        the engine applied it (it has no hook to refuse a step with finite gradients)."""
         if bad_ranks and self.on_nonfinite == "stop":
             return math.nan, self._update(False, bad_ranks, loss)  # raises before the engine steps
         grad_norm, applied = self.prepared.engine.step(self.prepared.grads_averaged_over / count)
@@ -216,8 +222,8 @@ class TrainingBackend:
 
     def _update(self, finite: bool, bad_ranks: list[int], loss: float, apply: Callable[[], Any] | None = None
                 ) -> bool:
-        """Step the optimizer (`apply`: how, when an engine has not already done it) unless the step must be
-        skipped; return whether it was skipped."""
+        """Step the optimizer (`apply` instead of `optimizer.step()`: a no-op after an engine's own step)
+        unless the step must be skipped; return whether it was skipped."""
         step = self.step + 1
         if self.scaler is not None:
             before = self.scaler.get_scale()
