@@ -145,6 +145,18 @@ def test_async_save_snapshots_the_state_and_surfaces_errors_later(tiny_disk):
     assert manager.list() == [1, 3]
 
 
+def test_deferred_copy_holds_the_state_of_save_time_once_wait_for_copy_returns(tmp_path):
+    manager = CheckpointManager(tmp_path, CheckpointConfig(async_save=True))
+    for step in (1, 2):  # the second save copies into the staging buffers of the first
+        state = _state(step, size=2_000_000)
+        expected = state["model"]["big"].clone()
+        manager.save(step, state, defer_copy=True)  # returns before the copy is taken
+        manager.wait_for_copy()  # what the Trainer waits for before an optimizer step
+        state["model"]["big"].mul_(-3.0)
+        manager.wait()
+        torch.testing.assert_close(manager.load(step)["model"]["big"], expected, rtol=0, atol=0)
+
+
 def test_loading_never_unpickles(tmp_path, monkeypatch):
     import pickle
 

@@ -57,6 +57,17 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(runs, name, resumed
     assert [m.get("eval_loss") for m in resumed] == [m.get("eval_loss") for m in straight]
 
 
+def test_async_checkpoint_taken_while_the_next_step_ran_resumes_exactly(runs):
+    """ddp_async's step_40 was copied in the background while step 41's forward and backward ran (the
+    optimizer step waits for the copy): resuming from it repeats steps 41..50 bitwise."""
+    name = "ddp_async_from40"
+    shutil.copytree(runs / "ddp_async", runs / name)
+    _train(runs, name, 2, "--resume", str(runs / name / "checkpoints" / "step_40"), "--set", "train.stop_at=50",
+           "--set", "checkpoint.async_save=true")
+    straight = read_metrics(runs / "ddp_straight")
+    assert [m["loss"] for m in read_metrics(runs / name)][40:50] == [m["loss"] for m in straight][40:50]
+
+
 @pytest.mark.parametrize("saved, nproc, reference", [("ddp_at30", 1, "ddp_straight"),
                                                      ("single_at30", 2, "single_straight")])
 def test_resume_on_a_different_world_size_continues_the_same_stream(runs, saved, nproc, reference):

@@ -138,6 +138,7 @@ class CheckpointManager:
         self._staging: dict[str, torch.Tensor] = {}  # async saves copy into these (reused: no page faults)
         self._warned_sync = False
         self._pending_error: BaseException | None = None
+        self._copied: threading.Event | None = None  # set once an async save's snapshot is taken
 
     # -- facts -------------------------------------------------------------------------------------
 
@@ -187,10 +188,16 @@ class CheckpointManager:
     # -- save --------------------------------------------------------------------------------------
 
     def save(self, step: int, state: dict[str, Any], metrics: dict[str, Any] | None = None,
-             rank_state: dict[str, Any] | None = None) -> None:
+             rank_state: dict[str, Any] | None = None, *, defer_copy: bool = False) -> None:
         """Save `state` (rank 0's full state) and this rank's `rank_state` (default: its RNG states) as
         checkpoint `step`; every rank calls this. With `async_save` the tensors are copied now and the
-        files are written in the background; at most one save is in flight."""
+        files are written in the background; at most one save is in flight.
+
+        `defer_copy` (async saves): the copy, too, is made in the background, so `save` returns at once;
+        the caller promises not to modify the state's tensors before `wait_for_copy()` returns. The
+        Trainer calls it before each optimizer step: the copy overlaps the next forward and backward,
+        which read the parameters but do not write them (buffers they do write, e.g. BatchNorm
+        statistics, must be copied by the caller first: the Trainer does)."""
         self.wait()  # the previous async save, and its error if it failed
         rank_state = {"rng": _rng_state()} if rank_state is None else rank_state
         self._prepare_folder(step)
@@ -201,18 +208,32 @@ class CheckpointManager:
                 self._warned_sync = True
             self._save(step, state, metrics, rank_state, collective=True, sharded=True)
         elif self.cfg.async_save:
-            state, rank_state = self._snapshot({"state": state, "rank": rank_state}).values()
+            both = {"state": state, "rank": rank_state}
+            self._copied = threading.Event()
+            if not defer_copy:
+                both = self._snapshot(both)
+                self._copied.set()
             self._pending = threading.Thread(target=self._save_in_background, name="disttrain-ckpt",
-                                             args=(step, state, metrics, rank_state), daemon=True)
+                                             args=(step, both, metrics), daemon=True)
             self._pending.start()
         else:
             self._save(step, state, metrics, rank_state, collective=True, sharded=sharded)
 
-    def _save_in_background(self, step, state, metrics, rank_state) -> None:
+    def _save_in_background(self, step, both, metrics) -> None:
         try:
-            self._save(step, state, metrics, rank_state, collective=False, sharded=False)
+            if not self._copied.is_set():
+                try:
+                    both = self._snapshot(both)
+                finally:
+                    self._copied.set()
+            self._save(step, both["state"], metrics, both["rank"], collective=False, sharded=False)
         except BaseException as exc:  # surfaced by wait()
             self._pending_error = exc
+
+    def wait_for_copy(self) -> None:
+        """Block until the in-flight async save has its own copy of the state (see `save(defer_copy=)`)."""
+        if self._copied is not None:
+            self._copied.wait()
 
     def wait(self) -> None:
         """Block until the in-flight async save (if any) is done; raise its error."""

@@ -118,6 +118,7 @@ class Trainer:
         manager = CheckpointManager(cfg.run_dir / "checkpoints", cfg.checkpoint, runtime,
                                     info={"strategy": resolve_strategy(cfg, runtime.world_size),
                                           "config_hash": cfg.hash()}, timeout_s=cfg.dist.timeout_s)
+        backend.before_update = manager.wait_for_copy
         start, cursor = self._resume(manager, backend, runtime)
         status.phase("data", step=start)
         metrics = Metrics(cfg.run_dir, cfg.log, cfg.train.steps, start) if runtime.is_main_process() \
@@ -159,7 +160,13 @@ class Trainer:
         state = backend.state_dict()
         state["trainer"] = {"cursor": cursor, "global_batch_size": self.cfg.data.global_batch_size}
         state["config"] = self.cfg.to_dict()
-        self._checkpoint_guard(lambda: manager.save(step, state, metrics=values))
+        # An async save copies parameters and optimizer state while the next step's forward and backward
+        # run (they only read them; optim_step waits for the copy). Buffers, which forward may update in
+        # place (BatchNorm statistics, DDP's buffer broadcast), are copied now.
+        buffers = {name for name, _ in backend.model.named_buffers()}
+        state["model"] = {k: v.clone() if k in buffers and isinstance(v, torch.Tensor) else v
+                          for k, v in state["model"].items()}
+        self._checkpoint_guard(lambda: manager.save(step, state, metrics=values, defer_copy=True))
 
     def _checkpoint_guard(self, action) -> None:
         """Run a save (or wait for one); by `checkpoint.on_error` a failure aborts or becomes a warning."""

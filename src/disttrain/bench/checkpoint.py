@@ -5,7 +5,9 @@ torch.distributed.checkpoint (DCP) on the same training state, and how long an a
 
 The state is a real one: a GPT and its AdamW moments after one step. Every figure is the median over
 rounds; files go to a fresh folder under --out and are removed afterwards. Targets: manager throughput
->= 0.9x the plain calls; async save blocks <= 10% of a sync save.
+>= 0.9x the plain calls; async save blocks <= 10% of a sync save. The async figure is what a training
+loop sees: the `save` call plus, after the next micro-batch's forward and backward (not counted), the
+wait for the background copy before the optimizer step.
 """
 
 from __future__ import annotations
@@ -45,7 +47,20 @@ def _training_state(n_layer: int, d_model: int) -> dict:
     x = torch.randint(0, 256, (2, 64))
     backend.forward_backward({"input_ids": x, "labels": x})
     backend.optim_step()
-    return backend.state_dict()
+    return backend, backend.state_dict()
+
+
+def _blocked_by_deferred_save(manager, backend, step: int, state) -> float:
+    """What an async save costs a training loop (as the Trainer does it): the `save` call, then the next
+    micro-batch's forward and backward run (not counted) while the copy is taken, then the wait for the
+    copy before the optimizer step (counted)."""
+    x = torch.randint(0, 256, (2, 64))
+    blocked = _timed(lambda: manager.save(step, state, defer_copy=True))
+    backend.forward_backward({"input_ids": x, "labels": x})
+    blocked += _timed(manager.wait_for_copy)
+    backend.optimizer.zero_grad(set_to_none=True)
+    backend._reset_accumulators()
+    return blocked
 
 
 def _timed(fn) -> float:
@@ -62,7 +77,7 @@ def _plain_save(state, path: Path, fsync: bool) -> None:
             os.fsync(f.fileno())
 
 
-def _round(state, flat, work: Path, i: int, sync, async_) -> dict[str, float]:
+def _round(backend, state, flat, work: Path, i: int, sync, async_) -> dict[str, float]:
     """One of each operation; the managers live across rounds, as they do across a training run."""
     import torch.distributed.checkpoint as dcp
 
@@ -71,9 +86,12 @@ def _round(state, flat, work: Path, i: int, sync, async_) -> dict[str, float]:
         "plain_save_fsync": _timed(lambda: _plain_save(state, work / f"plainf{i}.pt", fsync=True)),
         "dcp_save": _timed(lambda: dcp.save(flat, checkpoint_id=str(work / f"dcp{i}"), no_dist=True)),
         "manager_save": _timed(lambda: sync.save(i, state)),
-        "async_blocked": _timed(lambda: async_.save(i, state)),
+        "async_blocked_copy_now": _timed(lambda: async_.save(i, state)),
     }
-    t["async_total"] = t["async_blocked"] + _timed(async_.wait)
+    t["async_total"] = t["async_blocked_copy_now"] + _timed(async_.wait)
+    shutil.rmtree(async_.path(i))
+    t["async_blocked"] = _blocked_by_deferred_save(async_, backend, i, state)
+    async_.wait()
     os.sync()  # loads are timed without the saves' writeback competing for the disk
     target = {k: torch.empty_like(v) for k, v in flat.items()}
     t["plain_load"] = _timed(lambda: torch.load(work / f"plain{i}.pt", weights_only=True))
@@ -96,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     work = out / "checkpoint_bench_files"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    state = _training_state(args.n_layer, args.d_model)
+    backend, state = _training_state(args.n_layer, args.d_model)
     flat = flatten(state)[1]
     nbytes = sum(t.numel() * t.element_size() for t in flat.values())
     from disttrain.checkpoint import CheckpointManager
@@ -105,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     sync = CheckpointManager(work / "sync", CheckpointConfig(keep_last=100))
     async_ = CheckpointManager(work / "async", CheckpointConfig(keep_last=100, async_save=True))
     try:
-        rounds = [_round(state, flat, work, i, sync, async_) for i in range(args.rounds)]
+        rounds = [_round(backend, state, flat, work, i, sync, async_) for i in range(args.rounds)]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
@@ -119,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_vs_plain": med["plain_load"] / med["manager_load"],
         "load_vs_dcp": med["dcp_load"] / med["manager_load"],
         "async_blocked_fraction_of_sync": med["async_blocked"] / med["manager_save"],
+        "async_copy_now_fraction_of_sync": med["async_blocked_copy_now"] / med["manager_save"],
         "torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M"),
     }
     (out / "checkpoint.json").write_text(json.dumps(result, indent=2))
@@ -140,5 +159,8 @@ def _markdown(r: dict, args) -> str:
         f"{r['save_vs_dcp']:.2f}x)\n"
         f"- load throughput, manager (sha256-verified) / torch.load(weights_only=True): "
         f"**{r['load_vs_plain']:.2f}x** (vs DCP: {r['load_vs_dcp']:.2f}x)\n"
-        f"- async save blocks training for **{r['async_blocked_fraction_of_sync']:.1%}** of a sync save\n"
+        f"- async save blocks training for **{r['async_blocked_fraction_of_sync']:.1%}** of a sync save (the "
+        f"Trainer's way: the copy overlaps the next forward/backward; `async_blocked` = save() + the wait "
+        f"before the next optimizer step); copying in save() instead blocks "
+        f"{r['async_copy_now_fraction_of_sync']:.1%} (`async_blocked_copy_now`)\n"
     )
