@@ -31,7 +31,7 @@ def ray_env():
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
         patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-        with tempfile.TemporaryDirectory(prefix="dtray") as tmp:  # short: Ray's socket paths must fit
+        with tempfile.TemporaryDirectory(prefix="dtray", dir="/tmp") as tmp:  # short: Ray's socket paths must fit
             yield tmp
 
 

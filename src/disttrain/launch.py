@@ -69,20 +69,31 @@ def torchrun_argv(plan: LaunchPlan, entry: list[str], log_dir: Path, module: boo
 
 def launch(plan: LaunchPlan | int, entry: list[str], run_dir: Path, module: bool = True) -> int:
     """Run `entry` on this node's workers through torchrun; return the job's exit code."""
+    plan = LaunchPlan(nproc=plan) if isinstance(plan, int) else plan
+    plan.check()
+    tmp = run_dir / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    import tempfile
+
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = str(tmp)  # torchrun's per-run folders land in the run
+    try:
+        return _run_torchrun(plan, entry, run_dir, module)
+    finally:  # called in-process (tests, notebooks): leave the caller's temp folder as it was
+        if saved[0] is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved[0]
+        tempfile.tempdir = saved[1]
+
+
+def _run_torchrun(plan: LaunchPlan, entry: list[str], run_dir: Path, module: bool) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     from disttrain.monitor import Watchdog, clear_statuses, summary
 
-    plan = LaunchPlan(nproc=plan) if isinstance(plan, int) else plan
-    plan.check()
-    tmp = run_dir / "tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
-    os.environ["TMPDIR"] = str(tmp)  # torchrun's per-run folders land in the run, not in /tmp
-    import tempfile
-
-    tempfile.tempdir = str(tmp)
     argv = torchrun_argv(plan, entry, run_dir / "logs", module)
     print("disttrain: launching: torchrun " + shlex.join(argv), file=sys.stderr, flush=True)
     # The entry's own arguments are attached after parsing: torchrun's argparse would otherwise take a

@@ -229,7 +229,13 @@ class WorkerGroup:
                     future.set_exception(RemoteError(handle.rank, message.get("type", "Error"),
                                                      message.get("error", ""), message.get("traceback", "")))
         except (asyncio.IncompleteReadError, ConnectionError, WireError, OSError) as exc:
-            handle.closed = "closed its connection" if isinstance(exc, asyncio.IncompleteReadError) else str(exc)
+            closed = "closed its connection" if isinstance(exc, asyncio.IncompleteReadError) else str(exc)
+        # A dead process's socket usually closes before the process can be reaped: wait briefly, so the
+        # failure says how the worker ended (e.g. killed by SIGKILL) rather than only that it hung up.
+        deadline = time.monotonic() + 2.0
+        while self.launcher.exit_status(handle.rank) is None and time.monotonic() < deadline and not self._closing:
+            await asyncio.sleep(0.02)
+        handle.closed = closed
         self._check(handle)
 
     # -- health ------------------------------------------------------------------------------------
