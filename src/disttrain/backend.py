@@ -203,12 +203,16 @@ class TrainingBackend:
         which is the same on every rank (replicated gradients, or a norm reduced over the shards)."""
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # records inf/NaN (agreed across ranks, see precision.py)
+        # One pass over the gradients: the norm of the raw sums gives the mean's norm (x scale), and the
+        # normalisation and the clip coefficient are applied together, to each rank's local shards.
         scale = self.prepared.grads_averaged_over / count
-        for param in self._params:
-            if param.grad is not None:
-                param.grad.mul_(scale)
-        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
-        return _full(torch.nn.utils.clip_grad_norm_(self._params, max_norm)).item()
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if not grads:
+            return 0.0
+        norm = _full(torch.nn.utils.get_total_norm(grads)).item() * scale
+        factor = scale * (min(1.0, self.grad_clip / (norm + 1e-6)) if self.grad_clip > 0 else 1.0)
+        torch._foreach_mul_([g.to_local() if hasattr(g, "to_local") else g for g in grads], factor)
+        return norm
 
     def _engine_update(self, count: float, bad_ranks: list[int], loss: float) -> tuple[float, bool]:
         """An engine strategy normalises (by the same factor), clips and steps inside its engine, which itself

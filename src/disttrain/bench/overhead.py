@@ -1,7 +1,7 @@
 """Benchmark: disttrain's step vs the same strategy written by hand in plain PyTorch, same model, data
 and threads; for several strategies, also each strategy's step time relative to ddp.
 
-    disttrain bench overhead [--strategies ddp,zero1,zero2,fsdp] [--nproc 2] [--rounds 8] [--steps 10]
+    disttrain bench overhead [--strategies ddp,zero1,zero2,fsdp,hsdp,deepspeed] [--nproc 2] [--rounds 8] [--steps 10]
 
 Both loops run in the same processes, interleaved in rounds (A B B A ...) so that machine noise hits
 both alike, and each is built first for half of the rounds. The figure is the ratio of median step
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="disttrain bench overhead", description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--strategies", default="ddp", help="comma-separated: ddp, zero1, zero2, fsdp")
+    p.add_argument("--strategies", default="ddp", help="comma-separated: ddp, zero1, zero2, fsdp, hsdp, deepspeed")
     p.add_argument("--rounds", type=int, default=8, help="interleaved rounds per loop (even)")
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per round")
     p.add_argument("--micro", type=int, default=16, help="micro-batch per rank")
@@ -83,9 +83,15 @@ def _plain_setup(cfg, strategy: str):
                                                 optimizer_class=torch.optim.AdamW, lr=cfg.optim.lr,
                                                 betas=(cfg.optim.beta1, cfg.optim.beta2))
         return module, optimizer, module.no_sync
+    kwargs = {"reshard_after_forward": strategy != "zero2"}
+    if strategy == "hsdp":  # replicate x shard; one group of all ranks (parallel.hsdp_shard_size = 0)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = torch.distributed.get_world_size()
+        kwargs["mesh"] = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
     for block in model.blocks:
-        fully_shard(block, reshard_after_forward=strategy != "zero2")
-    fully_shard(model, reshard_after_forward=strategy != "zero2")
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
     optimizer = optimizer_factory(cfg.optim)(model)  # over the sharded parameters
 
     @contextlib.contextmanager
@@ -97,11 +103,49 @@ def _plain_setup(cfg, strategy: str):
     return model, optimizer, no_sync
 
 
+def _plain_deepspeed_loop(cfg, runtime, train, sampler):
+    """The loop a DeepSpeed user writes from its tutorials: `deepspeed.initialize` with a torch AdamW and
+    a ZeRO config, then engine(x), engine.backward(loss), engine.step() per micro-batch."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    from disttrain.data import fetch, split_micro
+    from disttrain.models.gpt import GPT
+    from disttrain.optim import optimizer_factory, scheduler_factory
+
+    torch.manual_seed(cfg.run.seed)
+    model = GPT(cfg.model)
+    optimizer = optimizer_factory(cfg.optim)(model)
+    d = cfg.data
+    accum = d.global_batch_size // (d.micro_batch_size * runtime.world_size)
+    config = {"train_micro_batch_size_per_gpu": d.micro_batch_size, "gradient_accumulation_steps": accum,
+              "gradient_clipping": cfg.optim.grad_clip, "zero_optimization": {"stage": cfg.parallel.deepspeed_stage},
+              "steps_per_print": 10**9}
+    scheduler = scheduler_factory(cfg.optim, cfg.train.steps)(optimizer)  # on the client optimizer's groups
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False)
+
+    def step(k: int) -> float:
+        indices = sampler.rank_indices(k * d.global_batch_size, d.global_batch_size, runtime.world_size,
+                                       runtime.rank)
+        for idx in split_micro(indices, d.micro_batch_size):
+            batch = fetch(train, idx)
+            logits = engine(batch["input_ids"])
+            loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+            engine.backward(loss)  # DeepSpeed divides by the accumulation steps
+            engine.step()  # steps the optimizer at the accumulation boundary only
+        scheduler.step()
+        return loss.item()
+
+    return step
+
+
 def _plain_loop(cfg, runtime, train, sampler):
     """The loop a user writes by hand from the PyTorch tutorials (mean loss, no_sync, clip, step)."""
     from disttrain.data import fetch, split_micro
     from disttrain.optim import scheduler_factory
 
+    if cfg.parallel.strategy == "deepspeed":
+        return _plain_deepspeed_loop(cfg, runtime, train, sampler)
     model, optimizer, no_sync = _plain_setup(cfg, cfg.parallel.strategy)
     scheduler = scheduler_factory(cfg.optim, cfg.train.steps)(optimizer)
     d = cfg.data
