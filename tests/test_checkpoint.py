@@ -145,6 +145,25 @@ def test_async_save_snapshots_the_state_and_surfaces_errors_later(tiny_disk):
     assert manager.list() == [1, 3]
 
 
+def test_a_large_state_is_split_over_files_written_and_verified_in_parallel(tmp_path, monkeypatch, caplog):
+    from disttrain import statefile
+
+    monkeypatch.setattr(statefile, "PART_BYTES", 1024)  # "large" = over 1 KiB here
+    monkeypatch.setattr(statefile.os, "cpu_count", lambda: 3)
+    manager = CheckpointManager(tmp_path)
+    for step in (1, 2):
+        manager.save(step, _state(step, size=4000))
+    parts = sorted(p.name for p in (tmp_path / "step_2").glob("state*.safetensors"))
+    assert parts == [f"state-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    loaded, original = manager.load(2), _state(2, size=4000)
+    torch.testing.assert_close(loaded["model"]["big"], original["model"]["big"], rtol=0, atol=0)
+    assert loaded["model"]["emb.weight"] is loaded["model"]["head.weight"]  # tied, stored once
+    _flip_byte(tmp_path / "step_2" / parts[1])
+    with caplog.at_level(logging.WARNING):
+        assert manager.load()["step"] == 1  # the damaged part is named; the previous checkpoint loads
+    assert parts[1] in caplog.text and "sha256" in caplog.text
+
+
 def test_deferred_copy_holds_the_state_of_save_time_once_wait_for_copy_returns(tmp_path):
     manager = CheckpointManager(tmp_path, CheckpointConfig(async_save=True))
     for step in (1, 2):  # the second save copies into the staging buffers of the first

@@ -4,6 +4,8 @@ On-disk layout (`<directory>` is usually `RUN_DIR/checkpoints`):
 
     step_<N>/
         state.safetensors, state.json      full state (model, optimizer, scheduler, counters, config), rank 0
+                                           (a large state: state-0000i-of-0000n.safetensors, written and
+                                           hashed in parallel; statefile.PART_BYTES)
         rank<R>.safetensors, rank<R>.json  per-rank state (RNG), every rank
         files_rank<R>.json                 size + sha256 of the files rank R wrote (read by rank 0)
         manifest.json                      step, time, world size, strategy, config hash, versions, metrics,
@@ -29,9 +31,11 @@ import hashlib
 import json
 import logging
 import math
+import os
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +99,11 @@ def read_checkpoint_files(path: Path) -> tuple[dict[str, Any], dict[str, torch.T
     if hashlib.sha256(manifest_bytes).hexdigest() != (path / COMMIT).read_text().strip():
         raise ChecksumError(f"{path / MANIFEST}: does not match the commit marker (altered)")
     manifest = json.loads(manifest_bytes)
-    blobs = {name: read_verified(path / name, FileInfo(**info)) for name, info in manifest["files"].items()}
+    files = manifest["files"]
+    # hashlib releases the GIL: large files are verified in parallel (write_state splits large states)
+    with ThreadPoolExecutor(max(1, min(len(files), os.cpu_count() or 1))) as pool:
+        verified = pool.map(lambda item: read_verified(path / item[0], FileInfo(**item[1])), files.items())
+        blobs = dict(zip(files, verified, strict=True))
     return manifest, blobs
 
 

@@ -25,6 +25,7 @@ import mmap
 import os
 import struct
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,12 +178,44 @@ def load_safetensors(buf: torch.Tensor) -> dict[str, torch.Tensor]:
     return tensors
 
 
+PART_BYTES = 64 << 20
+"""A state with more tensor bytes than this is split over several safetensors files (one per core at most),
+written and hashed in parallel: sha256 runs at ~1.7 GB/s per core, so on one file it alone bounds a save
+or a verified load of a large state."""
+
+
+def part_names(name: str, parts: int) -> list[str]:
+    if parts == 1:
+        return [f"{name}.safetensors"]
+    return [f"{name}-{i:05d}-of-{parts:05d}.safetensors" for i in range(1, parts + 1)]
+
+
+def _split(tensors: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
+    """`parts` groups of about equal bytes (largest tensors first to the lightest group), keys in order."""
+    loads, owner = [0] * parts, {}
+    for key, t in sorted(tensors.items(), key=lambda kv: -kv[1].numel() * kv[1].element_size()):
+        i = loads.index(min(loads))
+        owner[key] = i
+        loads[i] += t.numel() * t.element_size()
+    return [{k: t for k, t in tensors.items() if owner[k] == i} for i in range(parts)]
+
+
 def write_state(directory: Path, name: str, state: Any) -> dict[str, FileInfo]:
-    """Write `<name>.json` (+ `<name>.safetensors` when the state has tensors); return their infos."""
+    """Write `<name>.json` and the tensors: `<name>.safetensors`, or for a large state
+    `<name>-0000i-of-0000n.safetensors`, written in parallel (see PART_BYTES); return their infos."""
     skeleton, tensors = flatten(state)
     files = {}
     if tensors:
-        files[f"{name}.safetensors"] = write_safetensors(directory / f"{name}.safetensors", tensors)
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        parts = max(1, min(os.cpu_count() or 1, len(tensors), total // PART_BYTES))
+        names = part_names(name, parts)
+        if parts == 1:
+            files[names[0]] = write_safetensors(directory / names[0], tensors)
+        else:
+            with ThreadPoolExecutor(parts) as pool:
+                infos = pool.map(lambda job: write_safetensors(directory / job[0], job[1]),
+                                 zip(names, _split(tensors, parts), strict=True))
+                files.update(zip(names, infos, strict=True))
     files[f"{name}.json"] = write_bytes(directory / f"{name}.json", json.dumps(skeleton).encode())
     return files
 
@@ -213,7 +246,11 @@ def read_verified(path: Path, expected: FileInfo) -> torch.Tensor:
 
 def read_state(blobs: dict[str, torch.Tensor], name: str) -> Any:
     """Rebuild the state written by `write_state(name)` from already verified bytes."""
-    tensors = load_safetensors(blobs[f"{name}.safetensors"]) if f"{name}.safetensors" in blobs else {}
+    tensors = {}
+    for file_name, blob in blobs.items():
+        part = file_name.startswith(f"{name}-") and file_name.endswith(".safetensors")
+        if file_name == f"{name}.safetensors" or part:
+            tensors.update(load_safetensors(blob))
     return unflatten(json.loads(blobs[f"{name}.json"].numpy().tobytes()), tensors)
 
 
