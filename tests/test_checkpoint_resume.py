@@ -45,7 +45,17 @@ def runs(tmp_path_factory):
     async_save = ["--set", "checkpoint.async_save=true"]
     _train(tmp, "ddp_async", 2, "--set", "train.stop_at=30", *async_save)
     assert "resumed from checkpoint step 30" in _train(tmp, "ddp_async", 2, *async_save).stderr
+    fsdp_async = [*async_save, "--set", "parallel.strategy=fsdp"]
+    _train(tmp, "fsdp_async", 2, "--set", "train.stop_at=30", *fsdp_async)
+    assert "resumed from checkpoint step 30" in _train(tmp, "fsdp_async", 2, *fsdp_async).stderr
     return tmp
+
+
+def test_async_sharded_checkpoints_resume_like_an_uninterrupted_run(runs):
+    """fsdp with async saves: DCP writes each rank's shards in the background on a gloo group of its own."""
+    manifest = json.loads((runs / "fsdp_async" / "checkpoints" / "step_60" / "manifest.json").read_text())
+    assert manifest["layout"] == "dcp" and manifest["world_size"] == 2
+    assert _losses(runs / "fsdp_async") == pytest.approx(_losses(runs / "ddp_straight"), abs=1e-5)
 
 
 @pytest.mark.parametrize("name, resumed", [("single", "single_resumed"), ("ddp", "ddp_resumed"),

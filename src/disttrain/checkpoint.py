@@ -144,7 +144,7 @@ class CheckpointManager:
         self.info = dict(info or {})  # recorded in every manifest: strategy, config hash, ...
         self._pending: threading.Thread | None = None
         self._staging: dict[str, torch.Tensor] = {}  # async saves copy into these (reused: no page faults)
-        self._warned_sync = False
+        self._dcp_group = None  # async sharded saves: DCP's collectives on a gloo group of their own
         self._pending_error: BaseException | None = None
         self._copied: threading.Event | None = None  # set once an async save's snapshot is taken
 
@@ -210,31 +210,31 @@ class CheckpointManager:
         rank_state = {"rng": _rng_state()} if rank_state is None else rank_state
         self._prepare_folder(step)
         sharded = _is_sharded(state)  # decided once: it walks the whole state
-        if self.cfg.async_save and sharded:
-            if not self._warned_sync:
-                log.warning("checkpoint.async_save: sharded (DCP) state is saved synchronously in this version")
-                self._warned_sync = True
-            self._save(step, state, metrics, rank_state, collective=True, sharded=True)
-        elif self.cfg.async_save:
+        if self.cfg.async_save:
+            if sharded and self._distributed() and self._dcp_group is None:
+                # DCP's own collectives run in the background thread; on the default group they would
+                # interleave with training's (measured: hangs, gloo size mismatches), so they get a group
+                # of their own. Created here, where every rank is (it is a collective call).
+                self._dcp_group = dist.new_group(backend="gloo")
             both = {"state": state, "rank": rank_state}
             self._copied = threading.Event()
             if not defer_copy:
                 both = self._snapshot(both)
                 self._copied.set()
             self._pending = threading.Thread(target=self._save_in_background, name="disttrain-ckpt",
-                                             args=(step, both, metrics), daemon=True)
+                                             args=(step, both, metrics, sharded), daemon=True)
             self._pending.start()
         else:
             self._save(step, state, metrics, rank_state, collective=True, sharded=sharded)
 
-    def _save_in_background(self, step, both, metrics) -> None:
+    def _save_in_background(self, step, both, metrics, sharded: bool) -> None:
         try:
             if not self._copied.is_set():
                 try:
                     both = self._snapshot(both)
                 finally:
                     self._copied.set()
-            self._save(step, both["state"], metrics, both["rank"], collective=False, sharded=False)
+            self._save(step, both["state"], metrics, both["rank"], collective=False, sharded=sharded)
         except BaseException as exc:  # surfaced by wait()
             self._pending_error = exc
 
@@ -272,7 +272,7 @@ class CheckpointManager:
         try:
             files = write_state(path, f"rank{self.rank}", rank_state)
             if sharded:  # every rank writes its shards through DCP
-                files.update(_write_sharded(path, state, self.rank))
+                files.update(_write_sharded(path, state, self.rank, None if collective else self._dcp_group))
             elif self.rank == 0:
                 files.update(write_state(path, "state", state))
             write_bytes(path / f"files_rank{self.rank}.json",
@@ -343,6 +343,7 @@ class CheckpointManager:
             if (is_committed(child) and step not in keep_set) or (not is_committed(child) and step != keep):
                 _remove_checkpoint(child)
 
+    @torch.no_grad()  # also in the background thread, where grad mode is on by default
     def _snapshot(self, state: Any) -> Any:
         """A copy that training cannot modify while the background thread writes it. The copies go into
         buffers kept from the previous save (only one save is in flight), so after the first save a
@@ -350,10 +351,18 @@ class CheckpointManager:
         skeleton, tensors = flatten(state)
         staged = {}
         for key, t in tensors.items():
+            local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: copy this rank's shard
             buf = self._staging.get(key)
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                buf = self._staging[key] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-            staged[key] = buf.copy_(t)
+            if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
+                buf = self._staging[key] = torch.empty(local.shape, dtype=local.dtype, device="cpu")
+            buf.copy_(local)
+            if hasattr(t, "to_local"):  # the same shard of the same global tensor, now in host memory
+                from torch.distributed.tensor import DTensor
+
+                staged[key] = DTensor.from_local(buf, t.device_mesh, t.placements, run_check=False,
+                                                 shape=t.shape, stride=t.stride())
+            else:
+                staged[key] = buf
         for key in self._staging.keys() - tensors.keys():
             del self._staging[key]
         return unflatten(skeleton, staged)
@@ -419,13 +428,13 @@ def _is_sharded(state: Any) -> bool:
     return any(hasattr(t, "to_local") for t in flatten(state)[1].values())
 
 
-def _write_sharded(path: Path, state: Any, rank: int) -> dict[str, FileInfo]:
+def _write_sharded(path: Path, state: Any, rank: int, group=None) -> dict[str, FileInfo]:
     """DCP layout: the skeleton as `state.json` (rank 0), the tensors as DCP shards with JSON metadata."""
     skeleton, tensors = flatten(state)
     files = {}
     if rank == 0:
         files["state.json"] = write_bytes(path / "state.json", json.dumps({"skeleton": skeleton}).encode())
-    for name in save_sharded(tensors, path):
+    for name in save_sharded(tensors, path, group):
         files[name] = hash_file(path / name)
     return files
 

@@ -83,10 +83,12 @@ class JsonMetadataReader(FileSystemReader):
         return metadata
 
 
-def save_sharded(tensors: dict[str, torch.Tensor], path: Path) -> list[str]:
-    """All ranks: write `tensors` (plain or DTensor) into `path`; return the files this rank wrote."""
+def save_sharded(tensors: dict[str, torch.Tensor], path: Path, group=None) -> list[str]:
+    """All ranks: write `tensors` (plain or DTensor) into `path`; return the files this rank wrote. `group`:
+    the process group of DCP's own collectives (default: the default group)."""
     before = set(os.listdir(path))
-    dcp.save(tensors, storage_writer=JsonMetadataWriter(path), no_dist=not torch.distributed.is_initialized())
+    dcp.save(tensors, storage_writer=JsonMetadataWriter(path), no_dist=not torch.distributed.is_initialized(),
+             process_group=group)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     written = [name for name in set(os.listdir(path)) - before if name.startswith(f"__{rank}_")]
     return sorted(written + ([METADATA] if rank == 0 else []))
