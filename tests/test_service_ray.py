@@ -37,7 +37,8 @@ def ray_env():
 
 @pytest.fixture(scope="module")
 def local_ray(ray_env):
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=ray_env, configure_logging=False)
+    # one logical GPU (no device behind it): enough to test placement with fractional GPUs
+    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, _temp_dir=ray_env, configure_logging=False)
     yield
     ray.shutdown()
 
@@ -55,6 +56,20 @@ def test_ray_service_matches_reference(local_ray, reference, strategy):
             assert_close(await train(service, 0, STEPS), reference)
             workers = (await service.status())["workers"]
             assert [w["state"] for w in workers] == ["healthy", "healthy"] and all(w["node"] for w in workers)
+        finally:
+            await service.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_ray_fractional_gpus_share_one_device(local_ray, reference):
+    """gpus_per_worker = 0.5: Ray places both workers on its one (logical) GPU; they train on CPU here."""
+
+    async def scenario():
+        service = await start("ddp", gpus_per_worker=0.5, device="cpu")
+        try:
+            assert_close(await train(service, 0, 3), reference[:3])
+            assert [w["gpus"] for w in (await service.status())["workers"]] == [["0"], ["0"]]
         finally:
             await service.shutdown()
 

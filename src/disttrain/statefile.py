@@ -179,9 +179,10 @@ def load_safetensors(buf: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 PART_BYTES = 64 << 20
-"""A state with more tensor bytes than this is split over several safetensors files (one per core at most),
-written and hashed in parallel: sha256 runs at ~1.7 GB/s per core, so on one file it alone bounds a save
-or a verified load of a large state."""
+"""A state with more tensor bytes than this is split into files of about this size, written and hashed
+by one thread per core: sha256 runs at ~1.7 GB/s per core, so on one file it alone bounds a save or a
+verified load of a large state, and with more parts than cores one part's fsync overlaps the writing
+of the next."""
 
 
 def part_names(name: str, parts: int) -> list[str]:
@@ -207,12 +208,12 @@ def write_state(directory: Path, name: str, state: Any) -> dict[str, FileInfo]:
     files = {}
     if tensors:
         total = sum(t.numel() * t.element_size() for t in tensors.values())
-        parts = max(1, min(os.cpu_count() or 1, len(tensors), total // PART_BYTES))
+        parts = max(1, min(len(tensors), total // PART_BYTES))
         names = part_names(name, parts)
         if parts == 1:
             files[names[0]] = write_safetensors(directory / names[0], tensors)
         else:
-            with ThreadPoolExecutor(parts) as pool:
+            with ThreadPoolExecutor(min(parts, os.cpu_count() or 1)) as pool:
                 infos = pool.map(lambda job: write_safetensors(directory / job[0], job[1]),
                                  zip(names, _split(tensors, parts), strict=True))
                 files.update(zip(names, infos, strict=True))

@@ -290,10 +290,13 @@ class WorkerGroup:
             exit_status = self.launcher.exit_status(rank)
             state = "dead" if exit_status or handle.closed else (
                 "unresponsive" if now - handle.last_seen > self.heartbeat_timeout_s else "healthy")
-            out.append({"rank": rank, "state": state, "pid": handle.pid, "host": handle.host, "node": handle.node,
-                        "phase": handle.phase, "step": handle.step,
-                        "last_heartbeat_s": round(now - handle.last_seen, 3),
-                        **({"exit": exit_status} if exit_status else {})})
+            entry = {"rank": rank, "state": state, "pid": handle.pid, "host": handle.host, "node": handle.node,
+                     "phase": handle.phase, "step": handle.step, "last_heartbeat_s": round(now - handle.last_seen, 3)}
+            if getattr(self.launcher, "gpus", None):  # Ray: the GPU ids it gave the worker
+                entry["gpus"] = self.launcher.gpus[rank]
+            if exit_status:
+                entry["exit"] = exit_status
+            out.append(entry)
         return out
 
     # -- commands ----------------------------------------------------------------------------------
@@ -327,8 +330,10 @@ class WorkerGroup:
             if pending:
                 self.fail(WorkerFailure(f"{first}; the other ranks did not finish the command within "
                                         f"{self.error_grace_s:g} s, so the group is out of step", first.rank))
-                raise first
+                raise self.failure
         errors = [future.exception() for future in futures if future.done()]  # retrieves every error
+        if self.failure is not None:  # a worker died: the other ranks' errors (peer reset) are its echoes
+            raise self.failure
         first = next((error for error in errors if error is not None), None)
         if first is not None:
             raise first

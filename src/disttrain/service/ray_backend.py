@@ -57,6 +57,7 @@ class RayLauncher:
         self.actors: list[Any] = []
         self.refs: list[Any] = []
         self.nodes: list[str] = []
+        self.gpus: list[list[str]] = []  # Ray's GPU ids per worker (its CUDA_VISIBLE_DEVICES)
         self.group = None
 
     async def spawn(self, host: str, port: int, token: str, procs: int, heartbeat_s: float) -> None:
@@ -86,7 +87,9 @@ class RayLauncher:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank),
             ).remote()
             self.actors.append(actor)
-        self.nodes = [w["node_id"] for w in await asyncio.to_thread(ray.get, [a.where.remote() for a in self.actors])]
+        places = await asyncio.to_thread(ray.get, [a.where.remote() for a in self.actors])
+        self.nodes = [w["node_id"] for w in places]
+        self.gpus = [w["gpu_ids"] for w in places]
         self.refs = [a.serve.remote(host, port, token, rank, procs, heartbeat_s, env)
                      for rank, a in enumerate(self.actors)]
 
