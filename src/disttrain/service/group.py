@@ -320,7 +320,9 @@ class WorkerGroup:
         joined), the group is failed too, since its ranks no longer agree on where they are.
         """
         futures = [self.send(rank, message, tensors) for rank, (message, tensors) in enumerate(messages)]
-        await asyncio.gather(*(self.workers[r].writer.drain() for r in range(self.procs)))
+        # A worker that just died makes drain() fail; its reader task declares the failure, which then
+        # resolves every future below with a WorkerFailure naming the worker.
+        await asyncio.gather(*(self.workers[r].writer.drain() for r in range(self.procs)), return_exceptions=True)
         done, pending = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
         if pending:
             first = next(f.exception() for f in done if f.exception() is not None)
