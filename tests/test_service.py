@@ -195,6 +195,14 @@ def test_service_fsdp_matches_reference(reference):
         service = await start("fsdp")
         try:
             assert_close(await train(service, 0, STEPS), reference)
+            # 5 rows over 2 ranks (3 + 2) in micro-batches of 2: both ranks run 2 micro-batches, so FSDP's
+            # collectives pair up; the loss is that of the whole batch
+            five = split_batch(next(job.batches(1)), 8)[0:5]
+            five = {k: torch.cat([p[k] for p in five]) for k in five[0]}
+            micro = await service.forward_backward(five, micro_batch_size=2, sync=False)
+            whole = await service.forward_backward(five)
+            assert micro["count"] == whole["count"] and abs(micro["loss"] - whole["loss"]) < 1e-6
+            await service.optim_step()
         finally:
             await service.shutdown()
 
@@ -219,11 +227,15 @@ def test_sigkill_under_restart_policy_restores_the_checkpoint_and_training_conti
         try:
             losses = await train(service, 0, 5)
             await service.save()
+            await train(service, 5, 7)
+            await service.save()  # step 7, the newest in the folder ...
+            assert await service.load(step=5) == 5  # ... but the loop went back to step 5
             losses += await train(service, 5, 7)
             batch = next(job.batches(8, 7))
             killed = _signal(service, 1, signal.SIGKILL)
             with pytest.raises(WorkersRestarted) as info:
                 await service.forward_backward(batch)
+            # restored: the checkpoint the service last loaded (step 5), not the newest one (step 7)
             assert info.value.step == 5 and "worker 1" in str(info.value) and "SIGKILL" in str(info.value)
             status = await service.status()
             detected = status["failures"][0]["time"] - (time.time() - (time.monotonic() - killed))
@@ -249,6 +261,8 @@ def test_fail_policy_names_the_worker_within_the_interval(sig):
             killed = time.monotonic()
             os.kill(pid, sig)
             with pytest.raises(WorkerFailure) as info:
+                if sig == signal.SIGSTOP:  # 64 MiB to a worker that stopped reading: the send itself blocks
+                    await service.call("service_job:rows", {"x": torch.zeros(2, 8 << 20)})
                 for batch in job.batches(50, 2):  # a worker stopped mid-collective blocks the others
                     await service.forward_backward(batch)
                     await service.optim_step()
@@ -282,6 +296,21 @@ def run_rl_example(*args: str) -> dict:
     assert result["iterations"] == 30
     assert result["first_reward"] < 0.7 and result["last_reward"] >= 0.9, result  # random play earns 0.25
     return result
+
+
+def test_a_failed_start_under_restart_policy_leaves_no_worker_behind(monkeypatch):
+    from conftest import processes_mentioning
+
+    monkeypatch.setenv("SERVICE_JOB_DIE_RANK", "1")  # service_job:dying_model exits on that rank
+
+    async def scenario():
+        with pytest.raises(WorkerFailure, match="worker 1 .* exited with code 9"):
+            await TrainingService.options(procs=2, threads=1, on_failure="restart").as_service(
+                "service_job:dying_model", strategy="ddp")
+        await asyncio.sleep(1.0)  # a (wrong) background restart would have spawned workers by now
+
+    asyncio.run(scenario())
+    assert processes_mentioning("disttrain.service.worker") == []
 
 
 def test_rl_example_learns_on_two_local_workers():

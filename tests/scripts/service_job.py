@@ -69,3 +69,19 @@ def collective_checks(batch, offset: float = 0.0):
 def mean_loss(logits, batch):
     """A custom loss returning a mean (the backend weights it by the batch size)."""
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+
+def rows(batch):
+    """`service.call` target: the rows this rank received."""
+    return len(batch["x"])
+
+
+def dying_model():
+    """A model factory that kills its process on rank $SERVICE_JOB_DIE_RANK (a worker dying during setup)."""
+    import os
+
+    import torch.distributed as dist
+
+    if str(dist.get_rank()) == os.environ.get("SERVICE_JOB_DIE_RANK"):
+        os._exit(9)
+    return torch.nn.Linear(2, 2)

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from disttrain.service.wire import TOKEN_ENV, WireError, read_frame, write_frame
+from disttrain.service.wire import TOKEN_ENV, WireError, encode, read_frame
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,10 @@ class WorkerHandle:
 
 def describe_exit(code: int) -> str:
     if code < 0:
-        return f"was killed by {signal.Signals(-code).name}"
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:  # e.g. a real-time signal
+            return f"was killed by signal {-code}"
     return f"exited with code {code}"
 
 
@@ -153,6 +156,15 @@ class WorkerGroup:
         return self._server.sockets[0].getsockname()[1]
 
     async def start(self) -> None:
+        """Spawn the workers and wait until all have connected; on any error or cancellation, everything
+        started so far (server, store, processes, Ray actors) is stopped before the error propagates."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.close(graceful=False)
+            raise
+
+    async def _start(self) -> None:
         self._server = await asyncio.start_server(self._accept, self.host, 0)
         # The rendezvous store of the workers' torch process group (they connect as clients). TCPStore
         # binds to every interface when it opens its own port, so it gets a socket bound to `host`.
@@ -167,12 +179,10 @@ class WorkerGroup:
             for rank in range(self.procs):
                 status = self.launcher.exit_status(rank)
                 if status is not None and rank not in self.workers:
-                    await self.close(graceful=False)
                     raise WorkerFailure(f"worker {rank} {status} before connecting to the driver "
                                         "(see its output above)", rank)
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.procs)) - set(self.workers))
-                await self.close(graceful=False)
                 raise WorkerFailure(f"worker(s) {missing} did not connect within {self.startup_timeout_s:g} s",
                                     missing[0])
             try:
@@ -189,14 +199,15 @@ class WorkerGroup:
     # -- connections -------------------------------------------------------------------------------
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            hello, _ = await asyncio.wait_for(read_frame(reader), 30)
+        try:  # before the token is checked, accept only a small hello without tensors
+            hello, _ = await asyncio.wait_for(read_frame(reader, max_json=4096, max_payload=0), 30)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, WireError, ConnectionError):
             writer.close()
             return
         rank = hello.get("rank")
+        token = str(hello.get("token", "")).encode()
         valid = (hello.get("op") == "hello" and isinstance(rank, int) and 0 <= rank < self.procs
-                 and rank not in self.workers and hmac.compare_digest(str(hello.get("token", "")), self._token))
+                 and rank not in self.workers and hmac.compare_digest(token, self._token.encode()))
         if not valid:
             log.warning("refused a connection that is not one of this driver's workers")
             writer.close()
@@ -210,9 +221,12 @@ class WorkerGroup:
 
     async def _read_loop(self, handle: WorkerHandle, reader: asyncio.StreamReader) -> None:
         try:
-            while True:
-                message, tensors = await read_frame(reader)
+            def alive():
                 handle.last_seen = time.monotonic()
+
+            while True:
+                message, tensors = await read_frame(reader, on_progress=alive)
+                alive()
                 op = message.get("op")
                 if op == "heartbeat":
                     handle.phase, handle.step = message.get("phase", ""), int(message.get("step", 0))
@@ -244,7 +258,10 @@ class WorkerGroup:
         tick = max(0.05, min(self.heartbeat_s, self.heartbeat_timeout_s / 4))
         while not self._closing and self.failure is None:
             for handle in list(self.workers.values()):
-                self._check(handle)
+                try:
+                    self._check(handle)
+                except Exception as exc:  # never let the detector die silently
+                    self.fail(WorkerFailure(f"health check of worker {handle.rank} failed: {exc}", handle.rank))
             await asyncio.sleep(tick)
 
     def _check(self, handle: WorkerHandle) -> None:
@@ -257,7 +274,8 @@ class WorkerGroup:
         if status is not None:
             reason = f"{where} {status}"
         elif handle.closed is not None:
-            reason = f"{where} {handle.closed}"
+            reason = f"{where} {handle.closed}" + (f" after rejecting a frame: {handle.rejected}"
+                                                    if handle.rejected else "")
         elif silent > self.heartbeat_timeout_s:
             reason = (f"{where} sent no heartbeat for {silent:.1f} s (limit heartbeat_timeout_s = "
                       f"{self.heartbeat_timeout_s:g}); last phase '{handle.phase}' at step {handle.step}")
@@ -270,13 +288,13 @@ class WorkerGroup:
         if self.failure is not None or self._closing:
             return
         self.failure = failure
-        self.failed_at = time.monotonic()
         log.error("%s", failure)
         for handle in self.workers.values():
             for future in handle.pending.values():
                 if not future.done():
                     future.set_exception(failure)
             handle.pending.clear()
+            handle.writer.transport.abort()  # unblocks a drain() to a worker that stopped reading
         self.on_failure(failure)
 
     def status(self) -> list[dict[str, Any]]:
@@ -305,11 +323,18 @@ class WorkerGroup:
         """Send one command to one worker; the future resolves to (reply, tensors)."""
         if self.failure is not None:
             raise self.failure
-        handle = self.workers[rank]
+        return self._write(rank, *self._frame(message, tensors))
+
+    def _frame(self, message: dict[str, Any], tensors: dict | None) -> tuple[int, list[bytes]]:
         ident = next(self._ids)
+        return ident, encode({**message, "id": ident}, tensors)
+
+    def _write(self, rank: int, ident: int, chunks: list[bytes]) -> asyncio.Future:
+        handle = self.workers[rank]
         future = asyncio.get_running_loop().create_future()
         handle.pending[ident] = future
-        write_frame(handle.writer, {**message, "id": ident}, tensors)
+        for chunk in chunks:
+            handle.writer.write(chunk)
         return future
 
     async def all(self, messages: list[tuple[dict[str, Any], dict | None]]) -> list[tuple[dict, dict]]:
@@ -319,7 +344,11 @@ class WorkerGroup:
         other ranks do not answer within `error_grace_s` (stuck in a collective the failed rank never
         joined), the group is failed too, since its ranks no longer agree on where they are.
         """
-        futures = [self.send(rank, message, tensors) for rank, (message, tensors) in enumerate(messages)]
+        if self.failure is not None:
+            raise self.failure
+        # every frame is encoded before any is sent: a command never starts on some ranks only
+        frames = [self._frame(message, tensors) for message, tensors in messages]
+        futures = [self._write(rank, ident, chunks) for rank, (ident, chunks) in enumerate(frames)]
         # A worker that just died makes drain() fail; its reader task declares the failure, which then
         # resolves every future below with a WorkerFailure naming the worker.
         await asyncio.gather(*(self.workers[r].writer.drain() for r in range(self.procs)), return_exceptions=True)
@@ -332,12 +361,16 @@ class WorkerGroup:
             if pending:
                 self.fail(WorkerFailure(f"{first}; the other ranks did not finish the command within "
                                         f"{self.error_grace_s:g} s, so the group is out of step", first.rank))
-                raise self.failure
+                raise self.failure or first
         errors = [future.exception() for future in futures if future.done()]  # retrieves every error
         if self.failure is not None:  # a worker died: the other ranks' errors (peer reset) are its echoes
             raise self.failure
         first = next((error for error in errors if error is not None), None)
         if first is not None:
+            if any(error is None for error in errors):  # some ranks ran it, some failed: out of step
+                self.fail(WorkerFailure(f"{first}; the other ranks completed the command, so the group is "
+                                        "out of step", first.rank))
+                raise self.failure or first
             raise first
         return [future.result() for future in futures]
 

@@ -30,6 +30,13 @@ def _import_ray():
     return ray
 
 
+def _running_local_cluster() -> bool:
+    """Whether `ray start` left a cluster on this machine that `ray.init()` would join (its address file)."""
+    import tempfile
+
+    return os.path.exists(os.path.join(tempfile.gettempdir(), "ray", "ray_current_cluster"))
+
+
 class _Actor:
     """The body of each Ray actor (made a Ray class lazily, so importing this module never needs Ray)."""
 
@@ -67,7 +74,8 @@ class RayLauncher:
 
         o = self.options
         if not ray.is_initialized():
-            if o.ray_address is None:  # a new local cluster: keep token auth on without writing ~/.ray/auth_token
+            if o.ray_address is None and "RAY_ADDRESS" not in os.environ and not _running_local_cluster():
+                # a new local cluster: keep token auth on without writing ~/.ray/auth_token
                 os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
             ray.init(address=o.ray_address, include_dashboard=False, log_to_driver=True,
                      configure_logging=False)
@@ -77,17 +85,19 @@ class RayLauncher:
         ready = await asyncio.to_thread(ray.wait, [self.group.ready()], timeout=o.startup_timeout_s)
         if not ready[0]:
             ray.util.remove_placement_group(self.group)
+            self.group = None
             raise WorkerFailure(f"Ray could not place {procs} workers with {bundle} each ({o.placement}) within "
                                 f"{o.startup_timeout_s:g} s; cluster resources: {ray.cluster_resources()}")
         actor_cls = ray.remote(_Actor)
-        env = {**o.env, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+        env = {**o.env, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
         for rank in range(procs):
             actor = actor_cls.options(
                 num_cpus=o.cpus_per_worker, num_gpus=o.gpus_per_worker, resources=o.resources_per_worker or None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank),
             ).remote()
             self.actors.append(actor)
-        places = await asyncio.to_thread(ray.get, [a.where.remote() for a in self.actors])
+        places = await asyncio.to_thread(ray.get, [a.where.remote() for a in self.actors],
+                                         timeout=o.startup_timeout_s)
         self.nodes = [w["node_id"] for w in places]
         self.gpus = [w["gpu_ids"] for w in places]
         self.refs = [a.serve.remote(host, port, token, rank, procs, heartbeat_s, env)

@@ -15,7 +15,8 @@ results equal `disttrain train` and the single-process reference.
 
 Failures (`on_failure`): `fail` raises a `WorkerFailure` naming the worker from the call that was
 running (or the next one) and the service stays failed; `restart` kills the group, starts a new one,
-reloads the newest checkpoint saved through this service (`save`, or `checkpoint_dir`), and raises
+reloads the checkpoint this service last saved or loaded (the very step: never a newer one left by
+another run), and raises
 `WorkersRestarted(step)` from the call that was interrupted (or the next call, if the failure was seen
 between calls and work since the checkpoint was lost), so the loop can go back to that step; the call
 after it proceeds. A restart that loses nothing (no step or micro-batch since the checkpoint) is silent.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import sys
 import time
@@ -63,7 +65,8 @@ class ServiceOptions:
     max_restarts: int = 3
     """`restart` policy: give up (and fail) after this many restarts."""
     checkpoint_dir: str | None = None
-    """Where `save()` writes by default and where a restart reloads from (default: the last `save` path)."""
+    """Default folder of `save()` and `load()`. A restart reloads the checkpoint this service last saved or
+    loaded (fresh weights, step 0, if none)."""
     host: str = "127.0.0.1"
     """Address the driver listens on; loopback unless workers run on other machines (Ray, several nodes)."""
     threads: int = 0
@@ -127,6 +130,7 @@ class ServiceOptions:
             setup["grad_clip"] = grad_clip
         service = TrainingService(self, setup)
         await service._start()
+        service._started = True
         return service
 
 
@@ -144,14 +148,13 @@ class TrainingService:
         self.restarts = 0
         self.step = 0
         self._micro_batches = 0  # since the last optim_step
-        self._checkpoint: tuple[str, int] | None = None  # (path, step) of the newest save/load
+        self._checkpoint: tuple[str, int] | None = None  # (folder, step) of the last save/load: what a restart restores
+        self._started = False  # restarts apply to a service that started; a failed start just raises
         self._failed: WorkerFailure | None = None
         self._notice: WorkersRestarted | None = None
         self._restarting: asyncio.Task | None = None
         self._lock = asyncio.Lock()
         self.failures: list[dict[str, Any]] = []
-        if options.checkpoint_dir:
-            self._checkpoint = (options.checkpoint_dir, -1)
 
     @property
     def procs(self) -> int:
@@ -187,7 +190,7 @@ class TrainingService:
     def _on_failure(self, failure: WorkerFailure) -> None:
         self.failures.append({"time": time.time(), "error": str(failure), "rank": failure.rank,
                               "generation": self.generation})
-        if self.options.on_failure == "restart" and self._restarting is None:
+        if self.options.on_failure == "restart" and self._restarting is None and self._started:
             self._restarting = asyncio.get_running_loop().create_task(self._restart(failure))
 
     async def _restart(self, failure: WorkerFailure) -> None:
@@ -196,25 +199,29 @@ class TrainingService:
             if self.restarts >= self.options.max_restarts:
                 raise WorkerFailure(f"{failure}; giving up after {self.restarts} restarts "
                                     f"(max_restarts = {self.options.max_restarts})", failure.rank)
-            lost = self._micro_batches > 0 or self._checkpoint is None or self.step != self._checkpoint[1]
+            lost = self._micro_batches > 0 or self.step != (self._checkpoint[1] if self._checkpoint else 0)
             await self.group.close(graceful=False)
             self.restarts += 1
             self.generation += 1
             log.warning("restarting the worker group (restart %d): %s", self.restarts, failure)
             await self._start()
-            restored = 0
-            if self._checkpoint is not None and _has_checkpoint(self._checkpoint[0]):
-                restored = await self._load(self._checkpoint[0], "latest")
+            restored = await self._load(*self._checkpoint) if self._checkpoint else 0
             self.step, self._micro_batches = restored, 0
             if lost:
                 self._notice = WorkersRestarted(restored, failure)
+        except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+            await self.group.close(graceful=False)
+            raise
         except BaseException as exc:
             self._failed = exc if isinstance(exc, WorkerFailure) else WorkerFailure(f"{failure}; restart failed: {exc}")
+            await self.group.close(graceful=False)  # giving up: no process is left behind
         finally:
             self._restarting = None
 
     async def _run(self, action):
         """Run one public call under the failure policy."""
+        if self.group is None:
+            raise RuntimeError("the TrainingService is shut down")
         async with self._lock:
             await self._settle()
             try:
@@ -265,10 +272,13 @@ class TrainingService:
         later call (accumulation across calls)."""
 
         async def action():
-            messages = self._scatter(batch, op="forward_backward", sync=sync, loss_fn=loss_fn,
-                                     micro_batch_size=micro_batch_size)
+            shards = split_batch(batch, self.procs)
+            # every rank runs the same number of micro-batches (collectives pair up), even when the
+            # slices differ by a row: as many as the largest slice needs
+            pieces = math.ceil(max(_rows(s) for s in shards) / micro_batch_size) if micro_batch_size > 0 else 1
+            messages = self._scatter(batch, op="forward_backward", sync=sync, loss_fn=loss_fn, micro_batches=pieces)
+            self._micro_batches += 1  # before the call: after an error, gradients may have accumulated
             replies = await self.group.all(messages)
-            self._micro_batches += 1
             counts = [r["metrics"]["count"] for r, _ in replies]
             total = sum(counts)
             loss = sum(r["metrics"]["loss"] * c for (r, _), c in zip(replies, counts, strict=True)) / max(total, 1.0)
@@ -380,20 +390,20 @@ class TrainingService:
 # -- helpers -----------------------------------------------------------------------------------------
 
 
-def split_batch(batch: Any, n: int) -> list[Any]:
+def split_batch(batch: Any, n: int, allow_empty: bool = False) -> list[Any]:
     """`n` contiguous slices along dim 0 of every tensor in `batch` (as the sampler gives rank r the r-th
     slice of the global batch); numbers, strings and 0-d tensors go to every slice unchanged."""
     if isinstance(batch, torch.Tensor):
         if batch.dim() == 0:
             return [batch] * n
-        if len(batch) < n:
+        if len(batch) < n and not allow_empty:
             raise ValueError(f"a batch of {len(batch)} rows cannot be split over {n} workers; send at least {n}")
         return list(torch.tensor_split(batch, n))
     if isinstance(batch, dict):
-        parts = {k: split_batch(v, n) for k, v in batch.items()}
+        parts = {k: split_batch(v, n, allow_empty) for k, v in batch.items()}
         return [{k: parts[k][i] for k in batch} for i in range(n)]
     if isinstance(batch, (list, tuple)):
-        parts = [split_batch(v, n) for v in batch]
+        parts = [split_batch(v, n, allow_empty) for v in batch]
         return [type(batch)(p[i] for p in parts) for i in range(n)]
     return [batch] * n
 
@@ -417,10 +427,15 @@ def _import_paths() -> list[str]:
     return [os.path.abspath(p) for p in dict.fromkeys(paths) if p and os.path.isdir(p)]
 
 
-def _has_checkpoint(folder: str) -> bool:
-    from disttrain.checkpoint import CheckpointManager
-
-    return bool(CheckpointManager(folder).list())
+def _rows(value: Any) -> int:
+    """Rows (dim 0) of the largest tensor in a nested batch."""
+    if isinstance(value, torch.Tensor):
+        return len(value) if value.dim() else 0
+    if isinstance(value, dict):
+        return max((_rows(v) for v in value.values()), default=0)
+    if isinstance(value, (list, tuple)):
+        return max((_rows(v) for v in value), default=0)
+    return 0
 
 
 __all__ = ["RemoteError", "ServiceOptions", "TrainingService", "WorkerFailure", "WorkersRestarted", "split_batch"]

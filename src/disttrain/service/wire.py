@@ -37,6 +37,9 @@ class WireError(ValueError):
 def encode(message: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> list[bytes]:
     """The frame for `message` and `tensors`, as chunks to write in order."""
     body = json.dumps(message, separators=(",", ":")).encode()
+    if len(body) > MAX_JSON_BYTES:  # the peer would reject it: say so here, where the cause is
+        raise ValueError(f"a message with {len(body)} bytes of JSON (limit {MAX_JSON_BYTES}): send large "
+                         "values as tensors, not as lists of numbers")
     payload = b""
     if tensors:
         payload = save_safetensors({k: _own_storage(t) for k, t in tensors.items()})
@@ -118,15 +121,20 @@ class Connection:
         self.sock.close()
 
 
-async def read_frame(reader: asyncio.StreamReader) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The next message from an asyncio stream (the driver's side); IncompleteReadError at EOF."""
+async def read_frame(reader: asyncio.StreamReader, on_progress=None, max_json: int = MAX_JSON_BYTES,
+                     max_payload: int | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The next message from an asyncio stream (the driver's side); IncompleteReadError at EOF.
+
+    `on_progress()` is called as bytes arrive (a large frame in transit is a live peer); `max_json` and
+    `max_payload` refuse larger frames before reading them (e.g. an unauthenticated hello)."""
     json_len, payload_len = parse_prefix(await reader.readexactly(PREFIX.size))
+    if json_len > max_json or (max_payload is not None and payload_len > max_payload):
+        raise WireError(f"rejected a frame of {json_len} + {payload_len} bytes (limits {max_json} + {max_payload})")
     body = await reader.readexactly(json_len)
-    payload = await reader.readexactly(payload_len) if payload_len else b""
-    return decode(body, payload)
-
-
-def write_frame(writer: asyncio.StreamWriter, message: dict[str, Any],
-                tensors: dict[str, torch.Tensor] | None = None) -> None:
-    for chunk in encode(message, tensors):
-        writer.write(chunk)
+    chunks, left = [], payload_len
+    while left:
+        chunks.append(await reader.readexactly(min(left, 8 << 20)))
+        left -= len(chunks[-1])
+        if on_progress is not None:
+            on_progress()
+    return decode(body, b"".join(chunks) if len(chunks) != 1 else chunks[0])

@@ -184,10 +184,11 @@ class Worker:
         return self._loss_fns[path]
 
     def op_forward_backward(self, msg: dict, tensors: dict) -> tuple[dict, None]:
-        """This rank's slice, in micro-batches of `micro_batch_size` rows when given (gradients reduced on
-        the last one only, if `sync`): a whole optimizer step's accumulation costs one round trip."""
+        """This rank's slice in `micro_batches` pieces (the driver sends every rank the same number, so
+        collectives pair up), gradients reduced on the last one only, if `sync`: a whole optimizer step's
+        accumulation costs one round trip."""
         batch, loss_fn, sync = unpack(msg["batch"], tensors), self._loss_fn(msg.get("loss_fn")), msg.get("sync", True)
-        micro = split_rows(batch, int(msg.get("micro_batch_size") or 0))
+        micro = split_pieces(batch, int(msg.get("micro_batches") or 1))
         loss_sum = count = 0.0
         for i, part in enumerate(micro):
             metrics = self.backend.forward_backward(part, loss_fn, sync=sync and i == len(micro) - 1)
@@ -252,32 +253,14 @@ class Worker:
         return {}, None
 
 
-def split_rows(batch: Any, size: int) -> list[Any]:
-    """`batch` in pieces of `size` rows (dim 0 of every tensor; other values repeat); size 0: one piece."""
-    import torch
-
-    def rows(value):
-        return len(value) if isinstance(value, torch.Tensor) and value.dim() else None
-
-    def leaves(value):
-        if isinstance(value, dict):
-            return [x for v in value.values() for x in leaves(v)]
-        if isinstance(value, (list, tuple)):
-            return [x for v in value for x in leaves(v)]
-        return [value]
-
-    total = max((rows(v) or 0 for v in leaves(batch)), default=0)
-    if size <= 0 or total <= size:
+def split_pieces(batch: Any, pieces: int) -> list[Any]:
+    """`batch` in `pieces` contiguous pieces along dim 0 of every tensor (sizes differ by at most one row;
+    other values repeat)."""
+    if pieces <= 1:
         return [batch]
+    from disttrain.service.service import split_batch
 
-    def take(value, start):
-        if isinstance(value, dict):
-            return {k: take(v, start) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(take(v, start) for v in value)
-        return value[start:start + size] if rows(value) else value
-
-    return [take(batch, start) for start in range(0, total, size)]
+    return split_batch(batch, pieces, allow_empty=True)
 
 
 def serve(host: str, port: int, token: str, rank: int, world: int, heartbeat_s: float = 0.5) -> int:
