@@ -112,7 +112,7 @@ def test_worker_rejects_a_pickle_and_tensors_that_are_not_safetensors(tmp_path):
                 reply, _ = conn.recv()
                 assert reply["op"] == "rejected" and "pickle" in reply["error"]
                 assert proc.wait(timeout=30) == 2
-            else:  # a well-formed frame whose tensor payload is a pickle: an error reply, still serving
+            else:  # a well-formed prefix and header whose tensor payload is a pickle: rejected too
                 prefix, body, _ = encode({"op": "ping", "id": 1})
                 sock.sendall(prefix[:8] + len(evil).to_bytes(8, "big") + body + evil)
                 reply, _ = conn.recv()

@@ -105,6 +105,7 @@ def test_ray_spread_places_workers_on_two_nodes(ray_env, reference):
     """A head and a second node (`ray start`, loopback, one CPU each): SPREAD puts one worker on each."""
     if ray.is_initialized():
         ray.shutdown()
+    previous_mode = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "token"  # `ray start` leaves auth off unless told; the driver must agree
     port = _free_port()
     common = ["--num-cpus=1", "--node-ip-address=127.0.0.1", "--disable-usage-stats"]
@@ -127,7 +128,10 @@ def test_ray_spread_places_workers_on_two_nodes(ray_env, reference):
     finally:
         ray.shutdown()
         subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120)
-        del os.environ["RAY_AUTH_MODE"]
+        if previous_mode is None:
+            del os.environ["RAY_AUTH_MODE"]
+        else:
+            os.environ["RAY_AUTH_MODE"] = previous_mode
 
 
 def test_rl_example_learns_on_ray(ray_env):

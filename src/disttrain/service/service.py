@@ -339,6 +339,8 @@ class TrainingService:
     async def load(self, path: str | os.PathLike | None = None, step: int | str = "latest") -> int:
         """Load checkpoint `step` (default the newest that verifies) from `path`; returns its step."""
         folder = str(path or self.options.checkpoint_dir or "")
+        if not folder:
+            raise ValueError("load(): give a path or set checkpoint_dir in TrainingService.options()")
 
         async def action():
             restored = await self._load(folder, step)
@@ -370,7 +372,7 @@ class TrainingService:
                 "generation": self.generation, "restarts": self.restarts, "failures": list(self.failures),
                 "workers": self.group.status() if self.group is not None else [],
                 "checkpoint": self._checkpoint[0] if self._checkpoint else None,
-                "options": asdict(self.options)}
+                "options": {**asdict(self.options), "env": dict.fromkeys(self.options.env, "<set>")}}
 
     async def shutdown(self) -> None:
         """Stop every worker (leaving the process group cleanly when the group is healthy)."""

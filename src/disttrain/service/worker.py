@@ -15,7 +15,9 @@ A worker connects to the driver, says hello (rank, pid, host, token), then serve
 
 Every reply carries the command's id; an exception becomes an error reply with its traceback, and the
 worker keeps serving. A background thread sends a heartbeat (with the backend's current phase) every
-`heartbeat_s`, so the driver can tell a dead or stuck worker from a busy one. Messages are JSON plus
+`heartbeat_s`, so the driver can tell a dead or stopped process (SIGSTOP, swapped out, frozen host) from
+a busy one. A rank blocked in a collective still beats; its collective times out after `timeout_s` and
+the command fails with that error. Messages are JSON plus
 safetensors (`wire.py`); a frame that is anything else (a pickle) is rejected and the worker exits.
 
 Run directly: `python -m disttrain.service.worker --connect HOST:PORT --rank R --world N` with the token in
