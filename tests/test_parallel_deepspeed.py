@@ -15,6 +15,7 @@ from disttrain.parallel.deepspeed_config import DeepSpeedConfig
 STAGES = ["deepspeed+stage0", "deepspeed+stage1", "deepspeed+stage2", "deepspeed+stage3",
           "deepspeed+stage2+offload", "deepspeed+stage3+offload"]
 RESUMES = ["deepspeed+stage2>ddp", "ddp>deepspeed+stage3"]  # trained to step 10 under A, resumed under B
+BF16 = "deepspeed+stage2+bf16"  # autocast around the engine, fp32 weights: within bf16-mixed's tolerance
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def results(tmp_path_factory):
     assert single.returncode == 0, single.stderr
     # first use compiles DeepSpeed's shm_comm op (~50 s) into the persistent torch extensions cache
     multi = run_cli(["launch", "--nproc", "2", "--run-dir", str(tmp / "launch"), script, str(tmp), *STAGES,
-                     *RESUMES], tmp, timeout=400)
+                     *RESUMES, BF16], tmp, timeout=400)
     assert multi.returncode == 0, multi.stderr[-3000:]
     return json.loads((tmp / "1.json").read_text())["single"], json.loads((tmp / "2.json").read_text())
 
@@ -39,6 +40,14 @@ def test_zero_stage_matches_single_process(results, variant):
     assert two[variant]["losses"] == pytest.approx(reference["losses"], abs=1e-5)
     for step in reference["eval"]:
         assert two[variant]["eval"][step] == pytest.approx(reference["eval"][step], abs=1e-5)
+
+
+def test_bf16_mixed_trains_within_tolerance_of_fp32(results):
+    reference, two = results
+    assert two[BF16]["losses"][-1] < two[BF16]["losses"][0] - 1.0
+    assert two[BF16]["losses"] == pytest.approx(reference["losses"], abs=0.05)
+    assert max(abs(a - b) for a, b in zip(two[BF16]["losses"], reference["losses"], strict=True)) > 1e-4  # bf16 ran
+    assert two[BF16]["eval"]["20"] == pytest.approx(reference["eval"]["20"], abs=0.02)  # as test_precision
 
 
 @pytest.mark.parametrize("variant", RESUMES)

@@ -4,9 +4,9 @@
     disttrain launch --nproc 2 strategy_parity.py OUT ddp zero2 fsdp+ac hsdp:1 deepspeed+stage3 ...
 
 A variant is `strategy[+flag...][:hsdp_shard_size]`, flags: `ac` (activation checkpointing), `offload`
-(cpu_offload), `prefetchN` (fsdp_prefetch=N), `stageN` (deepspeed_stage=N). `A>B` trains A to step 10 with a
-checkpoint there, then resumes it under B to step 20 (its losses are steps 11-20). Rank 0 writes
-OUT/<world>.json: {variant: {"losses": [...], "eval": {...}}}.
+(cpu_offload), `prefetchN` (fsdp_prefetch=N), `stageN` (deepspeed_stage=N), `bf16` (bf16-mixed).
+`A>B` trains A to step 10 with a checkpoint there, then resumes it under B to step 20 (its losses are
+steps 11-20). Rank 0 writes OUT/<world>.json: {variant: {"losses": [...], "eval": {...}}}.
 """
 
 import json
@@ -22,7 +22,8 @@ JOB = ["model.n_layer=2", "model.d_model=64", "model.seq_len=32", "data.global_b
 
 
 FLAGS = {"ac": "parallel.activation_checkpointing=true", "offload": "parallel.cpu_offload=true",
-         "prefetch": "parallel.fsdp_prefetch={}", "stage": "parallel.deepspeed_stage={}"}
+         "prefetch": "parallel.fsdp_prefetch={}", "stage": "parallel.deepspeed_stage={}",
+         "bf": "parallel.precision=bf{}-mixed"}
 
 
 def overrides(variant: str) -> list[str]:
