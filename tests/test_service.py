@@ -313,6 +313,46 @@ def test_a_failed_start_under_restart_policy_leaves_no_worker_behind(monkeypatch
     assert processes_mentioning("disttrain.service.worker") == []
 
 
+DRIVER = """
+import asyncio, sys, time
+sys.path.insert(0, {scripts!r})
+import service_job as job
+from disttrain.service import TrainingService
+
+async def main():
+    service = await TrainingService.options(procs=2, threads=1).as_service(
+        "gpt", model_args=job.MODEL, optimizer=job.OPTIM, strategy="ddp")
+    busy = asyncio.ensure_future(service.call("service_job:sleep", None, seconds=600))  # workers never read
+    await asyncio.sleep(0.5)
+    print(" ".join(str(w.pid) for w in service.group.workers.values()), flush=True)
+    await busy
+
+asyncio.run(main())
+"""
+
+
+def test_busy_workers_die_with_a_killed_driver(tmp_path):
+    """The workers are inside a long command (they would not notice the closed connection for 10 minutes):
+    the kernel ends them with their driver."""
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER.format(scripts=str(SCRIPTS)))
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in driver.stdout.readline().split()]
+        assert len(pids) == 2
+        driver.kill()  # SIGKILL: no cleanup code runs in the driver
+        driver.wait()
+        deadline = time.monotonic() + 10
+        alive = pids
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            alive = [pid for pid in pids if Path(f"/proc/{pid}").exists()
+                     and "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()]
+        assert not alive, f"workers {alive} outlived their driver"
+    finally:
+        driver.kill()
+
+
 def test_rl_example_learns_on_two_local_workers():
     run_rl_example("--backend", "local")
 

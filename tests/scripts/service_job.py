@@ -85,3 +85,10 @@ def dying_model():
     if str(dist.get_rank()) == os.environ.get("SERVICE_JOB_DIE_RANK"):
         os._exit(9)
     return torch.nn.Linear(2, 2)
+
+
+def sleep(batch, seconds: float):
+    """`service.call` target: a worker busy in a long command."""
+    import time
+
+    time.sleep(seconds)

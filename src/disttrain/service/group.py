@@ -100,8 +100,12 @@ class LocalLauncher:
                 out = open(os.path.join(self.log_dir, f"worker{rank}.log"), "ab")  # noqa: SIM115 (closed in kill)
                 self._logs.append(out)
             cmd = [sys.executable, "-m", "disttrain.service.worker", "--connect", f"{host}:{port}",
-                   "--rank", str(rank), "--world", str(procs), "--heartbeat", str(heartbeat_s)]
-            self.procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None))
+                   "--rank", str(rank), "--world", str(procs), "--heartbeat", str(heartbeat_s),
+                   "--parent", str(os.getpid())]
+            # Own session: Ctrl-C in the terminal reaches the driver only (which stops the workers, or
+            # dies and takes them along: see worker.die_with_parent), not every worker mid-step.
+            self.procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                               start_new_session=True))
 
     def exit_status(self, rank: int) -> str | None:
         """None while the worker's process runs; else how it ended."""

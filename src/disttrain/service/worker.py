@@ -279,13 +279,31 @@ def serve(host: str, port: int, token: str, rank: int, world: int, heartbeat_s: 
         conn.close()
 
 
+def die_with_parent(parent: int) -> None:
+    """Linux: the kernel SIGKILLs this process when its parent (the driver) exits, however it exits (even
+    SIGKILL), so a dead driver never leaves workers behind; elsewhere a closed connection ends the worker."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the driver died before the request took effect
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m disttrain.service.worker")
     parser.add_argument("--connect", required=True, help="the driver's HOST:PORT")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
+    parser.add_argument("--parent", type=int, default=0, help="die with this process (the driver's pid)")
     args = parser.parse_args(argv)
+    if args.parent:
+        die_with_parent(args.parent)
     logging.basicConfig(level=logging.INFO, format=f"[worker {args.rank}] %(levelname)s %(message)s")
     host, _, port = args.connect.rpartition(":")
     code = serve(host, int(port), os.environ.get(TOKEN_ENV, ""), args.rank, args.world, args.heartbeat)
