@@ -56,3 +56,16 @@ def test_estimate_memory_command_compares_strategies_against_a_budget(capsys):
     assert len(rows) == 5 and rows["fsdp"].endswith("yes") and rows["ddp"].endswith("with AC")
     cfg = load_config(None, ["model.n_layer=12", "model.d_model=256"])
     assert estimate(cfg, 2, "fsdp").params * 2 >= estimate(cfg, 2, "ddp").params  # padding only rounds up
+
+
+def test_deepspeed_estimate_follows_the_zero_stage_and_says_it_is_a_model():
+    def per_rank(stage):
+        cfg = load_config(None, ["parallel.strategy=deepspeed", f"parallel.deepspeed_stage={stage}"])
+        return estimate(cfg, 4, "deepspeed"), estimate(cfg, 4, "ddp")
+
+    stage0, ddp = per_rank(0)
+    assert (stage0.params, stage0.grads, stage0.optimizer) == (ddp.params, ddp.grads, ddp.optimizer)
+    stage2, stage3 = per_rank(2)[0], per_rank(3)[0]
+    assert stage2.params == ddp.params and abs(stage2.grads * 4 - ddp.grads) <= 4 * 4  # a quarter, rounded up
+    assert stage3.params < stage2.params and stage3.total(False) < stage2.total(False) < stage0.total(False)
+    assert any("not validated by measurement" in note for note in stage2.notes)

@@ -76,6 +76,19 @@ def zero1_partition(shapes: list[torch.Size], world: int) -> list[list[int]]:
     return parts
 
 
+def _deepspeed_bytes(numels: list[int], elem: int, world: int, cfg: Config) -> tuple[int, int, int]:
+    """(params, grads, optimizer) per rank for DeepSpeed ZeRO with the user's torch optimizer: stage 0
+    replicates everything; stages 1-2 keep full parameters, reduce gradients into this rank's partition,
+    and add an fp32 master copy of the partition next to the optimizer state over it; stage 3 also
+    partitions the parameters."""
+    numel = sum(numels)
+    stage, part = cfg.parallel.deepspeed_stage, math.ceil(numel / world)
+    if stage == 0:
+        return numel * elem, numel * elem, _optimizer_bytes(numels, elem, cfg.optim.name)
+    state = _optimizer_bytes([part], elem, cfg.optim.name) + part * 4  # over the flat partition + master copy
+    return (part if stage == 3 else numel) * elem, part * elem, state
+
+
 def _optimizer_bytes(numels: list[int], elem: int, optim: str) -> int:
     if optim == "sgd":
         return sum(numels) * elem
@@ -103,7 +116,12 @@ def estimate(cfg: Config, world: int, strategy: str | None = None) -> MemoryEsti
     elem = _dtype_bytes(cfg.parallel.precision)
     full = [math.prod(s) for s in shapes]
     notes = []
-    if strategy in SHARDED:
+    if strategy == "deepspeed":
+        params, grads, optimizer = _deepspeed_bytes(full, elem, world, cfg)
+        notes.append(f"deepspeed: ZeRO stage {cfg.parallel.deepspeed_stage}'s layout (its fp32 master partition "
+                     "counted with the optimizer); a model, not validated by measurement: DeepSpeed's buckets, "
+                     "padding and ZeRO-3 persistent small parameters come on top")
+    elif strategy in SHARDED:
         shards = (cfg.parallel.hsdp_shard_size or world) if strategy == "hsdp" else world
         local = [_sharded_numel(s, shards) for s in shapes]
         params = grads = sum(local) * elem
