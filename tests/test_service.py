@@ -342,12 +342,13 @@ def test_busy_workers_die_with_a_killed_driver(tmp_path):
         assert len(pids) == 2
         driver.kill()  # SIGKILL: no cleanup code runs in the driver
         driver.wait()
+        from conftest import processes_mentioning
+
         deadline = time.monotonic() + 10
         alive = pids
         while alive and time.monotonic() < deadline:
             time.sleep(0.1)
-            alive = [pid for pid in pids if Path(f"/proc/{pid}").exists()
-                     and "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()]
+            alive = processes_mentioning(f"--parent {driver.pid}")  # this driver's workers
         assert not alive, f"workers {alive} outlived their driver"
     finally:
         driver.kill()

@@ -77,13 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _worker(args)
         return 0
+    from disttrain.bench import worker_entry
     from disttrain.launch import launch
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    forwarded = [f"--n-layer={args.n_layer}", f"--d-model={args.d_model}", f"--micro={args.micro}", f"--out={out}"]
     for world in (1, args.nproc):
-        code = launch(world, ["disttrain.bench.memory", "--worker", *forwarded], out / "memory_run")
+        code = launch(world, worker_entry("disttrain.bench.memory", args), out / "memory_run")
         if code:
             return code
     rows = [row for path in sorted(out.glob("memory_w*_rank*.json")) for row in json.loads(path.read_text())]

@@ -42,12 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _worker(args)
         return 0
+    from disttrain.bench import worker_entry
     from disttrain.launch import launch
 
     out = Path(args.out).resolve()
-    entry = ["disttrain.bench.overhead", "--worker", *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                                                      if k not in ("worker",)]]
-    code = launch(args.nproc, entry, out / "overhead_run")
+    code = launch(args.nproc, worker_entry("disttrain.bench.overhead", args), out / "overhead_run")
     if code == 0:
         print((out / "overhead.md").read_text())
     return code

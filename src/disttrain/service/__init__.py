@@ -6,7 +6,8 @@ message format (JSON + safetensors; never pickle).
 """
 
 from disttrain.service.group import LocalLauncher, RemoteError, WorkerFailure, WorkerGroup
-from disttrain.service.service import ServiceOptions, TrainingService, WorkersRestarted, split_batch
+from disttrain.service.service import ServiceOptions, TrainingService, WorkersRestarted
+from disttrain.service.wire import split_batch
 
 __all__ = ["LocalLauncher", "RemoteError", "ServiceOptions", "TrainingService", "WorkerFailure", "WorkerGroup",
            "WorkersRestarted", "split_batch"]

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from disttrain.service.group import LocalLauncher, RemoteError, WorkerFailure, WorkerGroup
-from disttrain.service.wire import pack, unpack
+from disttrain.service.wire import concat, pack, rows, split_batch, unpack
 
 log = logging.getLogger(__name__)
 
@@ -252,8 +252,8 @@ class TrainingService:
             notice, self._notice = self._notice, None
             raise notice
 
-    def _scatter(self, batch: Any, **fields: Any) -> list[tuple[dict, dict]]:
-        shards = split_batch(batch, self.procs)
+    def _scatter(self, shards: list[Any], **fields: Any) -> list[tuple[dict, dict]]:
+        """One message per rank carrying its slice of the batch (`split_batch(batch, procs)`)."""
         out = []
         for shard in shards:
             skeleton, tensors = pack(shard, "batch")
@@ -275,8 +275,8 @@ class TrainingService:
             shards = split_batch(batch, self.procs)
             # every rank runs the same number of micro-batches (collectives pair up), even when the
             # slices differ by a row: as many as the largest slice needs
-            pieces = math.ceil(max(_rows(s) for s in shards) / micro_batch_size) if micro_batch_size > 0 else 1
-            messages = self._scatter(batch, op="forward_backward", sync=sync, loss_fn=loss_fn, micro_batches=pieces)
+            pieces = math.ceil(max(rows(s) for s in shards) / micro_batch_size) if micro_batch_size > 0 else 1
+            messages = self._scatter(shards, op="forward_backward", sync=sync, loss_fn=loss_fn, micro_batches=pieces)
             self._micro_batches += 1  # before the call: after an error, gradients may have accumulated
             replies = await self.group.all(messages)
             counts = [r["metrics"]["count"] for r, _ in replies]
@@ -301,7 +301,7 @@ class TrainingService:
         """Outputs of the model (eval mode, no gradients) for the global `batch`, in batch order."""
 
         async def action():
-            replies = await self.group.all(self._scatter(batch, op="forward"))
+            replies = await self.group.all(self._scatter(split_batch(batch, self.procs), op="forward"))
             return concat([unpack(r["result"], t) for r, t in replies])
 
         return await self._run(action)
@@ -311,7 +311,8 @@ class TrainingService:
         may use `disttrain.collectives`); returns the results in rank order."""
 
         async def action():
-            replies = await self.group.all(self._scatter(batch, op="call", fn=fn, kwargs=kwargs))
+            shards = split_batch(batch, self.procs)
+            replies = await self.group.all(self._scatter(shards, op="call", fn=fn, kwargs=kwargs))
             return [unpack(r["result"], t) for r, t in replies]
 
         return await self._run(action)
@@ -389,55 +390,11 @@ class TrainingService:
         await self.shutdown()
 
 
-# -- helpers -----------------------------------------------------------------------------------------
-
-
-def split_batch(batch: Any, n: int, allow_empty: bool = False) -> list[Any]:
-    """`n` contiguous slices along dim 0 of every tensor in `batch` (as the sampler gives rank r the r-th
-    slice of the global batch); numbers, strings and 0-d tensors go to every slice unchanged."""
-    if isinstance(batch, torch.Tensor):
-        if batch.dim() == 0:
-            return [batch] * n
-        if len(batch) < n and not allow_empty:
-            raise ValueError(f"a batch of {len(batch)} rows cannot be split over {n} workers; send at least {n}")
-        return list(torch.tensor_split(batch, n))
-    if isinstance(batch, dict):
-        parts = {k: split_batch(v, n, allow_empty) for k, v in batch.items()}
-        return [{k: parts[k][i] for k in batch} for i in range(n)]
-    if isinstance(batch, (list, tuple)):
-        parts = [split_batch(v, n, allow_empty) for v in batch]
-        return [type(batch)(p[i] for p in parts) for i in range(n)]
-    return [batch] * n
-
-
-def concat(parts: list[Any]) -> Any:
-    """Inverse of `split_batch` for per-rank outputs."""
-    first = parts[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(parts) if first.dim() else first
-    if isinstance(first, dict):
-        return {k: concat([p[k] for p in parts]) for k in first}
-    if isinstance(first, (list, tuple)):
-        return type(first)(concat([p[i] for p in parts]) for i in range(len(first)))
-    return first
-
-
 def _import_paths() -> list[str]:
     """Where the driver imports code from (its sys.path, the working directory), so workers, Ray actors
     included, resolve the same factories."""
     paths = [os.getcwd(), *sys.path]
     return [os.path.abspath(p) for p in dict.fromkeys(paths) if p and os.path.isdir(p)]
-
-
-def _rows(value: Any) -> int:
-    """Rows (dim 0) of the largest tensor in a nested batch."""
-    if isinstance(value, torch.Tensor):
-        return len(value) if value.dim() else 0
-    if isinstance(value, dict):
-        return max((_rows(v) for v in value.values()), default=0)
-    if isinstance(value, (list, tuple)):
-        return max((_rows(v) for v in value), default=0)
-    return 0
 
 
 __all__ = ["RemoteError", "ServiceOptions", "TrainingService", "WorkerFailure", "WorkersRestarted", "split_batch"]

@@ -7,6 +7,7 @@ pickle included, fails the magic or the parse and is rejected with a `WireError`
 
 Structured values (a batch that is a dict, tuple or list of tensors and numbers) travel as a JSON
 skeleton plus the tensors it references (`statefile.flatten`, the same encoding checkpoints use).
+`split_batch` / `concat` cut such a value into per-rank (or per-micro-batch) slices and join outputs back.
 """
 
 from __future__ import annotations
@@ -86,6 +87,47 @@ def pack(value: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
 
 def unpack(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return unflatten(skeleton, tensors)
+
+
+def split_batch(batch: Any, n: int, allow_empty: bool = False) -> list[Any]:
+    """`n` contiguous slices along dim 0 of every tensor in `batch` (as the sampler gives rank r the r-th
+    slice of the global batch); numbers, strings and 0-d tensors go to every slice unchanged."""
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0:
+            return [batch] * n
+        if len(batch) < n and not allow_empty:
+            raise ValueError(f"a batch of {len(batch)} rows cannot be split over {n} workers; send at least {n}")
+        return list(torch.tensor_split(batch, n))
+    if isinstance(batch, dict):
+        parts = {k: split_batch(v, n, allow_empty) for k, v in batch.items()}
+        return [{k: parts[k][i] for k in batch} for i in range(n)]
+    if isinstance(batch, (list, tuple)):
+        parts = [split_batch(v, n, allow_empty) for v in batch]
+        return [type(batch)(p[i] for p in parts) for i in range(n)]
+    return [batch] * n
+
+
+def concat(parts: list[Any]) -> Any:
+    """Inverse of `split_batch` for per-rank outputs."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts) if first.dim() else first
+    if isinstance(first, dict):
+        return {k: concat([p[k] for p in parts]) for k in first}
+    if isinstance(first, (list, tuple)):
+        return type(first)(concat([p[i] for p in parts]) for i in range(len(first)))
+    return first
+
+
+def rows(value: Any) -> int:
+    """Rows (dim 0) of the largest tensor in a nested batch."""
+    if isinstance(value, torch.Tensor):
+        return len(value) if value.dim() else 0
+    if isinstance(value, dict):
+        return max((rows(v) for v in value.values()), default=0)
+    if isinstance(value, (list, tuple)):
+        return max((rows(v) for v in value), default=0)
+    return 0
 
 
 class Connection:

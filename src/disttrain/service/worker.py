@@ -39,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from disttrain.service.wire import TOKEN_ENV, Connection, WireError, pack, unpack
+from disttrain.service.wire import TOKEN_ENV, Connection, WireError, pack, split_batch, unpack
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ class Worker:
         collectives pair up), gradients reduced on the last one only, if `sync`: a whole optimizer step's
         accumulation costs one round trip."""
         batch, loss_fn, sync = unpack(msg["batch"], tensors), self._loss_fn(msg.get("loss_fn")), msg.get("sync", True)
-        micro = split_pieces(batch, int(msg.get("micro_batches") or 1))
+        micro = split_batch(batch, int(msg.get("micro_batches") or 1), allow_empty=True)
         loss_sum = count = 0.0
         for i, part in enumerate(micro):
             metrics = self.backend.forward_backward(part, loss_fn, sync=sync and i == len(micro) - 1)
