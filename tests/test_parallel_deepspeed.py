@@ -73,6 +73,16 @@ def test_deepspeed_config_writes_the_engine_json(tmp_path):
             ds["gradient_clipping"]) == (32, 8, 2, 0.5)
 
 
+def test_generated_json_caps_the_gradient_bucket_at_a_rank_share(tmp_path):
+    from disttrain.models import build_model
+
+    out = tmp_path / "ds.json"
+    result = run_cli(["deepspeed-config", "--nproc", "2", "-o", str(out)], tmp_path)
+    assert result.returncode == 0, result.stderr
+    numel = sum(p.numel() for p in build_model(load_config(None, []).model).parameters())
+    assert json.loads(out.read_text())["zero_optimization"]["reduce_bucket_size"] == (numel + 1) // 2 < 500_000_000
+
+
 @pytest.mark.parametrize("args, message", [
     (["--set", "parallel.deepspeed_stage=4"], "parallel.deepspeed_stage = 4: must be 0, 1, 2 or 3"),
     (["--nproc", "3"], "data.global_batch_size = 32 is not a positive multiple"),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -180,13 +181,15 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
 
 
 def cmd_deepspeed_config(args: argparse.Namespace) -> int:
+    from disttrain.memory import param_shapes
     from disttrain.parallel.deepspeed_config import DeepSpeedConfig
 
     cfg = load_config(args.config, args.overrides)
     world = cfg.dist.nproc if args.nproc is None else args.nproc
     if world < 1:
         raise ConfigError(f"--nproc {world}: must be >= 1")
-    DeepSpeedConfig.from_config(cfg, world).save_config(args.output)
+    numel = sum(math.prod(shape) for shape in param_shapes(cfg.model))
+    DeepSpeedConfig.from_config(cfg, world, numel).save_config(args.output)
     print(f"disttrain: wrote {args.output} (ZeRO stage {cfg.parallel.deepspeed_stage}, {world} ranks)",
           file=sys.stderr)
     return 0

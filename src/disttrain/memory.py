@@ -12,7 +12,8 @@ Estimate (bytes per rank, steady state):
                             checkpointing only each block's input is kept); `None` for other models
 
 Measurement: tensor bytes of local parameters, gradients and optimizer state, and the unique storages that
-autograd saves during a forward (saved-tensor hooks), parameters excluded.
+autograd saves during a forward (saved-tensor hooks), parameters excluded. DeepSpeed keeps gradients and master
+copies in buffers of its own: those are found by walking the engine's objects (see `measure`).
 """
 
 from __future__ import annotations
@@ -64,11 +65,16 @@ def _sharded_numel(shape: torch.Size, shards: int) -> int:
     return math.ceil(shape[0] / shards) * math.prod(shape[1:])
 
 
+def _param_groups(shapes: list[torch.Size]) -> list[list[int]]:
+    """Parameter indices of the optimizer's groups, in model order (optim.py: matrices decay, the rest not)."""
+    groups = [[i for i, s in enumerate(shapes) if len(s) >= 2], [i for i, s in enumerate(shapes) if len(s) < 2]]
+    return [g for g in groups if g]
+
+
 def zero1_partition(shapes: list[torch.Size], world: int) -> list[list[int]]:
     """Parameter indices per rank, as ZeroRedundancyOptimizer assigns them (the default param groups)."""
-    groups = [[i for i, s in enumerate(shapes) if len(s) >= 2], [i for i, s in enumerate(shapes) if len(s) < 2]]
     sizes, parts = [0] * world, [[] for _ in range(world)]
-    for group in groups:
+    for group in _param_groups(shapes):
         for i in sorted(group, key=lambda i: math.prod(shapes[i]), reverse=True):
             rank = sizes.index(min(sizes))
             parts[rank].append(i)
@@ -76,17 +82,71 @@ def zero1_partition(shapes: list[torch.Size], world: int) -> list[list[int]]:
     return parts
 
 
-def _deepspeed_bytes(numels: list[int], elem: int, world: int, cfg: Config) -> tuple[int, int, int]:
-    """(params, grads, optimizer) per rank for DeepSpeed ZeRO with the user's torch optimizer: stage 0
-    replicates everything; stages 1-2 keep full parameters, reduce gradients into this rank's partition,
-    and add an fp32 master copy of the partition next to the optimizer state over it; stage 3 also
-    partitions the parameters."""
-    numel = sum(numels)
-    stage, part = cfg.parallel.deepspeed_stage, math.ceil(numel / world)
+def deepspeed_zero_settings(cfg: Config, world: int, numel: int) -> dict:
+    """The engine JSON's `zero_optimization` as the `deepspeed` strategy runs it, with DeepSpeed 0.19's
+    defaults filled in for the keys that size its buffers."""
+    from disttrain.parallel.deepspeed_config import DEFAULT_REDUCE_BUCKET, DeepSpeedConfig
+
+    zero = DeepSpeedConfig.from_parallel(cfg.parallel, world, cfg.optim.grad_clip, model_numel=numel).to_dict()
+    defaults = {"reduce_bucket_size": DEFAULT_REDUCE_BUCKET, "contiguous_gradients": True,
+                "round_robin_gradients": False, "stage3_param_persistence_threshold": 100_000,
+                "stage3_model_persistence_threshold": 2**63 - 1}
+    return {**defaults, **zero["zero_optimization"]}
+
+
+def _deepspeed_bytes(shapes: list[torch.Size], elem: int, world: int, rank: int | None,
+                     cfg: Config) -> tuple[int, int, int]:
+    """(params, grads, optimizer) on `rank` (None: the most loaded one) under DeepSpeed ZeRO with the user's
+    torch optimizer, as DeepSpeed 0.19 allocates them (fp32; its master copy counted with the optimizer).
+
+    stage 0     everything replicated, like ddp.
+    stages 1-2  each optimizer group is flattened (padded to 2 x world elements) and cut into `world` equal
+                partitions. A rank keeps the full parameters, an fp32 master copy of its partition with the
+                optimizer state over it, and after backward the gradients of every parameter that starts in
+                or straddles into its partition -- whole, so a partition boundary costs up to one parameter.
+    stage 3     each parameter is cut into `world` padded partitions; parameters of at most
+                stage3_param_persistence_threshold elements also stay whole on every rank. Gradients live in
+                a flat buffer of the partitions plus one persistent bucket of reduce_bucket_size elements.
+    cpu_offload stages 1-2 hold a host fp32 gradient partition, a 16-bit staging copy of the partition and two
+                buffers of the largest parameter instead (no straddling); stage 3 adds the partitions' fp32
+                gradients on the host. Host and device bytes are counted alike.
+    """
+    numels = [math.prod(s) for s in shapes]
+    groups = [[numels[i] for i in g] for g in _param_groups(shapes)]
+    stage, total = cfg.parallel.deepspeed_stage, sum(numels)
+    state_per_elem = 1 if cfg.optim.name == "sgd" else 2
     if stage == 0:
-        return numel * elem, numel * elem, _optimizer_bytes(numels, elem, cfg.optim.name)
-    state = _optimizer_bytes([part], elem, cfg.optim.name) + part * 4  # over the flat partition + master copy
-    return (part if stage == 3 else numel) * elem, part * elem, state
+        return total * elem, total * elem, _optimizer_bytes(numels, elem, cfg.optim.name)
+    zero = deepspeed_zero_settings(cfg, world, total)
+    steps = 0 if cfg.optim.name == "sgd" else 4 * len(groups)  # AdamW's float32 step, one per flat partition
+    if stage in (1, 2):
+        parts = [math.ceil(sum(g) / (2 * world)) * 2 for g in groups]  # partition elements per group
+        state = sum(parts) * (state_per_elem * elem + 4) + steps  # moments + fp32 master copy
+        grads = [sum(sum(_in_partition(g, part, r)) for g, part in zip(groups, parts, strict=True)) * elem
+                 for r in range(world)]
+        if cfg.parallel.cpu_offload:  # a host fp32 gradient partition, a 16-bit staging copy, two temp buffers
+            grads = [sum(parts) * (4 + elem) + 2 * max(numels) * elem] * world
+        return total * elem, grads[rank] if rank is not None else max(grads), state
+    parts = [math.ceil(n / world) for n in numels]
+    persistent, kept = 0, 0
+    for n in numels:  # in model order, as DeepSpeed marks them
+        if n <= zero["stage3_param_persistence_threshold"] and kept + n <= zero["stage3_model_persistence_threshold"]:
+            persistent, kept = persistent + n, kept + n
+    params = (sum(parts) + (persistent if world > 1 else 0)) * elem  # one rank: the partition is the parameter
+    bucket = zero["reduce_bucket_size"] * elem if zero["contiguous_gradients"] else 0
+    offload = sum(parts) * 4 if cfg.parallel.cpu_offload else 0  # the partitions' fp32 gradients on the host
+    return params, sum(parts) * 4 + bucket + offload, sum(parts) * (state_per_elem * elem + 4) + steps
+
+
+def _in_partition(numels: list[int], part: int, rank: int) -> list[int]:
+    """Sizes of the parameters DeepSpeed ZeRO-1/2 counts in `rank`'s partition of a flat group: those that
+    start inside it, and the one that straddles its start."""
+    start, end, offset, inside = part * rank, part * (rank + 1), 0, []
+    for n in numels:
+        if start <= offset < end or offset < start < offset + n:
+            inside.append(n)
+        offset += n
+    return inside
 
 
 def _optimizer_bytes(numels: list[int], elem: int, optim: str) -> int:
@@ -110,17 +170,25 @@ def gpt_activation_bytes(m: ModelConfig, micro_batch: int, checkpointing: bool) 
     return b * t * (n * block + outside) + 8 * t + 4  # + positions (int64) and the loss's total weight
 
 
-def estimate(cfg: Config, world: int, strategy: str | None = None) -> MemoryEstimate:
+def estimate(cfg: Config, world: int, strategy: str | None = None, rank: int | None = None) -> MemoryEstimate:
+    """Bytes per rank; where ranks differ (zero1, deepspeed), `rank`'s or, with None, the most loaded one's."""
     strategy = strategy or resolve_strategy(cfg, world)
     shapes = param_shapes(cfg.model)
     elem = _dtype_bytes(cfg.parallel.precision)
     full = [math.prod(s) for s in shapes]
     notes = []
     if strategy == "deepspeed":
-        params, grads, optimizer = _deepspeed_bytes(full, elem, world, cfg)
-        notes.append(f"deepspeed: ZeRO stage {cfg.parallel.deepspeed_stage}'s layout (its fp32 master partition "
-                     "counted with the optimizer); a model, not validated by measurement: DeepSpeed's buckets, "
-                     "padding and ZeRO-3 persistent small parameters come on top")
+        params, grads, optimizer = _deepspeed_bytes(shapes, elem, world, rank, cfg)
+        if cfg.parallel.deepspeed_stage == 3:
+            zero = deepspeed_zero_settings(cfg, world, sum(full))
+            small = sum(n for n in full if n <= zero["stage3_param_persistence_threshold"])
+            if small:
+                notes.append(f"deepspeed: {small / sum(full):.0%} of the parameters are at most "
+                             f"stage3_param_persistence_threshold = {zero['stage3_param_persistence_threshold']} "
+                             "elements each and stay whole on every rank (DeepSpeed's default for small tensors)")
+        notes.append(f"deepspeed: ZeRO stage {cfg.parallel.deepspeed_stage} as DeepSpeed 0.19 allocates it (its "
+                     "fp32 master partition counted with the optimizer); ZeRO-1/2 add a reduce_bucket_size "
+                     "gradient bucket during backward")
     elif strategy in SHARDED:
         shards = (cfg.parallel.hsdp_shard_size or world) if strategy == "hsdp" else world
         local = [_sharded_numel(s, shards) for s in shapes]
@@ -134,7 +202,8 @@ def estimate(cfg: Config, world: int, strategy: str | None = None) -> MemoryEsti
             grads *= 2  # gradients plus DDP's communication buckets
         if strategy == "zero1":
             mine = zero1_partition(shapes, world)
-            optimizer = max(_optimizer_bytes([full[i] for i in part], elem, cfg.optim.name) for part in mine)
+            shares = [_optimizer_bytes([full[i] for i in part], elem, cfg.optim.name) for part in mine]
+            optimizer = shares[rank] if rank is not None else max(shares)
             notes.append("zero1: optimizer state of the most loaded rank")
         else:
             optimizer = _optimizer_bytes(full, elem, cfg.optim.name)
@@ -168,11 +237,43 @@ def _tensor_bytes(tensors) -> int:
     return total
 
 
-def measure(backend, batch) -> dict[str, int]:
-    """Run one step of `batch` on `backend` and return the bytes this rank holds: params, grads (after
-    backward), optimizer state (after the step) and activations saved for backward (during forward)."""
-    params = [p for p in backend.model.parameters()]
-    param_ptrs = {_local(p).untyped_storage().data_ptr() for p in params}
+def _reachable_storages(roots: list) -> dict[int, int]:
+    """Storage address -> bytes of every tensor reachable from `roots` through attributes, lists, tuples, dicts
+    and tensors' gradients (submodules are not entered: their parameters and buffers are counted apart)."""
+    found, seen, todo, entered = {}, set(), list(roots), {id(r) for r in roots}
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = _local(obj).untyped_storage()
+            if obj.device.type != "meta" and storage.nbytes():
+                found[storage.data_ptr()] = storage.nbytes()
+            if obj.grad is not None:  # e.g. a master copy's gradient
+                todo.append(obj.grad)
+        elif isinstance(obj, (list, tuple, set)):
+            todo.extend(obj)
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif (id(obj) in entered or not isinstance(obj, nn.Module)) and hasattr(obj, "__dict__") \
+                and not isinstance(obj, type) and type(obj).__module__.split(".")[0] not in ("builtins", "torch"):
+            todo.extend(vars(obj).values())
+    return found
+
+
+def measure(build, batch) -> dict[str, int]:
+    """Build a backend with `build()`, run one step of `batch` and return the bytes this rank holds: params,
+    grads (after backward), optimizer state (after the step: its state, plus any tensor it steps that is not
+    a model parameter, i.e. a master copy) and activations saved for backward (during forward).
+
+    An engine strategy (deepspeed) keeps gradients in buffers of its own rather than in `param.grad`: there,
+    grads are every tensor storage reachable from the engine (or a parameter's `.grad`) after backward that is
+    neither a parameter, a buffer nor a master copy."""
+    backend = build()
+    params = list(backend.model.parameters())
+    owned = params + [p.ds_tensor for p in params if hasattr(p, "ds_tensor")]  # ZeRO-3's partitions
+    param_ptrs = {_local(p).untyped_storage().data_ptr() for p in owned}
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -188,13 +289,19 @@ def measure(backend, batch) -> dict[str, int]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         backend.forward_backward(batch)
     grads = _tensor_bytes(p.grad for p in params if p.grad is not None)
+    engine = backend.prepared.module if backend.prepared.engine is not None else None
+    held = _reachable_storages([engine, *(p.grad for p in params)]) if engine is not None else {}
     backend.optim_step()
-    optimizer = _tensor_bytes(v for state in backend.optimizer.state.values() for v in state.values()
-                              if torch.is_tensor(v))
-    if hasattr(backend.optimizer, "optim"):  # ZeroRedundancyOptimizer keeps this rank's state in .optim
-        optimizer = _tensor_bytes(v for state in backend.optimizer.optim.state.values() for v in state.values()
-                                  if torch.is_tensor(v))
-    return {"params": _tensor_bytes(params), "grads": grads, "optimizer": optimizer,
+    optimizer = getattr(backend.optimizer, "optim", backend.optimizer)  # ZeroRedundancyOptimizer: this rank's
+    # what it stepped: its groups' tensors and its state's keys (DeepSpeed ZeRO-3 fills the groups only during
+    # the step); those that are not parameters are master copies
+    stepped = [t for t in [*(t for group in optimizer.param_groups for t in group["params"]), *optimizer.state]
+               if _local(t).untyped_storage().data_ptr() not in param_ptrs]
+    if engine is not None:
+        skip = param_ptrs | {_local(t).untyped_storage().data_ptr() for t in [*stepped, *backend.model.buffers()]}
+        grads = sum(n for ptr, n in held.items() if ptr not in skip)
+    state = [v for per_param in optimizer.state.values() for v in per_param.values() if torch.is_tensor(v)]
+    return {"params": _tensor_bytes(owned), "grads": grads, "optimizer": _tensor_bytes(state + stepped),
             "activations": sum(saved.values())}
 
 

@@ -3,14 +3,17 @@
     disttrain bench memory [--nproc 2] [--n-layer 4] [--d-model 128] [--micro 8] [--out bench_results]
 
 Each world size is one torchrun launch in which every strategy (with and without activation checkpointing)
-builds the reference GPT, runs one step, and measures the bytes its rank holds (memory.measure). The report
-puts estimate and measurement side by side, with the per-rank model-state bytes of fsdp vs ddp and the
-optimizer-state bytes of zero1 vs ddp. Results: `<out>/memory.json` and `<out>/memory.md`.
+builds the reference GPT, runs one step, and measures the bytes its rank holds (memory.measure). Where
+DeepSpeed is installed, its ZeRO stages 0-3 run too (`deepspeed-zN`), with a ZeRO-3 persistence threshold
+of d_model^2 elements so that both whole and partitioned parameters occur. The report puts estimate and
+measurement side by side, with the per-rank model-state bytes of fsdp vs ddp and the optimizer-state bytes
+of zero1 vs ddp. Results: `<out>/memory.json` and `<out>/memory.md`.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 from pathlib import Path
 
@@ -29,13 +32,26 @@ def _args(argv):
     return p.parse_args(argv)
 
 
-def _config(args, strategy: str, checkpointing: bool):
+def _config(args, strategy: str, checkpointing: bool, extra: tuple[str, ...] = ()):
     from disttrain.config import load_config
 
     return load_config(None, [f"model.n_layer={args.n_layer}", f"model.d_model={args.d_model}",
                               f"data.micro_batch_size={args.micro}", f"parallel.strategy={strategy}",
                               f"parallel.activation_checkpointing={str(checkpointing).lower()}",
-                              "dist.threads_per_rank=1"])
+                              "dist.threads_per_rank=1", *extra])
+
+
+def _variants(args, world: int) -> list[tuple[str, str, bool, tuple[str, ...]]]:
+    """(label, strategy, activation checkpointing, config overrides) for each run at `world` ranks."""
+    out = [(s, s, ac, ()) for s in (STRATEGIES if world == 1 else STRATEGIES[1:]) for ac in (False, True)]
+    if importlib.util.find_spec("deepspeed") is None:
+        return out
+    ds_json = Path(args.out) / "memory_deepspeed.json"
+    ds_json.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": args.d_model ** 2}}))
+    zero = [(f"deepspeed-z{stage}", stage, "false") for stage in range(4)]
+    zero += [(f"deepspeed-z{stage}-off", stage, "true") for stage in (1, 2, 3)]  # ZeRO-Offload
+    return out + [(label, "deepspeed", False, (f"parallel.deepspeed_stage={stage}", f"parallel.cpu_offload={off}",
+                                               f"parallel.deepspeed_config={ds_json}")) for label, stage, off in zero]
 
 
 def _worker(args) -> None:
@@ -51,21 +67,19 @@ def _worker(args) -> None:
     runtime = init_runtime(_config(args, "ddp", False).dist, always_form_group=True)
     world = runtime.world_size
     rows = []
-    for strategy in STRATEGIES if world == 1 else STRATEGIES[1:]:
-        for checkpointing in (False, True):
-            cfg = _config(args, strategy, checkpointing)
-            torch.manual_seed(0)
-            backend = create_backend(build_model(cfg.model), optimizer_factory(cfg.optim), strategy=strategy,
-                                     runtime=runtime, parallel=cfg.parallel)
-            train, _ = build_datasets(cfg.data, cfg.model.seq_len)
-            start = runtime.rank * args.micro
-            measured = measure(backend, fetch(train, range(start, start + args.micro)))
-            est = estimate(cfg, world, strategy)
-            rows.append({"strategy": strategy, "ac": checkpointing, "world": world, "rank": runtime.rank,
-                         "measured": measured,
-                         "estimated": {"params": est.params, "grads": est.grads, "optimizer": est.optimizer,
-                                       "activations": est.activations_ac if checkpointing else est.activations}})
-            del backend
+    for label, strategy, checkpointing, extra in _variants(args, world):
+        cfg = _config(args, strategy, checkpointing, extra)
+        torch.manual_seed(0)
+        train, _ = build_datasets(cfg.data, cfg.model.seq_len)
+        start = runtime.rank * args.micro
+        measured = measure(lambda cfg=cfg, strategy=strategy: create_backend(
+            build_model(cfg.model), optimizer_factory(cfg.optim), strategy=strategy, runtime=runtime,
+            parallel=cfg.parallel), fetch(train, range(start, start + args.micro)))
+        est = estimate(cfg, world, strategy, runtime.rank)
+        rows.append({"strategy": label, "ac": checkpointing, "world": world, "rank": runtime.rank,
+                     "measured": measured,
+                     "estimated": {"params": est.params, "grads": est.grads, "optimizer": est.optimizer,
+                                   "activations": est.activations_ac if checkpointing else est.activations}})
     out = Path(args.out)
     (out / f"memory_w{world}_rank{runtime.rank}.json").write_text(json.dumps(rows))
     shutdown(runtime)
@@ -102,7 +116,7 @@ def _report(rows: list[dict], args) -> dict:
         cells = []
         for k in KINDS:
             est, meas = r["estimated"][k], r["measured"][k]
-            err = abs(est - meas) / meas if meas else 0.0
+            err = abs(est - meas) / meas if meas else float(est != 0)  # nothing measured: 0% or 100% off
             worst = max(worst, err)
             cells.append(f"{est / 2**20:.2f}/{meas / 2**20:.2f} ({err:.1%})")
         lines.append(f"| {r['world']} | {r['strategy']} | {'yes' if r['ac'] else 'no'} | {r['rank']} | "

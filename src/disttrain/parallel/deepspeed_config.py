@@ -1,7 +1,8 @@
 """The DeepSpeed JSON that the `deepspeed` strategy runs with, generated from the disttrain config.
 
 disttrain owns the keys that decide the numbers (batch, gradient clipping, ZeRO stage, optimizer offload,
-precision, optimizer and schedule); everything else in a user's JSON (`parallel.deepspeed_config`: bucket
+precision, optimizer and schedule); it also sizes DeepSpeed's gradient bucket to a rank's share of the model (below);
+everything else in a user's JSON (`parallel.deepspeed_config`: bucket
 sizes, `overlap_comm`, stage-3 tuning, ...) is passed through unchanged. A user JSON that sets an owned key
 to a different value is an error naming both, rather than one silently winning. Pure: no torch, no deepspeed.
 
@@ -23,6 +24,13 @@ if TYPE_CHECKING:
 
 # Sections disttrain refuses in a user JSON: the optimizer and schedule are the user's torch ones (the
 # client optimizer: no native op to compile, the same numbers as every other strategy), and precision is fp32.
+# DeepSpeed's default `reduce_bucket_size` (elements). ZeRO-1/2 allocate one such buffer (two with
+# overlap_comm) for every backward, and ZeRO-3 keeps one for the whole run: 2 GB of float32 whatever the
+# model's size, and at the model's size ZeRO-3 would hold more per rank than ZeRO-2. Unless the user's JSON
+# sets it, disttrain caps the bucket at one rank's share of the model (a few reductions per step instead of
+# one, so the bucket costs no more than the rank's gradient partition).
+DEFAULT_REDUCE_BUCKET = 500_000_000
+
 REFUSED = {"optimizer": "optim.*", "scheduler": "optim.* (warmup_steps, min_lr_ratio)",
            "fp16": "parallel.precision", "bf16": "parallel.precision"}
 
@@ -41,9 +49,11 @@ class DeepSpeedConfig:
     user: dict[str, Any] = field(default_factory=dict)
     """The JSON of `parallel.deepspeed_config` (empty when not set)."""
     source: str = ""
+    model_numel: int = 0
+    """Trainable elements of the model (0: unknown); caps `reduce_bucket_size` unless the JSON sets it."""
 
     @classmethod
-    def from_config(cls, cfg: Config, world: int) -> DeepSpeedConfig:
+    def from_config(cls, cfg: Config, world: int, model_numel: int = 0) -> DeepSpeedConfig:
         """The JSON for `cfg` at `world` ranks, with the true batch sizes (checked against a user JSON)."""
         d = cfg.data
         per_step = d.micro_batch_size * world
@@ -51,13 +61,14 @@ class DeepSpeedConfig:
             raise ConfigError(f"data.global_batch_size = {d.global_batch_size} is not a positive multiple of "
                               f"data.micro_batch_size x world size = {d.micro_batch_size} x {world}; change one")
         accumulation = d.global_batch_size // per_step
-        out = cls.from_parallel(cfg.parallel, world, cfg.optim.grad_clip, d.micro_batch_size, accumulation)
+        out = cls.from_parallel(cfg.parallel, world, cfg.optim.grad_clip, d.micro_batch_size, accumulation,
+                                model_numel)
         out.check_batch()
         return out
 
     @classmethod
     def from_parallel(cls, p: ParallelConfig, world: int, grad_clip: float, micro_batch_size: int = 1,
-                      accumulation_steps: int = 1) -> DeepSpeedConfig:
+                      accumulation_steps: int = 1, model_numel: int = 0) -> DeepSpeedConfig:
         """The strategy's view. The backend owns accumulation boundaries and normalisation (see
         parallel/deepspeed_engine.py), so the engine's batch keys only have to be consistent."""
         if p.deepspeed_stage not in (0, 1, 2, 3):
@@ -67,7 +78,8 @@ class DeepSpeedConfig:
                               "parallel.deepspeed_stage >= 1 or parallel.cpu_offload = false")
         out = cls(stage=p.deepspeed_stage, cpu_offload=p.cpu_offload, grad_clip=grad_clip,
                   micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps, world_size=world,
-                  user=_read_json(p.deepspeed_config) if p.deepspeed_config else {}, source=p.deepspeed_config)
+                  user=_read_json(p.deepspeed_config) if p.deepspeed_config else {}, source=p.deepspeed_config,
+                  model_numel=model_numel)
         out.to_dict()  # conflicts surface here, before any process starts
         return out
 
@@ -109,6 +121,9 @@ class DeepSpeedConfig:
             else:
                 _agree(where, key, merged.get(key, value), value)
                 merged[key] = value
+        if self.model_numel:
+            share = -(-self.model_numel // self.world_size)
+            merged["zero_optimization"].setdefault("reduce_bucket_size", min(DEFAULT_REDUCE_BUCKET, share))
         merged.setdefault("steps_per_print", 2**31 - 1)  # disttrain logs the steps
         return merged
 

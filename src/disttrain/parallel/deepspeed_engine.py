@@ -64,7 +64,8 @@ class _EngineRun:
         optimizer = factory(self.model)
         names = {p: n for n, p in self.params.items()}
         self.group_names = [[names[p] for p in group["params"]] for group in optimizer.param_groups]
-        config = DeepSpeedConfig.from_parallel(self.cfg, self.world, grad_clip).to_dict()
+        numel = sum(p.numel() for p in self.params.values() if p.requires_grad)
+        config = DeepSpeedConfig.from_parallel(self.cfg, self.world, grad_clip, model_numel=numel).to_dict()
         self.engine, _, _, _ = self.ds.initialize(model=self.model, optimizer=optimizer, config=config,
                                                   dist_init_required=False)
         self.optimizer = optimizer  # the user's; under ZeRO its groups now hold this rank's flat partitions
