@@ -91,9 +91,9 @@ def test_deepspeed_estimate_follows_the_zero_stage():
     assert any("stay whole on every rank" in note for note in small.notes)
 
 
-def test_deepspeed_gradient_bucket_is_capped_at_a_rank_share(tmp_path):
+def test_deepspeed_gradient_bucket_is_capped_by_the_model_size(tmp_path):
     """DeepSpeed's default bucket is 5e8 elements (2 GB of float32, held all run long under ZeRO-3): disttrain
-    caps it at a rank's share of the model, and a bucket the user's JSON sets is kept, and estimated."""
+    caps it at a rank's share of the model there, and a bucket the user's JSON sets is kept, and estimated."""
     cfg = load_config(None, ["parallel.strategy=deepspeed", "parallel.deepspeed_stage=3"])
     capped = estimate(cfg, 2, "deepspeed")
     user = tmp_path / "ds.json"

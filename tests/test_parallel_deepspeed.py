@@ -73,14 +73,18 @@ def test_deepspeed_config_writes_the_engine_json(tmp_path):
             ds["gradient_clipping"]) == (32, 8, 2, 0.5)
 
 
-def test_generated_json_caps_the_gradient_bucket_at_a_rank_share(tmp_path):
+def test_generated_json_caps_the_gradient_bucket_by_the_model_size(tmp_path):
+    """ZeRO-1/2: one bucket of the model's size (DeepSpeed's default is 5e8 elements); ZeRO-3, which holds it
+    all run: a rank's share."""
     from disttrain.models import build_model
 
-    out = tmp_path / "ds.json"
-    result = run_cli(["deepspeed-config", "--nproc", "2", "-o", str(out)], tmp_path)
-    assert result.returncode == 0, result.stderr
     numel = sum(p.numel() for p in build_model(load_config(None, []).model).parameters())
-    assert json.loads(out.read_text())["zero_optimization"]["reduce_bucket_size"] == (numel + 1) // 2 < 500_000_000
+    for stage, bucket in ((2, numel), (3, (numel + 1) // 2)):
+        out = tmp_path / f"ds{stage}.json"
+        result = run_cli(["deepspeed-config", "--nproc", "2", "--set", f"parallel.deepspeed_stage={stage}", "-o",
+                          str(out)], tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(out.read_text())["zero_optimization"]["reduce_bucket_size"] == bucket < 500_000_000
 
 
 @pytest.mark.parametrize("args, message", [

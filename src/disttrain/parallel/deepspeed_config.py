@@ -1,7 +1,7 @@
 """The DeepSpeed JSON that the `deepspeed` strategy runs with, generated from the disttrain config.
 
 disttrain owns the keys that decide the numbers (batch, gradient clipping, ZeRO stage, optimizer offload,
-precision, optimizer and schedule); it also sizes DeepSpeed's gradient bucket to a rank's share of the model (below);
+precision, optimizer and schedule); it also caps DeepSpeed's gradient bucket by the model's size (below);
 everything else in a user's JSON (`parallel.deepspeed_config`: bucket
 sizes, `overlap_comm`, stage-3 tuning, ...) is passed through unchanged. A user JSON that sets an owned key
 to a different value is an error naming both, rather than one silently winning. Pure: no torch, no deepspeed.
@@ -26,9 +26,10 @@ if TYPE_CHECKING:
 # client optimizer: no native op to compile, the same numbers as every other strategy), and precision is fp32.
 # DeepSpeed's default `reduce_bucket_size` (elements). ZeRO-1/2 allocate one such buffer (two with
 # overlap_comm) for every backward, and ZeRO-3 keeps one for the whole run: 2 GB of float32 whatever the
-# model's size, and at the model's size ZeRO-3 would hold more per rank than ZeRO-2. Unless the user's JSON
-# sets it, disttrain caps the bucket at one rank's share of the model (a few reductions per step instead of
-# one, so the bucket costs no more than the rank's gradient partition).
+# model's size. Unless the user's JSON sets it, disttrain caps it: under ZeRO-1/2 at the model's size (a
+# bucket never holds more: the same single reduction as the default), under ZeRO-3 at one rank's share of
+# the model (a few reductions per step, so the buffer it holds all run costs no more than its gradient
+# partition, and ZeRO-3 keeps holding less than ZeRO-2).
 DEFAULT_REDUCE_BUCKET = 500_000_000
 
 REFUSED = {"optimizer": "optim.*", "scheduler": "optim.* (warmup_steps, min_lr_ratio)",
@@ -122,8 +123,8 @@ class DeepSpeedConfig:
                 _agree(where, key, merged.get(key, value), value)
                 merged[key] = value
         if self.model_numel:
-            share = -(-self.model_numel // self.world_size)
-            merged["zero_optimization"].setdefault("reduce_bucket_size", min(DEFAULT_REDUCE_BUCKET, share))
+            cap = -(-self.model_numel // self.world_size) if self.stage == 3 else self.model_numel
+            merged["zero_optimization"].setdefault("reduce_bucket_size", min(DEFAULT_REDUCE_BUCKET, cap))
         merged.setdefault("steps_per_print", 2**31 - 1)  # disttrain logs the steps
         return merged
 
