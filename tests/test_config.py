@@ -67,7 +67,7 @@ def test_bad_names_and_types_are_named(override, message):
     (["parallel.strategy=deepspeed", "parallel.deepspeed_stage=4"], 2, 0, "deepspeed_stage = 4: must be 0, 1, 2 or 3"),
     (["parallel.strategy=deepspeed", "parallel.deepspeed_stage=0", "parallel.cpu_offload=true"], 2, 0,
      "needs ZeRO stage 1, 2 or 3"),
-    (["parallel.strategy=deepspeed", "parallel.precision=fp16-mixed"], 2, 0, "fp32 and bf16-mixed"),
+    (["parallel.strategy=deepspeed", "parallel.precision=bf16-true"], 2, 0, "fp32 master copy of every partition"),
     (["parallel.strategy=deepspeed", "parallel.deepspeed_config=/nonexistent.json"], 2, 0, "file not found"),
 ])
 def test_validate_names_setting_value_and_fix(overrides, world, gpus, message):

@@ -16,6 +16,9 @@ STAGES = ["deepspeed+stage0", "deepspeed+stage1", "deepspeed+stage2", "deepspeed
           "deepspeed+stage2+offload", "deepspeed+stage3+offload"]
 RESUMES = ["deepspeed+stage2>ddp", "ddp>deepspeed+stage3"]  # trained to step 10 under A, resumed under B
 BF16 = "deepspeed+stage2+bf16"  # autocast around the engine, fp32 weights: within bf16-mixed's tolerance
+# fp16-mixed: autocast, fp32 weights, disttrain's dynamic loss scale driving the engine's: the same numbers as
+# ddp under fp16-mixed (torch's GradScaler), skipped steps included
+FP16 = ["ddp+fp16", "deepspeed+stage2+fp16", "deepspeed+stage3+fp16"]
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +31,7 @@ def results(tmp_path_factory):
     assert single.returncode == 0, single.stderr
     # first use compiles DeepSpeed's shm_comm op (~50 s) into the persistent torch extensions cache
     multi = run_cli(["launch", "--nproc", "2", "--run-dir", str(tmp / "launch"), script, str(tmp), *STAGES,
-                     *RESUMES, BF16], tmp, timeout=400)
+                     *RESUMES, BF16, *FP16], tmp, timeout=400)
     assert multi.returncode == 0, multi.stderr[-3000:]
     return json.loads((tmp / "1.json").read_text())["single"], json.loads((tmp / "2.json").read_text())
 
@@ -48,6 +51,16 @@ def test_bf16_mixed_trains_within_tolerance_of_fp32(results):
     assert two[BF16]["losses"] == pytest.approx(reference["losses"], abs=0.05)
     assert max(abs(a - b) for a, b in zip(two[BF16]["losses"], reference["losses"], strict=True)) > 1e-4  # bf16 ran
     assert two[BF16]["eval"]["20"] == pytest.approx(reference["eval"]["20"], abs=0.02)  # as test_precision
+
+
+@pytest.mark.parametrize("variant", FP16[1:])
+def test_fp16_mixed_matches_ddp_under_fp16_mixed(results, variant):
+    _, two = results
+    ddp = two[FP16[0]]
+    assert ddp["losses"][1] > ddp["losses"][0] - 0.01  # the first steps overflow at scale 65536 and are skipped
+    assert ddp["losses"][-1] < ddp["losses"][0] - 1.0
+    assert two[variant]["losses"] == pytest.approx(ddp["losses"], abs=1e-3)
+    assert two[variant]["eval"]["20"] == pytest.approx(ddp["eval"]["20"], abs=1e-3)
 
 
 @pytest.mark.parametrize("variant", RESUMES)

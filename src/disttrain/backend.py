@@ -29,7 +29,7 @@ from disttrain.data import IGNORE_INDEX
 from disttrain.optim import OptimizerFactory
 from disttrain.parallel import Prepared, get_strategy, resolve
 from disttrain.parallel.blocks import apply_activation_checkpointing
-from disttrain.precision import Precision, get_precision
+from disttrain.precision import Precision, get_precision, update_scale
 from disttrain.runtime import Runtime, init_runtime
 
 LossOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor | int]
@@ -139,7 +139,7 @@ class TrainingBackend:
                 loss_sum, count = self.loss_terms(outputs, batch, loss_fn)
             self.on_phase("backward")
             if self.prepared.engine is not None:
-                self.prepared.engine.backward(loss_sum, sync)
+                self.prepared.engine.backward(self.scaler.scale(loss_sum) if self.scaler else loss_sum, sync)
             else:
                 (self.scaler.scale(loss_sum) if self.scaler else loss_sum).backward()
         self._loss_sum += loss_sum.detach().double()
@@ -215,13 +215,17 @@ class TrainingBackend:
         return norm
 
     def _engine_update(self, count: float, bad_ranks: list[int], loss: float) -> tuple[float, bool]:
-        """An engine strategy normalises (by the same factor), clips and steps inside its engine, which itself
-        skips a step whose gradients are non-finite; returns (gradient norm, skipped). One gap: with
-        on_nonfinite = 'skip', a non-finite loss whose gradients are finite is counted as skipped although
-        the engine applied it (it has no hook to refuse a step with finite gradients)."""
-        if bad_ranks and self.on_nonfinite == "stop":
+        """An engine strategy normalises (by the same factor, with the fp16 loss scale undone), clips and steps
+        inside its engine, which itself skips a step whose gradients are non-finite on any rank; returns
+        (gradient norm, skipped). One gap: with on_nonfinite = 'skip', a non-finite loss whose gradients are
+        finite is counted as skipped although the engine applied it (it has no hook to refuse a step with
+        finite gradients)."""
+        if bad_ranks and self.on_nonfinite == "stop" and self.scaler is None:
             return math.nan, self._update(False, bad_ranks, loss)  # raises before the engine steps
-        grad_norm, applied = self.prepared.engine.step(self.prepared.grads_averaged_over / count)
+        scale = self.scaler.get_scale() if self.scaler is not None else 1.0
+        grad_norm, applied = self.prepared.engine.step(self.prepared.grads_averaged_over / count / scale)
+        if self.scaler is not None:
+            update_scale(self.scaler, found_inf=not applied)
         return grad_norm, self._update(applied and not bad_ranks, bad_ranks, loss, apply=lambda: None)
 
     def _update(self, finite: bool, bad_ranks: list[int], loss: float, apply: Callable[[], Any] | None = None
@@ -230,10 +234,13 @@ class TrainingBackend:
         unless the step must be skipped; return whether it was skipped."""
         step = self.step + 1
         if self.scaler is not None:
-            before = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)  # skips when unscale_ found inf/NaN
-            self.scaler.update()
-            skipped = self.scaler.get_scale() < before
+            if apply is None:
+                before = self.scaler.get_scale()
+                self.scaler.step(self.optimizer)  # skips when unscale_ found inf/NaN
+                self.scaler.update()
+                skipped = self.scaler.get_scale() < before
+            else:
+                skipped = not finite  # the engine skipped it, and _engine_update backed the scale off
             reason = f"fp16 gradients overflowed; the loss scale fell to {self.scaler.get_scale():g}"
         elif finite:
             (apply or self.optimizer.step)()

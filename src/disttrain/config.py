@@ -521,11 +521,10 @@ def _validate_deepspeed(cfg: Config, world: int) -> None:
     import importlib.util
 
     p = cfg.parallel
-    _check(p.precision in ("fp32", "bf16-mixed"),
-           f"parallel.precision = {p.precision!r} with parallel.strategy = 'deepspeed': fp32 and bf16-mixed "
-           "(autocast around the engine, fp32 weights) are supported; DeepSpeed's own fp16/bf16 optimizers keep "
-           "their own master weights and loss scale, which disttrain's policies do not drive. Use bf16-mixed, "
-           "or an FSDP strategy for fp16-mixed / bf16-true")
+    _check(p.precision != "bf16-true",
+           "parallel.precision = 'bf16-true' with parallel.strategy = 'deepspeed': DeepSpeed's ZeRO keeps an fp32 "
+           "master copy of every partition, so the weights would not be bf16 only. Use bf16-mixed (autocast, fp32 "
+           "weights) or fp16-mixed with deepspeed, or an FSDP strategy (zero2, fsdp) for bf16-true")
     from disttrain.parallel.deepspeed_config import DeepSpeedConfig
 
     DeepSpeedConfig.from_config(cfg, world)  # stage, offload and the JSON's keys, each checked with its setting

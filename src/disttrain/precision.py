@@ -62,6 +62,18 @@ class Precision:
         return torch.amp.GradScaler(device_type)
 
 
+def update_scale(scaler, found_inf: bool) -> None:
+    """GradScaler's dynamic rule (back off on inf/NaN, grow after `growth_interval` clean steps) for a step
+    whose inf/NaN check was made elsewhere: by an engine (DeepSpeed) that holds the gradients itself and agrees
+    the finding across ranks. Goes through the scaler's state dict, so its checkpoint stays the usual one."""
+    state = scaler.state_dict()
+    scale = state["scale"] * (state["backoff_factor"] if found_inf else 1.0)
+    tracker = 0 if found_inf else state["_growth_tracker"] + 1
+    if tracker >= state["growth_interval"]:
+        scale, tracker = scale * state["growth_factor"], 0
+    scaler.load_state_dict({**state, "scale": scale, "_growth_tracker": tracker})
+
+
 def get_precision(name: str) -> Precision:
     import torch
 

@@ -1,7 +1,10 @@
 """fp16 loss scaling under a distributed strategy: an inf injected into ONE rank's gradients must make every
 rank skip that step and halve the scale. Each rank writes OUT/<strategy>_rank<R>.json.
 
-    disttrain launch --nproc 2 inject_inf.py OUT ddp fsdp zero1
+    disttrain launch --nproc 2 inject_inf.py OUT ddp fsdp zero1 deepspeed
+
+The inf goes into rank 1's gradients after backward; under deepspeed (ZeRO-2), whose engine holds the
+gradients in buffers of its own, into rank 1's gradient of one parameter during backward, before reduction.
 """
 
 import json
@@ -22,6 +25,9 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+zero = torch.tensor([0])
+
+
 def run(strategy: str, runtime, out: Path) -> None:
     torch.manual_seed(0)
     model = GPT(ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=16))
@@ -31,10 +37,16 @@ def run(strategy: str, runtime, out: Path) -> None:
     records, clean_steps, injected = [], 0, None
     for step in range(1, 40):
         x = torch.randint(0, 256, (4, 17), generator=g)
+        inject = injected is None and clean_steps >= 2  # the scale has settled: inject now, on rank 1 only
+        hook = None
+        if inject and runtime.rank == 1 and strategy == "deepspeed":
+            hook = next(backend.model.parameters()).register_hook(lambda grad: grad.index_fill(0, zero, float("inf")))
         backend.forward_backward({"input_ids": x[:, :-1], "labels": x[:, 1:]})
-        if injected is None and clean_steps >= 2:  # the scale has settled: inject now, on rank 1 only
+        if hook is not None:
+            hook.remove()
+        if inject:
             injected = step
-            if runtime.rank == 1:
+            if runtime.rank == 1 and strategy != "deepspeed":
                 param = next(p for p in backend.model.parameters() if p.grad is not None and local(p.grad).numel())
                 local(param.grad).view(-1)[0] = float("inf")
         before = [local(p).detach().clone() for p in backend.model.parameters()]

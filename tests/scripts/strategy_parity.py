@@ -4,7 +4,7 @@
     disttrain launch --nproc 2 strategy_parity.py OUT ddp zero2 fsdp+ac hsdp:1 deepspeed+stage3 ...
 
 A variant is `strategy[+flag...][:hsdp_shard_size]`, flags: `ac` (activation checkpointing), `offload`
-(cpu_offload), `prefetchN` (fsdp_prefetch=N), `stageN` (deepspeed_stage=N), `bf16` (bf16-mixed).
+(cpu_offload), `prefetchN` (fsdp_prefetch=N), `stageN` (deepspeed_stage=N), `bf16` (bf16-mixed), `fp16` (fp16-mixed).
 `A>B` trains A to step 10 with a checkpoint there, then resumes it under B to step 20 (its losses are
 steps 11-20). Rank 0 writes OUT/<world>.json: {variant: {"losses": [...], "eval": {...}}}.
 """
@@ -23,7 +23,7 @@ JOB = ["model.n_layer=2", "model.d_model=64", "model.seq_len=32", "data.global_b
 
 FLAGS = {"ac": "parallel.activation_checkpointing=true", "offload": "parallel.cpu_offload=true",
          "prefetch": "parallel.fsdp_prefetch={}", "stage": "parallel.deepspeed_stage={}",
-         "bf": "parallel.precision=bf{}-mixed"}
+         "bf": "parallel.precision=bf{}-mixed", "fp": "parallel.precision=fp{}-mixed"}
 
 
 def overrides(variant: str) -> list[str]:

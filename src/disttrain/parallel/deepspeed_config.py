@@ -22,8 +22,6 @@ from disttrain.config import ConfigError
 if TYPE_CHECKING:
     from disttrain.config import Config, ParallelConfig
 
-# Sections disttrain refuses in a user JSON: the optimizer and schedule are the user's torch ones (the
-# client optimizer: no native op to compile, the same numbers as every other strategy), and precision is fp32.
 # DeepSpeed's default `reduce_bucket_size` (elements). ZeRO-1/2 allocate one such buffer (two with
 # overlap_comm) for every backward, and ZeRO-3 keeps one for the whole run: 2 GB of float32 whatever the
 # model's size. Unless the user's JSON sets it, disttrain caps it: under ZeRO-1/2 at the model's size (a
@@ -32,6 +30,9 @@ if TYPE_CHECKING:
 # partition, and ZeRO-3 keeps holding less than ZeRO-2).
 DEFAULT_REDUCE_BUCKET = 500_000_000
 
+# Sections disttrain refuses in a user JSON: the optimizer and schedule are the user's torch ones (the
+# client optimizer: no native op to compile, the same numbers as every other strategy), and precision is
+# disttrain's policy (autocast and its loss scale around the engine, fp32 weights).
 REFUSED = {"optimizer": "optim.*", "scheduler": "optim.* (warmup_steps, min_lr_ratio)",
            "fp16": "parallel.precision", "bf16": "parallel.precision"}
 
