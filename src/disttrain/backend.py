@@ -109,9 +109,10 @@ class TrainingBackend:
     def _reset_accumulators(self) -> None:
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
         self._count = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
+        self._nonfinite = torch.zeros((), dtype=torch.float64, device=self.runtime.device)  # 1: a loss was inf/NaN
         self._micro_batches = 0
         self._unsynced = False
-        self._nonfinite_loss = False
+        self._totals: tuple[Any, torch.Tensor, int] | None = None  # (all-reduce in flight, buffer, micro-batches)
 
     def loss_terms(self, outputs: Any, batch: Any, loss_fn: LossFn | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,17 +138,19 @@ class TrainingBackend:
             with self.precision.autocast(self.runtime.device.type):
                 outputs = self.prepared.module(model_inputs(batch))
                 loss_sum, count = self.loss_terms(outputs, batch, loss_fn)
+            self._loss_sum += loss_sum.detach().double()
+            self._count += count
+            self._nonfinite = torch.maximum(self._nonfinite, (~torch.isfinite(loss_sum.detach())).double())
+            self._micro_batches += 1
+            if sync:  # the step's totals are known: their all-reduce overlaps this backward
+                self._start_totals()
             self.on_phase("backward")
             if self.prepared.engine is not None:
                 self.prepared.engine.backward(self.scaler.scale(loss_sum) if self.scaler else loss_sum, sync)
             else:
                 (self.scaler.scale(loss_sum) if self.scaler else loss_sum).backward()
-        self._loss_sum += loss_sum.detach().double()
-        self._count += count
-        self._micro_batches += 1
         self._unsynced = not sync
         local_loss, local_count = loss_sum.item(), count.item()
-        self._nonfinite_loss |= not math.isfinite(local_loss)
         return {"loss": local_loss / max(local_count, 1.0), "count": local_count}
 
     def optim_step(self) -> dict:
@@ -183,16 +186,30 @@ class TrainingBackend:
         rank at the same step, as `stop_requested`."""
         self._stop_requested = True
 
-    def _reduce_totals(self) -> tuple[float, float, list[int], bool]:
-        """(global loss sum, global item count, ranks whose loss was non-finite, stop requested anywhere):
-        one small all-reduce per step carries all of it."""
+    def _start_totals(self) -> None:
+        """Start the step's one small all-reduce: global loss sum, global item count, which ranks saw a
+        non-finite loss, whether any rank asked to stop (a request that comes later is seen next step)."""
         world, rank = self.runtime.world_size, self.runtime.rank
         flags = torch.zeros(world + 1, dtype=torch.float64, device=self.runtime.device)
-        flags[rank] = float(self._nonfinite_loss)
+        flags[rank] = self._nonfinite
         flags[world] = float(self._stop_requested)
         totals = torch.cat([torch.stack([self._loss_sum, self._count]), flags])
-        if self.runtime.distributed:
-            dist.all_reduce(totals)
+        work = dist.all_reduce(totals, async_op=True) if self.runtime.distributed else None
+        self._totals = (work, totals, self._micro_batches)
+
+    def _reduce_totals(self) -> tuple[float, float, list[int], bool]:
+        """(global loss sum, global item count, ranks whose loss was non-finite, stop requested anywhere),
+        from the all-reduce the last micro-batch started (again if micro-batches came after it)."""
+        world = self.runtime.world_size
+        if self._totals is not None and self._totals[2] != self._micro_batches:
+            if self._totals[0] is not None:
+                self._totals[0].wait()  # every rank started it: finish it, then count again
+            self._totals = None
+        if self._totals is None:
+            self._start_totals()
+        work, totals, _ = self._totals
+        if work is not None:
+            work.wait()
         values = totals.tolist()
         if values[1] <= 0:
             raise RuntimeError(f"step {self.step + 1}: the global batch has no valid items (all padding?)")
