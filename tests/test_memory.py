@@ -70,6 +70,9 @@ def test_estimate_memory_command_compares_strategies_against_a_budget(capsys):
     rows = {line.split()[0]: line for line in out.splitlines() if line.split() and line.split()[0] in
             ("ddp", "zero1", "zero2", "fsdp", "hsdp")}
     assert len(rows) == 5 and rows["fsdp"].endswith("yes") and rows["ddp"].endswith("with AC")
+    if importlib.util.find_spec("deepspeed"):  # the optional strategy has its row (ZeRO stage 2 by default)
+        ds = next(line.split() for line in out.splitlines() if line.startswith("deepspeed "))
+        assert float(ds[6]) < float(rows["ddp"].split()[6]) and ds[-1] in ("yes", "AC", "no")
     cfg = load_config(None, ["model.n_layer=12", "model.d_model=256"])
     assert estimate(cfg, 2, "fsdp").params * 2 >= estimate(cfg, 2, "ddp").params  # padding only rounds up
 

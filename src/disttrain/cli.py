@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import math
 import sys
@@ -176,6 +177,13 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
     for strategy in strategies:
         cfg.parallel.strategy = strategy
         validate(cfg, gpu_count=args.world_size, world=args.world_size)  # GPUs assumed: this is a plan
+    if not args.strategy and importlib.util.find_spec("deepspeed") is not None:  # the optional extra's row
+        cfg.parallel.strategy = "deepspeed"
+        try:
+            validate(cfg, gpu_count=args.world_size, world=args.world_size)
+            strategies.append("deepspeed")
+        except ConfigError:
+            pass  # e.g. bf16-true, which deepspeed cannot run: not a plan for this config
     print(report(cfg, args.world_size, strategies, args.budget_gib))
     return 0
 
