@@ -189,6 +189,8 @@ class TrainingBackend:
     def _start_totals(self) -> None:
         """Start the step's one small all-reduce: global loss sum, global item count, which ranks saw a
         non-finite loss, whether any rank asked to stop (a request that comes later is seen next step)."""
+        if self._totals is not None and self._totals[0] is not None:
+            self._totals[0].wait()  # one started by an earlier sync=True micro-batch: finish it (every rank has)
         world, rank = self.runtime.world_size, self.runtime.rank
         flags = torch.zeros(world + 1, dtype=torch.float64, device=self.runtime.device)
         flags[rank] = self._nonfinite
@@ -201,11 +203,7 @@ class TrainingBackend:
         """(global loss sum, global item count, ranks whose loss was non-finite, stop requested anywhere),
         from the all-reduce the last micro-batch started (again if micro-batches came after it)."""
         world = self.runtime.world_size
-        if self._totals is not None and self._totals[2] != self._micro_batches:
-            if self._totals[0] is not None:
-                self._totals[0].wait()  # every rank started it: finish it, then count again
-            self._totals = None
-        if self._totals is None:
+        if self._totals is None or self._totals[2] != self._micro_batches:
             self._start_totals()
         work, totals, _ = self._totals
         if work is not None:
