@@ -18,7 +18,8 @@ RESUMES = ["deepspeed+stage2>ddp", "ddp>deepspeed+stage3"]  # trained to step 10
 BF16 = "deepspeed+stage2+bf16"  # autocast around the engine, fp32 weights: within bf16-mixed's tolerance
 # fp16-mixed: autocast, fp32 weights, disttrain's dynamic loss scale driving the engine's: the same numbers as
 # ddp under fp16-mixed (torch's GradScaler), skipped steps included
-FP16 = ["ddp+fp16", "deepspeed+stage2+fp16", "deepspeed+stage3+fp16"]
+FP16 = ["ddp+fp16", "deepspeed+stage0+fp16", "deepspeed+stage1+fp16", "deepspeed+stage2+fp16",
+        "deepspeed+stage3+fp16", "deepspeed+stage2+offload+fp16"]
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +120,8 @@ def test_deepspeed_config_bad_values_exit_2_in_one_line(tmp_path, args, message)
     ({"train_micro_batch_size_per_gpu": 4}, "disagrees with data.micro_batch_size"),
     ({"optimizer": {"type": "Adam"}}, "has a 'optimizer' section; disttrain sets that through optim"),
     ({"bf16": {"enabled": True}}, "sets that through parallel.precision"),
+    ({"torch_autocast": {"enabled": True}}, "sets that through parallel.precision"),  # would scale fp16 twice
+    ({"zero_optimization": {"compute_grad_norm": False}}, "'zero_optimization.compute_grad_norm' = false"),
 ])
 def test_user_json_that_disagrees_is_refused(tmp_path, user, message):
     path = tmp_path / "user.json"

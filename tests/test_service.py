@@ -155,7 +155,7 @@ def test_service_ddp_matches_reference_saves_loads_and_runs_collectives(tmp_path
             assert m1["count"] == m2["count"] == job.GLOBAL_BATCH // 2
             step = await service.optim_step()
             assert step["step"] == STEPS + 1 and step["count"] == job.GLOBAL_BATCH
-            # two sync=True calls: the step's totals all-reduce, started by the first, is redone by the second
+            # two sync=True calls: each starts the step's totals all-reduce; the step counts both micro-batches
             for part in half:
                 await service.forward_backward(part, loss_fn="service_job:mean_loss")
             step = await service.optim_step()

@@ -138,17 +138,22 @@ class TrainingBackend:
             with self.precision.autocast(self.runtime.device.type):
                 outputs = self.prepared.module(model_inputs(batch))
                 loss_sum, count = self.loss_terms(outputs, batch, loss_fn)
-            self._loss_sum += loss_sum.detach().double()
-            self._count += count
-            self._nonfinite = torch.maximum(self._nonfinite, (~torch.isfinite(loss_sum.detach())).double())
-            self._micro_batches += 1
-            if sync:  # the step's totals are known: their all-reduce overlaps this backward
-                self._start_totals()
+            # this micro-batch joins the step's totals once its backward has run (a backward that raises
+            # leaves them as they were); the last one starts their all-reduce now, to overlap its backward
+            loss_sum_d = loss_sum.detach().double()
+            nonfinite = torch.maximum(self._nonfinite, (~torch.isfinite(loss_sum_d)).double())
+            if sync:
+                self._start_totals(self._loss_sum + loss_sum_d, self._count + count, nonfinite,
+                                   self._micro_batches + 1)
             self.on_phase("backward")
             if self.prepared.engine is not None:
                 self.prepared.engine.backward(self.scaler.scale(loss_sum) if self.scaler else loss_sum, sync)
             else:
                 (self.scaler.scale(loss_sum) if self.scaler else loss_sum).backward()
+        self._loss_sum += loss_sum_d
+        self._count += count
+        self._nonfinite = nonfinite
+        self._micro_batches += 1
         self._unsynced = not sync
         local_loss, local_count = loss_sum.item(), count.item()
         return {"loss": local_loss / max(local_count, 1.0), "count": local_count}
@@ -186,25 +191,33 @@ class TrainingBackend:
         rank at the same step, as `stop_requested`."""
         self._stop_requested = True
 
-    def _start_totals(self) -> None:
+    def _start_totals(self, loss_sum: torch.Tensor, count: torch.Tensor, nonfinite: torch.Tensor,
+                      micro_batches: int) -> None:
         """Start the step's one small all-reduce: global loss sum, global item count, which ranks saw a
-        non-finite loss, whether any rank asked to stop (a request that comes later is seen next step)."""
+        non-finite loss, whether any rank asked to stop (a request that comes later is seen next step).
+
+        On gloo it runs while the backward computes. Under NCCL the compute stream waits for it at once
+        (the CPU does not): torch requires that before another communicator (DeepSpeed's, HSDP's groups)
+        is used, and the backward's reductions would otherwise run concurrently with it."""
         if self._totals is not None and self._totals[0] is not None:
             self._totals[0].wait()  # one started by an earlier sync=True micro-batch: finish it (every rank has)
         world, rank = self.runtime.world_size, self.runtime.rank
         flags = torch.zeros(world + 1, dtype=torch.float64, device=self.runtime.device)
-        flags[rank] = self._nonfinite
+        flags[rank] = nonfinite
         flags[world] = float(self._stop_requested)
-        totals = torch.cat([torch.stack([self._loss_sum, self._count]), flags])
+        totals = torch.cat([torch.stack([loss_sum, count]), flags])
         work = dist.all_reduce(totals, async_op=True) if self.runtime.distributed else None
-        self._totals = (work, totals, self._micro_batches)
+        if work is not None and self.runtime.device.type != "cpu":
+            work.wait()
+            work = None
+        self._totals = (work, totals, micro_batches)
 
     def _reduce_totals(self) -> tuple[float, float, list[int], bool]:
         """(global loss sum, global item count, ranks whose loss was non-finite, stop requested anywhere),
         from the all-reduce the last micro-batch started (again if micro-batches came after it)."""
         world = self.runtime.world_size
         if self._totals is None or self._totals[2] != self._micro_batches:
-            self._start_totals()
+            self._start_totals(self._loss_sum, self._count, self._nonfinite, self._micro_batches)
         work, totals, _ = self._totals
         if work is not None:
             work.wait()
@@ -239,8 +252,9 @@ class TrainingBackend:
             return math.nan, self._update(False, bad_ranks, loss)  # raises before the engine steps
         scale = self.scaler.get_scale() if self.scaler is not None else 1.0
         grad_norm, applied = self.prepared.engine.step(self.prepared.grads_averaged_over / count / scale)
-        if self.scaler is not None:
+        if self.scaler is not None:  # under loss scaling a non-finite loss is an overflow like any other
             update_scale(self.scaler, found_inf=not applied)
+            return grad_norm, self._update(applied, bad_ranks, loss, apply=lambda: None)
         return grad_norm, self._update(applied and not bad_ranks, bad_ranks, loss, apply=lambda: None)
 
     def _update(self, finite: bool, bad_ranks: list[int], loss: float, apply: Callable[[], Any] | None = None
@@ -255,7 +269,7 @@ class TrainingBackend:
                 self.scaler.update()
                 skipped = self.scaler.get_scale() < before
             else:
-                skipped = not finite  # the engine skipped it, and _engine_update backed the scale off
+                skipped = not finite  # the engine did not apply it, and _engine_update backed the scale off
             reason = f"fp16 gradients overflowed; the loss scale fell to {self.scaler.get_scale():g}"
         elif finite:
             (apply or self.optimizer.step)()

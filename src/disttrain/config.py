@@ -185,7 +185,8 @@ class DistConfig:
     startup_timeout_s: float = 900.0
     """The same limit until the first step completes (start-up, data loading, compilation are slower)."""
     shutdown_grace_s: float = 60.0
-    """After SIGTERM/SIGINT, ranks finish their step and checkpoint within this many seconds, then exit."""
+    """After SIGTERM/SIGINT, ranks finish their step and checkpoint within this many seconds, then exit (a
+    signal that arrives during a step's last backward is acted on after the next step: allow for two steps)."""
     threads_per_rank: int = 0
     """torch intra-op threads per rank; 0 = cores / processes on this node (at least 1)."""
 

@@ -25,9 +25,6 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-zero = torch.tensor([0])
-
-
 def run(strategy: str, runtime, out: Path) -> None:
     torch.manual_seed(0)
     model = GPT(ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=16))
@@ -40,7 +37,8 @@ def run(strategy: str, runtime, out: Path) -> None:
         inject = injected is None and clean_steps >= 2  # the scale has settled: inject now, on rank 1 only
         hook = None
         if inject and runtime.rank == 1 and strategy == "deepspeed":
-            hook = next(backend.model.parameters()).register_hook(lambda grad: grad.index_fill(0, zero, float("inf")))
+            hook = next(backend.model.parameters()).register_hook(
+                lambda grad: grad.index_fill(0, torch.zeros(1, dtype=torch.long, device=grad.device), float("inf")))
         backend.forward_backward({"input_ids": x[:, :-1], "labels": x[:, 1:]})
         if hook is not None:
             hook.remove()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "hsdp")
@@ -47,7 +48,9 @@ def _variants(args, world: int) -> list[tuple[str, str, bool, tuple[str, ...]]]:
     if importlib.util.find_spec("deepspeed") is None:
         return out
     ds_json = Path(args.out) / "memory_deepspeed.json"
-    ds_json.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": args.d_model ** 2}}))
+    tmp = ds_json.with_suffix(f".{os.getpid()}.tmp")  # every rank writes the same file: atomically
+    tmp.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": args.d_model ** 2}}))
+    os.replace(tmp, ds_json)
     zero = [(f"deepspeed-z{stage}", stage, "false") for stage in range(4)]
     zero += [(f"deepspeed-z{stage}-off", stage, "true") for stage in (1, 2, 3)]  # ZeRO-Offload
     return out + [(label, "deepspeed", False, (f"parallel.deepspeed_stage={stage}", f"parallel.cpu_offload={off}",

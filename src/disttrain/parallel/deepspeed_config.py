@@ -34,7 +34,8 @@ DEFAULT_REDUCE_BUCKET = 500_000_000
 # client optimizer: no native op to compile, the same numbers as every other strategy), and precision is
 # disttrain's policy (autocast and its loss scale around the engine, fp32 weights).
 REFUSED = {"optimizer": "optim.*", "scheduler": "optim.* (warmup_steps, min_lr_ratio)",
-           "fp16": "parallel.precision", "bf16": "parallel.precision"}
+           "fp16": "parallel.precision", "bf16": "parallel.precision", "torch_autocast": "parallel.precision"}
+PRECISION_SECTIONS = ("fp16", "bf16", "torch_autocast")  # refused only when enabled
 
 
 @dataclass
@@ -105,10 +106,13 @@ class DeepSpeedConfig:
         """The user's JSON with disttrain's keys merged in; ConfigError on a disagreement."""
         where = f"parallel.deepspeed_config ({self.source})"
         for key, setting in REFUSED.items():
-            if key in self.user and (key not in ("fp16", "bf16") or self.user[key].get("enabled", False)):
+            if key in self.user and (key not in PRECISION_SECTIONS or self.user[key].get("enabled", False)):
                 raise ConfigError(f"{where} has a '{key}' section; disttrain sets that through {setting}: "
                                   f"remove '{key}' from the JSON")
         merged = json.loads(json.dumps(self.user))
+        # the backend reads the gradient norm, and DeepSpeed's overflow check (skipping a non-finite step) needs it
+        _agree(where, "zero_optimization.compute_grad_norm",
+               merged.get("zero_optimization", {}).get("compute_grad_norm", True), True)
         offload = merged.get("zero_optimization", {}).get("offload_optimizer") or {}
         if not self.cpu_offload and offload.get("device", "none") != "none":
             _agree(where, "zero_optimization.offload_optimizer", offload, None)
@@ -148,6 +152,7 @@ SETTING_OF = {"gradient_clipping": "optim.grad_clip", "zero_optimization.stage":
               "train_batch_size": "data.global_batch_size", "train_micro_batch_size_per_gpu": "data.micro_batch_size",
               "gradient_accumulation_steps": "data.global_batch_size / (micro_batch_size x world size)",
               "zero_allow_untested_optimizer": "the strategy (the user's torch optimizer runs under ZeRO)",
+              "zero_optimization.compute_grad_norm": "the strategy (the gradient norm and the non-finite check)",
               "zero_force_ds_cpu_optimizer": "the strategy (the user's torch optimizer runs under ZeRO-Offload)"}
 
 
