@@ -115,3 +115,17 @@ def test_state_dict_round_trip_continues_identically():
     _accumulate(a, items, 2)
     _accumulate(b, items, 2)
     assert a.optim_step()["loss"] == b.optim_step()["loss"] and b.step == 2
+
+
+def test_precision_comes_from_parallel_config_and_a_disagreement_is_refused():
+    from disttrain.config import ParallelConfig
+
+    def build(**kwargs):
+        return create_backend(torch.nn.Linear(2, 1), lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                              strategy="single", runtime=_runtime(), **kwargs)
+
+    assert build(parallel=ParallelConfig(precision="bf16-mixed")).precision.name == "bf16-mixed"
+    assert build(precision="fp16-mixed").precision.name == "fp16-mixed"
+    assert build().precision.name == "fp32"
+    with pytest.raises(ValueError, match="disagrees with parallel.precision='bf16-mixed'"):
+        build(precision="fp32", parallel=ParallelConfig(precision="bf16-mixed"))

@@ -34,6 +34,35 @@ def test_estimate_within_10_percent_of_measurement_for_every_strategy(measured):
         assert {(w, s, False) for w in (1, 2) for s in zero} <= seen
 
 
+@pytest.fixture(scope="module")
+def measured_16bit(tmp_path_factory):
+    """bf16-mixed (every strategy, deepspeed's stages where installed) and bf16-true (no deepspeed)."""
+    out = {}
+    for precision, strategies in (("bf16-mixed", "single,ddp,zero1,zero2,fsdp,hsdp,deepspeed"),
+                                  ("bf16-true", "single,ddp,zero1,fsdp")):
+        path = tmp_path_factory.mktemp(precision)
+        assert memory_bench.main(["--nproc", "2", "--n-layer", "2", "--d-model", "96", "--micro", "4", "--precision",
+                                  precision, "--strategies", strategies, "--out", str(path)]) == 0
+        out[precision] = json.loads((path / "memory.json").read_text())["rows"]
+    return out
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_estimate_within_10_percent_in_16_bits(measured_16bit, measured, precision):
+    """Autocast saves 16-bit weight copies (unless FSDP2 gathers in 16 bits, or DeepSpeed ZeRO-3's linear
+    saves the parameter), bf16-true halves nearly everything: the estimate follows each case."""
+    rows = measured_16bit[precision]
+    assert {r["strategy"] for r in rows} >= {"single", "ddp", "zero1", "fsdp"}
+    for row in rows:
+        for kind in ("params", "grads", "optimizer", "activations"):
+            est, meas = row["estimated"][kind], row["measured"][kind]
+            assert meas > 0 and abs(est - meas) <= 0.10 * meas, (row["strategy"], row["world"], kind, est, meas)
+    fp32 = {(r["strategy"], r["world"], r["ac"]): r["measured"] for r in measured["rows"]}
+    ddp = next(r["measured"] for r in rows if r["strategy"] == "ddp" and r["world"] == 2 and not r["ac"])
+    assert ddp["activations"] < 0.75 * fp32["ddp", 2, False]["activations"]
+    assert (ddp["params"] < fp32["ddp", 2, False]["params"]) == (precision == "bf16-true")
+
+
 def test_deepspeed_ranks_hold_what_their_partition_straddles(measured):
     """ZeRO-1/2 keep whole the gradients of the parameters their partition touches: the ranks differ, and the
     estimate follows each one (checked above); ZeRO-3 keeps small parameters whole on every rank."""

@@ -326,7 +326,7 @@ class TrainingBackend:
 
 
 def create_backend(model: nn.Module, optimizer_factory: OptimizerFactory, *, strategy: str = "auto",
-                   precision: str = "fp32", runtime: Runtime | None = None,
+                   precision: str | None = None, runtime: Runtime | None = None,
                    parallel: ParallelConfig | None = None, scheduler_factory=None, grad_clip: float = 0.0,
                    loss_fn: LossFn | None = None, on_nonfinite: str = "stop",
                    max_consecutive_skips: int = 25) -> TrainingBackend:
@@ -334,11 +334,16 @@ def create_backend(model: nn.Module, optimizer_factory: OptimizerFactory, *, str
 
     `runtime` defaults to one detected from the environment (forming the process group under torchrun).
     `optimizer_factory(model) -> Optimizer` receives the plain model; `scheduler_factory(optimizer)` is
-    optional. `strategy="auto"` picks `single` for one process and `ddp` for several.
+    optional. `strategy="auto"` picks `single` for one process and `ddp` for several. The precision is
+    `precision`, or `parallel.precision` when only `parallel` is given (fp32 when neither is).
     """
     runtime = runtime or init_runtime(DistConfig())
-    parallel = parallel or ParallelConfig(precision=precision)
-    policy = get_precision(precision)
+    if parallel is None:
+        parallel = ParallelConfig(precision=precision or "fp32")
+    elif precision is not None and precision != parallel.precision:
+        raise ValueError(f"create_backend: precision={precision!r} disagrees with parallel.precision="
+                         f"{parallel.precision!r} (the strategy would use one, autocast the other); pass one")
+    policy = get_precision(parallel.precision)
     if parallel.activation_checkpointing:
         apply_activation_checkpointing(model)
     model = model.to(runtime.device, dtype=policy.param_dtype)

@@ -155,19 +155,35 @@ def _optimizer_bytes(numels: list[int], elem: int, optim: str) -> int:
     return sum(numels) * 2 * elem + 4 * len(numels)  # exp_avg, exp_avg_sq, and a float32 step per tensor
 
 
-def gpt_activation_bytes(m: ModelConfig, micro_batch: int, checkpointing: bool) -> int:
-    """Bytes autograd keeps for backward after the forward of one micro-batch of the reference GPT (fp32).
+def gpt_activation_bytes(m: ModelConfig, micro_batch: int, checkpointing: bool, precision: str = "fp32",
+                         linears: str = "autocast") -> int:
+    """Bytes autograd keeps for backward after the forward of one micro-batch of the reference GPT.
 
-    Per block: LayerNorm inputs and outputs (2 x 2 x BTd), the qkv output (3 BTd; q, k, v are views of it),
-    the attention output (BTd; the projection's input is a view of it), the MLP hidden before and after
-    GELU (2 x 4 BTd) -- 16 BTd floats -- plus LayerNorm mean/rstd (4 BT) and the attention logsumexp (BhT).
-    Outside the blocks: ln_f input/output and statistics, the log-softmax of the logits (BTV), the token
-    ids and targets (int64). With checkpointing, a block keeps only its input (BTd).
+    Per block and token: LayerNorm inputs and their mean/rstd (in the residual stream's dtype: float32, or
+    bfloat16 under bf16-true), LayerNorm outputs (2 x d), the qkv output (3 d; q, k, v are views of it), the
+    attention output (d; the projection's input is a view of it), the MLP hidden before and after GELU
+    (2 x 4 d) -- in the activation dtype (16-bit under mixed precision and bf16-true) -- and the attention
+    logsumexp (h, float32). Outside the blocks: ln_f's input, statistics and output, the float32
+    log-softmax of the logits (V), the token ids and targets (int64), positions and the loss's total weight
+    (fp16-mixed: and the loss scale). With checkpointing a block keeps only its input (the residual stream).
+
+    Under mixed precision what the linear layers keep depends on who casts the weights (`linears`):
+    "autocast"   autocast casts them: the 16-bit copies are saved (12 d^2 per block, V d for the lm_head);
+    "gathered16" FSDP2's MixedPrecisionPolicy gathers them in 16 bits and casts the forward's inputs: no
+                 copies, and the residual stream runs in 16 bits too (the layout of bf16-true);
+    "zero3"      DeepSpeed ZeRO-3's memory-efficient linear (it replaces torch.nn.functional.linear) saves
+                 the parameter, not a copy, and its input as it comes: LayerNorm outputs stay float32.
     """
     b, t, d, h, v, n = micro_batch, m.seq_len, m.d_model, m.n_head, m.vocab_size, m.n_layer
-    block = 4 * d if checkpointing else 4 * (16 * d + 4 + h)
-    outside = 4 * (2 * d + 2 + v) + 8 * 2  # ln_f in/out + mean/rstd, log-softmax, then targets + ids (int64)
-    return b * t * (n * block + outside) + 8 * t + 4  # + positions (int64) and the loss's total weight
+    mixed = precision in ("bf16-mixed", "fp16-mixed")
+    act = 4 if precision == "fp32" else 2  # activations
+    res = 2 if precision == "bf16-true" or (mixed and linears == "gathered16") else 4  # residual stream, LN
+    ln_out = res if mixed and linears == "zero3" else act  # LayerNorm outputs, as the next linear saves them
+    copies = 2 if mixed and linears == "autocast" else 0  # bytes per weight element autocast saves
+    block = res * d if checkpointing else 2 * res * d + 4 * res + 2 * ln_out * d + 12 * act * d + 4 * h
+    outside = res * d + 2 * res + ln_out * d + 4 * v + 8 * 2
+    weights = ((0 if checkpointing else n * 12 * d * d) + v * d) * copies
+    return b * t * (n * block + outside) + weights + 8 * t + 4 + (4 if precision == "fp16-mixed" else 0)
 
 
 def estimate(cfg: Config, world: int, strategy: str | None = None, rank: int | None = None) -> MemoryEstimate:
@@ -209,10 +225,13 @@ def estimate(cfg: Config, world: int, strategy: str | None = None, rank: int | N
             optimizer = _optimizer_bytes(full, elem, cfg.optim.name)
     acts = acts_ac = None
     if cfg.model.name == "gpt":
-        acts = gpt_activation_bytes(cfg.model, cfg.data.micro_batch_size, checkpointing=False)
-        acts_ac = gpt_activation_bytes(cfg.model, cfg.data.micro_batch_size, checkpointing=True)
-        if cfg.parallel.precision != "fp32":
-            notes.append("activations are counted for fp32; mixed precision keeps several of them in 16 bits")
+        precision = cfg.parallel.precision
+        linears = ("gathered16" if strategy in SHARDED else
+                   "zero3" if strategy == "deepspeed" and cfg.parallel.deepspeed_stage == 3 else "autocast")
+        acts, acts_ac = (gpt_activation_bytes(cfg.model, cfg.data.micro_batch_size, ac, precision, linears)
+                         for ac in (False, True))
+        if precision in ("bf16-mixed", "fp16-mixed") and linears == "autocast":
+            notes.append("activations include the 16-bit weight copies autocast saves for backward")
     else:
         notes.append("activations are estimated for the reference GPT only; measure your model instead")
     return MemoryEstimate(strategy, world, params, grads, optimizer, acts, acts_ac, notes)
