@@ -40,6 +40,13 @@ def apply(model: nn.Module, runtime: Runtime, cfg: ParallelConfig) -> Prepared:
     os.environ.setdefault("DS_ACCELERATOR", runtime.device.type)  # read once, when deepspeed is imported
     import deepspeed
 
+    if runtime.device.type == "cpu":
+        # DeepSpeed's comm backend compiles its shm_comm op when it starts (~50 s on a machine's first run).
+        # Only inference_all_reduce uses it, and training never calls that: skip the build.
+        compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+        if isinstance(compatible, dict):
+            compatible["deepspeed_shm_comm"] = False
+
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # it logs its whole config and every scale change
     prepared = Prepared(module=model, model=model, grads_averaged_over=runtime.world_size)
     run = _EngineRun(model, cfg, runtime.world_size, deepspeed)
