@@ -146,10 +146,11 @@ class TrainingBackend:
                 self._start_totals(self._loss_sum + loss_sum_d, self._count + count, nonfinite,
                                    self._micro_batches + 1)
             self.on_phase("backward")
+            scaled = self.scaler.scale(loss_sum) if self.scaler else loss_sum
             if self.prepared.engine is not None:
-                self.prepared.engine.backward(self.scaler.scale(loss_sum) if self.scaler else loss_sum, sync)
+                self.prepared.engine.backward(scaled, sync)
             else:
-                (self.scaler.scale(loss_sum) if self.scaler else loss_sum).backward()
+                scaled.backward()
         self._loss_sum += loss_sum_d
         self._count += count
         self._nonfinite = nonfinite
@@ -252,10 +253,11 @@ class TrainingBackend:
             return math.nan, self._update(False, bad_ranks, loss)  # raises before the engine steps
         scale = self.scaler.get_scale() if self.scaler is not None else 1.0
         grad_norm, applied = self.prepared.engine.step(self.prepared.grads_averaged_over / count / scale)
-        if self.scaler is not None:  # under loss scaling a non-finite loss is an overflow like any other
+        if self.scaler is not None:
             update_scale(self.scaler, found_inf=not applied)
-            return grad_norm, self._update(applied, bad_ranks, loss, apply=lambda: None)
-        return grad_norm, self._update(applied and not bad_ranks, bad_ranks, loss, apply=lambda: None)
+        # under loss scaling a non-finite loss is an overflow like any other: the engine's finding decides
+        finite = applied if self.scaler is not None else applied and not bad_ranks
+        return grad_norm, self._update(finite, bad_ranks, loss, apply=lambda: None)
 
     def _update(self, finite: bool, bad_ranks: list[int], loss: float, apply: Callable[[], Any] | None = None
                 ) -> bool:

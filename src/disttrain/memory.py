@@ -95,8 +95,8 @@ def deepspeed_zero_settings(cfg: Config, world: int, numel: int) -> dict:
 
 
 def _deepspeed_bytes(shapes: list[torch.Size], elem: int, world: int, rank: int | None,
-                     cfg: Config) -> tuple[int, int, int]:
-    """(params, grads, optimizer) on `rank` (None: the most loaded one) under DeepSpeed ZeRO with the user's
+                     cfg: Config) -> tuple[int, int, int, list[str]]:
+    """(params, grads, optimizer, notes) on `rank` (None: the most loaded one) under DeepSpeed ZeRO with the user's
     torch optimizer, as DeepSpeed 0.19 allocates them (fp32; its master copy counted with the optimizer).
 
     stage 0     everything replicated, like ddp.
@@ -114,28 +114,33 @@ def _deepspeed_bytes(shapes: list[torch.Size], elem: int, world: int, rank: int 
     numels = [math.prod(s) for s in shapes]
     groups = [[numels[i] for i in g] for g in _param_groups(shapes)]
     stage, total = cfg.parallel.deepspeed_stage, sum(numels)
-    state_per_elem = 1 if cfg.optim.name == "sgd" else 2
     if stage == 0:
-        return total * elem, total * elem, _optimizer_bytes(numels, elem, cfg.optim.name)
-    zero = deepspeed_zero_settings(cfg, world, total)
-    steps = 0 if cfg.optim.name == "sgd" else 4 * len(groups)  # AdamW's float32 step, one per flat partition
+        return total * elem, total * elem, _optimizer_bytes(numels, elem, cfg.optim.name), []
+    notes = []
     if stage in (1, 2):
         parts = [math.ceil(sum(g) / (2 * world)) * 2 for g in groups]  # partition elements per group
-        state = sum(parts) * (state_per_elem * elem + 4) + steps  # moments + fp32 master copy
-        grads = [sum(sum(_in_partition(g, part, r)) for g, part in zip(groups, parts, strict=True)) * elem
-                 for r in range(world)]
+        held = [sum(sum(_in_partition(g, part, r)) for g, part in zip(groups, parts, strict=True)) * elem
+                for r in range(world)]
         if cfg.parallel.cpu_offload:  # a host fp32 gradient partition, a 16-bit staging copy, two temp buffers
-            grads = [sum(parts) * (4 + elem) + 2 * max(numels) * elem] * world
-        return total * elem, grads[rank] if rank is not None else max(grads), state
-    parts = [math.ceil(n / world) for n in numels]
-    persistent, kept = 0, 0
-    for n in numels:  # in model order, as DeepSpeed marks them
-        if n <= zero["stage3_param_persistence_threshold"] and kept + n <= zero["stage3_model_persistence_threshold"]:
-            persistent, kept = persistent + n, kept + n
-    params = (sum(parts) + (persistent if world > 1 else 0)) * elem  # one rank: the partition is the parameter
-    bucket = zero["reduce_bucket_size"] * elem if zero["contiguous_gradients"] else 0
-    offload = sum(parts) * 4 if cfg.parallel.cpu_offload else 0  # the partitions' fp32 gradients on the host
-    return params, sum(parts) * 4 + bucket + offload, sum(parts) * (state_per_elem * elem + 4) + steps
+            held = [sum(parts) * (4 + elem) + 2 * max(numels) * elem] * world
+        params, grads = total * elem, held[rank] if rank is not None else max(held)
+    else:
+        zero = deepspeed_zero_settings(cfg, world, total)
+        parts = [sum(math.ceil(n / world) for n in g) for g in groups]  # each parameter cut in `world`
+        persistent, threshold = 0, zero["stage3_param_persistence_threshold"]
+        for n in numels:  # in model order, as DeepSpeed marks them
+            if n <= threshold and persistent + n <= zero["stage3_model_persistence_threshold"]:
+                persistent += n
+        params = (sum(parts) + (persistent if world > 1 else 0)) * elem  # one rank: the partition is the parameter
+        bucket = zero["reduce_bucket_size"] * elem if zero["contiguous_gradients"] else 0
+        offload = sum(parts) * 4 if cfg.parallel.cpu_offload else 0  # the partitions' fp32 gradients on the host
+        grads = sum(parts) * 4 + bucket + offload
+        if persistent:
+            notes.append(f"deepspeed: {persistent / total:.0%} of the parameters are at most "
+                         f"stage3_param_persistence_threshold = {threshold} elements each and stay whole on every "
+                         "rank (DeepSpeed's default for small tensors)")
+    # the user's optimizer steps one flat fp32 partition per group; DeepSpeed's master copy is that partition
+    return params, grads, _optimizer_bytes(parts, elem, cfg.optim.name) + sum(parts) * 4, notes
 
 
 def _in_partition(numels: list[int], part: int, rank: int) -> list[int]:
@@ -194,14 +199,7 @@ def estimate(cfg: Config, world: int, strategy: str | None = None, rank: int | N
     full = [math.prod(s) for s in shapes]
     notes = []
     if strategy == "deepspeed":
-        params, grads, optimizer = _deepspeed_bytes(shapes, elem, world, rank, cfg)
-        if cfg.parallel.deepspeed_stage == 3:
-            zero = deepspeed_zero_settings(cfg, world, sum(full))
-            small = sum(n for n in full if n <= zero["stage3_param_persistence_threshold"])
-            if small:
-                notes.append(f"deepspeed: {small / sum(full):.0%} of the parameters are at most "
-                             f"stage3_param_persistence_threshold = {zero['stage3_param_persistence_threshold']} "
-                             "elements each and stay whole on every rank (DeepSpeed's default for small tensors)")
+        params, grads, optimizer, notes = _deepspeed_bytes(shapes, elem, world, rank, cfg)
         notes.append(f"deepspeed: ZeRO stage {cfg.parallel.deepspeed_stage} as DeepSpeed 0.19 allocates it (its "
                      "fp32 master partition counted with the optimizer); ZeRO-1/2 add a reduce_bucket_size "
                      "gradient bucket during backward")
@@ -307,9 +305,11 @@ def measure(build, batch) -> dict[str, int]:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         backend.forward_backward(batch)
-    grads = _tensor_bytes(p.grad for p in params if p.grad is not None)
     engine = backend.prepared.module if backend.prepared.engine is not None else None
-    held = _reachable_storages([engine, *(p.grad for p in params)]) if engine is not None else {}
+    if engine is None:
+        grads = _tensor_bytes(p.grad for p in params if p.grad is not None)
+    else:  # classified after the step, once the master copies are known
+        held = _reachable_storages([engine, *(p.grad for p in params)])
     backend.optim_step()
     optimizer = getattr(backend.optimizer, "optim", backend.optimizer)  # ZeroRedundancyOptimizer: this rank's
     # what it stepped: its groups' tensors and its state's keys (DeepSpeed ZeRO-3 fills the groups only during
