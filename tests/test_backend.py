@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from disttrain.backend import create_backend
-from disttrain.config import DistConfig, ModelConfig, OptimConfig
+from disttrain.config import DistConfig, ModelConfig, OptimConfig, ParallelConfig
 from disttrain.data import collate
 from disttrain.models.gpt import GPT
 from disttrain.optim import optimizer_factory
@@ -31,7 +31,7 @@ def _variable_length_batch(n: int, seed: int = 0) -> list[dict]:
 def _backend():
     torch.manual_seed(0)
     model = GPT(ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=16))
-    return create_backend(model, optimizer_factory(OptimConfig(lr=1e-2)), strategy="single",
+    return create_backend(model, optimizer_factory(OptimConfig(lr=1e-2)), ParallelConfig(strategy="single"),
                           runtime=_runtime(), grad_clip=0.0)
 
 
@@ -117,15 +117,15 @@ def test_state_dict_round_trip_continues_identically():
     assert a.optim_step()["loss"] == b.optim_step()["loss"] and b.step == 2
 
 
-def test_precision_comes_from_parallel_config_and_a_disagreement_is_refused():
-    from disttrain.config import ParallelConfig
+def test_strategy_and_precision_are_named_one_way_by_the_parallel_config():
+    def build(*args, **kwargs):
+        return create_backend(torch.nn.Linear(2, 1), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), *args,
+                              runtime=_runtime(), **kwargs)
 
-    def build(**kwargs):
-        return create_backend(torch.nn.Linear(2, 1), lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
-                              strategy="single", runtime=_runtime(), **kwargs)
-
-    assert build(parallel=ParallelConfig(precision="bf16-mixed")).precision.name == "bf16-mixed"
-    assert build(precision="fp16-mixed").precision.name == "fp16-mixed"
+    assert build(ParallelConfig(precision="bf16-mixed")).precision.name == "bf16-mixed"
+    assert build(ParallelConfig(precision="fp16-mixed")).precision.name == "fp16-mixed"
     assert build().precision.name == "fp32"
-    with pytest.raises(ValueError, match="disagrees with parallel.precision='bf16-mixed'"):
-        build(precision="fp32", parallel=ParallelConfig(precision="bf16-mixed"))
+    with pytest.raises(TypeError):
+        build(precision="fp32")  # no second spelling
+    with pytest.raises(TypeError):
+        build(strategy="single")

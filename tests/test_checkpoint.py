@@ -261,14 +261,14 @@ def test_sharded_state_goes_through_dcp_with_json_metadata_and_no_pickle(tmp_pat
     import pickle
 
     from disttrain.backend import create_backend
-    from disttrain.config import ModelConfig, OptimConfig
+    from disttrain.config import ModelConfig, OptimConfig, ParallelConfig
     from disttrain.models.gpt import GPT
     from disttrain.optim import optimizer_factory
 
     def build():
         torch.manual_seed(0)
         return create_backend(GPT(ModelConfig(n_layer=1, n_head=2, d_model=32, seq_len=8)),
-                              optimizer_factory(OptimConfig()), strategy="fsdp", runtime=one_rank_group)
+                              optimizer_factory(OptimConfig()), ParallelConfig(strategy="fsdp"), runtime=one_rank_group)
 
     backend = build()
     x = torch.randint(0, 256, (2, 9))

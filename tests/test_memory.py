@@ -8,7 +8,8 @@ import pytest
 from disttrain.bench import memory as memory_bench
 from disttrain.cli import main
 from disttrain.config import load_config
-from disttrain.memory import estimate, zero1_partition
+from disttrain.memory import estimate
+from disttrain.parallel.layout import zero1_partition
 
 
 @pytest.fixture(scope="module")

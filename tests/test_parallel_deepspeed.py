@@ -10,7 +10,7 @@ import pytest
 
 from conftest import SCRIPTS, cli_env, run_cli
 from disttrain.config import ConfigError, load_config
-from disttrain.parallel.deepspeed_config import DeepSpeedConfig
+from disttrain.parallel.deepspeed.config import DeepSpeedConfig
 
 STAGES = ["deepspeed+stage0", "deepspeed+stage1", "deepspeed+stage2", "deepspeed+stage3",
           "deepspeed+stage2+offload", "deepspeed+stage3+offload"]

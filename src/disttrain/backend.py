@@ -14,8 +14,7 @@ micro-batches and ranks. So micro-batching, padding and world size never change 
 
 from __future__ import annotations
 
-import contextlib
-import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -26,11 +25,12 @@ from torch import nn
 
 from disttrain.config import DistConfig, ParallelConfig
 from disttrain.data import IGNORE_INDEX
+from disttrain.errors import UserError
 from disttrain.optim import OptimizerFactory
-from disttrain.parallel import Prepared, get_strategy, resolve
-from disttrain.parallel.blocks import apply_activation_checkpointing
-from disttrain.precision import Precision, get_precision, update_scale
-from disttrain.runtime import Runtime, init_runtime
+from disttrain.parallel import Prepared, registry
+from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
+from disttrain.precision import Precision, get_precision
+from disttrain.runtime import Runtime, detect_launch, init_runtime
 
 LossOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor | int]
 LossFn = Callable[[Any, Any], LossOutput]
@@ -77,16 +77,16 @@ def _batch_size(batch: Any) -> int:
     return len(model_inputs(batch))
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(UserError, RuntimeError):
     """Training produced a non-finite loss or gradient (or too many skipped steps); the message says where."""
 
 
 class TrainingBackend:
-    def __init__(self, prepared: Prepared, optimizer: torch.optim.Optimizer, runtime: Runtime,
-                 precision: Precision, scheduler=None, grad_clip: float = 0.0, loss_fn: LossFn | None = None,
-                 on_nonfinite: str = "stop", max_consecutive_skips: int = 25):
-        self.prepared, self.optimizer, self.runtime = prepared, optimizer, runtime
-        self.precision, self.scheduler, self.grad_clip = precision, scheduler, grad_clip
+    def __init__(self, prepared: Prepared, runtime: Runtime, precision: Precision, scheduler=None,
+                 loss_fn: LossFn | None = None, on_nonfinite: str = "stop", max_consecutive_skips: int = 25):
+        """Use `create_backend`; `prepared` carries the model, its optimizer and the strategy's step."""
+        self.prepared, self.optimizer, self.runtime = prepared, prepared.optimizer, runtime
+        self.precision, self.scheduler = precision, scheduler
         self.loss_fn = loss_fn or lm_loss
         self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
         self.on_phase: Callable[[str], None] = lambda phase: None  # e.g. the rank's status file (monitor.py)
@@ -94,11 +94,10 @@ class TrainingBackend:
         """Called before `optim_step` changes any parameter or optimizer state (e.g. an async checkpoint
         still copying them)."""
         self._stop_requested = False
-        self.scaler = precision.grad_scaler(runtime.device.type, distributed=runtime.distributed)
+        self.scaler = prepared.scaler
         self.step = 0
         self.skipped_steps = 0  # total optimizer steps skipped (fp16 overflow, or non-finite with "skip")
         self._consecutive_skips = 0
-        self._params = [p for p in prepared.model.parameters() if p.requires_grad]
         self._reset_accumulators()
 
     @property
@@ -133,34 +132,39 @@ class TrainingBackend:
         """
         batch = to_device(batch, self.runtime.device, self.precision.param_dtype)
         self.prepared.module.train()
-        with contextlib.nullcontext() if sync else self.prepared.no_sync():
-            self.on_phase("forward")
-            with self.precision.autocast(self.runtime.device.type):
-                outputs = self.prepared.module(model_inputs(batch))
-                loss_sum, count = self.loss_terms(outputs, batch, loss_fn)
+        self.on_phase("forward")
+        joined: list[torch.Tensor] = []
+
+        def loss_terms(outputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.loss_terms(outputs, batch, loss_fn)
+
+        def on_loss(loss_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
             # this micro-batch joins the step's totals once its backward has run (a backward that raises
             # leaves them as they were); the last one starts their all-reduce now, to overlap its backward
             loss_sum_d = loss_sum.detach().double()
-            nonfinite = torch.maximum(self._nonfinite, (~torch.isfinite(loss_sum_d)).double())
+            joined.extend([loss_sum_d, torch.maximum(self._nonfinite, (~torch.isfinite(loss_sum_d)).double())])
             if sync:
-                self._start_totals(self._loss_sum + loss_sum_d, self._count + count, nonfinite,
+                self._start_totals(self._loss_sum + loss_sum_d, self._count + count, joined[1],
                                    self._micro_batches + 1)
             self.on_phase("backward")
-            scaled = self.scaler.scale(loss_sum) if self.scaler else loss_sum
-            if self.prepared.engine is not None:
-                self.prepared.engine.backward(scaled, sync)
-            else:
-                scaled.backward()
-        self._loss_sum += loss_sum_d
+            return self.scaler.scale(loss_sum) if self.scaler is not None else loss_sum
+
+        autocast = self.precision.autocast(self.runtime.device.type)
+        loss_sum, count = self.prepared.forward_backward(model_inputs(batch), loss_terms, on_loss, sync, autocast)
+        self._loss_sum += joined[0]
         self._count += count
-        self._nonfinite = nonfinite
+        self._nonfinite = joined[1]
         self._micro_batches += 1
         self._unsynced = not sync
         local_loss, local_count = loss_sum.item(), count.item()
         return {"loss": local_loss / max(local_count, 1.0), "count": local_count}
 
-    def optim_step(self) -> dict:
-        """Normalise by the global item count, clip, step the optimizer and the schedule, zero grads."""
+    def optim_step(self, *, grad_norm: bool = True) -> dict:
+        """Normalise by the global item count, clip, step the optimizer and the schedule, zero grads.
+
+        `grad_norm=False`: the caller does not need the gradient norm this step (it is NaN in the result), so
+        without clipping the step skips that pass over the gradients (and with it the check for non-finite
+        gradients whose loss was finite; non-finite losses are always caught)."""
         if self._micro_batches == 0:
             raise RuntimeError("optim_step() called before any forward_backward() in this step")
         if self._unsynced:
@@ -170,18 +174,20 @@ class TrainingBackend:
         self.before_update()
         loss_sum, count, bad_ranks, stop = self._reduce_totals()
         lr = self.optimizer.param_groups[0]["lr"]
-        if self.prepared.engine is None:
-            grad_norm = self._normalise_and_clip(count)
-            skipped = self._update(math.isfinite(grad_norm) and not bad_ranks, bad_ranks, loss_sum / count)
-        else:
-            grad_norm, skipped = self._engine_update(count, bad_ranks, loss_sum / count)
+        loss = loss_sum / count
+        skip = bool(bad_ranks) and self.scaler is None  # under fp16 a non-finite loss is an overflow like any other
+        if skip and self.on_nonfinite == "stop":
+            self._refuse(bad_ranks, loss)  # raises before the strategy touches the parameters
+        norm, applied = self.prepared.step(self.prepared.grads_averaged_over / count, skip, grad_norm)
+        if not applied and self.scaler is None and self.on_nonfinite == "stop":
+            self._refuse(bad_ranks, loss)
+        skipped = skip or not applied
+        self._count_skip(skipped, bad_ranks, loss)
         if self.scheduler is not None and not skipped:
             self.scheduler.step()  # a skipped step does not advance the schedule (as in HF Accelerate)
-        if self.prepared.engine is None:  # an engine manages (and may keep) its own gradient buffers
-            self.optimizer.zero_grad(set_to_none=True)
         self._reset_accumulators()
         self.step += 1
-        out = {"step": self.step, "loss": loss_sum / count, "grad_norm": grad_norm, "lr": lr, "count": count,
+        out = {"step": self.step, "loss": loss, "grad_norm": norm, "lr": lr, "count": count,
                "skipped": skipped, "skipped_steps": self.skipped_steps, "stop_requested": stop}
         if self.scaler is not None:
             out["loss_scale"] = self.scaler.get_scale()
@@ -227,71 +233,27 @@ class TrainingBackend:
             raise RuntimeError(f"step {self.step + 1}: the global batch has no valid items (all padding?)")
         return values[0], values[1], [r for r in range(world) if values[2 + r] > 0], values[2 + world] > 0
 
-    def _normalise_and_clip(self, count: float) -> float:
-        """Gradients -> token mean over the global batch (undoing the loss scale), clipped; returns the norm,
-        which is the same on every rank (replicated gradients, or a norm reduced over the shards)."""
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)  # records inf/NaN (agreed across ranks, see precision.py)
-        # One pass over the gradients: the norm of the raw sums gives the mean's norm (x scale), and the
-        # normalisation and the clip coefficient are applied together, to each rank's local shards.
-        scale = self.prepared.grads_averaged_over / count
-        grads = [p.grad for p in self._params if p.grad is not None]
-        if not grads:
-            return 0.0
-        norm = _full(torch.nn.utils.get_total_norm(grads)).item() * scale
-        factor = scale * (min(1.0, self.grad_clip / (norm + 1e-6)) if self.grad_clip > 0 else 1.0)
-        torch._foreach_mul_([g.to_local() if hasattr(g, "to_local") else g for g in grads], factor)
-        return norm
+    def _refuse(self, bad_ranks: list[int], loss: float) -> None:
+        raise NonFiniteError(self._nonfinite_message(bad_ranks, loss)
+                             + ", or train.on_nonfinite = 'skip' to skip such steps")
 
-    def _engine_update(self, count: float, bad_ranks: list[int], loss: float) -> tuple[float, bool]:
-        """An engine strategy normalises (by the same factor, with the fp16 loss scale undone), clips and steps
-        inside its engine, which itself skips a step whose gradients are non-finite on any rank; returns
-        (gradient norm, skipped). One gap: with on_nonfinite = 'skip', a non-finite loss whose gradients are
-        finite is counted as skipped although the engine applied it (it has no hook to refuse a step with
-        finite gradients)."""
-        if bad_ranks and self.on_nonfinite == "stop" and self.scaler is None:
-            return math.nan, self._update(False, bad_ranks, loss)  # raises before the engine steps
-        scale = self.scaler.get_scale() if self.scaler is not None else 1.0
-        grad_norm, applied = self.prepared.engine.step(self.prepared.grads_averaged_over / count / scale)
-        if self.scaler is not None:
-            update_scale(self.scaler, found_inf=not applied)
-        # under loss scaling a non-finite loss is an overflow like any other: the engine's finding decides
-        finite = applied if self.scaler is not None else applied and not bad_ranks
-        return grad_norm, self._update(finite, bad_ranks, loss, apply=lambda: None)
+    def _nonfinite_message(self, bad_ranks: list[int], loss: float) -> str:
+        where = (f"the loss was non-finite on rank(s) {', '.join(map(str, bad_ranks))}" if bad_ranks else
+                 "the gradients were non-finite (the loss was finite on every rank)")
+        return (f"step {self.step + 1}: {where} (loss {loss:g}); the optimizer did not touch the parameters. "
+                "Try a lower optim.lr, optim.grad_clip > 0, or parallel.precision = 'fp32'")
 
-    def _update(self, finite: bool, bad_ranks: list[int], loss: float, apply: Callable[[], Any] | None = None
-                ) -> bool:
-        """Step the optimizer (`apply` instead of `optimizer.step()`: a no-op after an engine's own step)
-        unless the step must be skipped; return whether it was skipped."""
-        step = self.step + 1
-        if self.scaler is not None:
-            if apply is None:
-                before = self.scaler.get_scale()
-                self.scaler.step(self.optimizer)  # skips when unscale_ found inf/NaN
-                self.scaler.update()
-                skipped = self.scaler.get_scale() < before
-            else:
-                skipped = not finite  # the engine did not apply it, and _engine_update backed the scale off
-            reason = f"fp16 gradients overflowed; the loss scale fell to {self.scaler.get_scale():g}"
-        elif finite:
-            (apply or self.optimizer.step)()
-            skipped = False
-        else:
-            where = (f"the loss was non-finite on rank(s) {', '.join(map(str, bad_ranks))}" if bad_ranks else
-                     "the gradients were non-finite (the loss was finite on every rank)")
-            message = (f"step {step}: {where} (loss {loss:g}); the optimizer did not touch the parameters. "
-                       "Try a lower optim.lr, optim.grad_clip > 0, or parallel.precision = 'fp32'")
-            if self.on_nonfinite == "stop":
-                raise NonFiniteError(message + ", or train.on_nonfinite = 'skip' to skip such steps")
-            skipped, reason = True, message
+    def _count_skip(self, skipped: bool, bad_ranks: list[int], loss: float) -> None:
+        """Count a skipped step; too many in a row stop the run, saying why."""
         self._consecutive_skips = self._consecutive_skips + 1 if skipped else 0
         self.skipped_steps += skipped
         if self._consecutive_skips > self.max_consecutive_skips:
+            reason = (f"fp16 gradients overflowed; the loss scale fell to {self.scaler.get_scale():g}"
+                      if self.scaler is not None else self._nonfinite_message(bad_ranks, loss))
             raise NonFiniteError(
-                f"step {step}: {self._consecutive_skips} optimizer steps in a row were skipped ({reason}). "
+                f"step {self.step + 1}: {self._consecutive_skips} optimizer steps in a row were skipped ({reason}). "
                 "The model is producing inf/NaN: lower optim.lr, set optim.grad_clip, use parallel.precision = "
                 "'bf16-mixed' or 'fp32', or raise train.max_consecutive_skips")
-        return skipped
 
     @torch.no_grad()
     def forward(self, batch: Any) -> Any:
@@ -327,30 +289,31 @@ class TrainingBackend:
         self.step = int(state["step"])
 
 
-def create_backend(model: nn.Module, optimizer_factory: OptimizerFactory, *, strategy: str = "auto",
-                   precision: str | None = None, runtime: Runtime | None = None,
-                   parallel: ParallelConfig | None = None, scheduler_factory=None, grad_clip: float = 0.0,
-                   loss_fn: LossFn | None = None, on_nonfinite: str = "stop",
+def create_backend(model: nn.Module, optimizer_factory: OptimizerFactory, parallel: ParallelConfig | None = None, *,
+                   runtime: Runtime | None = None, dist: DistConfig | None = None, scheduler_factory=None,
+                   grad_clip: float = 0.0, loss_fn: LossFn | None = None, on_nonfinite: str = "stop",
                    max_consecutive_skips: int = 25) -> TrainingBackend:
-    """Place `model` on this rank's device, apply the strategy, and build optimizer and schedule.
+    """Place `model` on this rank's device, apply the strategy, and build optimizer and schedule: the one
+    composition of a training step, used by the Trainer, the TrainingService's workers and your own loop.
 
-    `runtime` defaults to one detected from the environment (forming the process group under torchrun).
-    `optimizer_factory(model) -> Optimizer` receives the plain model; `scheduler_factory(optimizer)` is
-    optional. `strategy="auto"` picks `single` for one process and `ddp` for several. The precision is
-    `precision`, or `parallel.precision` when only `parallel` is given (fp32 when neither is).
+    `parallel` names the strategy and the precision (`ParallelConfig(strategy="fsdp", precision="bf16-mixed")`;
+    default: `auto` in fp32). `runtime` defaults to one detected from the environment; a strategy that needs a
+    process group forms it, under torchrun at any world size (`dist` configures it). `optimizer_factory(model)
+    -> Optimizer` receives the plain model; `scheduler_factory(optimizer)` is optional.
     """
-    runtime = runtime or init_runtime(DistConfig())
-    if parallel is None:
-        parallel = ParallelConfig(precision=precision or "fp32")
-    elif precision is not None and precision != parallel.precision:
-        raise ValueError(f"create_backend: precision={precision!r} disagrees with parallel.precision="
-                         f"{parallel.precision!r} (the strategy would use one, autocast the other); pass one")
+    parallel = parallel or ParallelConfig()
+    world = runtime.world_size if runtime is not None else detect_launch(os.environ).world_size
+    spec = registry.resolve(parallel.strategy, world)  # "auto" is resolved here, once
+    runtime = runtime or init_runtime(dist or DistConfig(), always_form_group=spec.needs_group)
+    if spec.needs_group and not runtime.distributed:
+        raise UserError(f"parallel.strategy = {spec.name!r} needs a process group, but the runtime was made without "
+                        "one; pass runtime=None (create_backend forms it) or init_runtime(..., always_form_group=True)")
     policy = get_precision(parallel.precision)
     if parallel.activation_checkpointing:
         apply_activation_checkpointing(model)
     model = model.to(runtime.device, dtype=policy.param_dtype)
-    prepared = get_strategy(resolve(strategy, runtime.world_size))(model, runtime, parallel)
-    optimizer = prepared.build_optimizer(optimizer_factory, grad_clip)
+    prepared = spec.apply(model, runtime, parallel)
+    scaler = policy.grad_scaler(runtime.device.type, distributed=runtime.distributed)
+    optimizer = prepared.build_optimizer(optimizer_factory, grad_clip, scaler)
     scheduler = scheduler_factory(optimizer) if scheduler_factory else None
-    return TrainingBackend(prepared, optimizer, runtime, policy, scheduler, grad_clip, loss_fn, on_nonfinite,
-                           max_consecutive_skips)
+    return TrainingBackend(prepared, runtime, policy, scheduler, loss_fn, on_nonfinite, max_consecutive_skips)

@@ -14,13 +14,13 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import math
 import sys
 from pathlib import Path
 
-from disttrain.config import ConfigError, describe, dumps_toml, load_config, resolve_strategy, save_config
+from disttrain.config import ConfigError, describe, dumps_toml, load_config, save_config
+from disttrain.errors import describe_exit
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -109,7 +109,9 @@ def _prepare_train(args: argparse.Namespace):
         from disttrain.models import resolve_factory
 
         resolve_factory(cfg.model.name)  # import errors surface here, before any worker starts
-    cfg.parallel.strategy = resolve_strategy(cfg, cfg.dist.nproc * int(high or low))
+    from disttrain.parallel import registry
+
+    cfg.parallel.strategy = registry.resolve(cfg.parallel.strategy, cfg.dist.nproc * int(high or low)).name
     return cfg, plan
 
 
@@ -165,32 +167,28 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate_memory(args: argparse.Namespace) -> int:
-    from disttrain.config import validate
-    from disttrain.memory import ALL_STRATEGIES, report
+    from disttrain.config import strategies_for, validate
+    from disttrain.memory import report
 
     cfg = load_config(args.config, args.overrides)
     if args.world_size < 1:
         raise ConfigError(f"--world-size {args.world_size}: must be >= 1")
     cfg.dist.nproc = args.world_size
-    strategies = [args.strategy] if args.strategy else [s for s in ALL_STRATEGIES
-                                                         if not (s == "single" and args.world_size > 1)]
-    for strategy in strategies:
-        cfg.parallel.strategy = strategy
+    if args.strategy:
+        cfg.parallel.strategy = args.strategy
         validate(cfg, gpu_count=args.world_size, world=args.world_size)  # GPUs assumed: this is a plan
-    if not args.strategy and importlib.util.find_spec("deepspeed") is not None:  # the optional extra's row
-        cfg.parallel.strategy = "deepspeed"
-        try:
-            validate(cfg, gpu_count=args.world_size, world=args.world_size)
-            strategies.append("deepspeed")
-        except ConfigError:
-            pass  # e.g. bf16-true, which deepspeed cannot run: not a plan for this config
+        strategies = [cfg.parallel.strategy]
+    else:  # every registered strategy that can run this config, side by side
+        strategies = strategies_for(cfg, args.world_size)
+        if not strategies:
+            validate(cfg, gpu_count=args.world_size, world=args.world_size)  # says what is wrong
     print(report(cfg, args.world_size, strategies, args.budget_gib))
     return 0
 
 
 def cmd_deepspeed_config(args: argparse.Namespace) -> int:
     from disttrain.memory import param_shapes
-    from disttrain.parallel.deepspeed_config import DeepSpeedConfig
+    from disttrain.parallel.deepspeed.config import DeepSpeedConfig
 
     cfg = load_config(args.config, args.overrides)
     world = cfg.dist.nproc if args.nproc is None else args.nproc
@@ -227,17 +225,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="disttrain: %(message)s")
     try:
         code = COMMANDS[args.command](args)
-    except ConfigError as exc:
-        print(f"disttrain: error: {exc}", file=sys.stderr)
-        code = 2
-    except RuntimeError as exc:
-        from disttrain.backend import NonFiniteError
-        from disttrain.checkpoint import CheckpointError
-
-        if not isinstance(exc, (CheckpointError, NonFiniteError)):
+    except Exception as exc:
+        ending = describe_exit(exc)
+        if ending is None:
             raise
-        print(f"disttrain: error: {exc}", file=sys.stderr)
-        code = 1
+        code, line = ending
+        print(line, file=sys.stderr)
     if argv is None:
         if "torch.distributed" in sys.modules:  # see exit_process: gloo threads can abort at interpreter exit
             from disttrain.runtime import exit_process

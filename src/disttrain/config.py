@@ -7,6 +7,7 @@ README table and `--help` never drift from the code. Each component receives onl
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import difflib
 import hashlib
@@ -25,8 +26,11 @@ else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
 
-class ConfigError(ValueError):
-    """A user mistake in the configuration. The message is one line: setting, value, fix."""
+from disttrain.errors import ConfigError
+from disttrain.parallel import registry
+from disttrain.precision import PRECISIONS
+
+__all__ = ["Config", "ConfigError", "load_config", "validate"]
 
 
 @dataclass
@@ -118,8 +122,7 @@ class TrainConfig:
 @dataclass
 class ParallelConfig:
     strategy: str = "auto"
-    """`auto` (`single` on one process, `ddp` on more), `single`, `ddp`, `zero1`, `zero2`, `fsdp` (alias
-    `zero3`), `hsdp`, or `deepspeed` (DeepSpeed's engine; `pip install 'disttrain[deepspeed]'`)."""
+    """`auto` (`single` on one process, `ddp` on more) or a registered strategy:"""
     precision: str = "fp32"
     """`fp32`, `bf16-mixed`, `fp16-mixed` (with dynamic loss scaling) or `bf16-true` (see precision.py)."""
     bucket_cap_mb: float = 25.0
@@ -281,7 +284,10 @@ def set_value(cfg: Config, dotted: str, value: Any) -> None:
     if key not in types:
         names = list(types)
         raise ConfigError(f"unknown setting '{dotted}': {_suggest(key, names)} (section [{section}])")
-    setattr(getattr(cfg, section), key, _coerce(dotted, value, types[key]))
+    value = _coerce(dotted, value, types[key])
+    if dotted == "parallel.strategy":
+        value = registry.canonical(value)  # documented aliases (zero3 -> fsdp) become the one name here
+    setattr(getattr(cfg, section), key, value)
 
 
 def _parse_override(text: str) -> tuple[str, Any]:
@@ -349,13 +355,23 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
 
 
 def describe() -> list[tuple[str, str, Any, str]]:
-    """(dotted key, type, default, docstring) for every setting, read from the source docstrings."""
+    """(dotted key, type, default, docstring) for every setting, read from the source docstrings; the strategy
+    names, and which strategies read each strategy-specific setting, come from the strategy registry."""
+    users = registry.option_users()
     rows = []
     for section, cls in SECTIONS.items():
         docs = _field_docstrings(cls)
         defaults = cls()
         for name, typ in _field_types(cls).items():
-            rows.append((f"{section}.{name}", typ.__name__, getattr(defaults, name), docs.get(name, "")))
+            doc = docs.get(name, "")
+            if section == "parallel" and name == "strategy":
+                doc += " " + "; ".join(f"`{spec.name}`: {spec.summary}" + (
+                    f" (alias {', '.join(spec.aliases)})" if spec.aliases else "") + (
+                    f" (`pip install 'disttrain[{spec.package}]'`)" if spec.package else "")
+                    for spec in map(registry.get, registry.names())) + "."
+            elif section == "parallel" and name in users:
+                doc += f" Read by: {', '.join(users[name])}."
+            rows.append((f"{section}.{name}", typ.__name__, getattr(defaults, name), doc))
     return rows
 
 
@@ -385,17 +401,6 @@ def _check_choice(key: str, value: str, options: tuple[str, ...] | list[str]) ->
         raise ConfigError(f"{key} = {value!r} is not known; {_suggest(value, list(options))}")
 
 
-def world_size(cfg: Config) -> int:
-    return cfg.dist.nproc
-
-
-def resolve_strategy(cfg: Config, world: int) -> str:
-    """`auto` means `single` on one process and `ddp` on several; other names are returned as given."""
-    from disttrain.parallel import resolve
-
-    return resolve(cfg.parallel.strategy, world)
-
-
 def uses_cuda(cfg: Config, gpu_count: int) -> bool:
     return cfg.dist.device == "cuda" or (cfg.dist.device == "auto" and gpu_count > 0)
 
@@ -406,10 +411,7 @@ def validate(cfg: Config, gpu_count: int = 0, world: int | None = None) -> None:
     `gpu_count` is passed in rather than probed so that this stays a pure function of its inputs.
     `world` defaults to `dist.nproc` (the launcher passes the real world size on a running job).
     """
-    from disttrain.parallel import STRATEGIES
-    from disttrain.precision import PRECISIONS
-
-    world = world_size(cfg) if world is None else world
+    world = cfg.dist.nproc if world is None else world
     for key, options in CHOICES.items():
         section, name = key.split(".")
         _check_choice(key, getattr(getattr(cfg, section), name), options)
@@ -417,12 +419,8 @@ def validate(cfg: Config, gpu_count: int = 0, world: int | None = None) -> None:
     _validate_model(cfg)
     _validate_data(cfg, world)
     _validate_optim_train(cfg)
-    _check_choice("parallel.strategy", cfg.parallel.strategy, ["auto", *STRATEGIES])
     _check_choice("parallel.precision", cfg.parallel.precision, list(PRECISIONS))
-    _check(not (cfg.parallel.strategy == "single" and world > 1),
-           f"parallel.strategy = 'single' runs one process but dist.nproc = {world}; "
-           "use parallel.strategy = 'ddp' (or 'auto') or --nproc 1")
-    _validate_parallel(cfg, gpu_count, world)
+    _validate_parallel(cfg, world)
     _validate_checkpoint(cfg)
     _validate_dist(cfg, gpu_count, world)
     if cfg.log.tensorboard:
@@ -492,46 +490,34 @@ def _validate_optim_train(cfg: Config) -> None:
     _check(0 <= t.stop_at <= t.steps, f"train.stop_at = {t.stop_at}: must be between 0 and train.steps = {t.steps}")
 
 
-FSDP_FAMILY = ("zero2", "fsdp", "zero3", "hsdp")
+def strategies_for(cfg: Config, world: int) -> list[str]:
+    """Every registered strategy (installed) that can run `cfg` at `world` ranks, GPUs assumed: the rows of
+    `estimate-memory` and the default of `disttrain verify`."""
+    out = []
+    for name in registry.names():
+        trial = copy.deepcopy(cfg)
+        trial.parallel.strategy = name
+        try:
+            validate(trial, gpu_count=world, world=world)
+        except ConfigError:
+            continue
+        out.append(name)
+    return out
 
 
-def _validate_parallel(cfg: Config, gpu_count: int, world: int) -> None:
+def _validate_parallel(cfg: Config, world: int) -> None:
+    """Generic checks driven by the strategy's spec (world size, its own settings, its package), then its own."""
     p = cfg.parallel
-    strategy = resolve_strategy(cfg, world)
+    spec = registry.resolve(p.strategy, world)
+    _check(spec.runs_on(world),
+           f"parallel.strategy = {spec.name!r} runs on at most {spec.max_world} process(es) but the world size is "
+           f"{world}; use parallel.strategy = 'ddp' (or 'auto') or --nproc {spec.max_world}")
     _check(p.bucket_cap_mb > 0, f"parallel.bucket_cap_mb = {p.bucket_cap_mb}: must be > 0")
-    if strategy == "hsdp":
-        shard = p.hsdp_shard_size or world
-        _check(shard >= 1 and world % shard == 0,
-               f"parallel.hsdp_shard_size = {p.hsdp_shard_size} does not divide the world size {world}; choose "
-               f"a divisor of {world}")
-    _check(not (p.cpu_offload and strategy not in (*FSDP_FAMILY, "deepspeed")),
-           f"parallel.cpu_offload = true needs an FSDP strategy (zero2, fsdp, zero3, hsdp) or deepspeed, not "
-           f"{strategy!r}")
-    _check(p.fsdp_prefetch >= 0, f"parallel.fsdp_prefetch = {p.fsdp_prefetch}: must be >= 0 (0 = FSDP2's default)")
-    _check(not (p.fsdp_prefetch and strategy not in FSDP_FAMILY),
-           f"parallel.fsdp_prefetch = {p.fsdp_prefetch} needs an FSDP strategy (zero2, fsdp, zero3, hsdp), not "
-           f"{strategy!r}; set it to 0")
-    if strategy == "deepspeed":
-        _validate_deepspeed(cfg, world)
-    else:
-        _check(not p.deepspeed_config, f"parallel.deepspeed_config is set but parallel.strategy = {strategy!r}; "
-               "set parallel.strategy = 'deepspeed' or remove parallel.deepspeed_config")
-
-
-def _validate_deepspeed(cfg: Config, world: int) -> None:
-    import importlib.util
-
-    p = cfg.parallel
-    _check(p.precision != "bf16-true",
-           "parallel.precision = 'bf16-true' with parallel.strategy = 'deepspeed': DeepSpeed's ZeRO keeps an fp32 "
-           "master copy of every partition, so the weights would not be bf16 only. Use bf16-mixed (autocast, fp32 "
-           "weights) or fp16-mixed with deepspeed, or an FSDP strategy (zero2, fsdp) for bf16-true")
-    from disttrain.parallel.deepspeed_config import DeepSpeedConfig
-
-    DeepSpeedConfig.from_config(cfg, world)  # stage, offload and the JSON's keys, each checked with its setting
-    _check(importlib.util.find_spec("deepspeed") is not None,
-           "parallel.strategy = 'deepspeed' but the deepspeed package is not installed; "
-           "pip install 'disttrain[deepspeed]' or choose another strategy (zero1, zero2, fsdp)")
+    registry.check_options(spec, p, ParallelConfig())
+    if spec.check is not None:
+        spec.check(cfg, world)
+    _check(registry.available(spec), f"parallel.strategy = {spec.name!r} but the {spec.package} package is not "
+           f"installed; pip install 'disttrain[{spec.package}]' or choose another strategy")
 
 
 def _validate_checkpoint(cfg: Config) -> None:

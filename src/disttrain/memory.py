@@ -18,16 +18,13 @@ copies in buffers of its own: those are found by walking the engine's objects (s
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from disttrain.config import Config, ModelConfig, resolve_strategy
-
-SHARDED = ("zero2", "fsdp", "zero3", "hsdp")
-ALL_STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "hsdp")
+from disttrain.config import Config, ModelConfig
+from disttrain.parallel import registry
 
 
 @dataclass
@@ -53,111 +50,6 @@ def param_shapes(model_cfg: ModelConfig) -> list[torch.Size]:
     with torch.device("meta"):
         model = build_model(model_cfg)
     return [p.shape for p in model.parameters() if p.requires_grad]
-
-
-def _dtype_bytes(precision: str) -> int:
-    return 2 if precision == "bf16-true" else 4
-
-
-def _sharded_numel(shape: torch.Size, shards: int) -> int:
-    if len(shape) == 0:
-        return 1
-    return math.ceil(shape[0] / shards) * math.prod(shape[1:])
-
-
-def _param_groups(shapes: list[torch.Size]) -> list[list[int]]:
-    """Parameter indices of the optimizer's groups, in model order (optim.py: matrices decay, the rest not)."""
-    groups = [[i for i, s in enumerate(shapes) if len(s) >= 2], [i for i, s in enumerate(shapes) if len(s) < 2]]
-    return [g for g in groups if g]
-
-
-def zero1_partition(shapes: list[torch.Size], world: int) -> list[list[int]]:
-    """Parameter indices per rank, as ZeroRedundancyOptimizer assigns them (the default param groups)."""
-    sizes, parts = [0] * world, [[] for _ in range(world)]
-    for group in _param_groups(shapes):
-        for i in sorted(group, key=lambda i: math.prod(shapes[i]), reverse=True):
-            rank = sizes.index(min(sizes))
-            parts[rank].append(i)
-            sizes[rank] += math.prod(shapes[i])
-    return parts
-
-
-def deepspeed_zero_settings(cfg: Config, world: int, numel: int) -> dict:
-    """The engine JSON's `zero_optimization` as the `deepspeed` strategy runs it, with DeepSpeed 0.19's
-    defaults filled in for the keys that size its buffers."""
-    from disttrain.parallel.deepspeed_config import DEFAULT_REDUCE_BUCKET, DeepSpeedConfig
-
-    zero = DeepSpeedConfig.from_parallel(cfg.parallel, world, cfg.optim.grad_clip, model_numel=numel).to_dict()
-    defaults = {"reduce_bucket_size": DEFAULT_REDUCE_BUCKET, "contiguous_gradients": True,
-                "round_robin_gradients": False, "stage3_param_persistence_threshold": 100_000,
-                "stage3_model_persistence_threshold": 2**63 - 1}
-    return {**defaults, **zero["zero_optimization"]}
-
-
-def _deepspeed_bytes(shapes: list[torch.Size], elem: int, world: int, rank: int | None,
-                     cfg: Config) -> tuple[int, int, int, list[str]]:
-    """(params, grads, optimizer, notes) on `rank` (None: the most loaded one) under DeepSpeed ZeRO with the user's
-    torch optimizer, as DeepSpeed 0.19 allocates them (fp32; its master copy counted with the optimizer).
-
-    stage 0     everything replicated, like ddp.
-    stages 1-2  each optimizer group is flattened (padded to 2 x world elements) and cut into `world` equal
-                partitions. A rank keeps the full parameters, an fp32 master copy of its partition with the
-                optimizer state over it, and after backward the gradients of every parameter that starts in
-                or straddles into its partition -- whole, so a partition boundary costs up to one parameter.
-    stage 3     each parameter is cut into `world` padded partitions; parameters of at most
-                stage3_param_persistence_threshold elements also stay whole on every rank. Gradients live in
-                a flat buffer of the partitions plus one persistent bucket of reduce_bucket_size elements.
-    cpu_offload stages 1-2 hold a host fp32 gradient partition, a 16-bit staging copy of the partition and two
-                buffers of the largest parameter instead (no straddling); stage 3 adds the partitions' fp32
-                gradients on the host. Host and device bytes are counted alike.
-    """
-    numels = [math.prod(s) for s in shapes]
-    groups = [[numels[i] for i in g] for g in _param_groups(shapes)]
-    stage, total = cfg.parallel.deepspeed_stage, sum(numels)
-    if stage == 0:
-        return total * elem, total * elem, _optimizer_bytes(numels, elem, cfg.optim.name), []
-    notes = []
-    if stage in (1, 2):
-        parts = [math.ceil(sum(g) / (2 * world)) * 2 for g in groups]  # partition elements per group
-        held = [sum(sum(_in_partition(g, part, r)) for g, part in zip(groups, parts, strict=True)) * elem
-                for r in range(world)]
-        if cfg.parallel.cpu_offload:  # a host fp32 gradient partition, a 16-bit staging copy, two temp buffers
-            held = [sum(parts) * (4 + elem) + 2 * max(numels) * elem] * world
-        params, grads = total * elem, held[rank] if rank is not None else max(held)
-    else:
-        zero = deepspeed_zero_settings(cfg, world, total)
-        parts = [sum(math.ceil(n / world) for n in g) for g in groups]  # each parameter cut in `world`
-        persistent, threshold = 0, zero["stage3_param_persistence_threshold"]
-        for n in numels:  # in model order, as DeepSpeed marks them
-            if n <= threshold and persistent + n <= zero["stage3_model_persistence_threshold"]:
-                persistent += n
-        params = (sum(parts) + (persistent if world > 1 else 0)) * elem  # one rank: the partition is the parameter
-        bucket = zero["reduce_bucket_size"] * elem if zero["contiguous_gradients"] else 0
-        offload = sum(parts) * 4 if cfg.parallel.cpu_offload else 0  # the partitions' fp32 gradients on the host
-        grads = sum(parts) * 4 + bucket + offload
-        if persistent:
-            notes.append(f"deepspeed: {persistent / total:.0%} of the parameters are at most "
-                         f"stage3_param_persistence_threshold = {threshold} elements each and stay whole on every "
-                         "rank (DeepSpeed's default for small tensors)")
-    # the user's optimizer steps one flat fp32 partition per group; DeepSpeed's master copy is that partition
-    return params, grads, _optimizer_bytes(parts, elem, cfg.optim.name) + sum(parts) * 4, notes
-
-
-def _in_partition(numels: list[int], part: int, rank: int) -> list[int]:
-    """Sizes of the parameters DeepSpeed ZeRO-1/2 counts in `rank`'s partition of a flat group: those that
-    start inside it, and the one that straddles its start."""
-    start, end, offset, inside = part * rank, part * (rank + 1), 0, []
-    for n in numels:
-        if start <= offset < end or offset < start < offset + n:
-            inside.append(n)
-        offset += n
-    return inside
-
-
-def _optimizer_bytes(numels: list[int], elem: int, optim: str) -> int:
-    if optim == "sgd":
-        return sum(numels) * elem
-    return sum(numels) * 2 * elem + 4 * len(numels)  # exp_avg, exp_avg_sq, and a float32 step per tensor
 
 
 def gpt_activation_bytes(m: ModelConfig, micro_batch: int, checkpointing: bool, precision: str = "fp32",
@@ -192,47 +84,21 @@ def gpt_activation_bytes(m: ModelConfig, micro_batch: int, checkpointing: bool, 
 
 
 def estimate(cfg: Config, world: int, strategy: str | None = None, rank: int | None = None) -> MemoryEstimate:
-    """Bytes per rank; where ranks differ (zero1, deepspeed), `rank`'s or, with None, the most loaded one's."""
-    strategy = strategy or resolve_strategy(cfg, world)
-    shapes = param_shapes(cfg.model)
-    elem = _dtype_bytes(cfg.parallel.precision)
-    full = [math.prod(s) for s in shapes]
-    notes = []
-    if strategy == "deepspeed":
-        params, grads, optimizer, notes = _deepspeed_bytes(shapes, elem, world, rank, cfg)
-        notes.append(f"deepspeed: ZeRO stage {cfg.parallel.deepspeed_stage} as DeepSpeed 0.19 allocates it (its "
-                     "fp32 master partition counted with the optimizer); ZeRO-1/2 add a reduce_bucket_size "
-                     "gradient bucket during backward")
-    elif strategy in SHARDED:
-        shards = (cfg.parallel.hsdp_shard_size or world) if strategy == "hsdp" else world
-        local = [_sharded_numel(s, shards) for s in shapes]
-        params = grads = sum(local) * elem
-        optimizer = _optimizer_bytes(local, elem, cfg.optim.name)
-        if strategy == "zero2":
-            notes.append("zero2 also holds each block's full parameters from its forward to its backward")
-    else:
-        params = grads = sum(full) * elem
-        if strategy == "ddp" and not cfg.parallel.gradient_as_bucket_view:
-            grads *= 2  # gradients plus DDP's communication buckets
-        if strategy == "zero1":
-            mine = zero1_partition(shapes, world)
-            shares = [_optimizer_bytes([full[i] for i in part], elem, cfg.optim.name) for part in mine]
-            optimizer = shares[rank] if rank is not None else max(shares)
-            notes.append("zero1: optimizer state of the most loaded rank")
-        else:
-            optimizer = _optimizer_bytes(full, elem, cfg.optim.name)
+    """Bytes per rank, from the strategy's memory layout (its spec); where ranks differ (zero1, deepspeed),
+    `rank`'s or, with None, the most loaded one's."""
+    spec = registry.resolve(strategy or cfg.parallel.strategy, world)
+    layout = spec.memory([tuple(s) for s in param_shapes(cfg.model)], cfg, world, rank)
+    notes = list(layout.notes)
     acts = acts_ac = None
     if cfg.model.name == "gpt":
         precision = cfg.parallel.precision
-        linears = ("gathered16" if strategy in SHARDED else
-                   "zero3" if strategy == "deepspeed" and cfg.parallel.deepspeed_stage == 3 else "autocast")
-        acts, acts_ac = (gpt_activation_bytes(cfg.model, cfg.data.micro_batch_size, ac, precision, linears)
+        acts, acts_ac = (gpt_activation_bytes(cfg.model, cfg.data.micro_batch_size, ac, precision, layout.linears)
                          for ac in (False, True))
-        if precision in ("bf16-mixed", "fp16-mixed") and linears == "autocast":
+        if precision in ("bf16-mixed", "fp16-mixed") and layout.linears == "autocast":
             notes.append("activations include the 16-bit weight copies autocast saves for backward")
     else:
         notes.append("activations are estimated for the reference GPT only; measure your model instead")
-    return MemoryEstimate(strategy, world, params, grads, optimizer, acts, acts_ac, notes)
+    return MemoryEstimate(spec.name, world, layout.params, layout.grads, layout.optimizer, acts, acts_ac, notes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -305,7 +171,7 @@ def measure(build, batch) -> dict[str, int]:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         backend.forward_backward(batch)
-    engine = backend.prepared.module if backend.prepared.engine is not None else None
+    engine = getattr(backend.prepared, "engine", None)
     if engine is None:
         grads = _tensor_bytes(p.grad for p in params if p.grad is not None)
     else:  # classified after the step, once the master copies are known

@@ -17,6 +17,8 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
+from disttrain.errors import ConfigError
+
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 
 
@@ -84,7 +86,5 @@ def get_precision(name: str) -> Precision:
         "bf16-true": Precision("bf16-true", param_dtype=torch.bfloat16),
     }
     if name not in policies:
-        from disttrain.config import ConfigError
-
         raise ConfigError(f"parallel.precision = {name!r} is not known; valid names: {', '.join(PRECISIONS)}")
     return policies[name]

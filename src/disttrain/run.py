@@ -10,9 +10,8 @@ import argparse
 import logging
 import sys
 
-from disttrain.backend import NonFiniteError
-from disttrain.checkpoint import CheckpointError
-from disttrain.config import ConfigError, load_config
+from disttrain.config import load_config
+from disttrain.errors import describe_exit
 from disttrain.runtime import Preempted, exit_process
 
 
@@ -26,20 +25,15 @@ def main(argv: list[str] | None = None) -> int:
         from disttrain.trainer import Trainer
 
         Trainer(load_config(args.config, args.overrides)).fit()
-    except ConfigError as exc:
-        print(f"disttrain: error: {exc}", file=sys.stderr)
-        return 2
-    except (CheckpointError, NonFiniteError) as exc:
-        print(f"disttrain: error: {exc}", file=sys.stderr)
-        return 1
     except Preempted as exc:
         print(f"disttrain: {exc}", file=sys.stderr)
         return exc.exit_code
-    except MemoryError as exc:  # torch.OutOfMemoryError is a MemoryError too
-        print(f"disttrain: error: out of memory ({exc}); lower data.micro_batch_size, set "
-              "parallel.activation_checkpointing = true, use a sharded strategy or parallel.cpu_offload, and see "
-              "`disttrain estimate-memory`", file=sys.stderr)
-        return 1
+    except Exception as exc:
+        ending = describe_exit(exc)  # the same line and exit code as `disttrain train` in one process
+        if ending is None:
+            raise
+        print(ending[1], file=sys.stderr)
+        return ending[0]
     return 0
 
 

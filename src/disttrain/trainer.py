@@ -25,12 +25,13 @@ from torch.utils.data import Dataset
 
 from disttrain.backend import LossFn, TrainingBackend, create_backend
 from disttrain.checkpoint import CheckpointError, CheckpointManager, parse_step, restore_rng
-from disttrain.config import Config, ConfigError, resolve_strategy, save_config, validate
+from disttrain.config import Config, ConfigError, save_config, validate
 from disttrain.data import GlobalSampler, build_datasets, eval_shard, fetch, split_micro
 from disttrain.metrics import Metrics, NullMetrics
 from disttrain.models import build_model
 from disttrain.monitor import RankStatus, peer_failed
 from disttrain.optim import OptimizerFactory, optimizer_factory, scheduler_factory
+from disttrain.parallel import registry
 from disttrain.runtime import Preempted, Runtime, StopSignals, check_ranks_agree, detect_launch, init_runtime, shutdown
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,8 @@ class Trainer:
     def fit(self) -> TrainResult:
         owns_runtime = self.runtime is None
         world = detect_launch(os.environ).world_size
-        runtime = self.runtime or init_runtime(self.cfg.dist,
-                                               always_form_group=resolve_strategy(self.cfg, world) != "single")
+        spec = registry.resolve(self.cfg.parallel.strategy, world)
+        runtime = self.runtime or init_runtime(self.cfg.dist, always_form_group=spec.needs_group)
         status = RankStatus(self.cfg.run_dir, runtime.rank, runtime.node_rank)
         clean = False
         try:
@@ -99,9 +100,8 @@ class Trainer:
             val = built_val if val is None else val
         model = self.model if self.model is not None else build_model(cfg.model)
         backend = create_backend(
-            model, self.optimizer_factory or optimizer_factory(cfg.optim),
-            strategy=resolve_strategy(cfg, runtime.world_size), precision=cfg.parallel.precision,
-            runtime=runtime, parallel=cfg.parallel, scheduler_factory=scheduler_factory(cfg.optim, cfg.train.steps),
+            model, self.optimizer_factory or optimizer_factory(cfg.optim), cfg.parallel,
+            runtime=runtime, scheduler_factory=scheduler_factory(cfg.optim, cfg.train.steps),
             grad_clip=cfg.optim.grad_clip, loss_fn=self.loss_fn, on_nonfinite=cfg.train.on_nonfinite,
             max_consecutive_skips=cfg.train.max_consecutive_skips,
         )
@@ -116,7 +116,7 @@ class Trainer:
         check_ranks_agree(cfg, runtime)
         sampler = GlobalSampler(len(train), cfg.run.seed, cfg.data.shuffle)
         manager = CheckpointManager(cfg.run_dir / "checkpoints", cfg.checkpoint, runtime,
-                                    info={"strategy": resolve_strategy(cfg, runtime.world_size),
+                                    info={"strategy": registry.resolve(cfg.parallel.strategy, runtime.world_size).name,
                                           "config_hash": cfg.hash()}, timeout_s=cfg.dist.timeout_s)
         backend.before_update = manager.wait_for_copy
         start, cursor = self._resume(manager, backend, runtime)

@@ -1,9 +1,11 @@
 """`disttrain verify`: does your job give the same numbers under every strategy as in one process?
 
-    disttrain verify [CONFIG] [--set k=v ...] --strategies ddp,zero2,fsdp,hsdp --nproc 2 --steps 10
+    disttrain verify [CONFIG] [--set k=v ...] [--strategies ddp,zero2,fsdp,hsdp] --nproc 2 --steps 10
 
 Runs your config for K steps in one process (the reference) and then, in one torchrun launch of N ranks,
-under each strategy in turn (one process group, so start-up is paid once). Prints the max |loss
+under each strategy in turn (one process group, so start-up is paid once). The default is every registered
+strategy that runs on a process group and can run this config; a strategy registered by your own module
+(`disttrain.parallel.register`) is verified too: its module is imported in the workers. Prints the max |loss
 difference| per strategy and exits 1 if any exceeds the tolerance. Runs go to `RUN_DIR/verify/`.
 """
 
@@ -15,13 +17,14 @@ import json
 import sys
 from pathlib import Path
 
-from disttrain.config import Config, ConfigError, load_config, save_config, validate
+from disttrain.config import Config, ConfigError, load_config, save_config, strategies_for, validate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="TOML config file (default: the built-in job)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    parser.add_argument("--strategies", default="ddp,zero2,fsdp,hsdp", help="comma-separated strategy names")
+    parser.add_argument("--strategies", default="", help="comma-separated strategy names (default: every "
+                        "registered one that runs on a process group and can run the config)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks for the distributed runs")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
     parser.add_argument("--tolerance", type=float, default=1e-5, help="max allowed |loss difference|")
@@ -39,10 +42,14 @@ def _job(cfg: Config, steps: int, out: Path, name: str, strategy: str, nproc: in
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from disttrain.parallel import registry
+
     cfg = load_config(args.config, args.overrides)
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    if args.steps < 1 or args.nproc < 1 or not strategies:
-        raise ConfigError("verify: --steps and --nproc must be >= 1 and --strategies non-empty")
+    strategies = [registry.canonical(s.strip()) for s in args.strategies.split(",") if s.strip()]
+    if args.steps < 1 or args.nproc < 1:
+        raise ConfigError("verify: --steps and --nproc must be >= 1")
+    if not strategies:
+        strategies = [s for s in strategies_for(cfg, args.nproc) if registry.get(s).needs_group]
     out = cfg.run_dir / "verify"
     jobs = {s: _job(cfg, args.steps, out, s, s, args.nproc) for s in strategies}
     reference = _job(cfg, args.steps, out, "single", "single", 1)
@@ -56,7 +63,9 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"disttrain verify: reference run (1 process, {args.steps} steps)", file=sys.stderr)
     single = Trainer(reference).fit().losses
-    code = launch(args.nproc, ["disttrain.verify", str(out), *strategies], out)
+    modules = {registry.get(s).apply.__module__ for s in strategies}
+    imports = sorted(m for m in modules if not m.startswith("disttrain."))
+    code = launch(args.nproc, ["disttrain.verify", str(out), ",".join(imports), *strategies], out)
     if code != 0:
         return code
     results = json.loads((out / "losses.json").read_text())
@@ -76,9 +85,17 @@ def _report(single: list[float], results: dict[str, list[float]], tolerance: flo
     return 1 if failed else 0
 
 
-def _worker(out: Path, strategies: list[str]) -> None:
-    """One rank: train every strategy's job in turn on one process group; rank 0 writes the losses."""
+def _worker(out: Path, imports: list[str], strategies: list[str]) -> None:
+    """One rank: train every strategy's job in turn on one process group; rank 0 writes the losses. `imports`:
+    the modules that register strategies of the user's own."""
+    import importlib
+
+    from disttrain.parallel import registry
     from disttrain.runtime import init_runtime, shutdown
+
+    for module in imports:  # a module of your own exports SPECS, like the built-in strategy modules
+        for spec in importlib.import_module(module).SPECS:
+            registry.register(spec)
     from disttrain.trainer import Trainer
 
     runtime, losses = None, {}
@@ -94,5 +111,5 @@ def _worker(out: Path, strategies: list[str]) -> None:
 if __name__ == "__main__":
     from disttrain.runtime import exit_process
 
-    _worker(Path(sys.argv[1]), sys.argv[2:])
+    _worker(Path(sys.argv[1]), [m for m in sys.argv[2].split(",") if m], sys.argv[3:])
     exit_process(0)

@@ -15,7 +15,7 @@ import torch
 
 from disttrain.backend import create_backend
 from disttrain.checkpoint import CheckpointManager
-from disttrain.config import DistConfig, ModelConfig, OptimConfig
+from disttrain.config import DistConfig, ModelConfig, OptimConfig, ParallelConfig
 from disttrain.models.gpt import GPT
 from disttrain.optim import optimizer_factory
 from disttrain.runtime import exit_process, init_runtime, shutdown
@@ -28,8 +28,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def run(strategy: str, runtime, out: Path) -> None:
     torch.manual_seed(0)
     model = GPT(ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=16))
-    backend = create_backend(model, optimizer_factory(OptimConfig(lr=1e-3)), strategy=strategy,
-                             precision="fp16-mixed", runtime=runtime)
+    backend = create_backend(model, optimizer_factory(OptimConfig(lr=1e-3)),
+                             ParallelConfig(strategy=strategy, precision="fp16-mixed"), runtime=runtime)
     g = torch.Generator().manual_seed(runtime.rank)
     records, clean_steps, injected = [], 0, None
     for step in range(1, 40):
@@ -57,8 +57,8 @@ def run(strategy: str, runtime, out: Path) -> None:
     manager = CheckpointManager(out / f"ckpt_{strategy}", runtime=runtime)  # save/resume through the manager
     manager.save(backend.step, backend.state_dict())
     restored = create_backend(GPT(ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=16)),
-                              optimizer_factory(OptimConfig(lr=1e-3)), strategy=strategy, precision="fp16-mixed",
-                              runtime=runtime)
+                              optimizer_factory(OptimConfig(lr=1e-3)),
+                              ParallelConfig(strategy=strategy, precision="fp16-mixed"), runtime=runtime)
     restored.load_state_dict(manager.load())
     (out / f"{strategy}_rank{runtime.rank}.json").write_text(json.dumps({
         "injected": injected, "records": records, "restored_scale": restored.scaler.get_scale(),

@@ -10,7 +10,7 @@ import sys
 import torch
 
 from disttrain.backend import create_backend
-from disttrain.config import DataConfig, ModelConfig, OptimConfig
+from disttrain.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig
 from disttrain.data import GlobalSampler, build_datasets, fetch
 from disttrain.models.gpt import GPT
 from disttrain.optim import optimizer_factory
@@ -32,7 +32,7 @@ def batches(steps: int, start: int = 0):
 def reference(steps: int) -> list[float]:
     torch.manual_seed(SEED)
     model = GPT(ModelConfig(**MODEL))
-    backend = create_backend(model, optimizer_factory(OptimConfig(**OPTIM)), strategy="single",
+    backend = create_backend(model, optimizer_factory(OptimConfig(**OPTIM)), ParallelConfig(strategy="single"),
                              grad_clip=OPTIM["grad_clip"])
     losses = []
     for batch in batches(steps):

@@ -14,12 +14,10 @@ of zero1 vs ddp. Results: `<out>/memory.json` and `<out>/memory.md`.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 from pathlib import Path
 
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "hsdp")
 KINDS = ("params", "grads", "optimizer", "activations")
 
 
@@ -31,8 +29,9 @@ def _args(argv):
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16-mixed", "bf16-true"),
                    help="fp16-mixed estimates like bf16-mixed; its first steps overflow and keep no optimizer state")
-    p.add_argument("--strategies", default=",".join((*STRATEGIES, "deepspeed")),
-                   help="comma-separated; deepspeed runs ZeRO stages 0-3 and 1-3 with offload (when installed)")
+    p.add_argument("--strategies", default="all",
+                   help="comma-separated, or all (every registered strategy that is installed); each runs the option "
+                        "sets its spec lists (deepspeed: ZeRO stages 0-3, and 1-3 with offload)")
     p.add_argument("--out", default="bench_results")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -48,23 +47,40 @@ def _config(args, strategy: str, checkpointing: bool, extra: tuple[str, ...] = (
 
 
 def _variants(args, world: int) -> list[tuple[str, str, bool, tuple[str, ...]]]:
-    """(label, strategy, activation checkpointing, config overrides) for each run at `world` ranks."""
-    chosen = args.strategies.split(",")
-    out = [(s, s, ac, ()) for s in STRATEGIES if s in chosen and not (s == "single" and world > 1)
-           for ac in (False, True)]
-    if "deepspeed" not in chosen or importlib.util.find_spec("deepspeed") is None or args.precision == "bf16-true":
-        return out  # deepspeed is an optional extra, and refuses bf16-true
+    """(label, strategy, activation checkpointing, config overrides) for each run at `world` ranks, from the
+    strategy registry: every spec's option sets (its defaults when it lists none), with and without activation
+    checkpointing where the option sets are the defaults."""
+    from disttrain.parallel import registry
+
+    chosen = set(registry.names() if args.strategies == "all" else args.strategies.split(","))
     ds_json = Path(args.out) / "memory_deepspeed.json"
     tmp = ds_json.with_suffix(f".{os.getpid()}.tmp")  # every rank writes the same file: atomically
     tmp.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": args.d_model ** 2}}))
     os.replace(tmp, ds_json)
-    # ZeRO-3 replaces torch.nn.functional.linear for the rest of the process (DeepSpeed's memory-efficient
-    # linear, which saves other tensors under autocast): its runs come last
-    zero = [(f"deepspeed-z{stage}", stage, "false") for stage in range(3)]
-    zero += [(f"deepspeed-z{stage}-off", stage, "true") for stage in (1, 2)]  # ZeRO-Offload
-    zero += [("deepspeed-z3", 3, "false"), ("deepspeed-z3-off", 3, "true")]
-    return out + [(label, "deepspeed", False, (f"parallel.deepspeed_stage={stage}", f"parallel.cpu_offload={off}",
-                                               f"parallel.deepspeed_config={ds_json}")) for label, stage, off in zero]
+    out = []
+    for spec in map(registry.get, registry.names()):
+        if spec.name not in chosen or not spec.runs_on(world) or not registry.available(spec):
+            continue
+        if "deepspeed_config" in spec.options:  # partitioned and whole (persistent) ZeRO-3 parameters both occur
+            extra = (f"parallel.deepspeed_config={ds_json}",)
+        else:
+            extra = ()
+        try:
+            _check(args, spec.name, world)
+        except ValueError:
+            continue  # e.g. a precision the strategy refuses
+        if spec.variants:
+            out += [(label, spec.name, False, (*overrides, *extra)) for label, overrides in spec.variants]
+        else:
+            out += [(spec.name, spec.name, ac, extra) for ac in (False, True)]
+    return out
+
+
+def _check(args, strategy: str, world: int) -> None:
+    from disttrain.config import validate
+
+    cfg = _config(args, strategy, False)
+    validate(cfg, gpu_count=world, world=world)
 
 
 def _worker(args) -> None:
@@ -85,9 +101,9 @@ def _worker(args) -> None:
         torch.manual_seed(0)
         train, _ = build_datasets(cfg.data, cfg.model.seq_len)
         start = runtime.rank * args.micro
-        measured = measure(lambda cfg=cfg, strategy=strategy: create_backend(
-            build_model(cfg.model), optimizer_factory(cfg.optim), strategy=strategy, runtime=runtime,
-            parallel=cfg.parallel), fetch(train, range(start, start + args.micro)))
+        measured = measure(lambda cfg=cfg: create_backend(build_model(cfg.model), optimizer_factory(cfg.optim),
+                                                          cfg.parallel, runtime=runtime),
+                           fetch(train, range(start, start + args.micro)))
         est = estimate(cfg, world, strategy, runtime.rank)
         rows.append({"strategy": label, "ac": checkpointing, "world": world, "rank": runtime.rank,
                      "measured": measured,

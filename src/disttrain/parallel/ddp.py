@@ -6,17 +6,15 @@ communicates.
 
 from __future__ import annotations
 
-import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from disttrain.config import ParallelConfig
-from disttrain.parallel import Prepared
-from disttrain.runtime import Runtime
+from disttrain.parallel import layout
+from disttrain.parallel.spec import Prepared, StrategySpec
+
+OPTIONS = frozenset({"bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters"})
 
 
-def apply(model: torch.nn.Module, runtime: Runtime, cfg: ParallelConfig) -> Prepared:
-    if not runtime.distributed:
-        raise ValueError("strategy 'ddp' needs an initialised process group (launch with --nproc N)")
+def apply(model, runtime, cfg) -> Prepared:
     device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
     ddp = DistributedDataParallel(
         model,
@@ -27,3 +25,14 @@ def apply(model: torch.nn.Module, runtime: Runtime, cfg: ParallelConfig) -> Prep
         find_unused_parameters=cfg.find_unused_parameters,
     )
     return Prepared(module=ddp, model=model, no_sync=ddp.no_sync, grads_averaged_over=runtime.world_size)
+
+
+def memory(shapes, cfg, world: int, rank: int | None) -> layout.MemoryLayout:
+    out = layout.replicated(shapes, cfg, world, rank)
+    if not cfg.parallel.gradient_as_bucket_view:
+        out.grads *= 2  # gradients plus DDP's communication buckets
+    return out
+
+
+SPECS = (StrategySpec("ddp", apply, "DistributedDataParallel: replicated model, bucketed gradient all-reduce",
+                      memory, options=OPTIONS),)

@@ -1,4 +1,4 @@
-"""FSDP2 (`fully_shard`) strategies: `fsdp` (= `zero3`), `zero2` and `hsdp`.
+"""FSDP2 (`fully_shard`) strategies: `fsdp` (alias `zero3`), `zero2` and `hsdp`.
 
 Each transformer block is sharded on its own, then the root, as torchtitan does: a block's parameters are
 all-gathered just before it runs and freed after (`reshard_after_forward`), gradients are reduce-scattered
@@ -20,17 +20,16 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from disttrain.config import ParallelConfig
-from disttrain.parallel import Prepared, full_state_dict_fns
-from disttrain.parallel.blocks import transformer_blocks
+from disttrain.errors import ConfigError
+from disttrain.parallel import layout
+from disttrain.parallel.activation_checkpoint import transformer_blocks
+from disttrain.parallel.spec import Prepared, StrategySpec
+from disttrain.parallel.state import full_state_dict_fns
 from disttrain.precision import get_precision
-from disttrain.runtime import Runtime
 
 
-def _shard(model: nn.Module, runtime: Runtime, cfg: ParallelConfig, reshard_after_forward: bool,
+def _shard(model: nn.Module, runtime, cfg, reshard_after_forward: bool,
            mesh_shape: tuple[int, ...] | None = None) -> Prepared:
-    if not runtime.distributed:
-        raise ValueError("FSDP strategies need an initialised process group (launch with --nproc N)")
     device_type = runtime.device.type
     if mesh_shape is None:
         mesh = init_device_mesh(device_type, (runtime.world_size,))
@@ -91,16 +90,55 @@ def _no_gradient_sync(model: FSDPModule):
         model.set_requires_gradient_sync(True)
 
 
-def apply_fsdp(model: nn.Module, runtime: Runtime, cfg: ParallelConfig) -> Prepared:
+def apply_fsdp(model: nn.Module, runtime, cfg) -> Prepared:
     return _shard(model, runtime, cfg, reshard_after_forward=cfg.reshard_after_forward)
 
 
-def apply_zero2(model: nn.Module, runtime: Runtime, cfg: ParallelConfig) -> Prepared:
+def apply_zero2(model: nn.Module, runtime, cfg) -> Prepared:
     return _shard(model, runtime, cfg, reshard_after_forward=False)
 
 
-def apply_hsdp(model: nn.Module, runtime: Runtime, cfg: ParallelConfig) -> Prepared:
+def apply_hsdp(model: nn.Module, runtime, cfg) -> Prepared:
     shard = cfg.hsdp_shard_size or runtime.world_size
-    if runtime.world_size % shard:
-        raise ValueError(f"parallel.hsdp_shard_size = {shard} does not divide the world size {runtime.world_size}")
     return _shard(model, runtime, cfg, cfg.reshard_after_forward, mesh_shape=(runtime.world_size // shard, shard))
+
+
+def check_hsdp(cfg, world: int) -> None:
+    check_prefetch(cfg, world)
+    p = cfg.parallel
+    shard = p.hsdp_shard_size or world
+    if p.hsdp_shard_size < 0 or world % shard:
+        raise ConfigError(f"parallel.hsdp_shard_size = {p.hsdp_shard_size} does not divide the world size {world}; "
+                          f"choose a divisor of {world}")
+
+
+def check_prefetch(cfg, world: int) -> None:
+    if cfg.parallel.fsdp_prefetch < 0:
+        raise ConfigError(f"parallel.fsdp_prefetch = {cfg.parallel.fsdp_prefetch}: must be >= 0 (0 = FSDP2's default)")
+
+
+def memory_fsdp(shapes, cfg, world: int, rank: int | None) -> layout.MemoryLayout:
+    return layout.sharded(shapes, cfg, world)
+
+
+def memory_zero2(shapes, cfg, world: int, rank: int | None) -> layout.MemoryLayout:
+    out = layout.sharded(shapes, cfg, world)
+    out.notes.append("zero2 also holds each block's full parameters from its forward to its backward")
+    return out
+
+
+def memory_hsdp(shapes, cfg, world: int, rank: int | None) -> layout.MemoryLayout:
+    return layout.sharded(shapes, cfg, cfg.parallel.hsdp_shard_size or world)
+
+
+COMMON = frozenset({"cpu_offload", "fsdp_prefetch"})
+SPECS = (
+    StrategySpec("zero2", apply_zero2, "FSDP2, parameters kept gathered from forward to backward: gradients and "
+                 "optimizer state sharded", memory_zero2, check_prefetch, shards_parameters=True, options=COMMON),
+    StrategySpec("fsdp", apply_fsdp, "FSDP2 fully_shard per block: parameters, gradients and optimizer state "
+                 "sharded", memory_fsdp, check_prefetch, shards_parameters=True,
+                 options=COMMON | {"reshard_after_forward"}, aliases=("zero3",)),
+    StrategySpec("hsdp", apply_hsdp, "FSDP2 on a replicate x shard mesh (parallel.hsdp_shard_size ranks per shard "
+                 "group)", memory_hsdp, check_hsdp,
+                 shards_parameters=True, options=COMMON | {"reshard_after_forward", "hsdp_shard_size"}),
+)

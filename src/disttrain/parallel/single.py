@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import torch
-
-from disttrain.config import ParallelConfig
-from disttrain.parallel import Prepared
-from disttrain.runtime import Runtime
+from disttrain.parallel import layout
+from disttrain.parallel.spec import Prepared, StrategySpec
 
 
-def apply(model: torch.nn.Module, runtime: Runtime, cfg: ParallelConfig) -> Prepared:
-    if runtime.world_size != 1:
-        raise ValueError(f"strategy 'single' needs world size 1, got {runtime.world_size}")
+def apply(model, runtime, cfg) -> Prepared:
     return Prepared(module=model, model=model)
+
+
+SPECS = (StrategySpec("single", apply, "one process, no wrapper (the reference)", layout.replicated,
+                      needs_group=False, max_world=1),)

@@ -13,13 +13,12 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from disttrain.config import ParallelConfig
-from disttrain.parallel import Prepared
 from disttrain.parallel import ddp as ddp_strategy
-from disttrain.runtime import Runtime
+from disttrain.parallel import layout
+from disttrain.parallel.spec import Prepared, StrategySpec
 
 
-def apply(model: nn.Module, runtime: Runtime, cfg: ParallelConfig) -> Prepared:
+def apply(model: nn.Module, runtime, cfg) -> Prepared:
     prepared = ddp_strategy.apply(model, runtime, cfg)
     names = {param: name for name, param in model.named_parameters()}
     order: list = []  # ZeRO's global parameter order (its state_dict keys are indices into it)
@@ -53,3 +52,7 @@ def apply(model: nn.Module, runtime: Runtime, cfg: ParallelConfig) -> Prepared:
     prepared.make_optimizer = make_optimizer
     prepared.state_dict, prepared.load_state_dict = state_dict, load_state_dict
     return prepared
+
+
+SPECS = (StrategySpec("zero1", apply, "DDP + ZeroRedundancyOptimizer: optimizer state sharded", layout.zero1,
+                      options=ddp_strategy.OPTIONS),)

@@ -127,7 +127,6 @@ class Worker:
         from disttrain.backend import create_backend
         from disttrain.config import DistConfig, OptimConfig, ParallelConfig
         from disttrain.optim import optimizer_factory, scheduler_factory
-        from disttrain.runtime import init_runtime
 
         for path in reversed(msg.get("sys_path", [])):
             if path not in sys.path:
@@ -140,8 +139,8 @@ class Worker:
         })
         dist_cfg = DistConfig(device=msg.get("device", "auto"), timeout_s=float(msg.get("timeout_s", 300.0)),
                               threads_per_rank=int(msg.get("threads", 0)))
-        strategy = msg.get("strategy", "auto")
-        self.runtime = init_runtime(dist_cfg, always_form_group=strategy not in ("auto", "single"))
+        parallel = ParallelConfig(**{"strategy": msg.get("strategy", "auto"), "precision": msg.get("precision", "fp32"),
+                                     **msg.get("parallel", {})})
         torch.manual_seed(int(msg.get("seed", 0)))
         model = self._build_model(msg)
         optim = OptimConfig(**msg.get("optimizer", {}))
@@ -152,13 +151,11 @@ class Worker:
         else:
             make_optimizer = optimizer_factory(optim)
         schedule = scheduler_factory(optim, int(msg["total_steps"])) if msg.get("total_steps") else None
-        parallel = ParallelConfig(**{"strategy": strategy, "precision": msg.get("precision", "fp32"),
-                                     **msg.get("parallel", {})})
         loss_fn = self._loss_fn(msg.get("loss_fn"))
-        self.backend = create_backend(model, make_optimizer, strategy=strategy, precision=parallel.precision,
-                                      runtime=self.runtime, parallel=parallel, scheduler_factory=schedule,
+        self.backend = create_backend(model, make_optimizer, parallel, dist=dist_cfg, scheduler_factory=schedule,
                                       grad_clip=float(msg.get("grad_clip", optim.grad_clip)), loss_fn=loss_fn,
                                       on_nonfinite=msg.get("on_nonfinite", "stop"))
+        self.runtime = self.backend.runtime
         self.backend.on_phase = self._on_phase
         params = sum(p.numel() for p in self.backend.model.parameters())
         return {"rank": self.rank, "device": str(self.runtime.device), "parameters": params}, None
@@ -253,16 +250,6 @@ class Worker:
             self.backend = None
             shutdown(self.runtime, drain=bool(msg.get("drain", True)))
         return {}, None
-
-
-def split_pieces(batch: Any, pieces: int) -> list[Any]:
-    """`batch` in `pieces` contiguous pieces along dim 0 of every tensor (sizes differ by at most one row;
-    other values repeat)."""
-    if pieces <= 1:
-        return [batch]
-    from disttrain.service.service import split_batch
-
-    return split_batch(batch, pieces, allow_empty=True)
 
 
 def serve(host: str, port: int, token: str, rank: int, world: int, heartbeat_s: float = 0.5) -> int:

@@ -1,4 +1,4 @@
-"""Per-block transformations shared by strategies: finding the transformer blocks, activation checkpointing."""
+"""Activation checkpointing, and finding the transformer blocks that it (and FSDP2's per-block sharding) works on."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from disttrain.config import ConfigError
+from disttrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from disttrain.config import Config, ParallelConfig

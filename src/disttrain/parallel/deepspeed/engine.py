@@ -1,7 +1,7 @@
 """`deepspeed`: DeepSpeed's engine running ZeRO stage 0-3 (optional extra: `pip install 'disttrain[deepspeed]'`).
 
-The engine owns backward, gradient reduction, clipping and the optimizer step, so this strategy returns an
-`Engine` (see parallel/__init__.py) and the backend keeps everything else (counting, the step's one
+The engine owns backward, gradient reduction, clipping and the optimizer step, so this strategy's `Prepared`
+overrides `backward` and `step` (see parallel/spec.py) and the backend keeps everything else (counting, the step's one
 all-reduce, non-finite policy, schedule, metrics). How the numbers stay equal to every other strategy:
 
 - The optimizer is the user's torch optimizer (DeepSpeed's "client optimizer"): the same update as
@@ -28,15 +28,12 @@ import os
 import torch
 from torch import nn
 
-from disttrain.config import ParallelConfig
-from disttrain.parallel import Engine, Prepared
-from disttrain.parallel.deepspeed_config import DeepSpeedConfig
-from disttrain.runtime import Runtime
+from disttrain.parallel.deepspeed.config import DeepSpeedConfig
+from disttrain.parallel.spec import Prepared
+from disttrain.precision import update_scale
 
 
-def apply(model: nn.Module, runtime: Runtime, cfg: ParallelConfig) -> Prepared:
-    if not runtime.distributed:
-        raise ValueError("strategy 'deepspeed' needs an initialised process group (launch with --nproc N)")
+def apply(model: nn.Module, runtime, cfg) -> Prepared:
     os.environ.setdefault("DS_ACCELERATOR", runtime.device.type)  # read once, when deepspeed is imported
     import deepspeed
 
@@ -48,26 +45,26 @@ def apply(model: nn.Module, runtime: Runtime, cfg: ParallelConfig) -> Prepared:
             compatible["deepspeed_shm_comm"] = False
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # it logs its whole config and every scale change
-    prepared = Prepared(module=model, model=model, grads_averaged_over=runtime.world_size)
-    run = _EngineRun(model, cfg, runtime.world_size, deepspeed)
-    prepared.engine = Engine(build=lambda factory, clip: run.build(prepared, factory, clip),
-                             backward=run.backward, step=run.step)
-    prepared.state_dict, prepared.load_state_dict = run.state_dict, run.load_state_dict
-    return prepared
+    return EnginePrepared(module=model, model=model, grads_averaged_over=runtime.world_size, cfg=cfg,
+                          world=runtime.world_size, ds=deepspeed)
 
 
-class _EngineRun:
-    """The engine and what it needs to know about the plain model (names, shapes, the user's groups)."""
+class EnginePrepared(Prepared):
+    """The engine owns backward, reduction, clipping and the step; the plain model's names, shapes and the
+    user's groups are kept for the name-keyed state dict."""
 
-    def __init__(self, model: nn.Module, cfg: ParallelConfig, world: int, deepspeed):
-        self.model, self.cfg, self.world, self.ds = model, cfg, world, deepspeed
+    def __init__(self, *, cfg, world: int, ds, **kwargs):
+        super().__init__(**kwargs)
+        self.cfg, self.world, self.ds = cfg, world, ds
         self.stage = cfg.deepspeed_stage
-        self.params = dict(model.named_parameters())  # each tensor once (tied weights: the first name)
+        self.params = dict(self.model.named_parameters())  # each tensor once (tied weights: the first name)
         self.shapes = {name: tuple(p.shape) for name, p in self.params.items()}
         self.group_names: list[list[str]] = []
-        self.engine = self.optimizer = None
+        self.engine = None
+        self.state_dict, self.load_state_dict = self._state_dict, self._load_state_dict
 
-    def build(self, prepared: Prepared, factory, grad_clip: float):
+    def build_optimizer(self, factory, grad_clip: float = 0.0, scaler=None):
+        self.grad_clip, self.scaler = grad_clip, scaler
         optimizer = factory(self.model)
         names = {p: n for n, p in self.params.items()}
         self.group_names = [[names[p] for p in group["params"]] for group in optimizer.param_groups]
@@ -76,19 +73,30 @@ class _EngineRun:
         self.engine, _, _, _ = self.ds.initialize(model=self.model, optimizer=optimizer, config=config,
                                                   dist_init_required=False)
         self.optimizer = optimizer  # the user's; under ZeRO its groups now hold this rank's flat partitions
-        prepared.module = self.engine
+        self.module = self.engine
         return optimizer
 
-    def backward(self, loss_sum: torch.Tensor, sync: bool) -> None:
+    def backward(self, loss: torch.Tensor, sync: bool) -> None:
         self.engine.set_gradient_accumulation_boundary(sync)
-        self.engine.backward(loss_sum, scale_wrt_gas=False)
+        self.engine.backward(loss, scale_wrt_gas=False)
 
-    def step(self, factor: float) -> tuple[float, bool]:
+    def step(self, factor: float, skip: bool = False, need_norm: bool = True) -> tuple[float, bool]:
+        """The engine normalises (by `factor`, with fp16's loss scale undone), clips and steps, and itself skips a
+        step whose gradients are non-finite on any rank. One gap: it has no way to refuse a step whose gradients
+        are finite, so `skip` (a non-finite loss with train.on_nonfinite = 'skip') is honoured at stage 0 only;
+        at stages 1-3 the backend counts that step as skipped although the engine applied it."""
+        scale = self.scaler.get_scale() if self.scaler is not None else 1.0
+        norm, applied = self._engine_step(factor / scale, skip and self.stage == 0)
+        if self.scaler is not None:
+            update_scale(self.scaler, found_inf=not applied)
+        return norm, applied
+
+    def _engine_step(self, factor: float, skip: bool) -> tuple[float, bool]:
         if self.stage == 0:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             torch._foreach_mul_(grads, factor)
             norm = torch.nn.utils.get_total_norm(grads).item()
-            if not math.isfinite(norm):
+            if skip or not math.isfinite(norm):
                 self.engine.zero_grad()
                 return norm, False
             self.engine.step()  # clips (gradient_clipping) and steps the user's optimizer
@@ -103,7 +111,7 @@ class _EngineRun:
 
     # ---- checkpoints: full, name-keyed, strategy-independent (collectives: every rank calls these)
 
-    def state_dict(self, optimizer) -> tuple[dict, dict]:
+    def _state_dict(self, optimizer) -> tuple[dict, dict]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         with self.ds.zero.GatheredParameters(list(self.model.parameters())):  # stage 3: full tensors; else no-op
@@ -128,7 +136,7 @@ class _EngineRun:
         return [{**{k: v for k, v in group.items() if k != "params"}, "params": list(names)}
                 for group, names in zip(optimizer.param_groups, self.group_names, strict=True)]
 
-    def load_state_dict(self, optimizer, model_state: dict, optimizer_state: dict) -> None:
+    def _load_state_dict(self, optimizer, model_state: dict, optimizer_state: dict) -> None:
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 

@@ -1,0 +1,159 @@
+"""What a strategy is: a `StrategySpec` (its name, `apply`, option checks, memory layout and capability flags)
+and the `Prepared` model that `apply` returns, which carries the strategy's own backward and step.
+
+The backend has one step path and never asks which strategy it has:
+
+    prepared.forward_backward(inputs, loss_terms, on_loss, sync, autocast)  # every micro-batch
+    grad_norm, applied = prepared.step(factor, skip, need_norm)           # once per optimizer step
+
+`Prepared` implements the torch-native default (normalise, clip, GradScaler unscale/step/update) in one
+place; an engine that owns backward and step (DeepSpeed, `parallel/deepspeed/`) overrides `backward`, `step`
+and the state dict; a pipeline schedule, which runs forward and backward together over all micro-batches of
+a step, overrides `forward_backward` (docs/architecture.md, "How a pipeline strategy plugs in").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from disttrain.config import Config
+    from disttrain.parallel.layout import MemoryLayout
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """Everything the rest of disttrain knows about one strategy. Config validation, the memory estimator,
+    `estimate-memory`, `verify` and the benchmarks read these fields and never name a strategy."""
+
+    name: str
+    apply: Callable[..., Prepared]
+    """apply(model, runtime, parallel_cfg) -> Prepared: wraps/shards the model on this rank."""
+    summary: str
+    """One line for `disttrain config --list` and the docs."""
+    memory: Callable[..., MemoryLayout]
+    """memory(shapes, cfg, world, rank) -> MemoryLayout: per-rank bytes of parameters, gradients and optimizer
+    state (see parallel/layout.py); `rank=None` means the most loaded rank."""
+    check: Callable[[Config, int], None] | None = None
+    """check(cfg, world): the strategy's own option checks, raising a one-line ConfigError. It receives the
+    whole config because some engines tie their options to the batch (DeepSpeed's JSON batch keys)."""
+    needs_group: bool = True
+    """Runs on a process group (formed even at world size 1, e.g. under `torchrun --nproc-per-node 1`)."""
+    max_world: int = 0
+    """Largest world size it runs on (0: any)."""
+    shards_parameters: bool = False
+    """Parameters are sharded across ranks (checkpoints go through DCP, one shard per rank)."""
+    options: frozenset[str] = frozenset()
+    """Strategy-specific `parallel.*` settings it reads; any other one set away from its default is an error."""
+    package: str = ""
+    """An optional dependency it needs (`pip install 'disttrain[<package>]'`); empty: none."""
+    aliases: tuple[str, ...] = ()
+    """Other names users type for it (turned into `name` when the config is read)."""
+    variants: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """(label, `--set` overrides) of the option sets the benchmarks measure separately (empty: the defaults)."""
+
+    def runs_on(self, world: int) -> bool:
+        return not self.max_world or world <= self.max_world
+
+
+@dataclass
+class Prepared:
+    """A model made ready for one strategy, with the torch-native backward and step.
+
+    module:   what forward/backward run on (e.g. the DDP wrapper).
+    model:    the plain user model underneath (state dicts, optimizer parameter groups, evaluation).
+    no_sync:  context manager for accumulation micro-batches whose gradients must not be reduced yet.
+    make_optimizer: builds the optimizer from the user's factory (strategies that shard optimizer
+              state wrap it here).
+    state_dict / load_state_dict: (model, optimizer) <-> a full, strategy-independent state (parameter
+              names as in the plain model; optimizer state keyed by those names), so a checkpoint saved
+              under one strategy and world size loads under any other.
+    """
+
+    module: torch.nn.Module
+    model: torch.nn.Module
+    no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    make_optimizer: Callable[[Callable[[Any], Any]], Any] | None = None
+    grads_averaged_over: int = 1
+    """Ranks whose gradients the strategy averages (DDP: world size); the step turns the mean back into a
+    sum before dividing by the global item count."""
+    info: dict[str, Any] = field(default_factory=dict)
+    state_dict: Callable[[Any], tuple[dict, dict]] | None = None
+    load_state_dict: Callable[[Any, dict, dict], None] | None = None
+    checkpoint_target: Callable[[str, Any, Any], Any] | None = None
+    """For sharded checkpoints: the tensor a saved tensor (key, global size, dtype) is loaded into
+    (None: a full tensor on every rank)."""
+    optimizer: Any = None
+    """Set by `build_optimizer`."""
+    scaler: Any = None
+    """fp16's loss scaler (None otherwise), set by `build_optimizer`."""
+    grad_clip: float = 0.0
+
+    def __post_init__(self):
+        if self.state_dict is None:
+            from disttrain.parallel.state import full_state_dict_fns
+
+            fns = full_state_dict_fns(self.model)
+            self.state_dict, self.load_state_dict = fns["state_dict"], fns["load_state_dict"]
+
+    def build_optimizer(self, factory: Callable[[Any], Any], grad_clip: float = 0.0, scaler=None):
+        """The optimizer the step drives (and the LR schedule is attached to)."""
+        self.grad_clip, self.scaler = grad_clip, scaler
+        self.optimizer = self.make_optimizer(factory) if self.make_optimizer else factory(self.model)
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        return self.optimizer
+
+    def forward_backward(self, inputs: Any, loss_terms: Callable, on_loss: Callable, sync: bool,
+                         autocast: contextlib.AbstractContextManager) -> tuple[torch.Tensor, torch.Tensor]:
+        """One micro-batch: forward and `loss_terms(outputs) -> (loss_sum, count)` under `autocast`, then
+        `on_loss(loss_sum, count)` (the backend's bookkeeping, before backward so that its all-reduce overlaps
+        it; it returns the tensor to back-propagate, e.g. the loss times fp16's scale), then backward.
+        `sync=False`: under `no_sync` (gradients stay local until the step's last micro-batch)."""
+        with contextlib.nullcontext() if sync else self.no_sync():
+            with autocast:
+                loss_sum, count = loss_terms(self.module(inputs))
+            self.backward(on_loss(loss_sum, count), sync)
+        return loss_sum, count
+
+    def backward(self, loss: torch.Tensor, sync: bool) -> None:
+        loss.backward()
+
+    def step(self, factor: float, skip: bool = False, need_norm: bool = True) -> tuple[float, bool]:
+        """Multiply the reduced gradients by `factor` (the global-mean normalisation), clip to `grad_clip`,
+        and step the optimizer unless `skip` or the gradients are non-finite; then clear them. Returns
+        (norm of the normalised gradients, applied); the norm is NaN when neither clipping, `need_norm` nor
+        the non-finite check needs it. The norm is the same on every rank (replicated gradients, or a norm
+        reduced over the shards)."""
+        import torch
+
+        optimizer, scaler = self.optimizer, self.scaler
+        if scaler is not None:
+            scaler.unscale_(optimizer)  # records inf/NaN (agreed across ranks, see precision.py)
+        grads = [p.grad for p in self._params if p.grad is not None]
+        norm = math.nan
+        if grads and (need_norm or self.grad_clip > 0):
+            # one pass: the norm of the raw sums gives the mean's norm (x factor); normalisation and the clip
+            # coefficient are applied together, to each rank's local shards (no DTensor dispatch)
+            raw = torch.nn.utils.get_total_norm(grads)
+            norm = (raw.full_tensor() if hasattr(raw, "full_tensor") else raw).item() * factor
+            if self.grad_clip > 0 and math.isfinite(norm):
+                factor *= min(1.0, self.grad_clip / (norm + 1e-6))
+        if grads and factor != 1.0:
+            torch._foreach_mul_([g.to_local() if hasattr(g, "to_local") else g for g in grads], factor)
+        if scaler is not None:
+            before = scaler.get_scale()
+            scaler.step(optimizer)  # skips when unscale_ found inf/NaN
+            scaler.update()
+            applied = scaler.get_scale() >= before
+        else:
+            applied = not skip and (math.isfinite(norm) or not (need_norm or self.grad_clip > 0))
+            if applied:
+                optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norm, applied
