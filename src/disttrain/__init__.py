@@ -1,10 +1,10 @@
 """disttrain: distributed PyTorch training that gives the same numbers on 1..N processes."""
 
-from disttrain.config import Config, ConfigError, load_config
+from disttrain._version import __version__
+from disttrain.config import Config, ConfigError, ParallelConfig, load_config
 
-__version__ = "0.1.0"
-
-__all__ = ["Config", "ConfigError", "load_config", "Trainer", "create_backend", "TrainingBackend", "__version__"]
+__all__ = ["Config", "ConfigError", "ParallelConfig", "load_config", "Trainer", "create_backend", "TrainingBackend",
+           "__version__"]
 
 
 def __getattr__(name):  # lazy: importing disttrain (e.g. for its config) must not import torch

@@ -468,6 +468,6 @@ def _finite_or_str(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 def _version() -> str:
-    from disttrain import __version__
+    from disttrain._version import __version__
 
     return __version__

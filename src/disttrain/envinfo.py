@@ -12,7 +12,7 @@ def env_report() -> dict[str, str]:
     import torch
     import torch.distributed as dist
 
-    import disttrain
+    from disttrain._version import __version__
     from disttrain.runtime import detect_launch
 
     launch = detect_launch(os.environ)
@@ -21,7 +21,7 @@ def env_report() -> dict[str, str]:
     cuda = torch.cuda.is_available()
     devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []
     return {
-        "disttrain": disttrain.__version__,
+        "disttrain": __version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "torch": torch.__version__,

@@ -267,9 +267,9 @@ def check_ranks_agree(cfg, runtime: Runtime) -> None:
         return
     import hashlib
 
-    import disttrain
+    from disttrain._version import __version__
 
-    facts = {"config": cfg.hash(), "disttrain version": disttrain.__version__, "torch version": torch.__version__}
+    facts = {"config": cfg.hash(), "disttrain version": __version__, "torch version": torch.__version__}
     mine = torch.tensor([int(hashlib.sha256(v.encode()).hexdigest()[:15], 16) for v in facts.values()],
                         dtype=torch.int64, device=runtime.device)
     everyone = [torch.empty_like(mine) for _ in range(runtime.world_size)]

@@ -231,7 +231,7 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _report(args, cfg, times: dict[str, dict[str, list[float]]]) -> None:
-    import disttrain
+    from disttrain._version import __version__
 
     med = {s: {loop: statistics.median(t) for loop, t in loops.items()} for s, loops in times.items()}
     rows, figures = [], {}
@@ -246,7 +246,7 @@ def _report(args, cfg, times: dict[str, dict[str, list[float]]]) -> None:
     result = {"strategies": figures, "ratio_disttrain_over_plain": figures[next(iter(figures))]["ratio_vs_plain"],
               "steps_per_loop": steps, "nproc": args.nproc, "micro_batch": args.micro,
               "global_batch": args.global_batch, "model": vars(cfg.model), "threads_per_rank": 1,
-              "torch": torch.__version__, "disttrain": disttrain.__version__,
+              "torch": torch.__version__, "disttrain": __version__,
               "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -259,7 +259,7 @@ def _report(args, cfg, times: dict[str, dict[str, list[float]]]) -> None:
         "Targets: ratio <= 1.02 for ddp, <= 1.03 for the other strategies.\n\n"
         f"{args.nproc} ranks x 1 thread, gloo; GPT {m.n_layer} layers, d_model {m.d_model}, seq_len "
         f"{m.seq_len}; micro-batch {args.micro}, global batch {args.global_batch}; {steps} timed steps per loop "
-        f"in {args.rounds} interleaved rounds; torch {torch.__version__}, disttrain {disttrain.__version__}, "
+        f"in {args.rounds} interleaved rounds; torch {torch.__version__}, disttrain {__version__}, "
         f"Python {platform.python_version()}.\n")
 
 
