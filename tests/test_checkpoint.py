@@ -146,7 +146,7 @@ def test_async_save_snapshots_the_state_and_surfaces_errors_later(tiny_disk):
 
 
 def test_a_large_state_is_split_over_files_written_and_verified_in_parallel(tmp_path, monkeypatch, caplog):
-    from disttrain import statefile
+    from disttrain.checkpoint import statefile
 
     monkeypatch.setattr(statefile, "PART_BYTES", 5000)  # parts of ~5 KB here (the 16 KB tensor is one part)
     manager = CheckpointManager(tmp_path)
@@ -206,7 +206,7 @@ def test_one_bit_in_a_large_file_is_caught(tmp_path):
 def test_files_interoperate_with_the_safetensors_library(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from disttrain.statefile import load_safetensors, write_safetensors
+    from disttrain.checkpoint.statefile import load_safetensors, write_safetensors
 
     tensors = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int16),
                "c": torch.ones(2, dtype=torch.bfloat16),

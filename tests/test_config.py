@@ -94,7 +94,7 @@ def test_valid_configs_pass():
 
 
 def test_docs_config_reference_is_current():
-    from disttrain.docs import config_reference
+    from disttrain.cli.docs import config_reference
 
     path = Path(__file__).resolve().parents[1] / "docs" / "config.md"
-    assert path.read_text() == config_reference(), "run: python -m disttrain.docs > docs/config.md"
+    assert path.read_text() == config_reference(), "run: python -m disttrain.cli.docs > docs/config.md"

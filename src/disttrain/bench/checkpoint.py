@@ -105,7 +105,7 @@ def _round(backend, state, flat, work: Path, i: int, sync, async_) -> dict[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from disttrain.statefile import flatten
+    from disttrain.checkpoint.statefile import flatten
 
     args = _args(argv)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP in one process: intended

@@ -5,7 +5,8 @@ Two tiers: `worker.py` + `group.py` (spawn workers, send them commands; usable o
 message format (JSON + safetensors; never pickle).
 """
 
-from disttrain.service.group import LocalLauncher, RemoteError, WorkerFailure, WorkerGroup
+from disttrain.service.group import RemoteError, WorkerFailure, WorkerGroup
+from disttrain.service.local_launcher import LocalLauncher
 from disttrain.service.service import ServiceOptions, TrainingService, WorkersRestarted
 from disttrain.service.wire import split_batch
 

@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from disttrain.service.group import LocalLauncher, RemoteError, WorkerFailure, WorkerGroup
+from disttrain.service.group import RemoteError, WorkerFailure, WorkerGroup
+from disttrain.service.local_launcher import LocalLauncher
 from disttrain.service.wire import concat, pack, rows, split_batch, unpack
 
 log = logging.getLogger(__name__)
@@ -164,7 +165,7 @@ class TrainingService:
 
     def _launcher(self):
         if self.options.backend == "ray":
-            from disttrain.service.ray_backend import RayLauncher
+            from disttrain.service.ray_launcher import RayLauncher
 
             return RayLauncher(self.options)
         return LocalLauncher(self.options.env, self.options.log_dir)

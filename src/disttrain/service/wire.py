@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from disttrain.statefile import flatten, unflatten
+from disttrain.checkpoint.statefile import flatten, unflatten
 
 MAGIC = b"DTW1"
 PREFIX = struct.Struct("!4sIQ")

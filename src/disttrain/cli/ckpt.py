@@ -7,8 +7,8 @@ from pathlib import Path
 
 from disttrain.checkpoint import MANIFEST, CheckpointManager, is_committed, parse_step
 from disttrain.checkpoint import verify as verify_folder
+from disttrain.checkpoint.statefile import ChecksumError
 from disttrain.config import CheckpointConfig, ConfigError, load_config
-from disttrain.statefile import ChecksumError
 
 
 def _checkpoints_dir(path: Path) -> Path:

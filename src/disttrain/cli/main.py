@@ -76,9 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     ds.add_argument("--nproc", type=int, help="world size the batch keys are computed for (default: dist.nproc)")
     ds.add_argument("-o", "--output", required=True, help="where to write the JSON, e.g. ds.json")
 
-    from disttrain import verify
+    from disttrain.cli.verify import add_arguments
 
-    verify.add_arguments(sub.add_parser("verify", help="the same job under several strategies vs 1 process"))
+    add_arguments(sub.add_parser("verify", help="the same job under several strategies vs 1 process"))
 
     bench = sub.add_parser("bench", help="benchmarks that print and save their figures")
     bench.add_argument("name", choices=["overhead", "checkpoint", "memory", "service"])
@@ -136,9 +136,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_ckpt(args: argparse.Namespace) -> int:
-    from disttrain import ckpt_tools
+    import disttrain.cli.ckpt
 
-    return getattr(ckpt_tools, args.ckpt_command)(Path(args.path), *([Path(args.out)] if "out" in args else []))
+    return getattr(disttrain.cli.ckpt, args.ckpt_command)(Path(args.path), *([Path(args.out)] if "out" in args else []))
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -161,9 +161,9 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from disttrain import verify
+    from disttrain.cli.verify import run
 
-    return verify.run(args)
+    return run(args)
 
 
 def cmd_estimate_memory(args: argparse.Namespace) -> int:
@@ -202,7 +202,7 @@ def cmd_deepspeed_config(args: argparse.Namespace) -> int:
 
 
 def cmd_env(args: argparse.Namespace) -> int:
-    from disttrain.envinfo import env_report
+    from disttrain.cli.env import env_report
 
     for key, value in env_report().items():
         print(f"{key + ':':<22} {value}")

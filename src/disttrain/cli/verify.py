@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     single = Trainer(reference).fit().losses
     modules = {registry.get(s).apply.__module__ for s in strategies}
     imports = sorted(m for m in modules if not m.startswith("disttrain."))
-    code = launch(args.nproc, ["disttrain.verify", str(out), ",".join(imports), *strategies], out)
+    code = launch(args.nproc, ["disttrain.cli.verify", str(out), ",".join(imports), *strategies], out)
     if code != 0:
         return code
     results = json.loads((out / "losses.json").read_text())
