@@ -23,11 +23,17 @@ def optimizer_factory(cfg: OptimConfig) -> OptimizerFactory:
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
         groups = [g for g in groups if g["params"]]
+        fused = _fused_supported(params)  # one kernel per step instead of a few passes (the numbers agree to ~1e-7)
         if cfg.name == "sgd":
-            return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.beta1)
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+            return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.beta1, fused=fused or None)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None)
 
     return build
+
+
+def _fused_supported(params: list[torch.Tensor]) -> bool:
+    """torch's fused optimizer kernels exist for floating-point parameters on CPU and CUDA."""
+    return bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
 
 
 def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float) -> Callable[[int], float]:

@@ -61,6 +61,15 @@ def _config(args: argparse.Namespace, strategy: str = "ddp"):
                               f"parallel.strategy={strategy}"])
 
 
+def _hand_written_adamw(model, optim):
+    """AdamW as the tutorials write it (torch's default implementation), with the same parameter groups and
+    hyper-parameters as disttrain's factory, which picks torch's fused kernel where there is one."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2))
+
+
 def _plain_setup(cfg, strategy: str):
     """(module, optimizer, no_sync) wired by hand with torch's own engines, as their tutorials do."""
     import contextlib
@@ -70,11 +79,9 @@ def _plain_setup(cfg, strategy: str):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from disttrain.models.gpt import GPT
-    from disttrain.optim import optimizer_factory
-
     torch.manual_seed(cfg.run.seed)
     model = GPT(cfg.model)
-    optimizer = optimizer_factory(cfg.optim)(model)
+    optimizer = _hand_written_adamw(model, cfg.optim)
     if strategy in ("ddp", "zero1"):
         module = DDP(model, bucket_cap_mb=cfg.parallel.bucket_cap_mb, gradient_as_bucket_view=True)
         if strategy == "zero1":
@@ -91,7 +98,7 @@ def _plain_setup(cfg, strategy: str):
     for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
-    optimizer = optimizer_factory(cfg.optim)(model)  # over the sharded parameters
+    optimizer = _hand_written_adamw(model, cfg.optim)  # over the sharded parameters
 
     @contextlib.contextmanager
     def no_sync():
@@ -110,11 +117,11 @@ def _plain_deepspeed_loop(cfg, runtime, train, sampler):
 
     from disttrain.data import fetch, split_micro
     from disttrain.models.gpt import GPT
-    from disttrain.optim import optimizer_factory, scheduler_factory
+    from disttrain.optim import scheduler_factory
 
     torch.manual_seed(cfg.run.seed)
     model = GPT(cfg.model)
-    optimizer = optimizer_factory(cfg.optim)(model)
+    optimizer = _hand_written_adamw(model, cfg.optim)
     d = cfg.data
     accum = d.global_batch_size // (d.micro_batch_size * runtime.world_size)
     config = {"train_micro_batch_size_per_gpu": d.micro_batch_size, "gradient_accumulation_steps": accum,

@@ -105,6 +105,8 @@ class Prepared:
     def build_optimizer(self, factory: Callable[[Any], Any], grad_clip: float = 0.0, scaler=None):
         """The optimizer the step drives (and the LR schedule is attached to)."""
         self.grad_clip, self.scaler = grad_clip, scaler
+        if scaler is not None:  # the sharded GradScaler hands fused kernels a found_inf of shape [1]: refused
+            factory = unfused(factory)
         self.optimizer = self.make_optimizer(factory) if self.make_optimizer else factory(self.model)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         return self.optimizer
@@ -157,3 +159,27 @@ class Prepared:
                 optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return norm, applied
+
+
+def unfused(factory: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`factory`, but with torch's fused optimizer kernel (optim.py picks it where torch has one) turned off, for
+    where it cannot run: the optimizer is rebuilt (before any step, so with no state) with torch's default
+    implementation, the same numbers to ~1e-7."""
+
+    def build(model):
+        optimizer = factory(model)
+        if not optimizer.defaults.get("fused"):
+            return optimizer
+        groups = [{**group, "fused": None} for group in optimizer.param_groups]
+        return type(optimizer)(groups, **{**optimizer_kwargs(optimizer), "fused": None})
+
+    return build
+
+
+def optimizer_kwargs(optimizer) -> dict[str, Any]:
+    """The constructor arguments among `optimizer.defaults` (which may also hold internal keys), to build another
+    optimizer of the same class and settings."""
+    import inspect
+
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return {k: v for k, v in optimizer.defaults.items() if k in accepted}

@@ -7,15 +7,13 @@ consolidated on rank 0 and renamed from ZeRO's parameter indices to parameter na
 
 from __future__ import annotations
 
-import inspect
-
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from disttrain.parallel import ddp as ddp_strategy
 from disttrain.parallel import layout
-from disttrain.parallel.spec import Prepared, StrategySpec
+from disttrain.parallel.spec import Prepared, StrategySpec, optimizer_kwargs
 
 
 def apply(model: nn.Module, runtime, cfg) -> Prepared:
@@ -27,9 +25,7 @@ def apply(model: nn.Module, runtime, cfg) -> Prepared:
         inner = factory(model)  # the user's optimizer, used for its class, groups and defaults only
         groups = [dict(group) for group in inner.param_groups]
         order.extend(p for group in groups for p in group["params"])
-        accepted = inspect.signature(type(inner).__init__).parameters  # defaults may hold internal keys
-        defaults = {k: v for k, v in inner.defaults.items() if k in accepted}
-        return ZeroRedundancyOptimizer(groups, optimizer_class=type(inner), **defaults)
+        return ZeroRedundancyOptimizer(groups, optimizer_class=type(inner), **optimizer_kwargs(inner))
 
     def state_dict(optimizer):
         optimizer.consolidate_state_dict(to=0)  # collective; only rank 0 receives (and saves) the state

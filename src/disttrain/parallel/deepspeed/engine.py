@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from disttrain.parallel.deepspeed.config import DeepSpeedConfig
-from disttrain.parallel.spec import Prepared
+from disttrain.parallel.spec import Prepared, unfused
 from disttrain.precision import update_scale
 
 
@@ -65,7 +65,7 @@ class EnginePrepared(Prepared):
 
     def build_optimizer(self, factory, grad_clip: float = 0.0, scaler=None):
         self.grad_clip, self.scaler = grad_clip, scaler
-        optimizer = factory(self.model)
+        optimizer = unfused(factory)(self.model)  # torch's fused kernels refuse the engine's tensors
         names = {p: n for n, p in self.params.items()}
         self.group_names = [[names[p] for p in group["params"]] for group in optimizer.param_groups]
         numel = sum(p.numel() for p in self.params.values() if p.requires_grad)
