@@ -26,6 +26,7 @@ from torch import nn
 
 from disttrain.config import DistConfig, ParallelConfig
 from disttrain.data import IGNORE_INDEX
+from disttrain.errors import UserError
 from disttrain.optim import OptimizerFactory
 from disttrain.parallel import Prepared, get_strategy, resolve
 from disttrain.parallel.blocks import apply_activation_checkpointing
@@ -77,7 +78,7 @@ def _batch_size(batch: Any) -> int:
     return len(model_inputs(batch))
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(UserError, RuntimeError):
     """Training produced a non-finite loss or gradient (or too many skipped steps); the message says where."""
 
 

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain.config import CheckpointConfig
+from disttrain.errors import UserError
 from disttrain.runtime import Runtime
 from disttrain.shardfile import load_sharded, save_sharded, tensor_metadata
 from disttrain.statefile import (
@@ -64,7 +65,7 @@ log = logging.getLogger(__name__)
 COMMIT, MANIFEST, LATEST = "COMMITTED", "manifest.json", "latest"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint could not be saved or no valid checkpoint could be loaded; the message says why."""
 
 

@@ -19,14 +19,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from disttrain.errors import UserError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A user mistake in the configuration. The message is one line: setting, value, fix."""
+
+    exit_code = 2
 
 
 @dataclass
@@ -121,7 +125,10 @@ class ParallelConfig:
     """`auto` (`single` on one process, `ddp` on more), `single`, `ddp`, `zero1`, `zero2`, `fsdp` (alias
     `zero3`), `hsdp`, or `deepspeed` (DeepSpeed's engine; `pip install 'disttrain[deepspeed]'`)."""
     precision: str = "fp32"
-    """`fp32`, `bf16-mixed`, `fp16-mixed` (with dynamic loss scaling) or `bf16-true` (see precision.py)."""
+    """`fp32`, `bf16-mixed`, `fp16-mixed` (with dynamic loss scaling) or `bf16-true` (see precision.py). The
+    spellings of Lightning Fabric and Accelerate are accepted and turned into these names when the config is
+    read: `bf16` -> `bf16-mixed`; `16`, `16-mixed`, `fp16` -> `fp16-mixed`; `32`, `32-true`, `no` -> `fp32`
+    (float16 weights, Fabric's `16-true`, have no equivalent here)."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB."""
     gradient_as_bucket_view: bool = True
@@ -180,8 +187,9 @@ class DistConfig:
     device: str = "auto"
     """`auto` (cuda:LOCAL_RANK when a GPU is present, else cpu), `cpu` or `cuda`."""
     timeout_s: float = 300.0
-    """Collective timeout and watchdog limit in seconds: a rank that makes no progress for this long (after
-    the first step) ends the job, and the summary names it, instead of a silent hang."""
+    """Watchdog limit in seconds: a rank that makes no progress for this long (after the first step) ends the
+    job, and the summary names it, instead of a silent hang. Collectives time out later, after
+    `timeout_s + startup_timeout_s` (a backstop when no disttrain launcher watches, e.g. plain torchrun)."""
     startup_timeout_s: float = 900.0
     """The same limit until the first step completes (start-up, data loading, compilation are slower)."""
     shutdown_grace_s: float = 60.0
@@ -272,8 +280,35 @@ def _field_types(section_cls: type) -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
 
 
+PRECISION_MEANINGS: dict[str, str] = {
+    "fp32": "float32 weights and compute",
+    "bf16-mixed": "float32 weights, forward under bfloat16 autocast",
+    "fp16-mixed": "float32 weights, forward under float16 autocast with dynamic loss scaling",
+    "bf16-true": "bfloat16 weights, optimizer state and compute",
+}
+"""The canonical precisions (precision.PRECISIONS, which a test keeps equal) and what each one means."""
+
+PRECISION_ALIASES: dict[str, str] = {
+    "bf16": "bf16-mixed", "16": "fp16-mixed", "16-mixed": "fp16-mixed", "fp16": "fp16-mixed",
+    "32": "fp32", "32-true": "fp32", "no": "fp32",
+}
+"""Lightning Fabric's and Accelerate's spellings, accepted at the user's boundary (config files, --set)."""
+
+
+def canonical_precision(value: str) -> str:
+    """The canonical name of a precision spelling; ConfigError saying what each option means otherwise."""
+    name = value.strip().lower()
+    name = PRECISION_ALIASES.get(name, name)
+    if name in PRECISION_MEANINGS:
+        return name
+    options = "; ".join(f"'{k}' = {v}" for k, v in PRECISION_MEANINGS.items())
+    hint = " (float16 weights have no mode here)" if "16" in name and "true" in name else ""
+    raise ConfigError(f"parallel.precision = {value!r} is not known{hint}; choose by meaning: {options}")
+
+
 def set_value(cfg: Config, dotted: str, value: Any) -> None:
-    """Set `section.key` on `cfg`, checking the names and coercing the value to the field's type."""
+    """Set `section.key` on `cfg`, checking the names and coercing the value to the field's type; an
+    accepted alias (e.g. a precision's) becomes its canonical name here."""
     section, _, key = dotted.partition(".")
     if section not in SECTIONS or not key:
         raise ConfigError(f"unknown setting '{dotted}': {_suggest(section, list(SECTIONS))}")
@@ -281,7 +316,10 @@ def set_value(cfg: Config, dotted: str, value: Any) -> None:
     if key not in types:
         names = list(types)
         raise ConfigError(f"unknown setting '{dotted}': {_suggest(key, names)} (section [{section}])")
-    setattr(getattr(cfg, section), key, _coerce(dotted, value, types[key]))
+    value = _coerce(dotted, value, types[key])
+    if dotted == "parallel.precision":
+        value = canonical_precision(value)
+    setattr(getattr(cfg, section), key, value)
 
 
 def _parse_override(text: str) -> tuple[str, Any]:
@@ -409,7 +447,10 @@ def validate(cfg: Config, gpu_count: int = 0, world: int | None = None) -> None:
     from disttrain.parallel import STRATEGIES
     from disttrain.precision import PRECISIONS
 
+    # first: the world size divides the batch below
+    _check(cfg.dist.nproc >= 1, f"dist.nproc = {cfg.dist.nproc}: must be >= 1; use --nproc 1 or more")
     world = world_size(cfg) if world is None else world
+    _check(world >= 1, f"world size {world}: must be >= 1; use --nproc 1 or more")
     for key, options in CHOICES.items():
         section, name = key.split(".")
         _check_choice(key, getattr(getattr(cfg, section), name), options)
@@ -418,7 +459,10 @@ def validate(cfg: Config, gpu_count: int = 0, world: int | None = None) -> None:
     _validate_data(cfg, world)
     _validate_optim_train(cfg)
     _check_choice("parallel.strategy", cfg.parallel.strategy, ["auto", *STRATEGIES])
-    _check_choice("parallel.precision", cfg.parallel.precision, list(PRECISIONS))
+    if cfg.parallel.precision not in PRECISIONS:  # set in Python, not through the config's parser
+        canonical_precision(cfg.parallel.precision)  # raises for an unknown name, saying what each means
+        raise ConfigError(f"parallel.precision = {cfg.parallel.precision!r}: use the canonical name "
+                          f"'{canonical_precision(cfg.parallel.precision)}'")
     _check(not (cfg.parallel.strategy == "single" and world > 1),
            f"parallel.strategy = 'single' runs one process but dist.nproc = {world}; "
            "use parallel.strategy = 'ddp' (or 'auto') or --nproc 1")

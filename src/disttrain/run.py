@@ -10,10 +10,9 @@ import argparse
 import logging
 import sys
 
-from disttrain.backend import NonFiniteError
-from disttrain.checkpoint import CheckpointError
-from disttrain.config import ConfigError, load_config
-from disttrain.runtime import Preempted, exit_process
+from disttrain.config import load_config
+from disttrain.errors import exit_code_and_message
+from disttrain.runtime import exit_process
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,20 +25,13 @@ def main(argv: list[str] | None = None) -> int:
         from disttrain.trainer import Trainer
 
         Trainer(load_config(args.config, args.overrides)).fit()
-    except ConfigError as exc:
-        print(f"disttrain: error: {exc}", file=sys.stderr)
-        return 2
-    except (CheckpointError, NonFiniteError) as exc:
-        print(f"disttrain: error: {exc}", file=sys.stderr)
-        return 1
-    except Preempted as exc:
-        print(f"disttrain: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except MemoryError as exc:  # torch.OutOfMemoryError is a MemoryError too
-        print(f"disttrain: error: out of memory ({exc}); lower data.micro_batch_size, set "
-              "parallel.activation_checkpointing = true, use a sharded strategy or parallel.cpu_offload, and see "
-              "`disttrain estimate-memory`", file=sys.stderr)
-        return 1
+    except Exception as exc:
+        known = exit_code_and_message(exc)
+        if known is None:
+            raise
+        code, line = known
+        print(line, file=sys.stderr)
+        return code
     return 0
 
 

@@ -1,0 +1,34 @@
+"""How a failure reaches the user: the exit code and the one line both entry points print.
+
+The bottom layer (imports nothing of disttrain, nor torch): `ConfigError`, `CheckpointError`,
+`NonFiniteError` and `Preempted` derive from `UserError`, so `cli.py` and `run.py` map them without
+importing the modules that raise them. Out-of-memory errors are recognised by class: `MemoryError`
+(host) and `torch.OutOfMemoryError`, which is a `RuntimeError`, not a `MemoryError`.
+"""
+
+from __future__ import annotations
+
+OOM_ADVICE = ("lower data.micro_batch_size, set parallel.activation_checkpointing = true, use a sharded strategy "
+              "or parallel.cpu_offload, and see `disttrain estimate-memory`")
+
+
+class UserError(Exception):
+    """A failure the user can act on: printed as one line (no traceback), the process exits `exit_code`."""
+
+    exit_code: int = 1
+    prefix: str = "disttrain: error: "
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, MemoryError) or any(c.__name__ == "OutOfMemoryError" for c in type(exc).__mro__)
+
+
+def exit_code_and_message(exc: BaseException) -> tuple[int, str] | None:
+    """(exit code, line to print) for a failure the user can act on; None for anything else (a bug: let its
+    traceback show)."""
+    if isinstance(exc, UserError):
+        return exc.exit_code, f"{exc.prefix}{exc}"
+    if is_out_of_memory(exc):
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return 1, f"disttrain: error: out of memory ({first}); {OOM_ADVICE}"
+    return None
