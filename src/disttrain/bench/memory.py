@@ -50,8 +50,9 @@ def _config(args, strategy: str, checkpointing: bool, extra: tuple[str, ...] = (
 def _variants(args, world: int) -> list[tuple[str, str, bool, tuple[str, ...]]]:
     """(label, strategy, activation checkpointing, config overrides) for each run at `world` ranks."""
     chosen = args.strategies.split(",")
-    out = [(s, s, ac, ()) for s in STRATEGIES if s in chosen and not (s == "single" and world > 1)
-           for ac in (False, True)]
+    # hsdp with shard groups of 1 rank (replicated across them): at 2 ranks it differs from fsdp
+    out = [(s, s, ac, ("parallel.hsdp_shard_size=1",) if s == "hsdp" else ()) for s in STRATEGIES
+           if s in chosen and not (s == "single" and world > 1) for ac in (False, True)]
     if "deepspeed" not in chosen or importlib.util.find_spec("deepspeed") is None or args.precision == "bf16-true":
         return out  # deepspeed is an optional extra, and refuses bf16-true
     ds_json = Path(args.out) / "memory_deepspeed.json"
