@@ -119,3 +119,43 @@ def test_user_model_factory_trains_from_the_cli(tmp_path, monkeypatch, capsys):
     assert len(losses) == 30 and losses[-1] < losses[0] - 1.0
     assert main([*args[:2], "model.name=tiny_models:not_a_module"]) == 2
     assert "returned str, not a torch.nn.Module" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("nproc", ["0", "-1"])
+def test_nproc_below_one_is_one_line_exit_2(tmp_path, nproc):
+    result = run_cli(["train", "--nproc", nproc], tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == f"disttrain: error: dist.nproc = {nproc}: must be >= 1; use --nproc 1 or more"
+    assert not (tmp_path / "runs").exists()
+
+
+def test_config_command_validates(tmp_path):
+    (tmp_path / "my.toml").write_text('[parallel]\nstrategy = "fsdp2"\n')
+    result = run_cli(["config", "my.toml"], tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip() == "disttrain: error: parallel.strategy = 'fsdp2' is not known; did you mean 'fsdp'?"
+    ok = run_cli(["config", "--set", "parallel.precision=bf16"], tmp_path)
+    assert ok.returncode == 0 and 'precision = "bf16-mixed"' in ok.stdout
+
+
+def test_exit_codes_come_from_one_function():
+    """Both entry points (cli.main, run.main) print what errors.exit_code_and_message says."""
+    import torch
+
+    from disttrain.checkpoint import (
+        CheckpointError,
+        CheckpointManager,  # noqa: F401 - the public home of CheckpointError
+    )
+    from disttrain.config import ConfigError
+    from disttrain.errors import exit_code_and_message
+    from disttrain.runtime import Preempted
+
+    assert exit_code_and_message(ConfigError("x = 1; fix")) == (2, "disttrain: error: x = 1; fix")
+    assert exit_code_and_message(CheckpointError("bad")) == (1, "disttrain: error: bad")
+    assert exit_code_and_message(Preempted(3, signal.SIGINT)) == (130, "disttrain: stopped by SIGINT after step 3")
+    for oom in (torch.OutOfMemoryError("CUDA out of memory. Tried 2 GiB\nmore"), MemoryError()):
+        code, line = exit_code_and_message(oom)
+        assert code == 1 and line.startswith("disttrain: error: out of memory (") and "estimate-memory" in line
+        assert "\n" not in line
+    assert exit_code_and_message(RuntimeError("a bug")) is None  # a bug keeps its traceback
+    assert exit_code_and_message(KeyError("k")) is None

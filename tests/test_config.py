@@ -48,7 +48,6 @@ def test_bad_names_and_types_are_named(override, message):
      r"data.global_batch_size = 30 is not divisible by .* 4 x 2 = 8; .*multiple of 8 \(e.g. 24 or 32\)"),
     (["parallel.strategy=dpp"], 1, 0, "did you mean 'ddp'"),
     (["parallel.strategy=single"], 2, 0, "use parallel.strategy = 'ddp'"),
-    (["parallel.precision=fp64"], 1, 0, "parallel.precision = 'fp64' is not known"),
     (["train.steps=0"], 1, 0, "train.steps = 0: must be > 0"),
     (["data.source=/nonexistent/file.txt"], 1, 0, "file not found"),
     (["model.d_model=100", "model.n_head=3"], 1, 0, "not divisible by model.n_head"),
@@ -98,3 +97,34 @@ def test_docs_config_reference_is_current():
 
     path = Path(__file__).resolve().parents[1] / "docs" / "config.md"
     assert path.read_text() == config_reference(), "run: python -m disttrain.cli.docs > docs/config.md"
+
+
+@pytest.mark.parametrize("spelling, canonical", [
+    ("bf16", "bf16-mixed"), ("bf16-mixed", "bf16-mixed"), ("16", "fp16-mixed"), ("16-mixed", "fp16-mixed"),
+    ("fp16", "fp16-mixed"), ("32", "fp32"), ("32-true", "fp32"), ("fp32", "fp32"), ("no", "fp32"),
+    ("bf16-true", "bf16-true")])
+def test_precision_aliases_become_the_canonical_name_when_read(tmp_path, spelling, canonical):
+    assert load_config(None, [f"parallel.precision={spelling}"]).parallel.precision == canonical
+    path = tmp_path / "c.toml"
+    path.write_text(f'[parallel]\nprecision = "{spelling}"\n')
+    assert load_config(path).parallel.precision == canonical
+
+
+@pytest.mark.parametrize("spelling", ["half", "16-true", "fp16-true", "fp64"])
+def test_unknown_precision_is_explained_by_meaning(spelling):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"parallel.precision={spelling}"])
+    message = str(err.value)
+    assert "did you mean" not in message and "\n" not in message
+    assert "'bf16-mixed' = float32 weights, forward under bfloat16 autocast" in message
+    assert "'bf16-true' = bfloat16 weights" in message
+    cfg = Config()
+    cfg.parallel.precision = spelling  # set in Python, past the parser: validate says the same
+    with pytest.raises(ConfigError, match="is not known.*choose by meaning"):
+        validate(cfg)
+
+
+def test_precision_meanings_cover_exactly_the_policies():
+    from disttrain.precision import PRECISION_MEANINGS, PRECISIONS
+
+    assert tuple(PRECISION_MEANINGS) == PRECISIONS

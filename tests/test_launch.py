@@ -55,6 +55,22 @@ def test_out_of_memory_is_named_with_advice(tmp_path):
     assert "estimate-memory" in result.stderr and "activation_checkpointing" in result.stderr
 
 
+@pytest.mark.parametrize("entry", ["train", "run"])
+def test_out_of_memory_in_one_process_is_one_line_with_advice(tmp_path, entry):
+    """A real torch.OutOfMemoryError (a RuntimeError, not a MemoryError) raised by the model's forward, in
+    `disttrain train --nproc 1` (the CLI's handler) and in `python -m disttrain.run` (the worker's)."""
+    args = ["--set", f"run.out_dir={tmp_path}", "--set", "run.name=oom", "--set", "train.steps=5", *JOB]
+    env = {**cli_env(tmp_path), "FAULT": "oom", "FAULT_RANK": "0", "FAULT_STEP": "3"}
+    command = DISTTRAIN + ["train", "--nproc", "1", *args] if entry == "train" else \
+        [sys.executable, "-m", "disttrain.run", *args]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    line = [x for x in result.stderr.splitlines() if x.startswith("disttrain: error:")]
+    assert len(line) == 1 and "out of memory (injected: cannot allocate 64 GiB)" in line[0]
+    assert "micro_batch_size" in line[0] and "estimate-memory" in line[0]
+
+
 def test_a_hung_rank_is_named_within_timeout(tmp_path):
     start = time.monotonic()
     result = run_cli(_job(tmp_path, "hang", 20, "--set", "dist.timeout_s=20"), tmp_path, timeout=90,

@@ -20,13 +20,24 @@ def measured(tmp_path_factory):
     return json.loads((out / "memory.json").read_text())
 
 
-def test_estimate_within_10_percent_of_measurement_for_every_strategy(measured):
+TOLERANCE = 0.001
+"""Relative error allowed (fp32 on CPU): the torch-native strategies measure 0.0%, DeepSpeed's offload 0.01%."""
+
+
+def tolerance(strategy: str, kind: str) -> float:
+    # DeepSpeed ZeRO-3's gradient partitions (flat buffers padded per rank, plus small parameters kept whole)
+    # are estimated within 2.4% (measured: 2.36%, and 1.60% with offload), not exactly
+    return 0.03 if strategy.startswith("deepspeed-z3") and kind == "grads" else TOLERANCE
+
+
+def test_estimate_matches_measurement_for_every_strategy(measured):
     seen = set()
     for row in measured["rows"]:
         seen.add((row["world"], row["strategy"], row["ac"]))
         for kind in ("params", "grads", "optimizer", "activations"):
             est, meas = row["estimated"][kind], row["measured"][kind]
-            assert meas > 0 and abs(est - meas) <= 0.10 * meas, (row["strategy"], row["world"], kind, est, meas)
+            assert meas > 0 and abs(est - meas) <= tolerance(row["strategy"], kind) * meas, \
+                (row["strategy"], row["world"], kind, est, meas)
     strategies = {"ddp", "zero1", "zero2", "fsdp", "hsdp"}
     assert {(w, s, ac) for w in (1, 2) for s in strategies for ac in (False, True)} <= seen
     assert (1, "single", False) in seen
@@ -49,7 +60,7 @@ def measured_16bit(tmp_path_factory):
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
-def test_estimate_within_10_percent_in_16_bits(measured_16bit, measured, precision):
+def test_estimate_matches_measurement_in_16_bits(measured_16bit, measured, precision):
     """Autocast saves 16-bit weight copies (unless FSDP2 gathers in 16 bits, or DeepSpeed ZeRO-3's linear
     saves the parameter), bf16-true halves nearly everything: the estimate follows each case."""
     rows = measured_16bit[precision]
@@ -57,7 +68,9 @@ def test_estimate_within_10_percent_in_16_bits(measured_16bit, measured, precisi
     for row in rows:
         for kind in ("params", "grads", "optimizer", "activations"):
             est, meas = row["estimated"][kind], row["measured"][kind]
-            assert meas > 0 and abs(est - meas) <= 0.10 * meas, (row["strategy"], row["world"], kind, est, meas)
+            # bf16-mixed's autocast caches are estimated within 1% (measured 0.97%), the rest exactly
+            allowed = max(0.015 if precision == "bf16-mixed" else 0.0, tolerance(row["strategy"], kind))
+            assert meas > 0 and abs(est - meas) <= allowed * meas, (row["strategy"], row["world"], kind, est, meas)
     fp32 = {(r["strategy"], r["world"], r["ac"]): r["measured"] for r in measured["rows"]}
     ddp = next(r["measured"] for r in rows if r["strategy"] == "ddp" and r["world"] == 2 and not r["ac"])
     assert ddp["activations"] < 0.75 * fp32["ddp", 2, False]["activations"]
@@ -104,7 +117,8 @@ def test_estimate_memory_command_compares_strategies_against_a_budget(capsys):
         ds = next(line.split() for line in out.splitlines() if line.startswith("deepspeed "))
         assert float(ds[6]) < float(rows["ddp"].split()[6]) and ds[-1] in ("yes", "AC", "no")
     cfg = load_config(None, ["model.n_layer=12", "model.d_model=256"])
-    assert estimate(cfg, 2, "fsdp").params * 2 >= estimate(cfg, 2, "ddp").params  # padding only rounds up
+    fsdp, ddp = estimate(cfg, 2, "fsdp").params, estimate(cfg, 2, "ddp").params
+    assert ddp / 2 <= fsdp <= ddp / 2 * 1.01  # half each, padding only rounds up (a row per 2-row shard at most)
 
 
 def test_deepspeed_estimate_follows_the_zero_stage():

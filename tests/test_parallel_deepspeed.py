@@ -7,13 +7,17 @@ import subprocess
 import sys
 
 import pytest
+from safetensors.torch import load_file
 
 from conftest import SCRIPTS, cli_env, run_cli
 from disttrain.config import ConfigError, load_config
 from disttrain.parallel.deepspeed.config import DeepSpeedConfig
 
+sys.path.insert(0, str(SCRIPTS))
+
 STAGES = ["deepspeed+stage0", "deepspeed+stage1", "deepspeed+stage2", "deepspeed+stage3",
           "deepspeed+stage2+offload", "deepspeed+stage3+offload"]
+UNCLIPPED = ["deepspeed+stage0+sgd+noclip", "deepspeed+stage2+sgd+noclip", "deepspeed+stage3+sgd+noclip"]
 RESUMES = ["deepspeed+stage2>ddp", "ddp>deepspeed+stage3"]  # trained to step 10 under A, resumed under B
 BF16 = "deepspeed+stage2+bf16"  # autocast around the engine, fp32 weights: within bf16-mixed's tolerance
 # fp16-mixed: autocast, fp32 weights, disttrain's dynamic loss scale driving the engine's: the same numbers as
@@ -27,15 +31,33 @@ def results(tmp_path_factory):
     pytest.importorskip("deepspeed")
     tmp = tmp_path_factory.mktemp("deepspeed")
     script = str(SCRIPTS / "strategy_parity.py")
-    single = subprocess.run([sys.executable, script, str(tmp), "single"], cwd=tmp, env=cli_env(tmp),
+    single = subprocess.run([sys.executable, script, str(tmp), "single", "plain", "plain+sgd+noclip"], cwd=tmp,
+                            env=cli_env(tmp),
                             capture_output=True, text=True, timeout=120)
     assert single.returncode == 0, single.stderr
     # no native op is compiled: the client optimizer is torch's, and the strategy skips DeepSpeed's shm_comm
     multi = run_cli(["launch", "--nproc", "2", "--run-dir", str(tmp / "launch"), script, str(tmp), *STAGES,
-                     *RESUMES, BF16, *FP16], tmp, timeout=400)
+                     *UNCLIPPED, *RESUMES, BF16, *FP16], tmp, timeout=400)
     assert multi.returncode == 0, multi.stderr[-3000:]
     assert "shm_comm_op built" not in multi.stdout + multi.stderr  # no ~50 s compile on a machine's first run
-    return json.loads((tmp / "1.json").read_text())["single"], json.loads((tmp / "2.json").read_text())
+    one, two = json.loads((tmp / "1.json").read_text()), json.loads((tmp / "2.json").read_text())
+    for world, runs in ((1, one), (2, two)):
+        for variant, run in runs.items():
+            run["params"] = load_file(tmp / str(world) / f"{variant}.safetensors")
+    two["plain"], two["plain+sgd+noclip"] = one["plain"], one["plain+sgd+noclip"]
+    return one["single"], two
+
+
+@pytest.mark.parametrize("variant", STAGES + UNCLIPPED)
+def test_zero_stage_matches_plain_torch(results, variant):
+    """Loss, grad norm and final parameters against the plain-torch loop (tests/scripts/plain_reference.py)."""
+    from plain_reference import Reference, compare
+
+    _, two = results
+    plain = two["plain+sgd+noclip" if "+sgd+noclip" in variant else "plain"]
+    problems = compare(two[variant]["losses"], two[variant]["grad_norms"], two[variant]["params"],
+                       Reference(plain["losses"], plain["grad_norms"], plain["params"]))
+    assert not problems, "; ".join(problems)
 
 
 @pytest.mark.parametrize("variant", STAGES)

@@ -20,18 +20,30 @@ JOB = ["model.n_layer=2", "model.d_model=64", "model.seq_len=32", "data.global_b
 TOLERANCE = {"bf16-mixed": 0.02, "bf16-true": 0.1, "fp16-mixed": 0.15}
 
 
+# (dtype of the parameters, dtype of the logits the forward computes) under each policy
+DTYPES = {"bf16-mixed": (torch.float32, torch.bfloat16), "bf16-true": (torch.bfloat16, torch.bfloat16),
+          "fp16-mixed": (torch.float32, torch.float16)}
+
+
 @pytest.fixture(scope="module")
-def fp32_eval(tmp_path_factory):
+def fp32(tmp_path_factory):
     cfg = load_config(None, [*JOB, f"run.out_dir={tmp_path_factory.mktemp('fp32')}"])
-    return Trainer(cfg).fit().eval_losses[40]
+    return Trainer(cfg).fit()
 
 
 @pytest.mark.parametrize("precision", list(TOLERANCE))
-def test_mixed_precision_trains_within_tolerance_of_fp32(precision, fp32_eval, tmp_path):
+def test_mixed_precision_trains_within_tolerance_of_fp32(precision, fp32, tmp_path):
     cfg = load_config(None, [*JOB, f"run.out_dir={tmp_path}", f"parallel.precision={precision}"])
-    result = Trainer(cfg).fit()
+    trainer = Trainer(cfg)
+    result = trainer.fit()
     assert result.losses[-1] < result.losses[0] - 2.0
-    assert abs(result.eval_losses[40] - fp32_eval) <= TOLERANCE[precision]
+    assert abs(result.eval_losses[40] - fp32.eval_losses[40]) <= TOLERANCE[precision]
+    # the policy was applied, not ignored: other numbers than fp32's, computed in the policy's dtypes
+    assert max(abs(a - b) for a, b in zip(result.losses, fp32.losses, strict=True)) > 1e-4
+    param_dtype, compute_dtype = DTYPES[precision]
+    assert {p.dtype for p in trainer.backend.model.parameters()} == {param_dtype}
+    logits = trainer.backend.forward(torch.zeros(2, 8, dtype=torch.long))
+    assert logits.dtype == compute_dtype
 
 
 # deepspeed (optional extra): the engine checks its own gradient partitions; disttrain's scaler drives the scale

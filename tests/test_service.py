@@ -20,6 +20,7 @@ from disttrain.service.wire import TOKEN_ENV, Connection, WireError, decode, enc
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 import service_job as job  # noqa: E402
+from plain_reference import compare  # noqa: E402
 
 STEPS = 20
 
@@ -30,16 +31,32 @@ def reference() -> list[float]:
     return job.reference(STEPS)
 
 
+@pytest.fixture(scope="module")
+def plain():
+    """The plain-torch loop's losses, grad norms and final parameters (tests/scripts/plain_reference.py)."""
+    torch.set_num_threads(1)
+    return job.plain(STEPS)
+
+
+def assert_matches_plain(losses, grad_norms, weights, plain) -> None:
+    problems = compare(losses, grad_norms, weights, plain)
+    assert not problems, "; ".join(problems)
+
+
 async def start(strategy="ddp", procs=2, **options):
     return await TrainingService.options(procs=procs, threads=1, **options).as_service(
         "gpt", model_args=job.MODEL, optimizer=job.OPTIM, strategy=strategy, seed=job.SEED)
 
 
-async def train(service, start_step: int, steps: int) -> list[float]:
+async def train(service, start_step: int, steps: int, grad_norms: list | None = None) -> list[float]:
+    """Losses of steps start_step+1..steps; their grad norms are appended to `grad_norms` when given."""
     losses = []
     for batch in job.batches(steps, start_step):
         await service.forward_backward(batch)
-        losses.append((await service.optim_step())["loss"])
+        out = await service.optim_step()
+        losses.append(out["loss"])
+        if grad_norms is not None:
+            grad_norms.append(out["grad_norm"])
     return losses
 
 
@@ -129,15 +146,17 @@ def test_worker_rejects_a_pickle_and_tensors_that_are_not_safetensors(tmp_path):
 # -- parity, checkpoints, utilities ----------------------------------------------------------------
 
 
-def test_service_ddp_matches_reference_saves_loads_and_runs_collectives(tmp_path, reference):
+def test_service_ddp_matches_reference_saves_loads_and_runs_collectives(tmp_path, reference, plain):
     async def scenario():
         service = await start("ddp")
         try:
-            first = await train(service, 0, 10)
+            norms = []
+            first = await train(service, 0, 10, norms)
             saved = await service.save(tmp_path / "ckpt")
             assert Path(saved).name == "step_10" and (Path(saved) / "COMMITTED").exists()
-            second = await train(service, 10, STEPS)
+            second = await train(service, 10, STEPS, norms)
             assert_close(first + second, reference)
+            assert_matches_plain(first + second, norms, await service.state_dict(), plain)
             assert await service.load(tmp_path / "ckpt") == 10
             again = await train(service, 10, STEPS)
             assert again == second  # the same state and batches give bitwise the same losses
@@ -147,6 +166,11 @@ def test_service_ddp_matches_reference_saves_loads_and_runs_collectives(tmp_path
             logits = await service.forward(batch)
             assert logits.shape == (job.GLOBAL_BATCH, job.MODEL["seq_len"], job.MODEL["vocab_size"]
                                     if "vocab_size" in job.MODEL else 256)
+            one = job.GPT(job.ModelConfig(**job.MODEL))  # the same weights in this process
+            one.load_state_dict(await service.state_dict())
+            with torch.no_grad():
+                expected = one.eval()(batch["input_ids"])
+            assert torch.allclose(logits, expected, atol=1e-5), (logits - expected).abs().max()
 
             # a custom loss (a mean) through forward_backward; accumulation over two calls
             half = split_batch(batch, 2)
@@ -186,7 +210,7 @@ def test_service_ddp_matches_reference_saves_loads_and_runs_collectives(tmp_path
             with pytest.raises(RemoteError, match="loss_fn = 'service_job:nope'"):
                 await service.forward_backward(batch, loss_fn="service_job:nope")
             weights = await service.state_dict()
-            assert "lm_head.weight" in weights or any(k.endswith("weight") for k in weights)
+            assert set(weights) == set(job.GPT(job.ModelConfig(**job.MODEL)).state_dict())
             status = await service.status()
             assert status["state"] == "healthy" and [w["state"] for w in status["workers"]] == ["healthy"] * 2
         finally:
@@ -195,11 +219,14 @@ def test_service_ddp_matches_reference_saves_loads_and_runs_collectives(tmp_path
     asyncio.run(scenario())
 
 
-def test_service_fsdp_matches_reference(reference):
+def test_service_fsdp_matches_reference(reference, plain):
     async def scenario():
         service = await start("fsdp")
         try:
-            assert_close(await train(service, 0, STEPS), reference)
+            norms = []
+            losses = await train(service, 0, STEPS, norms)
+            assert_close(losses, reference)
+            assert_matches_plain(losses, norms, await service.state_dict(), plain)
             # 5 rows over 2 ranks (3 + 2) in micro-batches of 2: both ranks run 2 micro-batches, so FSDP's
             # collectives pair up; the loss is that of the whole batch
             five = split_batch(next(job.batches(1)), 8)[0:5]

@@ -13,6 +13,9 @@ def test_verify_passes_when_every_strategy_matches(tmp_path):
     rows = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
     assert set(rows) == {"single", "ddp", "fsdp", "hsdp"}
     assert all(rows[s].endswith("ok") for s in ("ddp", "fsdp", "hsdp"))
+    for s in ("ddp", "fsdp", "hsdp"):  # loss, grad norm and final parameters were each compared
+        _, steps, loss, norm, params, _, _ = rows[s].split()
+        assert steps == "6" and all(0.0 <= float(v) <= 1e-5 for v in (loss, norm, params))
 
 
 @pytest.mark.parametrize("extra", [["--set", "model.dropout=0.2"]])
@@ -21,6 +24,8 @@ def test_verify_fails_when_ranks_cannot_match(tmp_path, extra):
     result = run_cli(["verify", *SMALL, "--strategies", "ddp", *extra], tmp_path)
     assert result.returncode == 1
     assert "DIFFERS (tolerance 1e-05)" in result.stdout
+    _, _, loss, norm, params, _, _, _, _ = result.stdout.splitlines()[2].split()
+    assert float(norm) > 1e-5 and float(params) > 1e-5
 
 
 def test_verify_rejects_a_bad_strategy_before_starting(tmp_path):

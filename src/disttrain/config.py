@@ -28,7 +28,7 @@ else:  # pragma: no cover - exercised only on Python 3.10
 
 from disttrain.errors import ConfigError
 from disttrain.parallel import registry
-from disttrain.precision import PRECISIONS
+from disttrain.precision import PRECISIONS, canonical_precision
 
 __all__ = ["Config", "ConfigError", "load_config", "validate"]
 
@@ -124,7 +124,10 @@ class ParallelConfig:
     strategy: str = "auto"
     """`auto` (`single` on one process, `ddp` on more) or a registered strategy:"""
     precision: str = "fp32"
-    """`fp32`, `bf16-mixed`, `fp16-mixed` (with dynamic loss scaling) or `bf16-true` (see precision.py)."""
+    """`fp32`, `bf16-mixed`, `fp16-mixed` (with dynamic loss scaling) or `bf16-true` (see precision.py). The
+    spellings of Lightning Fabric and Accelerate are accepted and turned into these names when the config is
+    read: `bf16` -> `bf16-mixed`; `16`, `16-mixed`, `fp16` -> `fp16-mixed`; `32`, `32-true`, `no` -> `fp32`
+    (float16 weights, Fabric's `16-true`, have no equivalent here)."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB."""
     gradient_as_bucket_view: bool = True
@@ -183,8 +186,9 @@ class DistConfig:
     device: str = "auto"
     """`auto` (cuda:LOCAL_RANK when a GPU is present, else cpu), `cpu` or `cuda`."""
     timeout_s: float = 300.0
-    """Collective timeout and watchdog limit in seconds: a rank that makes no progress for this long (after
-    the first step) ends the job, and the summary names it, instead of a silent hang."""
+    """Watchdog limit in seconds: a rank that makes no progress for this long (after the first step) ends the
+    job, and the summary names it, instead of a silent hang. Collectives time out later, after
+    `timeout_s + startup_timeout_s` (a backstop when no disttrain launcher watches, e.g. plain torchrun)."""
     startup_timeout_s: float = 900.0
     """The same limit until the first step completes (start-up, data loading, compilation are slower)."""
     shutdown_grace_s: float = 60.0
@@ -276,7 +280,8 @@ def _field_types(section_cls: type) -> dict[str, type]:
 
 
 def set_value(cfg: Config, dotted: str, value: Any) -> None:
-    """Set `section.key` on `cfg`, checking the names and coercing the value to the field's type."""
+    """Set `section.key` on `cfg`, checking the names and coercing the value to the field's type; an
+    accepted alias (e.g. a precision's) becomes its canonical name here."""
     section, _, key = dotted.partition(".")
     if section not in SECTIONS or not key:
         raise ConfigError(f"unknown setting '{dotted}': {_suggest(section, list(SECTIONS))}")
@@ -287,6 +292,8 @@ def set_value(cfg: Config, dotted: str, value: Any) -> None:
     value = _coerce(dotted, value, types[key])
     if dotted == "parallel.strategy":
         value = registry.canonical(value)  # documented aliases (zero3 -> fsdp) become the one name here
+    if dotted == "parallel.precision":
+        value = canonical_precision(value)  # Fabric's and Accelerate's spellings become the one name here
     setattr(getattr(cfg, section), key, value)
 
 
@@ -411,7 +418,10 @@ def validate(cfg: Config, gpu_count: int = 0, world: int | None = None) -> None:
     `gpu_count` is passed in rather than probed so that this stays a pure function of its inputs.
     `world` defaults to `dist.nproc` (the launcher passes the real world size on a running job).
     """
+    # first: the world size divides the batch below
+    _check(cfg.dist.nproc >= 1, f"dist.nproc = {cfg.dist.nproc}: must be >= 1; use --nproc 1 or more")
     world = cfg.dist.nproc if world is None else world
+    _check(world >= 1, f"world size {world}: must be >= 1; use --nproc 1 or more")
     for key, options in CHOICES.items():
         section, name = key.split(".")
         _check_choice(key, getattr(getattr(cfg, section), name), options)
@@ -419,7 +429,10 @@ def validate(cfg: Config, gpu_count: int = 0, world: int | None = None) -> None:
     _validate_model(cfg)
     _validate_data(cfg, world)
     _validate_optim_train(cfg)
-    _check_choice("parallel.precision", cfg.parallel.precision, list(PRECISIONS))
+    if cfg.parallel.precision not in PRECISIONS:  # set in Python, not through the config's parser
+        canonical_precision(cfg.parallel.precision)  # raises for an unknown name, saying what each means
+        raise ConfigError(f"parallel.precision = {cfg.parallel.precision!r}: use the canonical name "
+                          f"'{canonical_precision(cfg.parallel.precision)}'")
     _validate_parallel(cfg, world)
     _validate_checkpoint(cfg)
     _validate_dist(cfg, gpu_count, world)

@@ -1,21 +1,23 @@
-"""The errors a user can cause, and how each ends a process: the bottom layer, imported by every other.
+"""How a failure reaches the user: the exit code and the one line every entry point prints. The bottom layer
+(imports nothing of disttrain, nor torch).
 
-A `UserError` is a mistake or an outside condition the user can fix; its message is one line naming the
-setting, the value and the fix, and `exit_code` is what the process returns (no traceback). `describe_exit`
-is the one place that turns an exception into that line and code, for `disttrain ...` and for the worker
-entry point alike.
+`ConfigError` lives here (not in config.py) because the strategy registry, below the config, raises it too.
+`ConfigError`, `CheckpointError`, `NonFiniteError` and `Preempted` derive from `UserError`, so the CLI and the
+worker entry point map them without importing the modules that raise them. Out-of-memory errors are recognised
+by class: `MemoryError` (host) and `torch.OutOfMemoryError`, which is a `RuntimeError`, not a `MemoryError`.
 """
 
 from __future__ import annotations
 
-OUT_OF_MEMORY_ADVICE = ("lower data.micro_batch_size, set parallel.activation_checkpointing = true, use a sharded "
-                        "strategy or parallel.cpu_offload, and see `disttrain estimate-memory`")
+OOM_ADVICE = ("lower data.micro_batch_size, set parallel.activation_checkpointing = true, use a sharded strategy "
+              "or parallel.cpu_offload, and see `disttrain estimate-memory`")
 
 
 class UserError(Exception):
-    """Ends the run with one line and `exit_code`, no traceback."""
+    """A failure the user can act on: printed as one line (no traceback), the process exits `exit_code`."""
 
-    exit_code = 1
+    exit_code: int = 1
+    prefix: str = "disttrain: error: "
 
 
 class ConfigError(UserError, ValueError):
@@ -24,13 +26,16 @@ class ConfigError(UserError, ValueError):
     exit_code = 2
 
 
-def describe_exit(exc: BaseException) -> tuple[int, str] | None:
-    """(exit code, the line to print) for an exception that ends a run cleanly; None for a bug (let it raise).
+def is_out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, MemoryError) or any(c.__name__ == "OutOfMemoryError" for c in type(exc).__mro__)
 
-    Out of memory is `torch.OutOfMemoryError`, a RuntimeError (not a MemoryError), or a host MemoryError."""
+
+def exit_code_and_message(exc: BaseException) -> tuple[int, str] | None:
+    """(exit code, line to print) for a failure the user can act on; None for anything else (a bug: let its
+    traceback show)."""
     if isinstance(exc, UserError):
-        return exc.exit_code, f"disttrain: error: {exc}"
-    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return exc.exit_code, f"{exc.prefix}{exc}"
+    if is_out_of_memory(exc):
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return 1, f"disttrain: error: out of memory ({first}); {OUT_OF_MEMORY_ADVICE}"
+        return 1, f"disttrain: error: out of memory ({first}); {OOM_ADVICE}"
     return None

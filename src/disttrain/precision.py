@@ -22,6 +22,32 @@ from disttrain.errors import ConfigError
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 
 
+PRECISION_MEANINGS: dict[str, str] = {
+    "fp32": "float32 weights and compute",
+    "bf16-mixed": "float32 weights, forward under bfloat16 autocast",
+    "fp16-mixed": "float32 weights, forward under float16 autocast with dynamic loss scaling",
+    "bf16-true": "bfloat16 weights, optimizer state and compute",
+}
+"""What each canonical precision means (a test keeps the keys equal to PRECISIONS)."""
+
+PRECISION_ALIASES: dict[str, str] = {
+    "bf16": "bf16-mixed", "16": "fp16-mixed", "16-mixed": "fp16-mixed", "fp16": "fp16-mixed",
+    "32": "fp32", "32-true": "fp32", "no": "fp32",
+}
+"""Lightning Fabric's and Accelerate's spellings, accepted at the user's boundary (config files, --set)."""
+
+
+def canonical_precision(value: str) -> str:
+    """The canonical name of a precision spelling; ConfigError saying what each option means otherwise."""
+    name = value.strip().lower()
+    name = PRECISION_ALIASES.get(name, name)
+    if name in PRECISION_MEANINGS:
+        return name
+    options = "; ".join(f"'{k}' = {v}" for k, v in PRECISION_MEANINGS.items())
+    hint = " (float16 weights have no mode here)" if "16" in name and "true" in name else ""
+    raise ConfigError(f"parallel.precision = {value!r} is not known{hint}; choose by meaning: {options}")
+
+
 @dataclass(frozen=True)
 class Precision:
     name: str

@@ -11,8 +11,8 @@ import logging
 import sys
 
 from disttrain.config import load_config
-from disttrain.errors import describe_exit
-from disttrain.runtime import Preempted, exit_process
+from disttrain.errors import exit_code_and_message
+from disttrain.runtime import exit_process
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,15 +25,13 @@ def main(argv: list[str] | None = None) -> int:
         from disttrain.trainer import Trainer
 
         Trainer(load_config(args.config, args.overrides)).fit()
-    except Preempted as exc:
-        print(f"disttrain: {exc}", file=sys.stderr)
-        return exc.exit_code
     except Exception as exc:
-        ending = describe_exit(exc)  # the same line and exit code as `disttrain train` in one process
-        if ending is None:
+        known = exit_code_and_message(exc)
+        if known is None:
             raise
-        print(ending[1], file=sys.stderr)
-        return ending[0]
+        code, line = known
+        print(line, file=sys.stderr)
+        return code
     return 0
 
 

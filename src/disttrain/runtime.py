@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain.config import DistConfig
+from disttrain.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +125,11 @@ def init_runtime(cfg: DistConfig, environ: Mapping[str, str] | None = None, alwa
     torch.set_num_threads(threads)
     if info.world_size == 1 and not always_form_group and not dist.is_initialized():
         return Runtime(info, device, backend, distributed=False)
+    # Collectives time out only after either watchdog limit (monitor.py): the launcher's watchdog names a
+    # rank that stopped making progress, rather than racing a peer's collective timeout that names no one.
+    timeout = timedelta(seconds=cfg.timeout_s + cfg.startup_timeout_s)
     if info.world_size == 1 and not dist.is_initialized():
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timedelta(seconds=cfg.timeout_s))
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     elif not dist.is_initialized():
         if info.launcher == "slurm":
             _slurm_rendezvous_env()
@@ -135,7 +138,7 @@ def init_runtime(cfg: DistConfig, environ: Mapping[str, str] | None = None, alwa
             store=_attempt_store(info, cfg.timeout_s),
             rank=info.rank,
             world_size=info.world_size,
-            timeout=timedelta(seconds=cfg.timeout_s),
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
     runtime = Runtime(info, device, dist.get_backend(), distributed=True)
@@ -212,8 +215,10 @@ def exit_process(code: int = 0) -> None:
     os._exit(code)
 
 
-class Preempted(Exception):
+class Preempted(UserError):
     """Training stopped on SIGTERM/SIGINT after finishing a step (and checkpointing, if enabled)."""
+
+    prefix = "disttrain: "
 
     def __init__(self, step: int, signum: int = signal.SIGTERM):
         super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}")

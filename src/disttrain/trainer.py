@@ -49,6 +49,8 @@ class TrainResult:
     """Global mean training loss of every step."""
     eval_losses: dict[int, float] = field(default_factory=dict)
     """Validation loss by step."""
+    grad_norms: list[float] = field(default_factory=list)
+    """Global gradient norm of every step (of the token-mean gradient, before clipping)."""
 
 
 class Trainer:
@@ -68,6 +70,9 @@ class Trainer:
         self.cfg = config
         self.model, self.train_dataset, self.eval_dataset = model, train_dataset, eval_dataset
         self.loss_fn, self.optimizer_factory, self.runtime = loss_fn, optimizer_factory, runtime
+        self.backend: TrainingBackend | None = None
+        """The backend of the latest `fit` (e.g. `backend.state_dict()` for the trained weights, on every
+        rank while the process group is up)."""
 
     def fit(self) -> TrainResult:
         owns_runtime = self.runtime is None
@@ -110,6 +115,7 @@ class Trainer:
     def _fit(self, runtime: Runtime, status: RankStatus, stop: StopSignals) -> TrainResult:
         cfg = self.cfg
         backend, train, val = self._setup(runtime)
+        self.backend = backend
         backend.on_phase = status.phase
         stop.on_signal = backend.request_stop
         stop.peer_failed = lambda: peer_failed(cfg.run_dir, runtime.rank, status.state["attempt"])
@@ -137,6 +143,7 @@ class Trainer:
             values = self._train_step(backend, train, sampler, cursor, runtime)
             cursor += cfg.data.global_batch_size
             result.losses.append(values["loss"])
+            result.grad_norms.append(values["grad_norm"])
             stopping = values.pop("stop_requested")
             if val is not None and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == last):
                 status.phase("eval")

@@ -29,6 +29,22 @@ def batches(steps: int, start: int = 0):
         yield fetch(train, sampler.rank_indices(step * GLOBAL_BATCH, GLOBAL_BATCH, 1, 0))
 
 
+def plain(steps: int):
+    """The independent plain-torch loop (plain_reference.py) on this job: losses, grad norms, final parameters."""
+    import plain_reference
+
+    from disttrain.data import synthetic_corpus
+
+    optim, data = OptimConfig(**OPTIM), DataConfig()
+    tokens = synthetic_corpus()
+    windows = plain_reference.windows(tokens[:int(len(tokens) * (1.0 - data.val_fraction))], MODEL["seq_len"])
+    torch.manual_seed(SEED)
+    model = GPT(ModelConfig(**MODEL))
+    return plain_reference.train(model, windows, seed=SEED, global_batch=GLOBAL_BATCH, steps=steps, optim=optim.name,
+                                 lr=optim.lr, weight_decay=optim.weight_decay, betas=(optim.beta1, optim.beta2),
+                                 grad_clip=optim.grad_clip)  # the service runs no schedule unless given total_steps
+
+
 def reference(steps: int) -> list[float]:
     torch.manual_seed(SEED)
     model = GPT(ModelConfig(**MODEL))

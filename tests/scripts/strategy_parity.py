@@ -4,14 +4,21 @@
     disttrain launch --nproc 2 strategy_parity.py OUT ddp zero2 fsdp+ac hsdp:1 deepspeed+stage3 ...
 
 A variant is `strategy[+flag...][:hsdp_shard_size]`, flags: `ac` (activation checkpointing), `offload`
-(cpu_offload), `prefetchN` (fsdp_prefetch=N), `stageN` (deepspeed_stage=N), `bf16` (bf16-mixed), `fp16` (fp16-mixed).
+(cpu_offload), `prefetchN` (fsdp_prefetch=N), `stageN` (deepspeed_stage=N), `bf16` (bf16-mixed), `fp16` (fp16-mixed),
+`sgd` (optim.name=sgd), `noclip` (optim.grad_clip=0).
 `A>B` trains A to step 10 with a checkpoint there, then resumes it under B to step 20 (its losses are
-steps 11-20). Rank 0 writes OUT/<world>.json: {variant: {"losses": [...], "eval": {...}}}.
+steps 11-20). The strategy `plain` (1 process only) is not disttrain but the plain-torch loop of
+plain_reference.py on the same job. Rank 0 writes OUT/<world>.json: {variant: {"losses": [...],
+"grad_norms": [...], "eval": {...}}} and each variant's final parameters to OUT/<world>/<variant>.safetensors.
 """
 
 import json
 import sys
 from pathlib import Path
+
+import plain_reference
+import torch
+from safetensors.torch import save_file
 
 from disttrain import Trainer, load_config
 from disttrain.runtime import exit_process, init_runtime, shutdown
@@ -23,7 +30,8 @@ JOB = ["model.n_layer=2", "model.d_model=64", "model.seq_len=32", "data.global_b
 
 FLAGS = {"ac": "parallel.activation_checkpointing=true", "offload": "parallel.cpu_offload=true",
          "prefetch": "parallel.fsdp_prefetch={}", "stage": "parallel.deepspeed_stage={}",
-         "bf": "parallel.precision=bf{}-mixed", "fp": "parallel.precision=fp{}-mixed"}
+         "bf": "parallel.precision=bf{}-mixed", "fp": "parallel.precision=fp{}-mixed", "sgd": "optim.name=sgd",
+         "noclip": "optim.grad_clip=0"}
 
 
 def overrides(variant: str) -> list[str]:
@@ -36,9 +44,23 @@ def overrides(variant: str) -> list[str]:
     return out + ([f"parallel.hsdp_shard_size={shard}"] if shard else [])
 
 
-def train(out: Path, runtime, name: str, variant: str, extra: list[str]):
+def plain_tensor(t) -> torch.Tensor:
+    """A fresh float32 CPU copy of a full (gathered, for a DTensor) tensor; tied weights no longer share storage."""
+    t = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return torch.tensor(t.detach().cpu().float().numpy())
+
+
+def train(out: Path, runtime, name: str, variant: str, extra: list[str]) -> tuple[dict, dict]:
+    """(losses, grad norms, eval losses; the final parameters) of one variant."""
     cfg = load_config(None, [*JOB, f"run.out_dir={out}", f"run.name={name}", *overrides(variant), *extra])
-    return Trainer(cfg, runtime=runtime).fit()
+    if cfg.parallel.strategy == "plain":
+        ref = plain_reference.from_config(cfg)
+        return {"losses": ref.losses, "grad_norms": ref.grad_norms, "eval": {}}, ref.params
+    trainer = Trainer(cfg, runtime=runtime)
+    result = trainer.fit()
+    # collectives under sharded strategies (the state dict, gathering its shards): every rank calls them
+    params = {k: plain_tensor(v) for k, v in trainer.backend.state_dict()["model"].items()}
+    return {"losses": result.losses, "grad_norms": result.grad_norms, "eval": result.eval_losses}, params
 
 
 def main() -> None:
@@ -50,10 +72,13 @@ def main() -> None:
         name = variant.replace(":", "_").replace(">", "_to_")
         if then:  # the second run resumes the first's checkpoint (same run dir, checkpoint.resume = auto)
             train(out, runtime, name, first, ["checkpoint.every=10", "train.stop_at=10"])
-            result = train(out, runtime, name, then, ["checkpoint.every=10"])
+            results[variant], params = train(out, runtime, name, then, ["checkpoint.every=10"])
         else:
-            result = train(out, runtime, name, variant, [])
-        results[variant] = {"losses": result.losses, "eval": result.eval_losses}
+            results[variant], params = train(out, runtime, name, variant, [])
+        if runtime.is_main_process():
+            (out / str(runtime.world_size)).mkdir(exist_ok=True)
+            save_file(params,
+                      out / str(runtime.world_size) / f"{variant}.safetensors")
     if runtime.is_main_process():
         (out / f"{runtime.world_size}.json").write_text(json.dumps(results))
     shutdown(runtime)

@@ -61,10 +61,11 @@ def _variants(args, world: int) -> list[tuple[str, str, bool, tuple[str, ...]]]:
     for spec in map(registry.get, registry.names()):
         if spec.name not in chosen or not spec.runs_on(world) or not registry.available(spec):
             continue
+        extra = ()
         if "deepspeed_config" in spec.options:  # partitioned and whole (persistent) ZeRO-3 parameters both occur
-            extra = (f"parallel.deepspeed_config={ds_json}",)
-        else:
-            extra = ()
+            extra += (f"parallel.deepspeed_config={ds_json}",)
+        if "hsdp_shard_size" in spec.options:  # shard groups of 1 rank, replicated across them: not fsdp's layout
+            extra += ("parallel.hsdp_shard_size=1",)
         try:
             _check(args, spec.name, world)
         except ValueError:

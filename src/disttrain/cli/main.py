@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from disttrain.config import ConfigError, describe, dumps_toml, load_config, save_config
-from disttrain.errors import describe_exit
+from disttrain.errors import exit_code_and_message
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -120,15 +120,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     config_path = cfg.run_dir / "config.toml"
     save_config(cfg, config_path)
     if plan.nproc == 1 and plan.single_node and plan.max_restarts == 0:
-        from disttrain.runtime import Preempted
         from disttrain.trainer import Trainer
 
         print(f"disttrain: training {cfg.model.name} on 1 process; run dir {cfg.run_dir}", file=sys.stderr)
-        try:
-            Trainer(cfg).fit()
-        except Preempted as exc:
-            print(f"disttrain: {exc}", file=sys.stderr)
-            return exc.exit_code
+        Trainer(cfg).fit()  # Preempted, out of memory, ...: main() prints the line and returns the code
         return 0
     from disttrain.launch import launch
 
@@ -156,7 +151,13 @@ def cmd_config(args: argparse.Namespace) -> int:
         for key, typ, default, doc in describe():
             print(f"{key} ({typ}, default {default!r}): {doc}")
         return 0
-    print(dumps_toml(load_config(args.config, args.overrides)), end="")
+    import torch
+
+    from disttrain.config import validate
+
+    cfg = load_config(args.config, args.overrides)
+    validate(cfg, gpu_count=torch.cuda.device_count())  # print only a config that can run
+    print(dumps_toml(cfg), end="")
     return 0
 
 
@@ -226,10 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = COMMANDS[args.command](args)
     except Exception as exc:
-        ending = describe_exit(exc)
-        if ending is None:
+        known = exit_code_and_message(exc)
+        if known is None:
             raise
-        code, line = ending
+        code, line = known
         print(line, file=sys.stderr)
     if argv is None:
         if "torch.distributed" in sys.modules:  # see exit_process: gloo threads can abort at interpreter exit

@@ -3,10 +3,11 @@
     disttrain verify [CONFIG] [--set k=v ...] [--strategies ddp,zero2,fsdp,hsdp] --nproc 2 --steps 10
 
 Runs your config for K steps in one process (the reference) and then, in one torchrun launch of N ranks,
-under each strategy in turn (one process group, so start-up is paid once). The default is every registered
-strategy that runs on a process group and can run this config; a strategy registered by your own module
-(`disttrain.parallel.register`) is verified too: its module is imported in the workers. Prints the max |loss
-difference| per strategy and exits 1 if any exceeds the tolerance. Runs go to `RUN_DIR/verify/`.
+under each strategy in turn (one process group, so start-up is paid once). Prints, per strategy, the max
+|loss difference|, the max relative difference of the gradient norm and the max |difference| of the final
+parameters, and exits 1 if any exceeds the tolerance. The default is every registered strategy that runs on a
+process group and can run this config; a strategy registered by your own module (`disttrain.parallel.register`)
+is verified too: its module is imported in the workers. Runs go to `RUN_DIR/verify/`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "registered one that runs on a process group and can run the config)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks for the distributed runs")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
-    parser.add_argument("--tolerance", type=float, default=1e-5, help="max allowed |loss difference|")
+    parser.add_argument("--tolerance", type=float, default=1e-5,
+                        help="max allowed |loss difference|, relative grad-norm difference and |parameter difference|")
 
 
 def _job(cfg: Config, steps: int, out: Path, name: str, strategy: str, nproc: int) -> Config:
@@ -58,53 +60,76 @@ def run(args: argparse.Namespace) -> int:
     for name, job in jobs.items():
         save_config(job, out / name / "config.toml")
 
+    from safetensors.torch import load_file
+
     from disttrain.launch import launch
     from disttrain.trainer import Trainer
 
     print(f"disttrain verify: reference run (1 process, {args.steps} steps)", file=sys.stderr)
-    single = Trainer(reference).fit().losses
+    single = _record(Trainer(reference), out, "single")
     modules = {registry.get(s).apply.__module__ for s in strategies}
     imports = sorted(m for m in modules if not m.startswith("disttrain."))
     code = launch(args.nproc, ["disttrain.cli.verify", str(out), ",".join(imports), *strategies], out)
     if code != 0:
         return code
-    results = json.loads((out / "losses.json").read_text())
-    return _report(single, results, args.tolerance)
+    results = json.loads((out / "results.json").read_text())
+    params = {name: load_file(out / name / "final.safetensors") for name in ["single", *results]}
+    return _report(single, params, results, args.tolerance)
 
 
-def _report(single: list[float], results: dict[str, list[float]], tolerance: float) -> int:
-    print(f"{'strategy':<10} {'steps':>5} {'max |loss diff|':>16} {'final loss':>11}  verdict")
-    print(f"{'single':<10} {len(single):>5} {'(reference)':>16} {single[-1]:>11.6f}")
+def _record(trainer, out: Path, name: str) -> dict[str, list[float]]:
+    """Train; rank 0 writes the final parameters to OUT/NAME/final.safetensors; returns losses and grad norms."""
+    from safetensors.torch import save_file
+
+    result = trainer.fit()
+    weights = {}
+    for key, value in trainer.backend.state_dict()["model"].items():  # every rank: a collective when sharded
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        weights[key] = full.detach().to("cpu", copy=True).float().contiguous()  # tied weights: separate copies
+    if trainer.backend.runtime.is_main_process():
+        save_file(weights, out / name / "final.safetensors")
+    return {"losses": result.losses, "grad_norms": result.grad_norms}
+
+
+def _report(single: dict, params: dict, results: dict[str, dict], tolerance: float) -> int:
+    print(f"{'strategy':<10} {'steps':>5} {'max |loss diff|':>16} {'grad norm (rel)':>16} {'params':>10} "
+          f"{'final loss':>11}  verdict")
+    print(f"{'single':<10} {len(single['losses']):>5} {'(reference)':>16} {'':>16} {'':>10} "
+          f"{single['losses'][-1]:>11.6f}")
     failed = 0
-    for name, losses in results.items():
-        diff = max(abs(a - b) for a, b in zip(losses, single, strict=True))
-        ok = diff <= tolerance
+    for name, run in results.items():
+        loss = max(abs(a - b) for a, b in zip(run["losses"], single["losses"], strict=True))
+        norm = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(run["grad_norms"], single["grad_norms"],
+                                                                   strict=True))
+        param = max((params[name][k] - ref).abs().max().item() for k, ref in params["single"].items())
+        ok = loss <= tolerance and norm <= tolerance and param <= tolerance  # False for NaN too
         failed += not ok
-        print(f"{name:<10} {len(losses):>5} {diff:>16.3e} {losses[-1]:>11.6f}  "
-              f"{'ok' if ok else f'DIFFERS (tolerance {tolerance:g})'}")
+        print(f"{name:<10} {len(run['losses']):>5} {loss:>16.3e} {norm:>16.3e} {param:>10.3e} "
+              f"{run['losses'][-1]:>11.6f}  {'ok' if ok else f'DIFFERS (tolerance {tolerance:g})'}")
     return 1 if failed else 0
 
 
 def _worker(out: Path, imports: list[str], strategies: list[str]) -> None:
-    """One rank: train every strategy's job in turn on one process group; rank 0 writes the losses. `imports`:
-    the modules that register strategies of the user's own."""
+    """One rank: train every strategy's job in turn on one process group; rank 0 writes the losses and grad
+    norms (OUT/results.json) and each strategy's final parameters. `imports`: the modules that register
+    strategies of the user's own."""
     import importlib
 
     from disttrain.parallel import registry
     from disttrain.runtime import init_runtime, shutdown
+    from disttrain.trainer import Trainer
 
     for module in imports:  # a module of your own exports SPECS, like the built-in strategy modules
         for spec in importlib.import_module(module).SPECS:
             registry.register(spec)
-    from disttrain.trainer import Trainer
 
-    runtime, losses = None, {}
+    runtime, results = None, {}
     for name in strategies:
         job = load_config(out / name / "config.toml")
         runtime = runtime or init_runtime(job.dist, always_form_group=True)
-        losses[name] = Trainer(job, runtime=runtime).fit().losses
+        results[name] = _record(Trainer(job, runtime=runtime), out, name)
     if runtime.is_main_process():
-        (out / "losses.json").write_text(json.dumps(losses))
+        (out / "results.json").write_text(json.dumps(results))
     shutdown(runtime)
 
 
