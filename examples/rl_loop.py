@@ -8,7 +8,7 @@ then `forward_backward` with a custom loss (`policy_gradient_loss`, run inside t
 the advantages over all ranks with `disttrain.collectives.whiten`), then `optim_step`.
 
     python examples/rl_loop.py                      # 2 local worker processes
-    python examples/rl_loop.py --backend ray        # 2 Ray actors (pip install 'disttrain[ray]')
+    python examples/rl_loop.py --launcher ray        # 2 Ray actors (pip install 'disttrain[ray]')
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def rollout(logits: torch.Tensor, contexts: torch.Tensor, generator: torch.Gener
 async def main(args: argparse.Namespace) -> dict:
     from disttrain.service import TrainingService
 
-    service = await TrainingService.options(procs=args.procs, backend=args.backend, threads=1).as_service(
+    service = await TrainingService.options(nproc=args.nproc, launcher=args.launcher, threads_per_rank=1).as_service(
         "rl_loop:build_policy", optimizer={"lr": args.lr, "weight_decay": 0.0, "warmup_steps": 0},
         grad_clip=0.0, strategy=args.strategy, seed=0)
     generator = torch.Generator().manual_seed(0)
@@ -70,13 +70,13 @@ async def main(args: argparse.Namespace) -> dict:
         await service.shutdown()
     window = max(1, len(rewards_seen) // 5)
     return {"first_reward": sum(rewards_seen[:window]) / window, "last_reward": sum(rewards_seen[-window:]) / window,
-            "iterations": len(rewards_seen), "backend": args.backend, "procs": args.procs}
+            "iterations": len(rewards_seen), "launcher": args.launcher, "nproc": args.nproc}
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", default="local", choices=["local", "ray"])
-    parser.add_argument("--procs", type=int, default=2)
+    parser.add_argument("--launcher", default="local", choices=["local", "ray"])
+    parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--strategy", default="ddp")
     parser.add_argument("--iters", type=int, default=60)
     parser.add_argument("--episodes", type=int, default=64, help="episodes per iteration (the global batch)")

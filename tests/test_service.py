@@ -43,8 +43,8 @@ def assert_matches_plain(losses, grad_norms, weights, plain) -> None:
     assert not problems, "; ".join(problems)
 
 
-async def start(strategy="ddp", procs=2, **options):
-    return await TrainingService.options(procs=procs, threads=1, **options).as_service(
+async def start(strategy="ddp", nproc=2, **options):
+    return await TrainingService.options(nproc=nproc, threads_per_rank=1, **options).as_service(
         "gpt", model_args=job.MODEL, optimizer=job.OPTIM, strategy=strategy, seed=job.SEED)
 
 
@@ -337,7 +337,7 @@ def test_a_failed_start_under_restart_policy_leaves_no_worker_behind(monkeypatch
 
     async def scenario():
         with pytest.raises(WorkerFailure, match="worker 1 .* exited with code 9"):
-            await TrainingService.options(procs=2, threads=1, on_failure="restart").as_service(
+            await TrainingService.options(nproc=2, threads_per_rank=1, on_failure="restart").as_service(
                 "service_job:dying_model", strategy="ddp")
         await asyncio.sleep(1.0)  # a (wrong) background restart would have spawned workers by now
 
@@ -352,7 +352,7 @@ import service_job as job
 from disttrain.service import TrainingService
 
 async def main():
-    service = await TrainingService.options(procs=2, threads=1).as_service(
+    service = await TrainingService.options(nproc=2, threads_per_rank=1).as_service(
         "gpt", model_args=job.MODEL, optimizer=job.OPTIM, strategy="ddp")
     busy = asyncio.ensure_future(service.call("service_job:sleep", None, seconds=600))  # workers never read
     await asyncio.sleep(0.5)
@@ -387,7 +387,7 @@ def test_busy_workers_die_with_a_killed_driver(tmp_path):
 
 
 def test_rl_example_learns_on_two_local_workers():
-    run_rl_example("--backend", "local")
+    run_rl_example("--launcher", "local")
 
 
 def _listening_addresses(port: int) -> set[str]:

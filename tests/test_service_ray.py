@@ -44,7 +44,7 @@ def local_ray(ray_env):
 
 
 async def start(strategy, **options):
-    return await TrainingService.options(procs=2, backend="ray", **options).as_service(
+    return await TrainingService.options(nproc=2, launcher="ray", **options).as_service(
         "gpt", model_args=job.MODEL, optimizer=job.OPTIM, strategy=strategy, seed=job.SEED)
 
 
@@ -139,4 +139,4 @@ def test_rl_example_learns_on_ray(ray_env):
 
     if ray.is_initialized():
         ray.shutdown()
-    run_rl_example("--backend", "ray")
+    run_rl_example("--launcher", "ray")

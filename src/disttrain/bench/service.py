@@ -1,6 +1,6 @@
 """Benchmark: per-step time of the TrainingService vs `disttrain train` on the same job.
 
-    disttrain bench service [--nproc 2] [--steps 40] [--warmup 5] [--repeats 3] [--backend local] [--out bench_results]
+    disttrain bench service [--nproc 2] [--steps 40] [--warmup 5] [--repeats 3] [--launcher local] [--out bench_results]
 
 Both sides train the default job (reference GPT, built-in data, global batch 32 in micro-batches of 8
 per rank) on `--nproc` ranks with one thread each. `disttrain train`'s step time is what its metrics
@@ -32,7 +32,7 @@ def _args(argv):
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--backend", default="local", choices=["local", "ray"])
+    p.add_argument("--launcher", default="local", choices=["local", "ray"])
     p.add_argument("--out", default="bench_results")
     return p.parse_args(argv)
 
@@ -64,7 +64,7 @@ async def service_step_times(args) -> list[float]:
     d = cfg.data
     train, _ = build_datasets(d, cfg.model.seq_len)
     sampler = GlobalSampler(len(train), cfg.run.seed, d.shuffle)
-    service = await TrainingService.options(procs=args.nproc, backend=args.backend, threads=1).as_service(
+    service = await TrainingService.options(nproc=args.nproc, launcher=args.launcher, threads_per_rank=1).as_service(
         "gpt", model_args=asdict(cfg.model), optimizer=asdict(cfg.optim), strategy="ddp", seed=cfg.run.seed,
         total_steps=cfg.train.steps)
     times = []
@@ -93,12 +93,12 @@ def main(argv=None) -> int:
                   f"service {service_runs[-1] * 1e3:.1f} ms/step, ratio {service_runs[-1] / train_runs[-1]:.3f}",
                   flush=True)
     ratios = [s / t for s, t in zip(service_runs, train_runs, strict=True)]
-    result = {"nproc": args.nproc, "backend": args.backend, "steps": args.steps, "warmup": args.warmup,
+    result = {"nproc": args.nproc, "launcher": args.launcher, "steps": args.steps, "warmup": args.warmup,
               "train_ms": [t * 1e3 for t in train_runs], "service_ms": [s * 1e3 for s in service_runs],
               "ratios": ratios, "median_ratio": statistics.median(ratios)}
     (out / "service.json").write_text(json.dumps(result, indent=2))
     lines = ["# TrainingService vs disttrain train (per-step time, default job)", "",
-             f"{args.nproc} ranks ({args.backend} workers), 1 thread each, ddp; median of steps "
+             f"{args.nproc} ranks ({args.launcher} workers), 1 thread each, ddp; median of steps "
              f"{args.warmup + 1}..{args.steps} per run", "",
              "| run | disttrain train ms/step | service ms/step | ratio |", "|---|---|---|---|"]
     lines += [f"| {i + 1} | {t * 1e3:.1f} | {s * 1e3:.1f} | {r:.3f} |"

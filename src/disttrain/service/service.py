@@ -1,6 +1,6 @@
 """TrainingService: the immediate-mode API (`forward_backward`, `optim_step`, ...) over a group of workers.
 
-    service = await TrainingService.options(procs=2, backend="local").as_service(
+    service = await TrainingService.options(nproc=2, launcher="local").as_service(
         model_fn="pkg.mod:build_model", loss_fn="pkg.mod:loss", strategy="fsdp", precision="bf16-mixed")
     metrics = await service.forward_backward(batch)   # the global batch; each rank gets its slice
     metrics = await service.optim_step()
@@ -53,9 +53,9 @@ class WorkersRestarted(RuntimeError):
 
 @dataclass
 class ServiceOptions:
-    procs: int = 1
-    """Workers (ranks)."""
-    backend: str = "local"
+    nproc: int = 1
+    """Workers (ranks), as `dist.nproc`."""
+    launcher: str = "local"
     """`local` (child processes) or `ray` (Ray actors in a placement group)."""
     on_failure: str = "fail"
     """`fail` (raise a WorkerFailure naming the worker) or `restart` (new group, newest checkpoint)."""
@@ -70,12 +70,12 @@ class ServiceOptions:
     loaded (fresh weights, step 0, if none)."""
     host: str = "127.0.0.1"
     """Address the driver listens on; loopback unless workers run on other machines (Ray, several nodes)."""
-    threads: int = 0
-    """torch threads per worker; 0 = cores / procs on a local machine, 1 on Ray."""
+    threads_per_rank: int = 0
+    """torch threads per worker, as `dist.threads_per_rank`; 0 = cores / nproc on a local machine, 1 on Ray."""
     device: str = "auto"
-    """`auto`, `cpu` or `cuda`."""
+    """`auto`, `cpu` or `cuda`, as `dist.device`."""
     timeout_s: float = 300.0
-    """Collective timeout inside the worker group."""
+    """Collective timeout inside the worker group, as `dist.timeout_s`."""
     startup_timeout_s: float = 180.0
     """How long workers may take to start and connect."""
     env: dict[str, str] = field(default_factory=dict)
@@ -96,10 +96,10 @@ class ServiceOptions:
     def validate(self) -> None:
         from disttrain.config import ConfigError
 
-        if self.procs < 1:
-            raise ConfigError(f"procs = {self.procs}: need at least 1 worker")
-        if self.backend not in ("local", "ray"):
-            raise ConfigError(f"backend = {self.backend!r}: choose 'local' or 'ray'")
+        if self.nproc < 1:
+            raise ConfigError(f"nproc = {self.nproc}: need at least 1 worker")
+        if self.launcher not in ("local", "ray"):
+            raise ConfigError(f"launcher = {self.launcher!r}: choose 'local' or 'ray'")
         if self.on_failure not in ("fail", "restart"):
             raise ConfigError(f"on_failure = {self.on_failure!r}: choose 'fail' or 'restart'")
         if self.heartbeat_timeout_s <= self.heartbeat_s:
@@ -158,13 +158,13 @@ class TrainingService:
         self.failures: list[dict[str, Any]] = []
 
     @property
-    def procs(self) -> int:
-        return self.options.procs
+    def nproc(self) -> int:
+        return self.options.nproc
 
     # -- group life cycle --------------------------------------------------------------------------
 
     def _launcher(self):
-        if self.options.backend == "ray":
+        if self.options.launcher == "ray":
             from disttrain.service.ray_launcher import RayLauncher
 
             return RayLauncher(self.options)
@@ -172,16 +172,16 @@ class TrainingService:
 
     async def _start(self) -> None:
         o = self.options
-        group = WorkerGroup(self._launcher(), o.procs, host=o.host, heartbeat_s=o.heartbeat_s,
+        group = WorkerGroup(self._launcher(), o.nproc, host=o.host, heartbeat_s=o.heartbeat_s,
                             heartbeat_timeout_s=o.heartbeat_timeout_s, startup_timeout_s=o.startup_timeout_s,
                             on_failure=self._on_failure)
         await group.start()
         self.group = group
-        threads = o.threads or (1 if o.backend == "ray" else max(1, (os.cpu_count() or 1) // o.procs))
-        local = o.backend == "local"
+        threads = o.threads_per_rank or (1 if o.launcher == "ray" else max(1, (os.cpu_count() or 1) // o.nproc))
+        local = o.launcher == "local"
         messages = [({**self._setup, "store_host": o.host, "store_port": group.store.port,
                       "generation": self.generation, "threads": threads, "local_rank": rank if local else 0,
-                      "local_world_size": o.procs if local else 1}, None) for rank in range(o.procs)]
+                      "local_world_size": o.nproc if local else 1}, None) for rank in range(o.nproc)]
         try:
             await group.all(messages)
         except BaseException:
@@ -254,7 +254,7 @@ class TrainingService:
             raise notice
 
     def _scatter(self, shards: list[Any], **fields: Any) -> list[tuple[dict, dict]]:
-        """One message per rank carrying its slice of the batch (`split_batch(batch, procs)`)."""
+        """One message per rank carrying its slice of the batch (`split_batch(batch, nproc)`)."""
         out = []
         for shard in shards:
             skeleton, tensors = pack(shard, "batch")
@@ -273,7 +273,7 @@ class TrainingService:
         later call (accumulation across calls)."""
 
         async def action():
-            shards = split_batch(batch, self.procs)
+            shards = split_batch(batch, self.nproc)
             # every rank runs the same number of micro-batches (collectives pair up), even when the
             # slices differ by a row: as many as the largest slice needs
             pieces = math.ceil(max(rows(s) for s in shards) / micro_batch_size) if micro_batch_size > 0 else 1
@@ -291,7 +291,7 @@ class TrainingService:
         """Normalise, clip, step and zero the gradients on every rank; returns the step's metrics."""
 
         async def action():
-            replies = await self.group.all([({"op": "optim_step"}, None)] * self.procs)
+            replies = await self.group.all([({"op": "optim_step"}, None)] * self.nproc)
             metrics = replies[0][0]["metrics"]
             self.step, self._micro_batches = int(metrics["step"]), 0
             return metrics
@@ -302,7 +302,7 @@ class TrainingService:
         """Outputs of the model (eval mode, no gradients) for the global `batch`, in batch order."""
 
         async def action():
-            replies = await self.group.all(self._scatter(split_batch(batch, self.procs), op="forward"))
+            replies = await self.group.all(self._scatter(split_batch(batch, self.nproc), op="forward"))
             return concat([unpack(r["result"], t) for r, t in replies])
 
         return await self._run(action)
@@ -312,7 +312,7 @@ class TrainingService:
         may use `disttrain.collectives`); returns the results in rank order."""
 
         async def action():
-            shards = split_batch(batch, self.procs)
+            shards = split_batch(batch, self.nproc)
             replies = await self.group.all(self._scatter(shards, op="call", fn=fn, kwargs=kwargs))
             return [unpack(r["result"], t) for r, t in replies]
 
@@ -332,7 +332,7 @@ class TrainingService:
                                    "gradients are not part of a checkpoint; call optim_step() first")
             message = {"op": "save", "path": folder, "keep_last": keep_last, "metrics": metrics,
                        "strategy": self._setup["strategy"], "timeout_s": self.options.timeout_s}
-            replies = await self.group.all([(message, None)] * self.procs)
+            replies = await self.group.all([(message, None)] * self.nproc)
             self._checkpoint = (folder, self.step)
             return replies[0][0]["path"]
 
@@ -354,14 +354,14 @@ class TrainingService:
 
     async def _load(self, folder: str, step: int | str) -> int:
         message = {"op": "load", "path": folder, "step": step, "timeout_s": self.options.timeout_s}
-        replies = await self.group.all([(message, None)] * self.procs)
+        replies = await self.group.all([(message, None)] * self.nproc)
         return int(replies[0][0]["step"])
 
     async def state_dict(self) -> dict[str, torch.Tensor]:
         """The full model weights (e.g. to sync a rollout policy)."""
 
         async def action():
-            replies = await self.group.all([({"op": "state_dict"}, None)] * self.procs)
+            replies = await self.group.all([({"op": "state_dict"}, None)] * self.nproc)
             return dict(replies[0][1])
 
         return await self._run(action)
@@ -370,7 +370,7 @@ class TrainingService:
         """Health of every worker, restarts, failures, and the step (never raises for a failed group)."""
         state = "failed" if self._failed else ("restarting" if self._restarting else (
             "degraded" if self.group is not None and self.group.failure else "healthy"))
-        return {"state": state, "backend": self.options.backend, "procs": self.procs, "step": self.step,
+        return {"state": state, "launcher": self.options.launcher, "nproc": self.nproc, "step": self.step,
                 "generation": self.generation, "restarts": self.restarts, "failures": list(self.failures),
                 "workers": self.group.status() if self.group is not None else [],
                 "checkpoint": self._checkpoint[0] if self._checkpoint else None,
