@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -83,7 +83,6 @@ class Prepared:
     grads_averaged_over: int = 1
     """Ranks whose gradients the strategy averages (DDP: world size); the step turns the mean back into a
     sum before dividing by the global item count."""
-    info: dict[str, Any] = field(default_factory=dict)
     state_dict: Callable[[Any], tuple[dict, dict]] | None = None
     load_state_dict: Callable[[Any, dict, dict], None] | None = None
     checkpoint_target: Callable[[str, Any, Any], Any] | None = None

@@ -127,6 +127,8 @@ class Worker:
         from disttrain.backend import create_backend
         from disttrain.config import DistConfig, OptimConfig, ParallelConfig
         from disttrain.optim import optimizer_factory, scheduler_factory
+        from disttrain.parallel import registry
+        from disttrain.runtime import init_runtime
 
         for path in reversed(msg.get("sys_path", [])):
             if path not in sys.path:
@@ -141,6 +143,9 @@ class Worker:
                               threads_per_rank=int(msg.get("threads", 0)))
         parallel = ParallelConfig(**{"strategy": msg.get("strategy", "auto"), "precision": msg.get("precision", "fp32"),
                                      **msg.get("parallel", {})})
+        # the group forms before the model is built: a model factory may use it (as under the Trainer)
+        spec = registry.resolve(parallel.strategy, self.world)
+        self.runtime = init_runtime(dist_cfg, always_form_group=spec.needs_group)
         torch.manual_seed(int(msg.get("seed", 0)))
         model = self._build_model(msg)
         optim = OptimConfig(**msg.get("optimizer", {}))
@@ -152,10 +157,9 @@ class Worker:
             make_optimizer = optimizer_factory(optim)
         schedule = scheduler_factory(optim, int(msg["total_steps"])) if msg.get("total_steps") else None
         loss_fn = self._loss_fn(msg.get("loss_fn"))
-        self.backend = create_backend(model, make_optimizer, parallel, dist=dist_cfg, scheduler_factory=schedule,
+        self.backend = create_backend(model, make_optimizer, parallel, runtime=self.runtime, scheduler_factory=schedule,
                                       grad_clip=float(msg.get("grad_clip", optim.grad_clip)), loss_fn=loss_fn,
                                       on_nonfinite=msg.get("on_nonfinite", "stop"))
-        self.runtime = self.backend.runtime
         self.backend.on_phase = self._on_phase
         params = sum(p.numel() for p in self.backend.model.parameters())
         return {"rank": self.rank, "device": str(self.runtime.device), "parameters": params}, None
