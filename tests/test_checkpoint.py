@@ -3,14 +3,20 @@
 import json
 import logging
 import math
+import pickle
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import SCRIPTS, run_cli
 from disttrain.checkpoint import COMMIT, LATEST, MANIFEST, CheckpointError, CheckpointManager
 from disttrain.cli import main
 from disttrain.config import CheckpointConfig
+
+sys.path.insert(0, str(SCRIPTS))
+from planted_shard import fsdp_gpt, plant_pickle, train_step  # noqa: E402
 
 
 def _state(seed: int = 0, size: int = 1000) -> dict:
@@ -176,8 +182,6 @@ def test_deferred_copy_holds_the_state_of_save_time_once_wait_for_copy_returns(t
 
 
 def test_loading_never_unpickles(tmp_path, monkeypatch):
-    import pickle
-
     manager = CheckpointManager(tmp_path)
     manager.save(1, _state(1))
 
@@ -258,22 +262,11 @@ def one_rank_group():
 
 
 def test_sharded_state_goes_through_dcp_with_json_metadata_and_no_pickle(tmp_path, one_rank_group, monkeypatch):
-    import pickle
-
-    from disttrain.backend import create_backend
-    from disttrain.config import ModelConfig, OptimConfig, ParallelConfig
-    from disttrain.models.gpt import GPT
-    from disttrain.optim import optimizer_factory
-
     def build():
-        torch.manual_seed(0)
-        return create_backend(GPT(ModelConfig(n_layer=1, n_head=2, d_model=32, seq_len=8)),
-                              optimizer_factory(OptimConfig()), ParallelConfig(strategy="fsdp"), runtime=one_rank_group)
+        return fsdp_gpt(one_rank_group)
 
     backend = build()
-    x = torch.randint(0, 256, (2, 9))
-    backend.forward_backward({"input_ids": x[:, :-1], "labels": x[:, 1:]})
-    backend.optim_step()
+    train_step(backend)
     manager = CheckpointManager(tmp_path, runtime=one_rank_group)
     manager.save(1, backend.state_dict())
     folder = tmp_path / "step_1"
@@ -292,3 +285,44 @@ def test_sharded_state_goes_through_dcp_with_json_metadata_and_no_pickle(tmp_pat
         assert torch.equal(a.full_tensor(), b.full_tensor())
     full = CheckpointManager(tmp_path).load(1)  # without a target: full tensors, e.g. for export
     assert torch.equal(full["model"]["tok_emb.weight"], backend.model.tok_emb.weight.full_tensor())
+
+
+def test_a_pickle_planted_in_a_dcp_shard_is_refused_and_loading_falls_back(tmp_path, one_rank_group, caplog):
+    """The shard's sha256 and the commit marker are forged to match, so it is the loader (DCP's
+    `torch.load(weights_only=True)`) that refuses the file: a damaged checkpoint, skipped like any other."""
+    backend = fsdp_gpt(one_rank_group)
+    manager = CheckpointManager(tmp_path, runtime=one_rank_group)
+    train_step(backend)
+    manager.save(1, backend.state_dict())
+    step1 = [p.full_tensor().clone() for p in backend.model.parameters()]
+    train_step(backend)
+    manager.save(2, backend.state_dict())
+    marker, shard = tmp_path / "pwned", tmp_path / "step_2" / "__0_0.distcp"
+    plant_pickle(shard.parent, shard.name, marker)
+    assert main(["ckpt", "verify", str(tmp_path)]) == 0  # the forgery passes every checksum
+
+    restored = fsdp_gpt(one_rank_group)
+    with caplog.at_level(logging.WARNING, logger="disttrain.checkpoint"):
+        loaded = manager.load(target=restored.prepared.checkpoint_target)
+    assert not marker.exists()  # nothing was unpickled
+    assert loaded["manifest"]["step"] == 1
+    assert "skipping checkpoint step 2" in caplog.text and str(shard) in caplog.text
+    assert "refused by torch.load(weights_only=True)" in caplog.text and "GLOBAL posix.system" in caplog.text
+    restored.load_state_dict(loaded)
+    for expected, param in zip(step1, restored.model.parameters(), strict=True):
+        assert torch.equal(param.full_tensor(), expected)
+    with pytest.raises(CheckpointError, match=r"step 2 is not valid: .*__0_0\.distcp: refused"):
+        manager.load(2, target=restored.prepared.checkpoint_target)
+    assert not marker.exists()
+
+
+def test_a_pickle_planted_in_one_ranks_shard_makes_every_rank_fall_back(tmp_path):
+    """Two real ranks; only rank 1's shard is planted. DCP gathers the refusal, so both ranks skip step 2."""
+    result = run_cli(["launch", "--nproc", "2", "--run-dir", str(tmp_path / "launch"),
+                      str(SCRIPTS / "planted_shard.py"), str(tmp_path)], tmp_path, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["step"] for r in ranks] == [1, 1] and all(r["same_as_step1"] for r in ranks)
+    assert not (tmp_path / "pwned").exists()
+    [warning] = ranks[0]["warnings"]
+    assert warning.startswith("skipping checkpoint step 2: ") and "__1_0.distcp: refused" in warning

@@ -1,6 +1,7 @@
 """Checkpoints: manager.py (`CheckpointManager`: commit marker, manifest + checksums, latest, keep-last/best,
 async saves), layout.py (the folder layout, verified reads), statefile.py (nested state <-> safetensors + JSON),
-dcp.py (torch.distributed.checkpoint with JSON metadata, for sharded states). No pickle anywhere."""
+dcp.py (torch.distributed.checkpoint with JSON metadata, for sharded states). Nothing read from disk is
+unpickled except DCP's shard files, by `torch.load(weights_only=True)`; a file it refuses is a damaged checkpoint."""
 
 from disttrain.checkpoint.layout import (
     COMMIT,

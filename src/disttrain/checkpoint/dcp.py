@@ -6,18 +6,25 @@ Our rule is no unpickling from disk, so `JsonMetadataWriter` writes the same met
 (and removes the pickle), and `JsonMetadataReader` rebuilds DCP's Metadata from that JSON. Only tensors
 go through DCP (non-tensor values live in the JSON state skeleton), so nothing is stored as pickled bytes.
 Resharding is DCP's: a checkpoint saved on N ranks loads on M ranks, sharded or into full tensors.
+
+A shard file that `torch.load(weights_only=True)` refuses (a planted pickle whose checksums were forged to
+match) is a damaged checkpoint: `load_sharded` raises `ChecksumError` naming the file, on every rank, so the
+manager falls back to the previous checkpoint as it does for any other bad file.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -27,6 +34,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future
+
+from disttrain.checkpoint.statefile import ChecksumError
 
 METADATA = "metadata.json"
 
@@ -82,6 +93,28 @@ class JsonMetadataReader(FileSystemReader):
         metadata.storage_meta = StorageMeta(load_id=self.load_id)
         return metadata
 
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """DCP's read, one shard file at a time, so that a file the loader refuses can be named."""
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in per_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except pickle.UnpicklingError as exc:  # how torch.load(weights_only=True) refuses what is not tensors
+                raise ChecksumError(f"{Path(self.path) / name}: refused by torch.load(weights_only=True), "
+                                    f"not plain tensor data ({_refusal_reason(exc)})") from None
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+
+def _refusal_reason(exc: pickle.UnpicklingError) -> str:
+    """The one line of torch's long weights_only message that says what was refused."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    useful = [line for line in lines[1:] if not line.startswith(("Check the documentation", "Please file an issue"))]
+    return (useful or lines or ["unreadable"])[-1]
+
 
 def save_sharded(tensors: dict[str, torch.Tensor], path: Path, group=None) -> list[str]:
     """All ranks: write `tensors` (plain or DTensor) into `path`; return the files this rank wrote. `group`:
@@ -100,7 +133,17 @@ def tensor_metadata(path: Path) -> dict[str, dict[str, Any]]:
 
 
 def load_sharded(targets: dict[str, torch.Tensor], path: Path) -> None:
-    """All ranks: fill `targets` (plain tensors get the whole tensor, DTensors their shard) in place."""
-    with warnings.catch_warnings():  # without a process group DCP warns that it assumes one process: we mean it
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(targets, storage_reader=JsonMetadataReader(path), no_dist=not torch.distributed.is_initialized())
+    """All ranks: fill `targets` (plain tensors get the whole tensor, DTensors their shard) in place. A shard
+    file refused on any rank raises `ChecksumError` naming it, on every rank."""
+    try:
+        with warnings.catch_warnings():  # without a process group DCP warns that it assumes one process: we mean it
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(targets, storage_reader=JsonMetadataReader(path),
+                     no_dist=not torch.distributed.is_initialized())
+    except CheckpointException as exc:
+        # DCP gathers every rank's failure and raises this on every rank, so the ranks agree. It is a
+        # BaseException: a refused file is re-raised as what the manager's fallback handles.
+        refused = sorted({str(error) for error, _ in exc.failures.values() if isinstance(error, ChecksumError)})
+        if not refused:
+            raise
+        raise ChecksumError("; ".join(refused)) from None

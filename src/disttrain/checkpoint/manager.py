@@ -328,27 +328,40 @@ class CheckpointManager:
         rank's per-rank state under "rank_state" and the manifest under "manifest".
 
         Every file is checked against the manifest before anything is deserialised. With "latest", a bad
-        checkpoint is skipped with a warning naming the bad file; rank 0 decides and all ranks follow.
+        checkpoint is skipped with a warning naming the bad file; rank 0 decides and all ranks follow. A
+        sharded checkpoint whose shard file the loader refuses (checksums forged to match) is bad too.
         For a sharded (DCP) checkpoint, `target(key, size, dtype)` gives the tensor each saved tensor is
         loaded into (a DTensor receives its shard); by default a full tensor on every rank.
         """
         self.wait()
-        chosen, files = self._choose(step) if self.rank == 0 else (-1, None)
-        if self._distributed():
-            box = torch.tensor([chosen], dtype=torch.int64, device=self.runtime.device)
-            dist.broadcast(box, src=0)
-            chosen = int(box.item())
-        if chosen < 0:
-            raise CheckpointError(f"no valid checkpoint to load in {self.dir}")
-        if files is None:  # ranks other than 0 read (and verify) the checkpoint rank 0 chose
+        below = None  # after a refused shard file: only checkpoints older than the refused one
+        while True:
+            chosen, files = self._choose(step, below) if self.rank == 0 else (-1, None)
+            if self._distributed():
+                box = torch.tensor([chosen], dtype=torch.int64, device=self.runtime.device)
+                dist.broadcast(box, src=0)
+                chosen = int(box.item())
+            if chosen < 0:
+                raise CheckpointError(f"no valid checkpoint to load in {self.dir}")
+            if files is None:  # ranks other than 0 read (and verify) the checkpoint rank 0 chose
+                try:
+                    files = read_checkpoint_files(self.path(chosen))
+                except (ChecksumError, OSError) as exc:
+                    raise CheckpointError(f"checkpoint {self.path(chosen)} changed while loading: {exc}") from None
             try:
-                files = read_checkpoint_files(self.path(chosen))
-            except (ChecksumError, OSError) as exc:
-                raise CheckpointError(f"checkpoint {self.path(chosen)} changed while loading: {exc}") from None
-        return self._state(*files, path=self.path(chosen), target=target)
+                return self._state(*files, path=self.path(chosen), target=target)
+            except ChecksumError as exc:  # raised by the collective DCP load on every rank alike (dcp.py)
+                if step != "latest":
+                    raise CheckpointError(f"checkpoint step {chosen} is not valid: {exc}") from None
+                if self.rank == 0:
+                    log.warning("skipping checkpoint step %d: %s", chosen, exc)
+                below = chosen
 
-    def _choose(self, step: int | str) -> tuple[int, tuple | None]:
+    def _choose(self, step: int | str, below: int | None = None) -> tuple[int, tuple | None]:
+        """Rank 0: the checkpoint to load (newest first with "latest", older than `below` if given) and its
+        verified files; (-1, None) if none verifies."""
         candidates = list(reversed(self.list())) if step == "latest" else [int(step)]
+        candidates = [c for c in candidates if below is None or c < below]
         for candidate in candidates:
             try:
                 return candidate, read_checkpoint_files(self.path(candidate))

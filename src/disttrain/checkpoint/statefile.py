@@ -45,7 +45,8 @@ DTYPES_BY_NAME = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
 class ChecksumError(ValueError):
-    """A file does not match what the manifest recorded (size or sha256), or is missing."""
+    """A file does not match what the manifest recorded (size or sha256), is missing, or matches but its
+    loader refused the contents (a DCP shard that is not plain tensor data: dcp.py)."""
 
 
 @dataclass(frozen=True)
