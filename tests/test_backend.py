@@ -149,3 +149,19 @@ def test_strategy_and_precision_are_named_one_way_by_the_parallel_config():
         build(precision="fp32")  # no second spelling
     with pytest.raises(TypeError):
         build(strategy="single")
+
+
+def test_a_strategy_that_needs_a_group_forms_it_under_torchrun_with_one_process(tmp_path):
+    """`torchrun --nproc-per-node 1 script.py` with ddp: the group is formed at world size 1 (it used to fail
+    with 'launch with --nproc N')."""
+    import json
+
+    from conftest import SCRIPTS, run_cli
+
+    result = run_cli(["launch", "--nproc", "1", "--run-dir", str(tmp_path / "launch"),
+                      str(SCRIPTS / "one_rank_ddp.py")], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if '"ddp"' in line)  # torchrun prefixes the rank
+    report = json.loads(line[line.index("{"):])
+    assert report["ddp"] and report["distributed"] and report["world"] == 1
+    assert report["second"] < report["first"]

@@ -83,9 +83,12 @@ class NonFiniteError(UserError, RuntimeError):
 
 class TrainingBackend:
     def __init__(self, prepared: Prepared, runtime: Runtime, precision: Precision, scheduler=None,
-                 loss_fn: LossFn | None = None, on_nonfinite: str = "stop", max_consecutive_skips: int = 25):
+                 loss_fn: LossFn | None = None, on_nonfinite: str = "stop", max_consecutive_skips: int = 25,
+                 strategy: str = ""):
         """Use `create_backend`; `prepared` carries the model, its optimizer and the strategy's step."""
         self.prepared, self.optimizer, self.runtime = prepared, prepared.optimizer, runtime
+        self.strategy = strategy
+        """The strategy's name, `auto` resolved (e.g. for a checkpoint's manifest)."""
         self.precision, self.scheduler = precision, scheduler
         self.loss_fn = loss_fn or lm_loss
         self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
@@ -316,4 +319,5 @@ def create_backend(model: nn.Module, optimizer_factory: OptimizerFactory, parall
     scaler = policy.grad_scaler(runtime.device.type, distributed=runtime.distributed)
     optimizer = prepared.build_optimizer(optimizer_factory, grad_clip, scaler)
     scheduler = scheduler_factory(optimizer) if scheduler_factory else None
-    return TrainingBackend(prepared, runtime, policy, scheduler, loss_fn, on_nonfinite, max_consecutive_skips)
+    return TrainingBackend(prepared, runtime, policy, scheduler, loss_fn, on_nonfinite, max_consecutive_skips,
+                           spec.name)

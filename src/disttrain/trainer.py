@@ -122,7 +122,7 @@ class Trainer:
         check_ranks_agree(cfg, runtime)
         sampler = GlobalSampler(len(train), cfg.run.seed, cfg.data.shuffle)
         manager = CheckpointManager(cfg.run_dir / "checkpoints", cfg.checkpoint, runtime,
-                                    info={"strategy": registry.resolve(cfg.parallel.strategy, runtime.world_size).name,
+                                    info={"strategy": backend.strategy,
                                           "config_hash": cfg.hash()}, timeout_s=cfg.dist.timeout_s)
         backend.before_update = manager.wait_for_copy
         start, cursor = self._resume(manager, backend, runtime)
