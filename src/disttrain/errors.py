@@ -9,6 +9,8 @@ by class: `MemoryError` (host) and `torch.OutOfMemoryError`, which is a `Runtime
 
 from __future__ import annotations
 
+import sys
+
 OOM_ADVICE = ("lower data.micro_batch_size, set parallel.activation_checkpointing = true, use a sharded strategy "
               "or parallel.cpu_offload, and see `disttrain estimate-memory`")
 
@@ -39,3 +41,12 @@ def exit_code_and_message(exc: BaseException) -> tuple[int, str] | None:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return 1, f"disttrain: error: out of memory ({first}); {OOM_ADVICE}"
     return None
+
+
+def exit_code(exc: BaseException) -> int:
+    """Print the one line of a failure the user can act on and return its exit code; re-raise anything else."""
+    known = exit_code_and_message(exc)
+    if known is None:
+        raise exc
+    print(known[1], file=sys.stderr)
+    return known[0]

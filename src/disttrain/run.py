@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 
 from disttrain.config import load_config
-from disttrain.errors import exit_code_and_message
+from disttrain.errors import exit_code
 from disttrain.runtime import exit_process
 
 
@@ -26,12 +25,7 @@ def main(argv: list[str] | None = None) -> int:
 
         Trainer(load_config(args.config, args.overrides)).fit()
     except Exception as exc:
-        known = exit_code_and_message(exc)
-        if known is None:
-            raise
-        code, line = known
-        print(line, file=sys.stderr)
-        return code
+        return exit_code(exc)  # the same line and exit code as `disttrain train` in one process
     return 0
 
 

@@ -94,7 +94,7 @@ def _worker(args) -> None:
     from disttrain.optim import optimizer_factory
     from disttrain.runtime import exit_process, init_runtime, shutdown
 
-    runtime = init_runtime(_config(args, "ddp", False).dist, always_form_group=True)
+    runtime = init_runtime(_config(args, "auto", False).dist, always_form_group=True)
     world = runtime.world_size
     rows = []
     for label, strategy, checkpointing, extra in _variants(args, world):

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from disttrain.config import ConfigError, describe, dumps_toml, load_config, save_config
-from disttrain.errors import exit_code_and_message
+from disttrain.errors import exit_code
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -227,11 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = COMMANDS[args.command](args)
     except Exception as exc:
-        known = exit_code_and_message(exc)
-        if known is None:
-            raise
-        code, line = known
-        print(line, file=sys.stderr)
+        code = exit_code(exc)  # one line and its exit code, or the traceback of a bug
     if argv is None:
         if "torch.distributed" in sys.modules:  # see exit_process: gloo threads can abort at interpreter exit
             from disttrain.runtime import exit_process
