@@ -73,7 +73,7 @@ class DeepSpeedConfig:
     def from_parallel(cls, p: ParallelConfig, world: int, grad_clip: float, micro_batch_size: int = 1,
                       accumulation_steps: int = 1, model_numel: int = 0) -> DeepSpeedConfig:
         """The strategy's view. The backend owns accumulation boundaries and normalisation (see
-        parallel/deepspeed_engine.py), so the engine's batch keys only have to be consistent."""
+        parallel/deepspeed/engine.py), so the engine's batch keys only have to be consistent."""
         if p.deepspeed_stage not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.deepspeed_stage = {p.deepspeed_stage}: must be 0, 1, 2 or 3")
         if p.cpu_offload and p.deepspeed_stage == 0:
