@@ -165,3 +165,21 @@ def test_a_strategy_that_needs_a_group_forms_it_under_torchrun_with_one_process(
     report = json.loads(line[line.index("{"):])
     assert report["ddp"] and report["distributed"] and report["world"] == 1
     assert report["second"] < report["first"]
+
+
+def test_a_step_that_needs_no_norm_skips_it_and_updates_the_same():
+    """Without clipping, `optim_step(grad_norm=False)` skips the norm pass (NaN in the result) and applies the
+    same update as a step that computes it."""
+    import math
+
+    items = _variable_length_batch(4)
+    with_norm, without = _backend(), _backend()
+    _accumulate(with_norm, items, 2)
+    _accumulate(without, items, 2)
+    measured, skipped = with_norm.optim_step(), without.optim_step(grad_norm=False)
+    assert math.isfinite(measured["grad_norm"]) and measured["grad_norm"] > 0
+    assert math.isnan(skipped["grad_norm"]) and not skipped["skipped"]
+    for a, b in zip(with_norm.model.parameters(), without.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert any(not torch.equal(a, b) for a, b in zip(with_norm.model.parameters(), _backend().model.parameters(),
+                                                      strict=True))
