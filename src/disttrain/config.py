@@ -91,8 +91,12 @@ class OptimConfig:
     """AdamW beta1 (momentum for `sgd`)."""
     beta2: float = 0.95
     """AdamW beta2."""
+    schedule: str = "auto"
+    """Learning-rate schedule: `cosine` (linear warmup over `warmup_steps`, then cosine decay to `min_lr_ratio` x the
+    peak at `train.steps`), `constant` (warmup, then the peak), `none` (the optimizer's own learning rate, untouched),
+    or `auto`: `cosine` for disttrain's optimizer, `none` when you pass your own optimizer factory."""
     warmup_steps: int = 10
-    """Linear warmup steps from 0 to `lr`; cosine decay follows until `train.steps`."""
+    """Linear warmup steps from 0 to `lr` (`cosine` and `constant` schedules)."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of `lr` at the end of the cosine decay."""
     grad_clip: float = 1.0
@@ -239,6 +243,7 @@ SECTIONS = {name: globals()[typ] if isinstance(typ, str) else typ for name, typ 
 CHOICES: dict[str, tuple[str, ...]] = {
     "data.token_dtype": ("uint16", "uint32", "int32"),
     "optim.name": ("adamw", "sgd"),
+    "optim.schedule": ("auto", "cosine", "constant", "none"),
     "dist.backend": ("auto", "nccl", "gloo"),
     "dist.device": ("auto", "cpu", "cuda"),
     "checkpoint.best_mode": ("min", "max"),

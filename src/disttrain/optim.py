@@ -37,12 +37,16 @@ def _fused_supported(params: list[torch.Tensor]) -> bool:
     return bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
 
 
-def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float) -> Callable[[int], float]:
-    """Multiplier of the peak LR for optimizer step `s` (0-based): (s+1)/warmup, then cosine to min_ratio."""
+def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float, shape: str = "cosine"
+              ) -> Callable[[int], float]:
+    """Multiplier of the peak LR for optimizer step `s` (0-based): (s+1)/warmup, then cosine to min_ratio (or,
+    for `shape="constant"`, 1)."""
 
     def factor(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / warmup_steps
+        if shape == "constant":
+            return 1.0
         span = max(1, total_steps - warmup_steps)
         progress = min(1.0, (step - warmup_steps) / span)
         return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
@@ -50,6 +54,18 @@ def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float) -> Callable
     return factor
 
 
-def scheduler_factory(cfg: OptimConfig, total_steps: int):
-    factor = lr_lambda(cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
+def schedule_name(cfg: OptimConfig, user_optimizer: bool = False) -> str:
+    """`optim.schedule` with `auto` resolved: cosine for disttrain's own optimizer, none for yours (your
+    optimizer's learning rate is used as it is unless you ask for a schedule)."""
+    if cfg.schedule != "auto":
+        return cfg.schedule
+    return "none" if user_optimizer else "cosine"
+
+
+def scheduler_factory(cfg: OptimConfig, total_steps: int, user_optimizer: bool = False):
+    """`factory(optimizer) -> LambdaLR` for `optim.schedule`, or None when the schedule is `none`."""
+    shape = schedule_name(cfg, user_optimizer)
+    if shape == "none":
+        return None
+    factor = lr_lambda(cfg.warmup_steps, total_steps, cfg.min_lr_ratio, shape)
     return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -62,6 +62,8 @@ class Trainer:
     eval_dataset:   validated every `train.eval_every` steps, each sample counted exactly once.
     loss_fn:        `loss_fn(outputs, batch)` -> mean loss, or (summed loss, item count); default:
                     next-token cross-entropy.
+    optimizer_factory: `factory(model) -> Optimizer`, your own optimizer; its learning rate is used as it is
+                    unless `optim.schedule` asks for a schedule (default: disttrain's AdamW, warmup + cosine).
     """
 
     def __init__(self, config: Config, *, model: nn.Module | None = None, train_dataset: Dataset | None = None,
@@ -106,7 +108,8 @@ class Trainer:
         model = self.model if self.model is not None else build_model(cfg.model)
         backend = create_backend(
             model, self.optimizer_factory or optimizer_factory(cfg.optim), cfg.parallel,
-            runtime=runtime, scheduler_factory=scheduler_factory(cfg.optim, cfg.train.steps),
+            runtime=runtime,
+            scheduler_factory=scheduler_factory(cfg.optim, cfg.train.steps, self.optimizer_factory is not None),
             grad_clip=cfg.optim.grad_clip, loss_fn=self.loss_fn, on_nonfinite=cfg.train.on_nonfinite,
             max_consecutive_skips=cfg.train.max_consecutive_skips,
         )
