@@ -50,6 +50,7 @@ def _variants(args, world: int) -> list[tuple[str, str, bool, tuple[str, ...]]]:
     """(label, strategy, activation checkpointing, config overrides) for each run at `world` ranks, from the
     strategy registry: every spec's option sets (its defaults when it lists none), with and without activation
     checkpointing where the option sets are the defaults."""
+    from disttrain.config import strategies_for
     from disttrain.parallel import registry
 
     chosen = set(registry.names() if args.strategies == "all" else args.strategies.split(","))
@@ -57,31 +58,21 @@ def _variants(args, world: int) -> list[tuple[str, str, bool, tuple[str, ...]]]:
     tmp = ds_json.with_suffix(f".{os.getpid()}.tmp")  # every rank writes the same file: atomically
     tmp.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": args.d_model ** 2}}))
     os.replace(tmp, ds_json)
+    runnable = set(strategies_for(_config(args, "auto", False), world))  # installed, valid at this world size
     out = []
     for spec in map(registry.get, registry.names()):
-        if spec.name not in chosen or not spec.runs_on(world) or not registry.available(spec):
-            continue
+        if spec.name not in chosen or spec.name not in runnable:
+            continue  # e.g. a precision the strategy refuses
         extra = ()
         if "deepspeed_config" in spec.options:  # partitioned and whole (persistent) ZeRO-3 parameters both occur
             extra += (f"parallel.deepspeed_config={ds_json}",)
         if "hsdp_shard_size" in spec.options:  # shard groups of 1 rank, replicated across them: not fsdp's layout
             extra += ("parallel.hsdp_shard_size=1",)
-        try:
-            _check(args, spec.name, world)
-        except ValueError:
-            continue  # e.g. a precision the strategy refuses
         if spec.variants:
             out += [(label, spec.name, False, (*overrides, *extra)) for label, overrides in spec.variants]
         else:
             out += [(spec.name, spec.name, ac, extra) for ac in (False, True)]
     return out
-
-
-def _check(args, strategy: str, world: int) -> None:
-    from disttrain.config import validate
-
-    cfg = _config(args, strategy, False)
-    validate(cfg, gpu_count=world, world=world)
 
 
 def _worker(args) -> None:

@@ -276,7 +276,7 @@ class CheckpointManager:
             (path / f"files_rank{rank}.json").unlink()
         manifest = {"format": 1, "layout": layout, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                     "world_size": self.world_size, **self.info, "torch": torch.__version__,
-                    "disttrain": _version(), "metrics": _finite_or_str(metrics), "files": files}
+                    "disttrain": __version__, "metrics": _finite_or_str(metrics), "files": files}
         manifest_info = write_bytes(path / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         write_bytes(path / COMMIT, manifest_info.sha256.encode())
         fsync_dir(path)
@@ -431,7 +431,3 @@ def _try_write(path: Path, data: bytes) -> None:
 
 def _finite_or_str(metrics: dict[str, Any]) -> dict[str, Any]:
     return {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in metrics.items()}
-
-
-def _version() -> str:
-    return __version__
