@@ -20,12 +20,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from disttrain.batches import ModelCall, batch_size, to_device
 from disttrain.config import DistConfig, ParallelConfig
-from disttrain.data import IGNORE_INDEX
 from disttrain.errors import UserError
+from disttrain.losses import default_loss
+from disttrain.models.meta import has_meta_parameters, materialize
 from disttrain.optim import OptimizerFactory
 from disttrain.parallel import Prepared, registry
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -34,47 +35,6 @@ from disttrain.runtime import Runtime, detect_launch, init_runtime
 
 LossOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor | int]
 LossFn = Callable[[Any, Any], LossOutput]
-
-
-def lm_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed next-token cross-entropy and the number of non-padding labels."""
-    labels = batch["labels"]
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
-    return loss, (labels != IGNORE_INDEX).sum()
-
-
-def model_inputs(batch: Any) -> Any:
-    """What the model is called with: `input_ids` (or `inputs`) of a dict batch, the first item of a tuple,
-    or the tensor."""
-    if isinstance(batch, dict):
-        if "input_ids" not in batch and "inputs" in batch:
-            return batch["inputs"]
-        return batch["input_ids"]
-    if isinstance(batch, (list, tuple)):
-        return batch[0]
-    return batch
-
-
-def to_device(batch: Any, device: torch.device, float_dtype: torch.dtype | None = None) -> Any:
-    """Move tensors to `device`; floating tensors also to `float_dtype` when given (bf16-true)."""
-    if isinstance(batch, torch.Tensor):
-        dtype = float_dtype if float_dtype is not None and batch.is_floating_point() else None
-        return batch.to(device, dtype=dtype, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device, float_dtype) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device, float_dtype) for v in batch)
-    return batch
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """A sharded (DTensor) result as one tensor; a plain tensor as it is."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _batch_size(batch: Any) -> int:
-    return len(model_inputs(batch))
 
 
 class NonFiniteError(UserError, RuntimeError):
@@ -90,7 +50,9 @@ class TrainingBackend:
         self.strategy = strategy
         """The strategy's name, `auto` resolved (e.g. for a checkpoint's manifest)."""
         self.precision, self.scheduler = precision, scheduler
-        self.loss_fn = loss_fn or lm_loss
+        self.loss_fn = loss_fn or default_loss(prepared.model)
+        self.model_call = ModelCall(prepared.model)
+        """How a batch becomes the model's arguments (batches.py)."""
         self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
         self.on_phase: Callable[[str], None] = lambda phase: None  # e.g. the rank's status file (monitor.py)
         self.before_update: Callable[[], None] = lambda: None
@@ -124,7 +86,7 @@ class TrainingBackend:
         if isinstance(result, tuple):
             loss_sum, count = result
             return loss_sum, torch.as_tensor(count, dtype=torch.float64, device=self.runtime.device)
-        count = _batch_size(batch)  # a mean over the batch: weight it by its size
+        count = batch_size(batch)  # a mean over the batch: weight it by its size
         return result * count, torch.tensor(float(count), dtype=torch.float64, device=self.runtime.device)
 
     def forward_backward(self, batch: Any, loss_fn: LossFn | None = None, *, sync: bool = True) -> dict:
@@ -153,7 +115,7 @@ class TrainingBackend:
             return self.scaler.scale(loss_sum) if self.scaler is not None else loss_sum
 
         autocast = self.precision.autocast(self.runtime.device.type)
-        loss_sum, count = self.prepared.forward_backward(model_inputs(batch), loss_terms, on_loss, sync, autocast)
+        loss_sum, count = self.prepared.forward_backward(self.model_call(batch), loss_terms, on_loss, sync, autocast)
         self._loss_sum += joined[0]
         self._count += count
         self._nonfinite = joined[1]
@@ -267,7 +229,7 @@ class TrainingBackend:
         module.eval()
         try:
             with self.precision.autocast(self.runtime.device.type):
-                return module(model_inputs(to_device(batch, self.runtime.device, self.precision.param_dtype)))
+                return self.model_call(to_device(batch, self.runtime.device, self.precision.param_dtype))(module)
         finally:
             module.train(was_training)
 
@@ -299,6 +261,10 @@ def create_backend(model: nn.Module, optimizer_factory: OptimizerFactory, parall
     """Place `model` on this rank's device, apply the strategy, and build optimizer and schedule: the one
     composition of a training step, used by the Trainer, the TrainingService's workers and your own loop.
 
+    A model whose parameters are on the meta device (`model.name = "hf:DIR"`, models/meta.py) is materialised
+    after a sharding strategy has sharded it, each rank allocating and reading only its shards; before the
+    strategy otherwise.
+
     `parallel` names the strategy and the precision (`ParallelConfig(strategy="fsdp", precision="bf16-mixed")`;
     default: `auto` in fp32). `runtime` defaults to one detected from the environment; a strategy that needs a
     process group forms it, under torchrun at any world size (`dist` configures it). `optimizer_factory(model)
@@ -314,8 +280,17 @@ def create_backend(model: nn.Module, optimizer_factory: OptimizerFactory, parall
     policy = get_precision(parallel.precision)
     if parallel.activation_checkpointing:
         apply_activation_checkpointing(model)
-    model = model.to(runtime.device, dtype=policy.param_dtype)
+    deferred = has_meta_parameters(model)
+    if deferred and not spec.shards_parameters:
+        materialize(model, runtime.device)
+        deferred = False
+    if deferred:
+        model = model.to(dtype=policy.param_dtype)  # still on meta: only the dtype the shards are allocated in
+    else:
+        model = model.to(runtime.device, dtype=policy.param_dtype)
     prepared = spec.apply(model, runtime, parallel)
+    if deferred:
+        materialize(model, runtime.device)
     scaler = policy.grad_scaler(runtime.device.type, distributed=runtime.distributed)
     optimizer = prepared.build_optimizer(optimizer_factory, grad_clip, scaler)
     scheduler = scheduler_factory(optimizer) if scheduler_factory else None

@@ -69,25 +69,31 @@ def load_tokens(cfg: DataConfig) -> np.ndarray:
 
 
 class TokenWindows(Dataset):
-    """Non-overlapping windows of `seq_len + 1` tokens: inputs are the first seq_len, labels shifted by one."""
+    """Non-overlapping windows of the token stream, in one of the two label conventions (losses.py):
+    `aligned=False` (disttrain's): inputs are the first seq_len of seq_len + 1 tokens, labels the same shifted
+    by one; `aligned=True` (Hugging Face's): inputs are seq_len tokens and labels equal them (the loss shifts)."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int):
-        self.tokens, self.seq_len = tokens, seq_len
+    def __init__(self, tokens: np.ndarray, seq_len: int, aligned: bool = False):
+        self.tokens, self.seq_len, self.aligned = tokens, seq_len, aligned
 
     def __len__(self) -> int:
-        return max(0, (len(self.tokens) - 1) // self.seq_len)
+        return max(0, (len(self.tokens) - (0 if self.aligned else 1)) // self.seq_len)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         start = i * self.seq_len
+        if self.aligned:
+            window = torch.from_numpy(np.asarray(self.tokens[start:start + self.seq_len], dtype=np.int64))
+            return {"input_ids": window, "labels": window.clone()}
         window = torch.from_numpy(np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64))
         return {"input_ids": window[:-1], "labels": window[1:]}
 
 
-def build_datasets(cfg: DataConfig, seq_len: int) -> tuple[TokenWindows, TokenWindows]:
-    """Train and validation windows; validation is the last `val_fraction` of the tokens."""
+def build_datasets(cfg: DataConfig, seq_len: int, aligned: bool = False) -> tuple[TokenWindows, TokenWindows]:
+    """Train and validation windows (`aligned`: labels in HF's convention); validation is the last
+    `val_fraction` of the tokens."""
     tokens = load_tokens(cfg)
     split = int(len(tokens) * (1.0 - cfg.val_fraction))
-    train, val = TokenWindows(tokens[:split], seq_len), TokenWindows(tokens[split:], seq_len)
+    train, val = TokenWindows(tokens[:split], seq_len, aligned), TokenWindows(tokens[split:], seq_len, aligned)
     if len(train) == 0 or len(val) == 0:
         raise ConfigError(f"data.source = '{cfg.source}' has {len(tokens)} tokens: too few for "
                           f"model.seq_len = {seq_len} with data.val_fraction = {cfg.val_fraction}; "

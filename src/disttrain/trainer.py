@@ -29,6 +29,7 @@ from disttrain.config import Config, ConfigError, save_config, validate
 from disttrain.data import GlobalSampler, build_datasets, eval_shard, fetch, split_micro
 from disttrain.metrics import Metrics, NullMetrics
 from disttrain.models import build_model
+from disttrain.models.hf import is_hf_model
 from disttrain.monitor import RankStatus, peer_failed
 from disttrain.optim import OptimizerFactory, optimizer_factory, scheduler_factory
 from disttrain.parallel import registry
@@ -61,7 +62,8 @@ class Trainer:
                     `input_ids`/`labels` (padded with -100) or tuples `(input, target, ...)`.
     eval_dataset:   validated every `train.eval_every` steps, each sample counted exactly once.
     loss_fn:        `loss_fn(outputs, batch)` -> mean loss, or (summed loss, item count); default:
-                    next-token cross-entropy.
+                    next-token cross-entropy, in HF's label convention for a transformers model (labels aligned
+                    with input_ids, shifted by the loss) and with pre-shifted labels otherwise (losses.py).
     optimizer_factory: `factory(model) -> Optimizer`, your own optimizer; its learning rate is used as it is
                     unless `optim.schedule` asks for a schedule (default: disttrain's AdamW, warmup + cosine).
     """
@@ -101,11 +103,11 @@ class Trainer:
         cfg = self.cfg
         validate(cfg, gpu_count=torch.cuda.device_count(), world=runtime.world_size)
         seed_everything(cfg.run.seed)
-        train, val = self.train_dataset, self.eval_dataset
-        if train is None:
-            train, built_val = build_datasets(cfg.data, cfg.model.seq_len)
-            val = built_val if val is None else val
         model = self.model if self.model is not None else build_model(cfg.model)
+        train, val = self.train_dataset, self.eval_dataset
+        if train is None:  # HF models get windows in HF's label convention (losses.py)
+            train, built_val = build_datasets(cfg.data, cfg.model.seq_len, aligned=is_hf_model(model))
+            val = built_val if val is None else val
         backend = create_backend(
             model, self.optimizer_factory or optimizer_factory(cfg.optim), cfg.parallel,
             runtime=runtime,

@@ -6,6 +6,7 @@
 A variant is `strategy[+flag...][:hsdp_shard_size]`, flags: `ac` (activation checkpointing), `offload`
 (cpu_offload), `prefetchN` (fsdp_prefetch=N), `stageN` (deepspeed_stage=N), `bf16` (bf16-mixed), `fp16` (fp16-mixed),
 `sgd` (optim.name=sgd), `noclip` (optim.grad_clip=0).
+An argument with `=` is a setting for every variant (e.g. `model.name=hf:DIR` trains a Hugging Face model).
 `A>B` trains A to step 10 with a checkpoint there, then resumes it under B to step 20 (its losses are
 steps 11-20). The strategy `plain` (1 process only) is not disttrain but the plain-torch loop of
 plain_reference.py on the same job. Rank 0 writes OUT/<world>.json: {variant: {"losses": [...],
@@ -52,7 +53,7 @@ def plain_tensor(t) -> torch.Tensor:
 
 def train(out: Path, runtime, name: str, variant: str, extra: list[str]) -> tuple[dict, dict]:
     """(losses, grad norms, eval losses; the final parameters) of one variant."""
-    cfg = load_config(None, [*JOB, f"run.out_dir={out}", f"run.name={name}", *overrides(variant), *extra])
+    cfg = load_config(None, [*JOB, *SETTINGS, f"run.out_dir={out}", f"run.name={name}", *overrides(variant), *extra])
     if cfg.parallel.strategy == "plain":
         ref = plain_reference.from_config(cfg)
         return {"losses": ref.losses, "grad_norms": ref.grad_norms, "eval": {}}, ref.params
@@ -63,8 +64,13 @@ def train(out: Path, runtime, name: str, variant: str, extra: list[str]) -> tupl
     return {"losses": result.losses, "grad_norms": result.grad_norms, "eval": result.eval_losses}, params
 
 
+SETTINGS: list[str] = []
+
+
 def main() -> None:
-    out, variants = Path(sys.argv[1]), sys.argv[2:]
+    out = Path(sys.argv[1])
+    SETTINGS.extend(a for a in sys.argv[2:] if "=" in a)
+    variants = [a for a in sys.argv[2:] if "=" not in a]
     runtime = init_runtime(load_config(None, JOB).dist)
     results = {}
     for variant in variants:

@@ -1,4 +1,5 @@
-"""Model registry: `"gpt"` is the reference model; anything else is `"package.module:factory"`."""
+"""Model registry: `"gpt"` is the reference model, `"hf:DIR"` a local Hugging Face model directory (models/hf.py);
+anything else is `"package.module:factory"`."""
 
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ def resolve_factory(name: str) -> Callable[[ModelConfig], nn.Module]:
         from disttrain.models.gpt import GPT
 
         return GPT
+    if name.startswith("hf:"):
+        from disttrain.models.hf import hf_directory, load_pretrained
+
+        hf_directory(name)  # a hub id or a missing directory fails here, before any worker starts
+        return lambda cfg: load_pretrained(cfg.name)
     module_name, _, attr = name.partition(":")
     try:
         module = importlib.import_module(module_name)

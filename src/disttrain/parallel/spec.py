@@ -112,13 +112,14 @@ class Prepared:
 
     def forward_backward(self, inputs: Any, loss_terms: Callable, on_loss: Callable, sync: bool,
                          autocast: contextlib.AbstractContextManager) -> tuple[torch.Tensor, torch.Tensor]:
-        """One micro-batch: forward and `loss_terms(outputs) -> (loss_sum, count)` under `autocast`, then
+        """One micro-batch: forward (`inputs(module)` calls the module with the batch's arguments, batches.py)
+        and `loss_terms(outputs) -> (loss_sum, count)` under `autocast`, then
         `on_loss(loss_sum, count)` (the backend's bookkeeping, before backward so that its all-reduce overlaps
         it; it returns the tensor to back-propagate, e.g. the loss times fp16's scale), then backward.
         `sync=False`: under `no_sync` (gradients stay local until the step's last micro-batch)."""
         with contextlib.nullcontext() if sync else self.no_sync():
             with autocast:
-                loss_sum, count = loss_terms(self.module(inputs))
+                loss_sum, count = loss_terms(inputs(self.module))
             self.backward(on_loss(loss_sum, count), sync)
         return loss_sum, count
 

@@ -1,0 +1,137 @@
+"""Benchmark: peak host memory per rank while a Hugging Face model starts (built, sharded, loaded), per strategy.
+
+    disttrain bench startup [--model hf:DIR] [--nproc 2] [--strategies fsdp,ddp] [--out bench_results]
+
+Without `--model` it first writes a Llama-family model of about 110 M parameters (random weights, fp32
+safetensors, 8 layers x 1024 wide, vocabulary 8192) into `<out>/startup_model`. Each strategy is one launch; every
+rank resets its peak resident set (`/proc/self/clear_refs`) once torch, transformers and the process group are up,
+runs `create_backend` (meta build, strategy, materialisation, weights), and reports the rise of its peak resident
+set (VmHWM) over the baseline, against the full model's fp32 bytes. Under fsdp a rank should hold its shards
+plus one tensor at a time (target <= 0.6 at 2 ranks); ddp, which keeps a full replica, is the comparison.
+Results: `<out>/startup.json` and `<out>/startup.md`. Linux only (reads /proc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+
+def _args(argv):
+    p = argparse.ArgumentParser(prog="disttrain bench startup", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="", help="hf:DIR of the model to start (default: write a ~110M Llama)")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--strategies", default="fsdp,ddp")
+    p.add_argument("--strategy", default="", help=argparse.SUPPRESS)  # a worker's one strategy
+    p.add_argument("--out", default="bench_results")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def write_model(directory: Path) -> None:
+    """A Llama-family model with random weights, saved with save_pretrained (skipped when it exists)."""
+    if (directory / "config.json").is_file():
+        return
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                         num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=256,
+                         tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(directory)
+
+
+def full_fp32_bytes(directory: Path) -> int:
+    from disttrain.models.hf import SafetensorsReader, weight_files
+
+    entries = SafetensorsReader(weight_files(directory)).entries.values()
+    return sum(4 * math.prod(shape) for _, _, _, shape in entries)
+
+
+def _worker(args) -> None:
+    import torch
+
+    from disttrain.backend import create_backend
+    from disttrain.config import load_config
+    from disttrain.models import build_model
+    from disttrain.optim import optimizer_factory
+    from disttrain.runtime import exit_process, init_runtime, shutdown
+
+    cfg = load_config(None, [f"model.name={args.model}", f"parallel.strategy={args.strategy}",
+                             "dist.threads_per_rank=1"])
+    runtime = init_runtime(cfg.dist, always_form_group=True)
+    import transformers
+
+    from disttrain.models.hf import hf_directory
+
+    config = transformers.AutoConfig.from_pretrained(hf_directory(args.model))
+    transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # imports its code: not the model
+    baseline = _status_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
+    torch.manual_seed(0)
+    backend = create_backend(build_model(cfg.model), optimizer_factory(cfg.optim), cfg.parallel, runtime=runtime)
+    peak = _status_kib("VmHWM")
+    held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in backend.model.parameters()) * 4
+    row = {"strategy": args.strategy, "world": runtime.world_size, "rank": runtime.rank,
+           "peak_rise_bytes": (peak - baseline) * 1024, "parameter_bytes_held": held}
+    (Path(args.out) / f"startup_{args.strategy}_rank{runtime.rank}.json").write_text(json.dumps(row))
+    shutdown(runtime)
+    exit_process(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    if args.worker:
+        _worker(args)
+        return 0
+    from disttrain.bench import worker_entry
+    from disttrain.launch import launch
+
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.model:
+        write_model(out / "startup_model")
+        args.model = f"hf:{out / 'startup_model'}"
+    from disttrain.models.hf import hf_directory
+
+    full = full_fp32_bytes(hf_directory(args.model))
+    rows = []
+    for strategy in args.strategies.split(","):
+        args.strategy = strategy
+        code = launch(args.nproc, worker_entry("disttrain.bench.startup", args), out / "startup_run")
+        if code:
+            return code
+        for path in sorted(out.glob(f"startup_{strategy}_rank*.json")):
+            rows.append(json.loads(path.read_text()))
+            path.unlink()
+    lines = [f"# Start-up peak memory per rank: {args.model}, {args.nproc} ranks, CPU\n",
+             f"Full model, fp32: {full / 2**20:.1f} MiB.\n",
+             "| strategy | rank | peak rise MiB | / full fp32 | parameters held MiB |", "|---|---|---|---|---|"]
+    for r in rows:
+        r["ratio"] = r["peak_rise_bytes"] / full
+        lines.append(f"| {r['strategy']} | {r['rank']} | {r['peak_rise_bytes'] / 2**20:.1f} | {r['ratio']:.3f} | "
+                     f"{r['parameter_bytes_held'] / 2**20:.1f} |")
+    sharded = [r["ratio"] for r in rows if r["strategy"] in ("fsdp", "zero3", "hsdp", "zero2")]
+    if sharded:
+        lines.append(f"\n- worst sharded rank: **{max(sharded):.3f}** x the full fp32 weights (target <= 0.6)")
+    markdown = "\n".join(lines) + "\n"
+    (out / "startup.json").write_text(json.dumps({"model": args.model, "full_fp32_bytes": full, "rows": rows},
+                                                 indent=1))
+    (out / "startup.md").write_text(markdown)
+    print(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
