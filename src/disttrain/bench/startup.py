@@ -80,11 +80,13 @@ def _worker(args) -> None:
     baseline = _status_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
     torch.manual_seed(0)
-    backend = create_backend(build_model(cfg.model), optimizer_factory(cfg.optim), cfg.parallel, runtime=runtime)
+    model = build_model(cfg.model)
+    backend = create_backend(model, optimizer_factory(cfg.optim), cfg.parallel, runtime=runtime)
     peak = _status_kib("VmHWM")
     held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in backend.model.parameters()) * 4
     row = {"strategy": args.strategy, "world": runtime.world_size, "rank": runtime.rank,
-           "peak_rise_bytes": (peak - baseline) * 1024, "parameter_bytes_held": held}
+           "peak_rise_bytes": (peak - baseline) * 1024, "parameter_bytes_held": held,
+           "weight_bytes_read": model.disttrain_weights.bytes_read}
     (Path(args.out) / f"startup_{args.strategy}_rank{runtime.rank}.json").write_text(json.dumps(row))
     shutdown(runtime)
     exit_process(0)
@@ -117,11 +119,12 @@ def main(argv: list[str] | None = None) -> int:
             path.unlink()
     lines = [f"# Start-up peak memory per rank: {args.model}, {args.nproc} ranks, CPU\n",
              f"Full model, fp32: {full / 2**20:.1f} MiB.\n",
-             "| strategy | rank | peak rise MiB | / full fp32 | parameters held MiB |", "|---|---|---|---|---|"]
+             "| strategy | rank | peak rise MiB | / full fp32 | parameters held MiB | weights read MiB |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         r["ratio"] = r["peak_rise_bytes"] / full
         lines.append(f"| {r['strategy']} | {r['rank']} | {r['peak_rise_bytes'] / 2**20:.1f} | {r['ratio']:.3f} | "
-                     f"{r['parameter_bytes_held'] / 2**20:.1f} |")
+                     f"{r['parameter_bytes_held'] / 2**20:.1f} | {r['weight_bytes_read'] / 2**20:.1f} |")
     sharded = [r["ratio"] for r in rows if r["strategy"] in ("fsdp", "zero3", "hsdp", "zero2")]
     if sharded:
         lines.append(f"\n- worst sharded rank: **{max(sharded):.3f}** x the full fp32 weights (target <= 0.6)")

@@ -66,8 +66,8 @@ def load_pretrained(name: str) -> nn.Module:
         return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with parameters_on_meta():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    reader = SafetensorsReader(files)
-    return defer(model, reader.load_into)
+    model.disttrain_weights = SafetensorsReader(files)  # reported by `bench startup`
+    return defer(model, model.disttrain_weights.load_into)
 
 
 def weight_files(directory: Path) -> list[Path]:
@@ -90,6 +90,8 @@ class SafetensorsReader:
     rows are never touched, so a rank's memory holds only what it keeps)."""
 
     def __init__(self, files: list[Path]):
+        self.bytes_read = 0
+        """Tensor bytes read so far (a rank of a sharded start reads about 1/N of the file)."""
         self.entries: dict[str, tuple[Path, int, str, list[int]]] = {}  # key -> (file, data start, dtype, shape)
         for path in files:
             with open(path, "rb") as f:
@@ -112,7 +114,7 @@ class SafetensorsReader:
             row = math.prod(shape[1:]) * dtype.itemsize
             with open(path, "rb") as f:
                 f.seek(offset + start * row)
-                f.readinto(out.view(-1).view(torch.uint8).numpy())
+                self.bytes_read += f.readinto(out.view(-1).view(torch.uint8).numpy())
         return out
 
     def _read_into(self, key: str, start: int, stop: int, target: torch.Tensor) -> None:

@@ -1,0 +1,218 @@
+"""Hugging Face causal LMs (`model.name = "hf:DIR"`, or a `PreTrainedModel` object): the step loss against
+transformers' own `model(..., labels=...).loss`, how batches call the model, parity with one process under every
+strategy (2 real ranks), the sharded start, and the one-line errors. Models are built from a config and saved
+locally: nothing downloads."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import SCRIPTS, cli_env, run_cli
+from disttrain.backend import create_backend
+from disttrain.config import ConfigError, ParallelConfig, load_config
+from disttrain.data import GlobalSampler, build_datasets
+from disttrain.models.hf import load_pretrained
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """A tiny Llama (tied embeddings, rotary buffers) saved with save_pretrained."""
+    directory = tmp_path_factory.mktemp("llama")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(directory)
+    return directory
+
+
+def padded_batch(lengths: list[int], width: int, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Right-padded sequences of the given lengths: padding has attention_mask 0 and label -100."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (len(lengths), width), generator=g)
+    mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
+    return {"input_ids": ids * mask, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def disttrain_step(llama_dir, batch: dict, micro: int) -> dict:
+    model = load_pretrained(f"hf:{llama_dir}")
+    backend = create_backend(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.0), ParallelConfig("single"))
+    rows = len(batch["input_ids"])
+    for start in range(0, rows, micro):
+        backend.forward_backward({k: v[start:start + micro] for k, v in batch.items()}, sync=start + micro >= rows)
+    return backend.optim_step()
+
+
+def test_step_loss_equals_transformers_loss(llama_dir):
+    """disttrain's token-summed loss over micro-batches equals transformers' loss over the whole global batch
+    (which shifts aligned labels itself), with padding, for any micro-batch size and any amount of padding; so does
+    the gradient (its norm). The reference is transformers' own loader and loss."""
+    reference = LlamaForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    batch = padded_batch([16, 11, 16, 6], width=16)
+    expected = reference(**batch).loss
+    expected.backward()
+    expected_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]).item()
+    wider = {k: nn.functional.pad(v, (0, 8), value=-100 if k == "labels" else 0) for k, v in batch.items()}
+    for micro, b in ((4, batch), (2, batch), (1, batch), (1, wider), (3, wider)):
+        out = disttrain_step(llama_dir, b, micro)
+        assert out["loss"] == pytest.approx(expected.item(), abs=1e-6), (micro, b is wider)
+        assert out["grad_norm"] == pytest.approx(expected_norm, rel=1e-5), (micro, b is wider)
+    assert out["count"] == 16 + 11 + 16 + 6 - 4  # one target fewer than tokens per sequence: the shift
+
+
+def test_loaded_weights_and_buffers_equal_transformers(llama_dir):
+    reference = LlamaForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    model = load_pretrained(f"hf:{llama_dir}")
+    assert all(p.is_meta for p in model.parameters()) and not any(b.is_meta for b in model.buffers())
+    create_backend(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.0), ParallelConfig("single"))
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # the tie survived materialisation
+    theirs = dict(reference.named_parameters()) | dict(reference.named_buffers())
+    ours = dict(model.named_parameters()) | dict(model.named_buffers())
+    assert ours.keys() == theirs.keys()
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, theirs[name]), name
+
+
+class Recorder(nn.Module):
+    """Records the arguments of each call."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.calls = []
+
+    def forward(self, input_ids, attention_mask=None, scale=1.0):
+        self.calls.append({"input_ids": input_ids, "attention_mask": attention_mask, "scale": scale})
+        return self.proj(torch.nn.functional.one_hot(input_ids, 4).float()) * scale
+
+
+def test_dict_batches_call_the_model_with_the_keys_it_names():
+    model = Recorder()
+    backend = create_backend(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), ParallelConfig("single"))
+    ids = torch.tensor([[0, 1, 2]])
+    seen = []
+
+    def loss(outputs, batch):  # keys the forward does not name stay for the loss
+        seen.append(sorted(batch))
+        return outputs.sum() * batch["advantages"].sum()
+
+    backend.forward_backward({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids,
+                              "advantages": torch.ones(1)}, loss)
+    call = model.calls[-1]
+    assert call["attention_mask"] is not None and call["scale"] == 1.0
+    assert seen == [["advantages", "attention_mask", "input_ids", "labels"]]
+    backend.forward({"inputs": ids})  # no named key: the input positionally
+    assert torch.equal(model.calls[-1]["input_ids"], ids)
+
+
+def test_a_batch_the_forward_rejects_is_one_line():
+    class NeedsPixels(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(1))
+
+        def forward(self, input_ids, pixel_values):
+            return self.w * 0
+
+    backend = create_backend(NeedsPixels(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                             ParallelConfig("single"))
+    with pytest.raises(ConfigError, match="needs pixel_values.*add them in your dataset or collate_fn"):
+        backend.forward_backward({"input_ids": torch.zeros(1, 3, dtype=torch.long)})
+    with pytest.raises(ConfigError, match="names none of"):
+        backend.forward_backward({"tokens": torch.zeros(1, 3, dtype=torch.long)})
+
+
+def test_labels_longer_than_inputs_are_one_line(llama_dir):
+    batch = padded_batch([8, 8], width=8)
+    batch["labels"] = torch.cat([batch["labels"], batch["labels"]], dim=1)
+    with pytest.raises(ConfigError, match="labels of shape .* do not match the inputs"):
+        disttrain_step(llama_dir, batch, micro=2)
+
+
+PARITY = ["ddp", "ddp+ac", "zero1", "zero1+ac", "zero2", "zero2+ac", "fsdp", "fsdp+ac", "hsdp:1", "hsdp+ac:1",
+          "deepspeed+stage2", "deepspeed+stage2+ac", "deepspeed+stage3", "deepspeed+stage3+ac"]
+
+
+@pytest.fixture(scope="module")
+def parity(llama_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hf_parity")
+    script, settings = str(SCRIPTS / "strategy_parity.py"), [f"model.name=hf:{llama_dir}", "train.steps=10"]
+    single = subprocess.run([sys.executable, script, str(tmp), *settings, "single"], cwd=tmp, env=cli_env(tmp),
+                            capture_output=True, text=True, timeout=180)
+    assert single.returncode == 0, single.stderr
+    multi = run_cli(["launch", "--nproc", "2", "--run-dir", str(tmp / "launch"), script, str(tmp), *settings,
+                     *PARITY], tmp, timeout=400)
+    assert multi.returncode == 0, multi.stderr[-3000:]
+    one, two = json.loads((tmp / "1.json").read_text()), json.loads((tmp / "2.json").read_text())
+    for world, runs in ((1, one), (2, two)):
+        for variant, run in runs.items():
+            run["params"] = load_file(tmp / str(world) / f"{variant}.safetensors")
+    return one["single"], two
+
+
+def test_trainer_uses_hf_label_convention(llama_dir, parity):
+    """The Trainer's first step on the built-in data is transformers' loss on the same global batch of windows."""
+    single, _ = parity
+    cfg = load_config(None, ["model.seq_len=32", "data.global_batch_size=16"])
+    train, _ = build_datasets(cfg.data, cfg.model.seq_len, aligned=True)
+    indices = GlobalSampler(len(train), cfg.run.seed, cfg.data.shuffle).global_indices(0, 16)
+    ids = torch.stack([train[i]["input_ids"] for i in indices])
+    reference = LlamaForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        expected = reference(input_ids=ids, labels=ids).loss.item()
+    assert single["losses"][0] == pytest.approx(expected, abs=1e-6)
+    assert single["losses"][-1] < single["losses"][0] - 0.5  # it learns
+
+
+@pytest.mark.parametrize("variant", PARITY)
+def test_hf_model_matches_single_process(parity, variant):
+    single, two = parity
+    got = two[variant]
+    assert len(got["losses"]) == 10
+    assert got["losses"] == pytest.approx(single["losses"], abs=1e-5)
+    assert got["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-4)
+    assert got["eval"]["10"] == pytest.approx(single["eval"]["10"], abs=1e-5)
+    assert got["params"].keys() == single["params"].keys()
+    for name, tensor in single["params"].items():
+        assert torch.allclose(got["params"][name], tensor, atol=1e-5), name
+
+
+def test_sharded_start_reads_only_each_ranks_rows(llama_dir, tmp_path):
+    """`bench startup` under fsdp at 2 ranks: each rank reads about half of the weights from disk and holds half of
+    the parameters (peak memory, a figure, is reported, not asserted)."""
+    out = tmp_path / "bench"
+    result = run_cli(["bench", "startup", "--model", f"hf:{llama_dir}", "--strategies", "fsdp", "--out", str(out)],
+                     tmp_path, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "startup.json").read_text())
+    rows = report["rows"]
+    assert [r["rank"] for r in rows] == [0, 1]
+    for row in rows:
+        assert 0.4 * report["full_fp32_bytes"] < row["weight_bytes_read"] < 0.6 * report["full_fp32_bytes"]
+        assert row["parameter_bytes_held"] < 0.6 * report["full_fp32_bytes"]
+    assert sum(r["weight_bytes_read"] for r in rows) >= report["full_fp32_bytes"]
+    assert "x the full fp32 weights" in (out / "startup.md").read_text()
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("hf:meta-llama/Llama-3.2-1B", "never downloads: fetch it first"),
+    ("hf:/nonexistent/model", "is not a local directory"),
+])
+def test_hub_ids_and_missing_directories_are_one_line(tmp_path, name, expected):
+    result = run_cli(["train", "--set", f"model.name={name}"], tmp_path, timeout=60)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0] and "Traceback" not in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_directory_without_config_is_one_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    result = run_cli(["train", "--set", f"model.name=hf:{tmp_path / 'empty'}"], tmp_path, timeout=60)
+    assert result.returncode == 2 and "has no config.json" in result.stderr and "Traceback" not in result.stderr
