@@ -7,9 +7,10 @@ Estimate (bytes per rank, steady state):
     optimizer state         AdamW: two moments per element + one float32 step per tensor; SGD: one
                             momentum buffer; zero1: this rank's share, partitioned the way
                             ZeroRedundancyOptimizer does (largest tensors first, to the least-loaded rank)
-    activations             what autograd saves for backward for one micro-batch of the reference GPT,
-                            counted op by op for this implementation (exact in fp32 on CPU; with activation
-                            checkpointing only each block's input is kept); `None` for other models
+    activations             what autograd saves for backward for one micro-batch of the reference GPT, or of a
+                            Llama-family HF model in fp32, counted op by op for the implementation (exact in
+                            fp32 on CPU; with activation checkpointing only each block's input is kept);
+                            `None` for other models
 
 Measurement: tensor bytes of local parameters, gradients and optimizer state, and the unique storages that
 autograd saves during a forward (saved-tensor hooks), parameters excluded. DeepSpeed keeps gradients and master
@@ -18,6 +19,7 @@ copies in buffers of its own: those are found by walking the engine's objects (s
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -83,21 +85,63 @@ def gpt_activation_bytes(m: ModelConfig, micro_batch: int, checkpointing: bool, 
     return b * t * (n * block + outside) + weights + 8 * t + 4 + (4 if precision == "fp16-mixed" else 0)
 
 
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+"""Hugging Face `model_type`s with Llama's layer (RMSNorm, rotary attention with grouped KV heads, SwiGLU MLP)."""
+
+
+def llama_activation_bytes(hf: dict, micro_batch: int, seq_len: int, checkpointing: bool) -> int:
+    """Bytes autograd keeps for backward after the forward of one micro-batch of a Llama-family HF model (fp32, SDPA
+    attention on CPU or a fused kernel, unpadded batch), counted op by op for transformers' implementation.
+
+    Per layer and token: each RMSNorm keeps its input, the normalised tensor, its output (3 d) and the rstd (1);
+    attention keeps q after rotary (d), k and v (2 x kv_heads x head_dim), SDPA's logsumexp (heads) and the output
+    projection's input (d); the MLP keeps gate, SiLU(gate), up and the down projection's input (4 x intermediate).
+    Outside: token ids, the rotary cos/sin (t x head_dim each, shared by the layers), the final norm and the
+    float32 log-softmax over the vocabulary of the t - 1 shifted positions with their int64 targets. With
+    checkpointing a layer keeps only its input (and cos/sin are recomputed)."""
+    b, t, d, n = micro_batch, seq_len, hf["hidden_size"], hf["num_hidden_layers"]
+    heads = hf["num_attention_heads"]
+    kv, head_dim = hf.get("num_key_value_heads") or heads, hf.get("head_dim") or d // heads
+    inter, vocab = hf["intermediate_size"], hf["vocab_size"]
+    if checkpointing:
+        layer, rotary = 4 * d, 0
+    else:
+        layer = 4 * (3 * d + 1) * 2 + 4 * (d + 2 * kv * head_dim + d) + 4 * heads + 4 * 4 * inter
+        rotary = 2 * 4 * t * head_dim
+    outside = 8 * b * t + rotary + b * t * 4 * (3 * d + 1) + b * (t - 1) * (4 * vocab + 8) + 4
+    return b * t * n * layer + outside
+
+
+def _activations(cfg: Config, layout) -> tuple[int | None, int | None, list[str]]:
+    """(activations, with checkpointing, notes) for the models the estimator knows: the reference GPT, and
+    Llama-family HF models in fp32."""
+    precision, micro = cfg.parallel.precision, cfg.data.micro_batch_size
+    if cfg.model.name == "gpt":
+        acts, acts_ac = (gpt_activation_bytes(cfg.model, micro, ac, precision, layout.linears) for ac in (False, True))
+        notes = []
+        if precision in ("bf16-mixed", "fp16-mixed") and layout.linears == "autocast":
+            notes.append("activations include the 16-bit weight copies autocast saves for backward")
+        return acts, acts_ac, notes
+    if cfg.model.name.startswith("hf:"):
+        from disttrain.models.hf import hf_directory
+
+        hf = json.loads((hf_directory(cfg.model.name) / "config.json").read_text())
+        if hf.get("model_type") in LLAMA_FAMILY and precision == "fp32":
+            acts, acts_ac = (llama_activation_bytes(hf, micro, cfg.model.seq_len, ac) for ac in (False, True))
+            return acts, acts_ac, []
+        return None, None, [f"activations are estimated for Llama-family HF models ({', '.join(LLAMA_FAMILY)}) in "
+                            "fp32 only; measure your model instead (`disttrain bench memory`)"]
+    return None, None, ["activations are estimated for the reference GPT and Llama-family HF models only; "
+                        "measure your model instead"]
+
+
 def estimate(cfg: Config, world: int, strategy: str | None = None, rank: int | None = None) -> MemoryEstimate:
     """Bytes per rank, from the strategy's memory layout (its spec); where ranks differ (zero1, deepspeed),
     `rank`'s or, with None, the most loaded one's."""
     spec = registry.resolve(strategy or cfg.parallel.strategy, world)
     layout = spec.memory([tuple(s) for s in param_shapes(cfg.model)], cfg, world, rank)
-    notes = list(layout.notes)
-    acts = acts_ac = None
-    if cfg.model.name == "gpt":
-        precision = cfg.parallel.precision
-        acts, acts_ac = (gpt_activation_bytes(cfg.model, cfg.data.micro_batch_size, ac, precision, layout.linears)
-                         for ac in (False, True))
-        if precision in ("bf16-mixed", "fp16-mixed") and layout.linears == "autocast":
-            notes.append("activations include the 16-bit weight copies autocast saves for backward")
-    else:
-        notes.append("activations are estimated for the reference GPT only; measure your model instead")
+    acts, acts_ac, notes = _activations(cfg, layout)
+    notes = list(layout.notes) + notes
     return MemoryEstimate(spec.name, world, layout.params, layout.grads, layout.optimizer, acts, acts_ac, notes)
 
 
