@@ -238,3 +238,45 @@ def test_memory_estimate_matches_measurement(llama_dir, checkpointing, micro, se
     assert (est.params, est.grads, est.optimizer) == (measured["params"], measured["grads"], measured["optimizer"])
     activations = est.activations_ac if checkpointing else est.activations
     assert activations == pytest.approx(measured["activations"], rel=0.10)
+
+
+def test_training_service_runs_an_hf_model_sharded(llama_dir):
+    """`as_service("hf:DIR", strategy="fsdp")` on 2 workers: the same losses as create_backend in this process."""
+    import asyncio
+
+    from disttrain.service import TrainingService
+
+    batches = [padded_batch([16, 12, 16, 9], width=16, seed=s) for s in range(3)]
+    model = load_pretrained(f"hf:{llama_dir}")
+    local = create_backend(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.5), ParallelConfig("single"))
+    expected = []
+    for batch in batches:
+        local.forward_backward(batch)
+        expected.append(local.optim_step()["loss"])
+
+    async def remote() -> tuple[list[float], dict]:
+        service = await TrainingService.options(nproc=2, threads_per_rank=1).as_service(
+            f"hf:{llama_dir}", strategy="fsdp", optimizer={"name": "sgd", "lr": 0.5, "beta1": 0.0,
+                                                           "weight_decay": 0.0, "grad_clip": 0.0})
+        try:
+            losses = []
+            for batch in batches:
+                await service.forward_backward(batch)
+                losses.append((await service.optim_step())["loss"])
+            return losses, await service.forward({"input_ids": batches[0]["input_ids"]})
+        finally:
+            await service.shutdown()
+
+    losses, outputs = asyncio.run(remote())
+    assert losses == pytest.approx(expected, abs=1e-5)
+    with torch.no_grad():
+        logits = model(input_ids=batches[0]["input_ids"]).logits
+    assert torch.allclose(outputs["logits"], logits, atol=1e-5)
+
+
+def test_verify_runs_an_hf_model(llama_dir, tmp_path):
+    result = run_cli(["verify", "--set", f"model.name=hf:{llama_dir}", "--set", "model.seq_len=32",
+                      "--set", "data.global_batch_size=8", "--set", "data.micro_batch_size=2",
+                      "--strategies", "fsdp,zero2", "--steps", "3"], tmp_path, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "fsdp" in result.stdout and "zero2" in result.stdout

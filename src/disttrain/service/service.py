@@ -115,11 +115,13 @@ class ServiceOptions:
                          total_steps: int = 0, on_nonfinite: str = "stop") -> TrainingService:
         """Start the workers and build the model in each.
 
-        model_fn:     "pkg.mod:factory" called as factory(**model_args), or "gpt" (model_args = ModelConfig).
+        model_fn:     "pkg.mod:factory" called as factory(**model_args), "gpt" (model_args = ModelConfig), or
+                      "hf:DIR", a local Hugging Face model directory (sharded strategies start it sharded).
         optimizer_fn: "pkg.mod:factory" called as factory(model, **optimizer_args); default: disttrain's
                       AdamW/SGD from `optimizer` (OptimConfig fields), with the warmup-cosine schedule
                       when `total_steps` > 0.
-        loss_fn:      "pkg.mod:fn"(outputs, batch) -> (sum, count) or a mean; default: token cross-entropy.
+        loss_fn:      "pkg.mod:fn"(outputs, batch) -> (sum, count) or a mean; default: token cross-entropy (HF's
+                      label convention for a transformers model, losses.py).
         """
         self.validate()
         setup = {"op": "setup", "model_fn": model_fn, "model_args": model_args or {}, "optimizer_fn": optimizer_fn,

@@ -173,6 +173,10 @@ class Worker:
             from disttrain.models.gpt import GPT
 
             model = GPT(ModelConfig(**args))
+        elif name.startswith("hf:"):  # a local HF model directory; sharded strategies start sharded
+            from disttrain.models.hf import load_pretrained
+
+            model = load_pretrained(name)
         else:
             model = import_object(name, "model_fn")(**args)
         if not isinstance(model, nn.Module):
