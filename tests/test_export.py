@@ -2,6 +2,7 @@
 of a tiny transformers Llama (tied and untied embeddings), loaded by `from_pretrained` with the trained logits."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -210,6 +211,10 @@ def test_bad_input_is_one_line_and_exit_2(trained, tmp_path, capsys):
     _fails_with_one_line(["ckpt", "export", str(tmp_path / "gone" / "checkpoints" / "step_1"), str(tmp_path / "a"),
                           *hf], capsys, "config.json (from model.name) is missing; restore that folder, or export "
                          "with --format safetensors")
+    shutil.copytree(step, tmp_path / "bad" / "step_2")
+    (tmp_path / "bad" / "step_2" / "state.json").write_text("{}")
+    assert main(["ckpt", "export", str(tmp_path / "bad" / "step_2"), str(tmp_path / "a"), *hf]) == 1
+    assert "state.json: size 2 bytes, manifest says" in capsys.readouterr().err
     assert not (tmp_path / "a").exists()
 
 

@@ -35,7 +35,8 @@ import torch
 
 from disttrain.checkpoint.dcp import load_sharded, tensor_metadata
 from disttrain.checkpoint.layout import parse_step, read_checkpoint_files
-from disttrain.checkpoint.statefile import SAFETENSORS_DTYPES, TENSOR, load_safetensors, unflatten
+from disttrain.checkpoint.manager import CheckpointError
+from disttrain.checkpoint.statefile import SAFETENSORS_DTYPES, TENSOR, ChecksumError, load_safetensors, unflatten
 from disttrain.errors import ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -78,7 +79,10 @@ def open_checkpoint(path: Path) -> CheckpointWeights:
     """Verify a `step_<N>` folder (commit marker, every file's sha256) and index its model weights."""
     if parse_step(path) is None or not path.is_dir():
         raise ConfigError(f"'{path}' is not a step_<N> checkpoint folder; see `disttrain ckpt list RUN_DIR`")
-    manifest, blobs = read_checkpoint_files(path)
+    try:
+        manifest, blobs = read_checkpoint_files(path)
+    except (ChecksumError, OSError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"cannot export {path}: {exc}; see `disttrain ckpt verify`") from None
     if manifest.get("layout", "full") == "full":
         skeleton = json.loads(blobs["state.json"].numpy().tobytes())
         stored: dict[str, torch.Tensor] = {}
@@ -98,6 +102,9 @@ def open_checkpoint(path: Path) -> CheckpointWeights:
             load_sharded(target, path)
             return target[key]
 
+    if not isinstance(skeleton.get("model"), dict):
+        raise ConfigError(f"{path} holds no model weights (no 'model' in its state); it was not saved by the Trainer "
+                          "or TrainingBackend.state_dict()")
     names = {name: ref[TENSOR] for name, ref in skeleton["model"].items()}
     return CheckpointWeights(path, names, {k: shapes[k] for k in set(names.values())}, read, skeleton)
 
