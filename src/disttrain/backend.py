@@ -14,7 +14,9 @@ micro-batches and ranks. So micro-batching, padding and world size never change 
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -242,6 +244,8 @@ class TrainingBackend:
             state["scheduler"] = self.scheduler.state_dict()
         if self.scaler is not None:
             state["grad_scaler"] = self.scaler.state_dict()
+        if "transformers" in sys.modules and isinstance(self.model, sys.modules["transformers"].PreTrainedModel):
+            state["hf_config"] = json.loads(self.model.config.to_json_string())  # for `ckpt export --format hf`
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from disttrain.checkpoint import MANIFEST, CheckpointManager, is_committed, parse_step
 from disttrain.checkpoint import verify as verify_folder
+from disttrain.checkpoint.export import DEFAULT_MAX_SHARD_SIZE, export_hf, export_safetensors
 from disttrain.checkpoint.statefile import ChecksumError
 from disttrain.config import CheckpointConfig, ConfigError, load_config
 
@@ -70,20 +71,14 @@ def verify(path: Path) -> int:
     return 1 if bad else 0
 
 
-def export(path: Path, out: Path) -> int:
-    """Consolidated model weights of one checkpoint as a safetensors file (tied weights stored per name)."""
-    from safetensors.torch import save_file
-
-    if parse_step(path) is None:
-        raise ConfigError(f"'{path}' is not a step_<N> checkpoint folder; see `disttrain ckpt list RUN_DIR`")
-    state = CheckpointManager(path.parent).load(parse_step(path))
-    seen: set[int] = set()
-    weights = {}
-    for name, tensor in state["model"].items():
-        weights[name] = tensor.clone() if id(tensor) in seen else tensor
-        seen.add(id(tensor))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(out), metadata={"step": str(state["step"]), "source": str(path)})
-    print(f"wrote {len(weights)} tensors from {path} to {out}")
+def export(path: Path, out: Path, *, format: str = "safetensors", max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
+           dtype: str = "fp32", force: bool = False) -> int:
+    """Model weights of one checkpoint, read and written one tensor at a time (checkpoint/export.py): one
+    safetensors file (every name, tied weights included) or, with `format="hf"`, a Hugging Face folder."""
+    if format == "hf":
+        files = export_hf(path, out, max_shard_size=max_shard_size, dtype=dtype, force=force)
+        print(f"wrote {out} ({', '.join(files)}) from {path}")
+    else:
+        count = export_safetensors(path, out, dtype=dtype, force=force)
+        print(f"wrote {count} tensors from {path} to {out}")
     return 0
-

@@ -48,7 +48,14 @@ def _parser() -> argparse.ArgumentParser:
         "path", help="RUN_DIR, its checkpoints/ folder, or one step_<N> folder")
     export = ckpt_sub.add_parser("export", help="consolidated model weights for inference")
     export.add_argument("path", help="a step_<N> folder")
-    export.add_argument("out", help="OUT.safetensors")
+    export.add_argument("out", help="OUT.safetensors (--format safetensors) or a new folder (--format hf)")
+    export.add_argument("--format", choices=["safetensors", "hf"], default="safetensors",
+                        help="safetensors: one file, every weight name; hf: a Hugging Face model folder "
+                             "(config.json + sharded safetensors) that from_pretrained loads")
+    export.add_argument("--max-shard-size", default="5GB", help="--format hf: largest shard file (5GB, 500MB, 2GiB)")
+    export.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                        help="dtype of the floating-point weights written")
+    export.add_argument("--force", action="store_true", help="replace an existing OUT")
 
     launch = sub.add_parser("launch", help="run your own training script on N processes through torchrun")
     launch.add_argument("--nproc", type=int, default=1, help="processes on this node")
@@ -133,7 +140,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_ckpt(args: argparse.Namespace) -> int:
     import disttrain.cli.ckpt
 
-    return getattr(disttrain.cli.ckpt, args.ckpt_command)(Path(args.path), *([Path(args.out)] if "out" in args else []))
+    if args.ckpt_command == "export":
+        return disttrain.cli.ckpt.export(Path(args.path), Path(args.out), format=args.format,
+                                         max_shard_size=args.max_shard_size, dtype=args.dtype, force=args.force)
+    return getattr(disttrain.cli.ckpt, args.ckpt_command)(Path(args.path))
 
 
 def cmd_launch(args: argparse.Namespace) -> int:

@@ -12,7 +12,9 @@ def full_state_dict_fns(model, sharded: bool = False) -> dict[str, Callable]:
     def state_dict(optimizer):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=not sharded))
+        model_state, optimizer_state = get_state_dict(model, optimizer,
+                                                      options=StateDictOptions(full_state_dict=not sharded))
+        return share_tied(model, model_state), optimizer_state
 
     def load_state_dict(optimizer, model_state: dict, optimizer_state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
@@ -22,3 +24,19 @@ def full_state_dict_fns(model, sharded: bool = False) -> dict[str, Callable]:
                        options=StateDictOptions(full_state_dict=full))
 
     return {"state_dict": state_dict, "load_state_dict": load_state_dict}
+
+
+def share_tied(model, model_state: dict) -> dict:
+    """Tied parameters (one Parameter under several names, e.g. a tied embedding and LM head) as one object in
+    the state dict, as they are one in the model. get_state_dict returns a DTensor per name, which checkpoints
+    would store twice and an export could not tell apart from two weights; one object is stored once (the
+    checkpoint's skeleton points both names at it), on every rank alike since it follows the module tree."""
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name not in model_state:
+            continue
+        if id(param) in first:
+            model_state[name] = model_state[first[id(param)]]
+        else:
+            first[id(param)] = name
+    return model_state
