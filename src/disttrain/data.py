@@ -149,14 +149,16 @@ PAD_VALUES = {"input_ids": 0, "labels": IGNORE_INDEX, "attention_mask": 0}
 
 def collate(items: list[Any]) -> Any:
     """Dict items (disttrain's windows, a Hugging Face `datasets.Dataset`'s rows of python lists) become a dict of
-    tensors: every sequence-valued key is right-padded to the longest item, input_ids and attention_mask with 0,
+    tensors: every sequence-valued key is right-padded to the batch's longest sequence (so labels line up with
+    input_ids), input_ids and attention_mask with 0,
     labels with IGNORE_INDEX (so padding never counts), others with 0; scalar keys are stacked. Anything else goes
     through torch's default_collate."""
     if not items or not isinstance(items[0], Mapping):
         return default_collate(items)
     keys = list(items[0])
     _check_items(items, keys)
-    return {key: _pad([item[key] for item in items], PAD_VALUES.get(key, 0)) for key in keys}
+    length = max((_length(item[key]) for item in items for key in keys), default=0)
+    return {key: _pad([item[key] for item in items], PAD_VALUES.get(key, 0), length) for key in keys}
 
 
 def _check_items(items: list[Mapping], keys: list[str]) -> None:
@@ -178,14 +180,13 @@ def _is_sequence(value: Any) -> bool:
     return (isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim >= 1) or isinstance(value, (list, tuple))
 
 
-def _pad(values: list[Any], pad: int) -> Any:
+def _pad(values: list[Any], pad: int, length: int) -> Any:
     if not all(_is_sequence(v) for v in values):
         return default_collate(values)
     tensors = [v if isinstance(v, torch.Tensor) else torch.as_tensor(v) for v in values]
     first = tensors[0]
-    if all(t.shape == first.shape for t in tensors):
+    if all(t.shape == first.shape for t in tensors) and first.shape[0] == length:
         return torch.stack(tensors)
-    length = max(t.shape[0] for t in tensors)
     out = torch.full((len(tensors), length, *first.shape[1:]), pad, dtype=first.dtype)
     for row, tensor in enumerate(tensors):
         out[row, :tensor.shape[0]] = tensor
