@@ -50,12 +50,15 @@ def load_tokenizer(directory: str) -> Any:
     return tokenizer
 
 
-def check_tokenizer(directory: str, vocab_size: int) -> None:
-    """The tokenizer loads from its folder and model.vocab_size covers every id it can produce."""
+def check_source(source: str, directory: str, text_field: str, vocab_size: int) -> None:
+    """Before anything starts: the tokenizer loads from its folder, model.vocab_size covers every id it can
+    produce, and a .jsonl source's first document is found under `text_field`."""
     tokenizer = load_tokenizer(directory)
     if vocab_size < len(tokenizer):
         raise ConfigError(f"model.vocab_size = {vocab_size} is smaller than the vocabulary of data.tokenizer = "
                           f"{directory!r} ({len(tokenizer)} tokens); set model.vocab_size = {len(tokenizer)} or more")
+    if Path(source).suffix == ".jsonl":
+        next(documents(source, text_field), None)
 
 
 def cache_path(source: str, tokenizer_dir: str, text_field: str) -> Path:

@@ -121,9 +121,9 @@ class Trainer:
         train, val = self.train_dataset, self.eval_dataset
         if train is None:
             if cfg.data.tokenizer:
-                from disttrain.corpus import check_tokenizer
+                from disttrain.corpus import check_source
 
-                check_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
+                check_source(cfg.data.source, cfg.data.tokenizer, cfg.data.text_field, cfg.model.vocab_size)
             train, built_val = build_datasets(cfg.data, cfg.model.seq_len)
             val = built_val if val is None else val
             self._probe(train)

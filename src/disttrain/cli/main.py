@@ -109,6 +109,11 @@ def _prepare_train(args: argparse.Namespace):
         from disttrain.models import resolve_factory
 
         resolve_factory(cfg.model.name)  # import errors surface here, before any worker starts
+    if cfg.data.tokenizer:
+        from disttrain.corpus import check_source
+
+        # the tokenizer loads and fits model.vocab_size, before any worker starts or anything is written
+        check_source(cfg.data.source, cfg.data.tokenizer, cfg.data.text_field, cfg.model.vocab_size)
     from disttrain.parallel import registry
 
     cfg.parallel.strategy = registry.resolve(cfg.parallel.strategy, cfg.dist.nproc * int(high or low)).name
