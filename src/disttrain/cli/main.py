@@ -8,7 +8,7 @@
     disttrain estimate-memory [CONFIG] --world-size N [--strategy S] [--budget-gib G]
     disttrain deepspeed-config [CONFIG] [--set ...] [--nproc N] -o ds.json   the DeepSpeed JSON of a config
     disttrain env                              versions, devices, backends, detected launcher
-    disttrain bench overhead|checkpoint|memory|service   figures: step-time overhead, checkpoint throughput, ...
+    disttrain bench overhead|checkpoint|memory|service|data   figures: step-time overhead, checkpoint throughput, ...
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     add_arguments(sub.add_parser("verify", help="the same job under several strategies vs 1 process"))
 
     bench = sub.add_parser("bench", help="benchmarks that print and save their figures")
-    bench.add_argument("name", choices=["overhead", "checkpoint", "memory", "service"])
+    bench.add_argument("name", choices=["overhead", "checkpoint", "memory", "service", "data"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (see its --help)")
     return parser
 
