@@ -89,6 +89,28 @@ def _round(variant: str, backend, cfg, train, sampler, args, cursor: int) -> lis
 PAIRS = (("direct", "loader"), ("slow", "slow_workers"))
 
 
+def _data_only(cfg, train, sampler, steps: int) -> dict[str, float]:
+    """Seconds per step spent producing the step's batches alone (no model): direct fetch vs the DataLoader with
+    0 workers. Free of the model's step-time noise, this is the data path's own cost."""
+    from disttrain.data import collate, fetch
+    from disttrain.loader import Loaders, StepBatches
+
+    d = cfg.data
+    out = {}
+    for variant in ("direct", "loader", "direct", "loader"):
+        batches = StepBatches(sampler, 0, steps, d.global_batch_size, d.micro_batch_size, 1, 0)
+        start = time.perf_counter()
+        if variant == "direct":
+            for k in range(steps):
+                [fetch(train, idx) for idx in batches.step(k)]
+        else:
+            with Loaders(d, collate, torch.device("cpu"), cfg.run.seed) as loaders:
+                for _ in loaders.train(train, batches):
+                    pass
+        out[variant] = min(out.get(variant, float("inf")), (time.perf_counter() - start) / steps)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from disttrain.backend import create_backend
     from disttrain.config import load_config
@@ -120,17 +142,20 @@ def main(argv: list[str] | None = None) -> int:
                 cursor += args.steps * job[1].data.global_batch_size
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(
             f"{v} {statistics.median(t) * 1e3:.1f} ms" for v, t in times.items()), flush=True)
-    _report(args, jobs[0][1], jobs[1][1], times)
+    data_only = _data_only(jobs[0][1], jobs[0][2], jobs[0][3], steps=200)
+    _report(args, jobs[0][1], jobs[1][1], times, data_only)
     return 0
 
 
-def _report(args, cfg, slow_cfg, times: dict[str, list[float]]) -> None:
+def _report(args, cfg, slow_cfg, times: dict[str, list[float]], data_only: dict[str, float]) -> None:
     from disttrain._version import __version__
 
     med = {v: statistics.median(t) for v, t in times.items()}
     result = {"median_step_s": med, "steps_timed_per_variant": len(times["direct"]),
               "ratio_loader_over_direct": med["loader"] / med["direct"],
               "ratio_workers_over_none": med["slow_workers"] / med["slow"],
+              "data_only_s_per_step": data_only,
+              "data_only_overhead_fraction_of_step": (data_only["loader"] - data_only["direct"]) / med["direct"],
               "sleep_ms_per_item": args.sleep_ms, "workers": args.workers, "threads": args.threads,
               "rounds": args.rounds, "model": vars(cfg.model), "slow_model": vars(slow_cfg.model),
               "global_batch": cfg.data.global_batch_size,
@@ -147,6 +172,9 @@ def _report(args, cfg, slow_cfg, times: dict[str, list[float]]) -> None:
         f"**{result['ratio_loader_over_direct']:.3f}** | <= 1.01 |\n"
         f"| {args.sleep_ms:g} ms/item dataset: {args.workers} workers / 0 workers | {med['slow_workers'] * 1e3:.1f} | "
         f"{med['slow'] * 1e3:.1f} | **{result['ratio_workers_over_none']:.3f}** | <= 0.6 |\n\n"
+        f"The data path alone (no model; best of 2 x 200 steps): direct fetch {data_only['direct'] * 1e3:.3f} ms/step, "
+        f"DataLoader {data_only['loader'] * 1e3:.3f} ms/step: the loader adds "
+        f"{result['data_only_overhead_fraction_of_step'] * 100:.3f}% of the default job's step.\n\n"
         f"One process, {args.threads} torch thread(s), default job: GPT {m.n_layer} layers, d_model {m.d_model}, "
         f"seq_len {m.seq_len}; global batch {d.global_batch_size}, micro-batch {d.micro_batch_size}; "
         f"{len(times['direct'])} timed steps per variant in {args.rounds} interleaved rounds; "
