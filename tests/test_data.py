@@ -76,3 +76,31 @@ def test_builtin_corpus_is_deterministic_text_and_splits():
     assert corpus.max() < 128  # plain ASCII text
     train, val = build_datasets(DataConfig(), seq_len=64)
     assert len(train) > 8 * len(val) > 0
+
+
+def test_collate_pads_every_key_of_python_list_items():
+    """Rows of a Hugging Face datasets.Dataset are dicts of python lists; every key is padded on the right."""
+    items = [{"input_ids": [1, 2, 3], "attention_mask": [1, 1, 1], "labels": [1, 2, 3], "score": [0.5, 1.5, 2.5],
+              "id": 7},
+             {"input_ids": [4], "attention_mask": [1], "labels": [4], "score": [3.0], "id": 8}]
+    batch = collate(items)
+    assert list(batch) == ["input_ids", "attention_mask", "labels", "score", "id"]
+    assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 0, 0]] and batch["input_ids"].dtype == torch.long
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["labels"].tolist() == [[1, 2, 3], [4, IGNORE_INDEX, IGNORE_INDEX]]
+    assert batch["score"].tolist() == [[0.5, 1.5, 2.5], [3.0, 0.0, 0.0]] and batch["score"].dtype == torch.float32
+    assert batch["id"].tolist() == [7, 8]
+    shorter_labels = collate([{"input_ids": [1, 2, 3], "labels": [2, 3]}, {"input_ids": [4], "labels": [5]}])
+    assert shorter_labels["labels"].tolist() == [[2, 3, IGNORE_INDEX], [5, IGNORE_INDEX, IGNORE_INDEX]]
+
+
+@pytest.mark.parametrize("items, message", [
+    ([{"input_ids": [1, 2], "labels": [1, 2, 3]}], "3 labels for 2 input_ids"),
+    ([{"input_ids": [1], "labels": [1]}, {"input_ids": [1]}], "item 1 of a batch has keys"),
+])
+def test_collate_refuses_bad_items_in_one_line(items, message):
+    from disttrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message) as info:
+        collate(items)
+    assert "\n" not in str(info.value)

@@ -15,6 +15,7 @@ import inspect
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,8 +66,16 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     source: str = "builtin"
-    """`"builtin"` (an offline, learnable synthetic language), a UTF-8 text file (byte tokens), or a
-    pre-tokenised `.bin` / `.npy` token file (memory-mapped)."""
+    """`"builtin"` (an offline, learnable synthetic language), a UTF-8 text file (byte tokens, or tokenised with
+    `data.tokenizer`), a `.jsonl` file of documents (needs `data.tokenizer`), or a pre-tokenised `.bin` / `.npy`
+    token file (memory-mapped)."""
+    tokenizer: str = ""
+    """Local folder of a Hugging Face tokenizer (`tokenizer.save_pretrained(DIR)`; never downloaded) that tokenises
+    a text or `.jsonl` source: each document once, EOS after each, packed into one token stream, cached next to the
+    source as `<source>.<hash>.tokens.npy`. In a text file, documents are separated by blank lines. Empty = byte
+    tokens for a text file."""
+    text_field: str = "text"
+    """Key of the document text in each line of a `.jsonl` source."""
     global_batch_size: int = 32
     """Sequences per optimizer step, summed over all ranks and accumulation micro-batches."""
     micro_batch_size: int = 8
@@ -77,6 +86,14 @@ class DataConfig:
     """Fraction of the tokens (taken from the end) held out for evaluation."""
     shuffle: bool = True
     """Shuffle sample order each epoch (a pure function of seed and epoch)."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank that read and collate batches ahead of the step; 0 = in the training
+    process. The batches, and so the run, are the same for any value."""
+    prefetch_factor: int = 2
+    """Batches each worker loads ahead (used when `num_workers > 0`)."""
+    persistent_workers: bool = False
+    """Keep the evaluation loader's workers alive between evaluations (used when `num_workers > 0`; the training
+    loader runs once per run). Memory is pinned automatically on CUDA."""
 
 
 @dataclass
@@ -476,9 +493,10 @@ def _validate_data(cfg: Config, world: int) -> None:
     if d.source != "builtin":
         path = Path(d.source)
         _check(path.is_file(), f"data.source = {d.source!r}: file not found; give an existing text, "
-               f".bin or .npy file, or \"builtin\"")
+               f".jsonl, .bin or .npy file, or \"builtin\"")
         _check(path.stat().st_size > 0, f"data.source = {d.source!r}: the file is empty; give a file with data")
-    if d.source == "builtin" or not d.source.endswith(TOKEN_FILE_SUFFIXES):
+    _validate_tokenizer(d)
+    if not d.tokenizer and (d.source == "builtin" or not d.source.endswith(TOKEN_FILE_SUFFIXES)):
         _check(m.vocab_size >= 256, f"model.vocab_size = {m.vocab_size}: byte-level data needs >= 256; "
                "set model.vocab_size = 256")
     _check(d.micro_batch_size > 0, f"data.micro_batch_size = {d.micro_batch_size}: must be > 0")
@@ -491,6 +509,28 @@ def _validate_data(cfg: Config, world: int) -> None:
             f"world size = {d.micro_batch_size} x {world} = {per_step}; set data.global_batch_size to a "
             f"multiple of {per_step} (e.g. {lower} or {lower + per_step}) or change micro_batch_size")
     _check(0.0 < d.val_fraction < 1.0, f"data.val_fraction = {d.val_fraction}: must be in (0, 1)")
+    _check(d.num_workers >= 0, f"data.num_workers = {d.num_workers}: must be >= 0 (0 = load in the training process)")
+    _check(d.prefetch_factor >= 1, f"data.prefetch_factor = {d.prefetch_factor}: must be >= 1")
+
+
+def _validate_tokenizer(d: DataConfig) -> None:
+    """The tokenizer is a local folder and goes with a text or .jsonl source (its vocabulary is checked against
+    model.vocab_size when it is loaded: that needs transformers)."""
+    if d.source.endswith(".jsonl"):
+        _check(bool(d.tokenizer), f"data.source = {d.source!r} is a .jsonl file but data.tokenizer is not set; "
+               "set data.tokenizer to the local folder of a Hugging Face tokenizer (tokenizer.save_pretrained(DIR))")
+    if not d.tokenizer:
+        return
+    if not Path(d.tokenizer).exists() and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", d.tokenizer):
+        raise ConfigError(f"data.tokenizer = {d.tokenizer!r} looks like a Hugging Face hub id, and disttrain never "
+                          "downloads; save it once where there is network (AutoTokenizer.from_pretrained(ID)"
+                          ".save_pretrained(DIR)) and set data.tokenizer to that local directory")
+    _check(Path(d.tokenizer).is_dir(), f"data.tokenizer = {d.tokenizer!r} is not a local directory; give the folder "
+           "of a Hugging Face tokenizer (tokenizer.save_pretrained(DIR))")
+    _check(d.source != "builtin" and not d.source.endswith(TOKEN_FILE_SUFFIXES),
+           f"data.tokenizer is set but data.source = {d.source!r} is not a text or .jsonl file; "
+           "unset data.tokenizer or give a text / .jsonl source")
+    _check(bool(d.text_field), "data.text_field is empty; set it to the key of the text in each .jsonl line")
 
 
 def _validate_optim_train(cfg: Config) -> None:

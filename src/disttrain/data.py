@@ -10,7 +10,7 @@ stores the cursor (positions consumed) resumes the same stream on any number of 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from disttrain.config import ConfigError, DataConfig
+from disttrain.corpus import token_stream
 
 IGNORE_INDEX = -100
 """Label value of padding tokens: excluded from the loss and from the token count."""
@@ -53,9 +54,12 @@ def synthetic_corpus(n_bytes: int = 1 << 20, seed: int = 1234, n_words: int = 50
 
 
 def load_tokens(cfg: DataConfig) -> np.ndarray:
-    """The token array for `data.source`: built-in text, a text file (bytes) or a memory-mapped token file."""
+    """The token array for `data.source`: built-in text, a text file (bytes), documents tokenised with
+    `data.tokenizer` (cached; see corpus.py) or a memory-mapped token file."""
     if cfg.source == "builtin":
         return synthetic_corpus()
+    if cfg.tokenizer:
+        return token_stream(cfg.source, cfg.tokenizer, cfg.text_field)
     path = Path(cfg.source)
     if path.suffix == ".npy":
         tokens = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -145,20 +149,56 @@ def eval_shard(num_samples: int, world_size: int, rank: int) -> range:
     return range(num_samples * rank // world_size, num_samples * (rank + 1) // world_size)
 
 
+PAD_VALUES = {"input_ids": 0, "labels": IGNORE_INDEX, "attention_mask": 0}
+"""Right-padding value per key in `collate`; any other key is padded with 0."""
+
+
 def collate(items: list[Any]) -> Any:
-    """Language-model items (dicts with input_ids/labels) are right-padded: inputs with 0, labels with
-    IGNORE_INDEX, so padding never counts. Anything else goes through torch's default_collate."""
-    if items and isinstance(items[0], dict) and "input_ids" in items[0]:
-        length = max(len(item["input_ids"]) for item in items)
-        batch = {}
-        for key, pad in (("input_ids", 0), ("labels", IGNORE_INDEX)):
-            out = torch.full((len(items), length), pad, dtype=torch.long)
-            for row, item in enumerate(items):
-                out[row, :len(item[key])] = item[key]
-            batch[key] = out
-        return batch
-    return default_collate(items)
+    """Dict items (disttrain's windows, a Hugging Face `datasets.Dataset`'s rows of python lists) become a dict of
+    tensors: every sequence-valued key is right-padded to the batch's longest sequence (so labels line up with
+    input_ids), input_ids and attention_mask with 0,
+    labels with IGNORE_INDEX (so padding never counts), others with 0; scalar keys are stacked. Anything else goes
+    through torch's default_collate."""
+    if not items or not isinstance(items[0], Mapping):
+        return default_collate(items)
+    keys = list(items[0])
+    _check_items(items, keys)
+    length = max((_length(item[key]) for item in items for key in keys), default=0)
+    return {key: _pad([item[key] for item in items], PAD_VALUES.get(key, 0), length) for key in keys}
 
 
-def fetch(dataset: Dataset, indices: Sequence[int]) -> Any:
-    return collate([dataset[i] for i in indices])
+def _check_items(items: list[Mapping], keys: list[str]) -> None:
+    for row, item in enumerate(items):
+        if list(item) != keys:
+            raise ConfigError(f"collate: item {row} of a batch has keys {list(item)}, item 0 has {keys}; give every "
+                              "item of the dataset the same keys")
+        if "labels" in item and "input_ids" in item and _length(item["labels"]) > _length(item["input_ids"]):
+            raise ConfigError(f"collate: an item has {_length(item['labels'])} labels for "
+                              f"{_length(item['input_ids'])} input_ids; labels must not be longer than input_ids: "
+                              "truncate the labels (or pad the inputs) in your dataset")
+
+
+def _length(value: Any) -> int:
+    return len(value) if _is_sequence(value) else 0
+
+
+def _is_sequence(value: Any) -> bool:
+    return (isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim >= 1) or isinstance(value, (list, tuple))
+
+
+def _pad(values: list[Any], pad: int, length: int) -> Any:
+    if not all(_is_sequence(v) for v in values):
+        return default_collate(values)
+    tensors = [v if isinstance(v, torch.Tensor) else torch.as_tensor(v) for v in values]
+    first = tensors[0]
+    if all(t.shape == first.shape for t in tensors) and first.shape[0] == length:
+        return torch.stack(tensors)
+    out = torch.full((len(tensors), length, *first.shape[1:]), pad, dtype=first.dtype)
+    for row, tensor in enumerate(tensors):
+        out[row, :tensor.shape[0]] = tensor
+    return out
+
+
+def fetch(dataset: Dataset, indices: Sequence[int], collate_fn: Callable[[list[Any]], Any] = collate) -> Any:
+    """One batch built in this process (evaluation without workers, benchmarks, scripts)."""
+    return collate_fn([dataset[i] for i in indices])

@@ -13,6 +13,7 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,8 @@ from torch.utils.data import Dataset
 from disttrain.backend import LossFn, TrainingBackend, create_backend
 from disttrain.checkpoint import CheckpointError, CheckpointManager, parse_step, restore_rng
 from disttrain.config import Config, ConfigError, save_config, validate
-from disttrain.data import GlobalSampler, build_datasets, eval_shard, fetch, split_micro
+from disttrain.data import GlobalSampler, build_datasets, collate, eval_shard, fetch, split_micro
+from disttrain.loader import CollateFn, Loaders, StepBatches, check_dataset, probe
 from disttrain.metrics import Metrics, NullMetrics
 from disttrain.models import build_model
 from disttrain.models.hf import is_hf_model
@@ -58,9 +60,12 @@ class Trainer:
     """Train `config`'s job, or your own model / datasets / loss with the same loop and launcher.
 
     model:          any nn.Module (default: built from `model.name`).
-    train_dataset:  any map-style Dataset (default: from `data.source`); items are dicts with
-                    `input_ids`/`labels` (padded with -100) or tuples `(input, target, ...)`.
+    train_dataset:  any map-style Dataset (len() and [index]; a Hugging Face `datasets.Dataset` too) (default:
+                    from `data.source`); items are dicts with `input_ids`/`labels` (padded with -100) or tuples
+                    `(input, target, ...)`. Iterable and streaming datasets are refused: exact resume needs an index.
     eval_dataset:   validated every `train.eval_every` steps, each sample counted exactly once.
+    collate_fn:     `collate_fn(items) -> batch`, used for training and evaluation batches, in the DataLoader's
+                    workers when `data.num_workers > 0` (default: `disttrain.data.collate`, which pads).
     loss_fn:        `loss_fn(outputs, batch)` -> mean loss, or (summed loss, item count); default:
                     next-token cross-entropy, in HF's label convention for a transformers model (labels aligned
                     with input_ids, shifted by the loss) and with pre-shifted labels otherwise (losses.py).
@@ -70,8 +75,14 @@ class Trainer:
 
     def __init__(self, config: Config, *, model: nn.Module | None = None, train_dataset: Dataset | None = None,
                  eval_dataset: Dataset | None = None, loss_fn: LossFn | None = None,
-                 optimizer_factory: OptimizerFactory | None = None, runtime: Runtime | None = None):
+                 optimizer_factory: OptimizerFactory | None = None, runtime: Runtime | None = None,
+                 collate_fn: CollateFn | None = None):
         self.cfg = config
+        self.collate_fn = collate_fn or collate
+        for dataset, name in ((train_dataset, "train_dataset"), (eval_dataset, "eval_dataset")):
+            if dataset is not None:  # refused before anything starts or is written
+                check_dataset(dataset, name)
+                self._probe(dataset)
         self.model, self.train_dataset, self.eval_dataset = model, train_dataset, eval_dataset
         self.loss_fn, self.optimizer_factory, self.runtime = loss_fn, optimizer_factory, runtime
         self.backend: TrainingBackend | None = None
@@ -99,15 +110,27 @@ class Trainer:
             if owns_runtime:
                 shutdown(runtime, drain=clean)
 
+    def _probe(self, dataset: Dataset) -> None:
+        """Collate the stream's first micro-batch here, so that bad items are refused before any worker starts."""
+        if len(dataset):
+            sampler = GlobalSampler(len(dataset), self.cfg.run.seed, self.cfg.data.shuffle)
+            probe(dataset, sampler.global_indices(0, self.cfg.data.micro_batch_size), self.collate_fn)
+
     def _setup(self, runtime: Runtime) -> tuple[TrainingBackend, Dataset, Dataset | None]:
         cfg = self.cfg
         validate(cfg, gpu_count=torch.cuda.device_count(), world=runtime.world_size)
         seed_everything(cfg.run.seed)
         model = self.model if self.model is not None else build_model(cfg.model)
         train, val = self.train_dataset, self.eval_dataset
-        if train is None:  # HF models get windows in HF's label convention (losses.py)
+        if train is None:
+            if cfg.data.tokenizer:
+                from disttrain.corpus import check_source
+
+                check_source(cfg.data.source, cfg.data.tokenizer, cfg.data.text_field, model_vocab_size(model, cfg))
+            # HF models get windows in HF's label convention (losses.py)
             train, built_val = build_datasets(cfg.data, cfg.model.seq_len, aligned=is_hf_model(model))
             val = built_val if val is None else val
+            self._probe(train)
         backend = create_backend(
             model, self.optimizer_factory or optimizer_factory(cfg.optim), cfg.parallel,
             runtime=runtime,
@@ -132,20 +155,27 @@ class Trainer:
         backend.before_update = manager.wait_for_copy
         start, cursor = self._resume(manager, backend, runtime)
         status.phase("data", step=start)
+        d = cfg.data
+        steps = StepBatches(sampler, cursor, max(0, (cfg.train.stop_at or cfg.train.steps) - start),
+                            d.global_batch_size, d.micro_batch_size, runtime.world_size, runtime.rank)
         metrics = Metrics(cfg.run_dir, cfg.log, cfg.train.steps, start) if runtime.is_main_process() \
             else NullMetrics()
         if runtime.is_main_process():
             save_config(cfg, cfg.run_dir / "config.toml")
         try:
-            return self._loop(backend, train, val, sampler, manager, metrics, status, start, cursor, runtime)
+            with Loaders(d, self.collate_fn, runtime.device, cfg.run.seed) as loaders:
+                return self._loop(backend, loaders.train(train, steps), val, loaders, manager, metrics, status,
+                                  start, cursor, runtime)
         finally:
             metrics.close()
 
-    def _loop(self, backend, train, val, sampler, manager, metrics, status, start, cursor, runtime) -> TrainResult:
+    def _loop(self, backend, batches, val, loaders, manager, metrics, status, start, cursor, runtime) -> TrainResult:
         cfg, result = self.cfg, TrainResult()
         last = cfg.train.stop_at or cfg.train.steps
+        d = cfg.data
+        micro_per_step = -(-d.global_batch_size // runtime.world_size // d.micro_batch_size)
         for step in range(start + 1, last + 1):
-            values = self._train_step(backend, train, sampler, cursor, runtime)
+            values = self._train_step(backend, batches, micro_per_step)
             cursor += cfg.data.global_batch_size
             result.losses.append(values["loss"])
             result.grad_norms.append(values["grad_norm"])
@@ -153,7 +183,7 @@ class Trainer:
             if val is not None and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == last):
                 status.phase("eval")
                 values["eval_loss"], _ = evaluate(backend, val, runtime, cfg.data.micro_batch_size,
-                                                  cfg.train.eval_samples)
+                                                  cfg.train.eval_samples, batches_of=lambda b: loaders.eval(val, b))
                 result.eval_losses[step] = values["eval_loss"]
             if step % cfg.train.log_every == 0 or step == last or "eval_loss" in values or stopping:
                 metrics.log(step, values)
@@ -212,15 +242,12 @@ class Trainer:
             log.info("resumed from checkpoint step %d (%s)", state["step"], manager.path(state["step"]))
         return int(state["step"]), int(state["trainer"]["cursor"])
 
-    def _train_step(self, backend: TrainingBackend, train: Dataset, sampler: GlobalSampler, cursor: int,
-                    runtime: Runtime) -> dict[str, Any]:
+    def _train_step(self, backend: TrainingBackend, batches: Iterator[Any], micro_per_step: int) -> dict[str, Any]:
+        """One optimizer step over this rank's next `micro_per_step` micro-batches of the stream."""
         start = time.perf_counter()
-        d = self.cfg.data
-        indices = sampler.rank_indices(cursor, d.global_batch_size, runtime.world_size, runtime.rank)
-        micro = split_micro(indices, d.micro_batch_size)
-        for i, batch_indices in enumerate(micro):
+        for i in range(micro_per_step):
             backend.on_phase("data")
-            backend.forward_backward(fetch(train, batch_indices), sync=i == len(micro) - 1)
+            backend.forward_backward(next(batches), sync=i == micro_per_step - 1)
         out = backend.optim_step()
         elapsed = time.perf_counter() - start
         values = {"loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"], "tokens": int(out["count"]),
@@ -232,9 +259,11 @@ class Trainer:
 
 
 def evaluate(backend: TrainingBackend, dataset: Dataset, runtime: Runtime, micro_batch_size: int,
-             limit: int = 0) -> tuple[float, int]:
+             limit: int = 0, *, batches_of: Callable[[list[list[int]]], Iterable[Any]] | None = None,
+             ) -> tuple[float, int]:
     """(mean loss, items counted) over the first `limit` samples (0 = all), each sample counted exactly
-    once across ranks.
+    once across ranks. `batches_of(index_lists)` yields the batches of those index lists (the Trainer's
+    DataLoader, with its collate function); default: `fetch` with `collate` in this process.
 
     Ranks get contiguous shards whose sizes differ by at most one; every rank runs the same number of
     forward passes (a rank with a shorter shard repeats a batch and discards it), so strategies whose
@@ -244,10 +273,11 @@ def evaluate(backend: TrainingBackend, dataset: Dataset, runtime: Runtime, micro
     shard = eval_shard(n, runtime.world_size, runtime.rank)
     batches = split_micro(shard, micro_batch_size)
     rounds = math.ceil(math.ceil(n / runtime.world_size) / micro_batch_size)
+    padded = batches + [[0]] * (rounds - len(batches))
+    built = iter(batches_of(padded)) if batches_of else (fetch(dataset, b) for b in padded)
     totals = torch.zeros(2, dtype=torch.float64, device=runtime.device)
-    for i in range(rounds):
+    for i, batch in zip(range(rounds), built, strict=True):
         counted = i < len(batches)
-        batch = fetch(dataset, batches[i] if counted else [0])
         outputs = backend.forward(batch)
         if counted:
             loss_sum, count = backend.loss_terms(outputs, batch)
@@ -261,7 +291,12 @@ def evaluate(backend: TrainingBackend, dataset: Dataset, runtime: Runtime, micro
 # Settings a checkpoint cannot be resumed under when changed: they define the model, the sample stream or
 # the optimizer state's meaning. Everything else (steps, lr, micro-batch, world size, strategy, ...) may change.
 RESUME_FIXED = ("model.", "data.source", "data.global_batch_size", "data.shuffle", "data.val_fraction",
-                "data.token_dtype", "run.seed", "optim.name")
+                "data.token_dtype", "data.tokenizer", "data.text_field", "run.seed", "optim.name")
+
+
+def model_vocab_size(model: nn.Module, cfg: Config) -> int:
+    """The vocabulary the model embeds: an HF model's config says it; otherwise `model.vocab_size`."""
+    return int(getattr(getattr(model, "config", None), "vocab_size", None) or cfg.model.vocab_size)
 
 
 def check_resumable(saved: dict[str, dict[str, Any]], cfg: Config) -> None:

@@ -8,7 +8,7 @@
     disttrain estimate-memory [CONFIG] --world-size N [--strategy S] [--budget-gib G]
     disttrain deepspeed-config [CONFIG] [--set ...] [--nproc N] -o ds.json   the DeepSpeed JSON of a config
     disttrain env                              versions, devices, backends, detected launcher
-    disttrain bench overhead|checkpoint|memory|service|startup   figures: step-time overhead, checkpoint throughput, ...
+    disttrain bench overhead|checkpoint|memory|service|startup|data   figures: step-time overhead, checkpoint throughput, ...
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     add_arguments(sub.add_parser("verify", help="the same job under several strategies vs 1 process"))
 
     bench = sub.add_parser("bench", help="benchmarks that print and save their figures")
-    bench.add_argument("name", choices=["overhead", "checkpoint", "memory", "service", "startup"])
+    bench.add_argument("name", choices=["overhead", "checkpoint", "memory", "service", "startup", "data"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (see its --help)")
     return parser
 
@@ -116,6 +116,12 @@ def _prepare_train(args: argparse.Namespace):
         from disttrain.models import resolve_factory
 
         resolve_factory(cfg.model.name)  # import errors surface here, before any worker starts
+    if cfg.data.tokenizer:
+        from disttrain.corpus import check_source
+        from disttrain.models import vocab_size
+
+        # the tokenizer loads and fits the model's vocabulary, before any worker starts or anything is written
+        check_source(cfg.data.source, cfg.data.tokenizer, cfg.data.text_field, vocab_size(cfg.model))
     from disttrain.parallel import registry
 
     cfg.parallel.strategy = registry.resolve(cfg.parallel.strategy, cfg.dist.nproc * int(high or low)).name

@@ -34,6 +34,17 @@ def resolve_factory(name: str) -> Callable[[ModelConfig], nn.Module]:
     return factory
 
 
+def vocab_size(cfg: ModelConfig) -> int:
+    """The vocabulary the configured model embeds: an HF directory's config.json says it; else `model.vocab_size`."""
+    if cfg.name.startswith("hf:"):
+        import json
+
+        from disttrain.models.hf import hf_directory
+
+        return int(json.loads((hf_directory(cfg.name) / "config.json").read_text())["vocab_size"])
+    return cfg.vocab_size
+
+
 def build_model(cfg: ModelConfig) -> nn.Module:
     model = resolve_factory(cfg.name)(cfg)
     if not isinstance(model, nn.Module):
