@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +27,7 @@ from disttrain.batches import ModelCall, batch_size, to_device
 from disttrain.config import DistConfig, ParallelConfig
 from disttrain.errors import UserError
 from disttrain.losses import default_loss
+from disttrain.models.hf import is_hf_model
 from disttrain.models.meta import has_meta_parameters, materialize
 from disttrain.optim import OptimizerFactory
 from disttrain.parallel import Prepared, registry
@@ -244,7 +244,7 @@ class TrainingBackend:
             state["scheduler"] = self.scheduler.state_dict()
         if self.scaler is not None:
             state["grad_scaler"] = self.scaler.state_dict()
-        if "transformers" in sys.modules and isinstance(self.model, sys.modules["transformers"].PreTrainedModel):
+        if is_hf_model(self.model):
             state["hf_config"] = json.loads(self.model.config.to_json_string())  # for `ckpt export --format hf`
         return state
 
