@@ -8,7 +8,7 @@
     disttrain estimate-memory [CONFIG] --world-size N [--strategy S] [--budget-gib G]
     disttrain deepspeed-config [CONFIG] [--set ...] [--nproc N] -o ds.json   the DeepSpeed JSON of a config
     disttrain env                              versions, devices, backends, detected launcher
-    disttrain bench overhead|checkpoint|memory|service|startup|data   figures: step-time overhead, checkpoint throughput, ...
+    disttrain bench overhead|checkpoint|memory|service|startup|data   figures: overhead, checkpoint, memory, ...
 """
 
 from __future__ import annotations
