@@ -178,13 +178,18 @@ def _plain_loop(cfg, runtime, train, sampler):
 
 
 def _disttrain_loop(cfg, runtime, train, sampler):
-    """The Trainer's own step (the code `disttrain train` runs), on the same data stream."""
+    """The Trainer's own step (the code `disttrain train` runs) with its DataLoader over the same data stream (the
+    stream simply continues: batches of the same sizes, so the step index does not matter for timing)."""
+    from disttrain.loader import Loaders, StepBatches
     from disttrain.trainer import Trainer
 
     trainer = Trainer(cfg, runtime=runtime)
     backend, _, _ = trainer._setup(runtime)
-    g = cfg.data.global_batch_size
-    return lambda k: trainer._train_step(backend, train, sampler, k * g, runtime)["loss"]
+    d = cfg.data
+    steps = StepBatches(sampler, 0, 10**6, d.global_batch_size, d.micro_batch_size, runtime.world_size, runtime.rank)
+    batches = Loaders(d, trainer.collate_fn, runtime.device, cfg.run.seed).train(train, steps)
+    micro = len(steps.step(0))
+    return lambda k: trainer._train_step(backend, batches, micro)["loss"]
 
 
 def _time(step, first: int, steps: int) -> list[float]:
