@@ -285,7 +285,7 @@ def create_backend(model: nn.Module, optimizer_factory: OptimizerFactory, parall
     if parallel.activation_checkpointing:
         apply_activation_checkpointing(model)
     deferred = has_meta_parameters(model)
-    if deferred and not spec.shards_parameters:
+    if deferred and not spec.starts_sharded(parallel):
         materialize(model, runtime.device)
         deferred = False
     if deferred:
@@ -294,7 +294,7 @@ def create_backend(model: nn.Module, optimizer_factory: OptimizerFactory, parall
         model = model.to(runtime.device, dtype=policy.param_dtype)
     prepared = spec.apply(model, runtime, parallel)
     if deferred:
-        materialize(model, runtime.device)
+        materialize(model, runtime.device, prepared.partition_module)
     scaler = policy.grad_scaler(runtime.device.type, distributed=runtime.distributed)
     optimizer = prepared.build_optimizer(optimizer_factory, grad_clip, scaler)
     scheduler = scheduler_factory(optimizer) if scheduler_factory else None

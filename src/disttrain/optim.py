@@ -13,14 +13,20 @@ from disttrain.config import OptimConfig
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 
 
+def is_matrix(p: torch.Tensor) -> bool:
+    """A weight matrix (decayed): two or more dimensions. A parameter that DeepSpeed ZeRO-3 has partitioned
+    before the optimizer is built (the sharded start) is a flat partition; its own shape is in `ds_shape`."""
+    return len(getattr(p, "ds_shape", p.shape)) >= 2
+
+
 def optimizer_factory(cfg: OptimConfig) -> OptimizerFactory:
     """A factory for `optim.name`; weight decay applies to matrices only (not biases, norms)."""
 
     def build(model: nn.Module) -> torch.optim.Optimizer:
         params = [p for p in model.parameters() if p.requires_grad]
         groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+            {"params": [p for p in params if is_matrix(p)], "weight_decay": cfg.weight_decay},
+            {"params": [p for p in params if not is_matrix(p)], "weight_decay": 0.0},
         ]
         groups = [g for g in groups if g["params"]]
         if cfg.name == "sgd":  # (torch's fused SGD has no sharding rule for FSDP2's DTensors)

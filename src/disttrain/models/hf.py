@@ -67,7 +67,7 @@ def load_pretrained(name: str) -> nn.Module:
     with parameters_on_meta():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.disttrain_weights = SafetensorsReader(files)  # reported by `bench startup`
-    return defer(model, model.disttrain_weights.load_into)
+    return defer(model, model.disttrain_weights)
 
 
 def weight_files(directory: Path) -> list[Path]:
@@ -137,6 +137,10 @@ class SafetensorsReader:
         for name, buffer in model.named_buffers():
             if name in self.entries:
                 self._fill(buffer, name)
+
+    def load_tensor(self, model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+        """Fill one full parameter of `model` (tied names resolve to the tensor the files hold)."""
+        self._fill(tensor, self._key(name, model))
 
     def _key(self, name: str, model: nn.Module) -> str:
         if name in self.entries:

@@ -12,16 +12,23 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from disttrain.errors import ConfigError
 
-WeightsLoader = Callable[[nn.Module], None]
-"""load(model): fill every parameter (full tensors, or this rank's shards of DTensors) without autograd."""
 
-_LOADERS: weakref.WeakKeyDictionary[nn.Module, WeightsLoader] = weakref.WeakKeyDictionary()
+class WeightsSource(Protocol):
+    def load_into(self, model: nn.Module) -> None:
+        """Fill every parameter (full tensors, or this rank's shards of DTensors) and persistent buffer."""
+
+    def load_tensor(self, model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+        """Fill one full parameter, `name` as in `model.named_parameters()`."""
+
+
+_LOADERS: weakref.WeakKeyDictionary[nn.Module, WeightsSource] = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
@@ -45,9 +52,9 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
-def defer(model: nn.Module, load: WeightsLoader) -> nn.Module:
-    """Mark `model` (parameters on meta) as filled by `load` when `materialize` runs."""
-    _LOADERS[model] = load
+def defer(model: nn.Module, source: WeightsSource) -> nn.Module:
+    """Mark `model` (parameters on meta) as filled from `source` when `materialize` runs."""
+    _LOADERS[model] = source
     return model
 
 
@@ -68,13 +75,26 @@ def _set_parameter(model: nn.Module, name: str, param: nn.Parameter) -> None:
     setattr(model.get_submodule(owner) if owner else model, leaf, param)
 
 
-def materialize(model: nn.Module, device: torch.device) -> None:
-    """Allocate the meta parameters on `device` (each rank's shards, if a strategy has sharded them), keep the
-    real buffers and the ties between shared parameters, and fill the parameters with the registered loader."""
-    load = _LOADERS.pop(model, None)
-    if load is None:
+def _source(model: nn.Module) -> WeightsSource:
+    source = _LOADERS.pop(model, None)
+    if source is None:
         raise ConfigError("the model's parameters are on the meta device and disttrain has no weights for them; "
                           "build it on a real device, or load it with model.name = 'hf:DIR'")
+    return source
+
+
+def materialize(model: nn.Module, device: torch.device,
+                after_module: Callable[[nn.Module], None] | None = None) -> None:
+    """Allocate the meta parameters on `device` (each rank's shards, if a strategy has sharded them), keep the
+    real buffers and the ties between shared parameters, and fill the parameters from the registered source.
+
+    With `after_module`, parameters are made real module by module, children first, and `after_module(module)` runs
+    once each module's own parameters are filled (e.g. DeepSpeed ZeRO-3 partitions them there): the peak is one
+    full tensor, not the model."""
+    source = _source(model)
+    if after_module is not None:
+        _materialize_by_module(model, device, source, after_module)
+        return
     ties = tie_groups(model)
     buffers = {name: b for name, b in model.named_buffers() if not b.is_meta}
     model.to_empty(device=device)
@@ -86,4 +106,29 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         owner, _, leaf = name.rpartition(".")
         (model.get_submodule(owner) if owner else model)._buffers[leaf] = buffer.to(device)
     with torch.no_grad():
-        load(model)
+        source.load_into(model)
+
+
+def _materialize_by_module(model: nn.Module, device: torch.device, source: WeightsSource,
+                           after_module: Callable[[nn.Module], None]) -> None:
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    for module in _children_first(model):
+        for param in list(module.parameters(recurse=False)):
+            if not param.is_meta:
+                continue  # filled already (a tied parameter seen in another module)
+            group = names[id(param)]
+            real = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
+                                requires_grad=param.requires_grad)
+            for name in group:
+                _set_parameter(model, name, real)
+            with torch.no_grad():
+                source.load_tensor(model, group[0], real)
+        after_module(module)
+
+
+def _children_first(module: nn.Module) -> Iterator[nn.Module]:
+    for child in module.children():
+        yield from _children_first(child)
+    yield module

@@ -49,6 +49,10 @@ class StrategySpec:
     """Largest world size it runs on (0: any)."""
     shards_parameters: bool = False
     """Parameters are sharded across ranks (checkpoints go through DCP, one shard per rank)."""
+    sharded_start: Callable[[Any], bool] | None = None
+    """sharded_start(parallel_cfg): a model whose parameters are on the meta device (`hf:DIR`) is applied to this
+    strategy before it is materialised, so each rank allocates only its part (models/meta.py). None: as
+    `shards_parameters` says."""
     options: frozenset[str] = frozenset()
     """Strategy-specific `parallel.*` settings it reads; any other one set away from its default is an error."""
     package: str = ""
@@ -60,6 +64,9 @@ class StrategySpec:
 
     def runs_on(self, world: int) -> bool:
         return not self.max_world or world <= self.max_world
+
+    def starts_sharded(self, parallel) -> bool:
+        return self.sharded_start(parallel) if self.sharded_start else self.shards_parameters
 
 
 @dataclass
@@ -93,6 +100,9 @@ class Prepared:
     scaler: Any = None
     """fp16's loss scaler (None otherwise), set by `build_optimizer`."""
     grad_clip: float = 0.0
+    partition_module: Callable[[Any], None] | None = None
+    """For a sharded start whose engine partitions parameters itself (DeepSpeed ZeRO-3): called on each module,
+    children first, once its parameters are real; None: the strategy has sharded the meta model already."""
 
     def __post_init__(self):
         if self.state_dict is None:

@@ -24,6 +24,7 @@ def check(cfg, world: int) -> None:
 SPECS = (StrategySpec("deepspeed", apply, "DeepSpeed's engine, ZeRO stage parallel.deepspeed_stage (0-3), "
                       "optional ZeRO-Offload", memory, check, package="deepspeed",
                       options=frozenset({"cpu_offload", "deepspeed_stage", "deepspeed_config"}),
+                      sharded_start=lambda parallel: parallel.deepspeed_stage == 3,
                       # ZeRO-3 replaces torch.nn.functional.linear for the rest of the process (DeepSpeed's
                       # memory-efficient linear, which saves other tensors under autocast): its runs come last
                       variants=tuple((f"deepspeed-z{stage}{'-off' if off else ''}",

@@ -45,8 +45,19 @@ def apply(model: nn.Module, runtime, cfg) -> Prepared:
             compatible["deepspeed_shm_comm"] = False
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # it logs its whole config and every scale change
-    return EnginePrepared(module=model, model=model, grads_averaged_over=runtime.world_size, cfg=cfg,
-                          world=runtime.world_size, ds=deepspeed)
+    prepared = EnginePrepared(module=model, model=model, grads_averaged_over=runtime.world_size, cfg=cfg,
+                              world=runtime.world_size, ds=deepspeed)
+    if cfg.deepspeed_stage == 3 and any(p.is_meta for p in model.parameters()):
+        # a sharded start: each module is partitioned as soon as its parameters are real (one full tensor at a
+        # time), with the engine's own ZeRO-3 settings; the engine then finds the parameters partitioned already
+        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        full = DeepSpeedConfig.from_parallel(cfg, runtime.world_size, 0.0, model_numel=numel).to_dict()
+        # what partitioning reads (ZeRO-3 settings, precision); the batch keys are checked against a world size
+        # that deepspeed.comm does not know before the engine starts
+        config = {k: v for k, v in full.items() if k in ("zero_optimization", "fp16", "bf16")}
+        config["train_micro_batch_size_per_gpu"] = 1
+        prepared.partition_module = lambda module: deepspeed.zero.Init(module=module, config_dict_or_path=config)
+    return prepared
 
 
 class EnginePrepared(Prepared):
@@ -65,6 +76,7 @@ class EnginePrepared(Prepared):
 
     def build_optimizer(self, factory, grad_clip: float = 0.0, scaler=None):
         self.grad_clip, self.scaler = grad_clip, scaler
+        self.params = dict(self.model.named_parameters())  # a sharded start replaced the meta parameters
         optimizer = unfused(factory)(self.model)  # torch's fused kernels refuse the engine's tensors
         names = {p: n for n, p in self.params.items()}
         self.group_names = [[names[p] for p in group["params"]] for group in optimizer.param_groups]
