@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from disttrain.errors import ConfigError
+from disttrain.parallel.state import parameter_names, tie_groups
 
 
 class WeightsSource(Protocol):
@@ -62,14 +63,6 @@ def has_meta_parameters(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
-def tie_groups(model: nn.Module) -> list[list[str]]:
-    """Names of each parameter shared by several modules (tied embeddings), first name first."""
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return [group for group in names.values() if len(group) > 1]
-
-
 def _set_parameter(model: nn.Module, name: str, param: nn.Parameter) -> None:
     owner, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(owner) if owner else model, leaf, param)
@@ -111,9 +104,7 @@ def materialize(model: nn.Module, device: torch.device,
 
 def _materialize_by_module(model: nn.Module, device: torch.device, source: WeightsSource,
                            after_module: Callable[[nn.Module], None]) -> None:
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
+    names = parameter_names(model)
     for module in _children_first(model):
         for param in list(module.parameters(recurse=False)):
             if not param.is_meta:

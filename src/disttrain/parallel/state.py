@@ -5,6 +5,19 @@ from __future__ import annotations
 from collections.abc import Callable
 
 
+def parameter_names(model) -> dict[int, list[str]]:
+    """id(parameter) -> every name it has in `model`, in module order (several for tied parameters)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return names
+
+
+def tie_groups(model) -> list[list[str]]:
+    """Names of each parameter shared by several modules (tied embeddings), first name first."""
+    return [group for group in parameter_names(model).values() if len(group) > 1]
+
+
 def full_state_dict_fns(model, sharded: bool = False) -> dict[str, Callable]:
     """state_dict/load_state_dict through torch.distributed.checkpoint.state_dict. `sharded`: each rank's own
     shards (DTensors, saved through DCP); otherwise full tensors on every rank. Loading accepts either form."""
@@ -31,12 +44,8 @@ def share_tied(model, model_state: dict) -> dict:
     the state dict, as they are one in the model. get_state_dict returns a DTensor per name, which checkpoints
     would store twice and an export could not tell apart from two weights; one object is stored once (the
     checkpoint's skeleton points both names at it), on every rank alike since it follows the module tree."""
-    first: dict[int, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if name not in model_state:
-            continue
-        if id(param) in first:
-            model_state[name] = model_state[first[id(param)]]
-        else:
-            first[id(param)] = name
+    for group in tie_groups(model):
+        present = [name for name in group if name in model_state]
+        for name in present[1:]:
+            model_state[name] = model_state[present[0]]
     return model_state
