@@ -8,7 +8,7 @@
     disttrain estimate-memory [CONFIG] --world-size N [--strategy S] [--budget-gib G]
     disttrain deepspeed-config [CONFIG] [--set ...] [--nproc N] -o ds.json   the DeepSpeed JSON of a config
     disttrain env                              versions, devices, backends, detected launcher
-    disttrain bench overhead|checkpoint|memory|service|startup|data   figures: overhead, checkpoint, memory, ...
+    disttrain bench overhead|checkpoint|memory|service|startup|data|comm|predict   figures: overhead, checkpoint, ...
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     add_arguments(sub.add_parser("verify", help="the same job under several strategies vs 1 process"))
 
     bench = sub.add_parser("bench", help="benchmarks that print and save their figures")
-    bench.add_argument("name", choices=["overhead", "checkpoint", "memory", "service", "startup", "data"])
+    bench.add_argument("name", choices=["overhead", "checkpoint", "memory", "service", "startup", "data", "comm",
+                                                      "predict"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (see its --help)")
     return parser
 
