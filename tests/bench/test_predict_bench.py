@@ -8,6 +8,7 @@ import pytest
 
 from conftest import run_cli
 from disttrain.bench import scale_model as sm
+from disttrain.bench.published_scaling import PUBLISHED
 from disttrain.cli.main import main as cli
 
 FIT = {"backend": "gloo", "world_size": 2, "device": "cpu", "host": "h", "date": "d",
@@ -42,7 +43,7 @@ def test_validate_against_a_minimal_csv_and_the_published_cases(tmp_path):
     assert float(measured[1]["predicted"]) == pytest.approx(ddp2.step_s, rel=1e-9)
     assert float(measured[1]["error"]) == pytest.approx(ddp2.step_s / 0.12 - 1, rel=1e-9)
     published = [r for r in rows if r["check"] == "published"]
-    assert len(published) == len(sm.PUBLISHED)
+    assert len(published) == len(PUBLISHED)
     assert "| yes |" in (tmp_path / "predict.md").read_text()
 
 

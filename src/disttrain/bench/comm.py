@@ -1,14 +1,20 @@
 """Benchmark: latency and bandwidth of the collectives data-parallel training runs on, over message sizes.
 
     disttrain bench comm [--collectives all_reduce,all_gather,reduce_scatter,broadcast,all_to_all]
-                         [--min-size 1K] [--max-size 256M] [--factor 4] [--nproc N] [--out bench_results]
+                         [--min-size 1K] [--max-size 256M] [--factor 4] [--nproc N] [--busy 0|1] [--out bench_results]
 
 `--nproc` ranks (default 2 on CPU with gloo, every visible GPU with nccl) run each collective on float32 buffers of
 each size, `--factor` apart. Sizes follow nccl-tests: S is the whole buffer (all_gather's output, reduce_scatter's
 input, all_to_all's buffer per rank), rounded down to a multiple of 4 x ranks bytes. Every timed call starts after a
 barrier; its time is the slowest rank's; the figure is the median over the iterations after warm-up (fewer for big
-sizes: `--iters` up to 4 MiB, then in proportion to the size, at least `--min-iters`). algbw = S / time; busbw =
-algbw x 2(n-1)/n for all_reduce, x (n-1)/n for all_gather, reduce_scatter and all_to_all, x 1 for broadcast.
+sizes: `--iters` up to 4 MiB, then in proportion to the size, at least `--min-iters`). The sizes of a collective take
+turns, one call each per round, so that a slow spell of a shared machine does not bend the curve at one size.
+algbw = S / time; busbw = algbw x 2(n-1)/n for all_reduce, x (n-1)/n for all_gather, reduce_scatter and
+all_to_all, x 1 for broadcast.
+
+`--busy 1` keeps a thread per rank computing (matrix multiplies) while the collectives are timed: on a CPU machine
+whose cores all run ranks, gloo's threads share them with the ranks' compute, and this is the cost a training step
+sees (measured here: 1.2-2x the idle figures at 1-16 MiB); `disttrain bench predict --validate` uses such a fit.
 
 Per collective, alpha (s) and beta (s/byte) of t = alpha + beta * S are fitted by least squares on the relative
 error (scale_model.fit_alpha_beta), so small and large sizes both count. Results: `<out>/comm.csv`, `comm.md`
@@ -26,6 +32,7 @@ import platform
 import re
 import statistics
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -56,6 +63,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20, help="timed iterations per size up to 4 MiB")
     p.add_argument("--min-iters", type=int, default=3, help="timed iterations of the largest sizes")
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations per size")
+    p.add_argument("--busy", type=int, default=0, choices=[0, 1],
+                   help="1: a thread per rank keeps computing (matmuls) while the collectives are timed, as in a "
+                        "training step on a CPU machine whose cores all run ranks")
     p.add_argument("--out", default="bench_results")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -137,24 +147,39 @@ def _operation(collective: str, nbytes: int, n: int, device):
     return count * 4, lambda: dist.all_to_all_single(other, full)
 
 
-def _measure(run, iters: int, warmup: int, device) -> list[float]:
-    """Per-iteration seconds of the slowest rank, each call started after a barrier."""
+def _measure(runs: list, iters: list[int], warmup: int, device) -> list[list[float]]:
+    """Per-call seconds of the slowest rank for each of `runs`, each call started after a barrier. The sizes take
+    turns (one call of each per round, a size leaving once it has its iterations), so that a slow spell of the
+    machine lands on all of them rather than bending the curve at one size."""
     import torch
     import torch.distributed as dist
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = []
-    for i in range(warmup + iters):
-        dist.barrier()
-        sync()
-        start = time.perf_counter()
-        run()
-        sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    times: list[list[float]] = [[] for _ in runs]
+    for i in range(warmup + max(iters)):
+        for k, run in enumerate(runs):
+            if i >= warmup + iters[k]:
+                continue
+            dist.barrier()
+            sync()
+            start = time.perf_counter()
+            run()
+            sync()
+            if i >= warmup:
+                times[k].append(time.perf_counter() - start)
+    slowest = torch.tensor([t for ts in times for t in ts], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.tolist()
+    flat = iter(slowest.tolist())
+    return [[next(flat) for _ in ts] for ts in times]
+
+
+def _compute(stop: threading.Event) -> None:
+    """Matrix multiplies until `stop` (torch releases the GIL inside them): a rank's compute, for --busy 1."""
+    import torch
+
+    a = torch.randn(256, 256)
+    while not stop.is_set():
+        a @ a
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -169,14 +194,19 @@ def _worker(args: argparse.Namespace) -> None:
     runtime = init_runtime(DistConfig(nproc=args.nproc, threads_per_rank=1))
     n, rows = runtime.world_size, []
     busy, own, wall = busy_seconds(), own_seconds(), time.perf_counter()
+    stop = threading.Event()
+    if args.busy:
+        threading.Thread(target=_compute, args=(stop,), daemon=True).start()
     for collective in [c for c in args.collectives.split(",") if c]:
-        _measure(_operation(collective, 1024, n, runtime.device)[1], 0, 5, runtime.device)  # connections, caches
-        for size in sizes(parse_size(args.min_size, ""), parse_size(args.max_size, ""), args.factor):
-            nbytes, run = _operation(collective, size, n, runtime.device)
-            iters = iterations(size, args.iters, args.min_iters)
-            times = _measure(run, iters, args.warmup, runtime.device)
-            rows.append({"collective": collective, "bytes": nbytes, "iterations": iters, "times_s": times})
-            del run
+        _measure([_operation(collective, 1024, n, runtime.device)[1]], [5], 0, runtime.device)  # connections
+        every = sizes(parse_size(args.min_size, ""), parse_size(args.max_size, ""), args.factor)
+        ops = [_operation(collective, size, n, runtime.device) for size in every]
+        iters = [iterations(size, args.iters, args.min_iters) for size in every]
+        times = _measure([run for _, run in ops], iters, args.warmup, runtime.device)
+        rows += [{"collective": collective, "bytes": nbytes, "iterations": k, "times_s": t}
+                 for (nbytes, _), k, t in zip(ops, iters, times, strict=True)]
+        del ops
+    stop.set()
     ours = torch.tensor([own_seconds() - own], dtype=torch.float64)
     torch.distributed.all_reduce(ours)
     others = other_cpu(busy_seconds() - busy, ours.item(), time.perf_counter() - wall)
@@ -185,8 +215,10 @@ def _worker(args: argparse.Namespace) -> None:
                    if runtime.device.type == "cuda" else [])
         raw = {"backend": runtime.backend, "world_size": n, "device": runtime.device.type, "devices": devices,
                "rows": rows, "torch": torch.__version__, "host": platform.node(),
-               "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, {platform.processor() or ''}",
-               "threads_per_rank": 1, "warmup": args.warmup, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+               "machine": ", ".join(filter(None, [platform.machine(), f"{len(os.sched_getaffinity(0))} cores",
+                                                  platform.processor()])),
+               "threads_per_rank": 1, "warmup": args.warmup, "busy": bool(args.busy),
+               "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                "other_cpu": round(others, 3)}
         (Path(args.out) / "comm_raw.json").write_text(json.dumps(raw))
     shutdown(runtime)
@@ -237,7 +269,8 @@ def report(raw: dict, out: Path) -> None:
     lines = [f"# Collectives: latency and bandwidth ({raw['date']})", "",
              f"{raw['world_size']} ranks, {raw['backend']} on {raw['device']}"
              f"{' (' + ', '.join(raw['devices']) + ')' if raw['devices'] else ''}, 1 torch thread per rank; "
-             f"float32 buffers; median of the slowest rank's time per call after {raw['warmup']} warm-up calls. "
+             f"float32 buffers{'; a thread per rank computing meanwhile (--busy 1)' if raw.get('busy') else ''}; "
+             f"median of the slowest rank's time per call after {raw['warmup']} warm-up calls. "
              f"Other processes kept {raw['other_cpu']:.2f} cores busy meanwhile (0 = a quiet machine).",
              "",
              "| collective | size | bytes | iters | latency (us) | algbw (GB/s) | busbw (GB/s) |",

@@ -15,7 +15,8 @@ Without `--model` the reference GPT of CONFIG / `--set` is modelled. Writes `<ou
 
 `--validate` checks the model: (i) with `--measured` (the CSV of `disttrain bench scaling`, or of `--measure`, or a
 minimal one with the columns strategy, world_size, step_time_s) and a comm_fit.json from `disttrain bench comm` on
-the same machine: every N-rank step time predicted from the 1-rank one (error %, target <= 10%); (ii) published
+the same machine (on a CPU machine whose cores all run ranks, `--busy 1`: gloo's threads share the cores with
+compute): every N-rank step time predicted from the 1-rank one (error %, target <= 10%); (ii) published
 scaling (torchtitan's Llama 3 8B FSDP, the PyTorch DDP paper's weak scaling): predicted vs published efficiency.
 `--measure` writes `<out>/scaling.csv` from this machine (predict_measure.py).
 """
@@ -31,12 +32,12 @@ import statistics
 import time
 from pathlib import Path
 
+from disttrain.bench.published_scaling import PUBLISHED
 from disttrain.bench.scale_model import (
     BYTES,
     H100_BF16_TFLOPS,
     MODELS,
     PRESETS,
-    PUBLISHED,
     STRATEGIES,
     Interconnect,
     ModelShape,
@@ -196,7 +197,7 @@ def forecast(args, strategies, gpus, shape, local_batch, precision, net, fit) ->
     lines = [f"# Predicted scaling: {shape.name}, {', '.join(strategies)} ({_date()})", "",
              f"- model: {shape.params / 1e6:,.1f} M parameters, {shape.n_layer} blocks of "
              f"{shape.layer_params / 1e6:,.2f} M; {local} x {max(shape.seq_len, 1)} tokens per GPU per step "
-             f"({local // micro} micro-batches)",
+             f"({local // micro} micro-batch{'es' if local // micro > 1 else ''})",
              f"- compute of one step on one device: {compute:.4g} s, {source}",
              f"- precision {precision}: bytes per element stored / gathered / reduced "
              + " / ".join(map(str, BYTES[precision])),
@@ -204,8 +205,8 @@ def forecast(args, strategies, gpus, shape, local_batch, precision, net, fit) ->
              "| strategy | GPUs | step (s) | compute (s) | collectives (s) | exposed (s) | tokens/s per GPU | "
              "efficiency |",
              "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['strategy']} | {r['gpus']} | {r['step_s']:.4g} | {r['compute_s']:.4g} | {r['comm_s']:.4g} | "
-              f"{r['exposed_s']:.4g} | {r['tokens_per_s_per_gpu']:,.1f} | {r['efficiency']:.3f} |" for r in rows]
+    lines += [f"| {r['strategy']} | {r['gpus']} | {r['step_s']:.4f} | {r['compute_s']:.4f} | {r['comm_s']:.4f} | "
+              f"{r['exposed_s']:.4f} | {r['tokens_per_s_per_gpu']:,.1f} | {r['efficiency']:.3f} |" for r in rows]
     lines += ["", "Efficiency: tokens/s per GPU relative to the smallest count (weak scaling). Collectives: the sum "
               "of their times, mostly hidden behind compute; exposed: what the step waits for. " + _footer()]
     return "\n".join(lines) + "\n", rows
@@ -291,8 +292,12 @@ def validate(args, shape, precision, net, fit) -> tuple[str, list[dict]]:
         ok = abs(diff) <= case.tolerance
         rows.append({"check": "published", "case": case.name, "gpus": case.gpus[1], "reference": case.efficiency,
                      "predicted": predicted, "error": diff})
-        lines.append(f"| {case.name} | {case.gpus[0]} -> {case.gpus[1]} | {case.efficiency:.3f} | {predicted:.3f} | "
-                     f"{diff:+.3f} | +-{case.tolerance:g} | {'yes' if ok else 'NO'} |")
+        lo, hi = case.efficiency - case.tolerance, case.efficiency + case.tolerance
+        published, diff_text, band = ((f"{case.shape} (read as {lo:.2f}-{hi:.2f})", "-", f"{lo:.2f}-{hi:.2f}")
+                                      if case.shape else (f"{case.efficiency:.3f}", f"{diff:+.3f}",
+                                                          f"+-{case.tolerance:g}"))
+        lines.append(f"| {case.name} | {case.gpus[0]} -> {case.gpus[1]} | {published} | {predicted:.3f} | "
+                     f"{diff_text} | {band} | {'yes' if ok else 'NO'} |")
     lines += [""] + [f"- {c.name}: {c.source}. Assumed: {c.assumptions}." for c in PUBLISHED]
     lines += ["", _footer()]
     return "\n".join(lines) + "\n", rows

@@ -6,9 +6,11 @@ For each world size (one launch each) and strategy: the Trainer's step (`Trainer
 accumulation), 1 torch thread per rank, `--warmup` untimed steps then `--steps` timed ones; the figure is rank 0's
 median (every step ends in the backend's all-reduce of the loss totals, so rank 0 waits for the slowest).
 Writes `<out>/scaling.csv` with the columns `disttrain bench scaling` writes (strategy, mode, world_size,
-global_batch, micro_batch, step_time_s, tokens_per_s) plus params, cores and `other_cpu`: the cores other processes
-kept busy during the timed steps (the machine's busy time from /proc/stat less this job's ranks' CPU time, over the
-wall time). On a shared machine a row with other_cpu well above 0 measured the neighbours too.
+global_batch, micro_batch, step_time_s, tokens_per_s) plus step_time_std_s (over the timed steps), params, cores,
+`rank_cpu` (a rank's CPU time, gloo's threads included, over the wall time: 1.0 = a core kept busy) and `other_cpu`:
+the cores other processes kept busy during the timed steps (the machine's busy time from /proc/stat less this job's
+ranks' CPU time, over the wall time). On a shared machine a row with other_cpu well above 0 measured the neighbours
+too.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import statistics
 import time
 from pathlib import Path
 
-COLUMNS = ["strategy", "mode", "world_size", "global_batch", "micro_batch", "step_time_s", "tokens_per_s", "params",
-           "cores", "other_cpu"]
+COLUMNS = ["strategy", "mode", "world_size", "global_batch", "micro_batch", "step_time_s", "step_time_std_s",
+           "tokens_per_s", "params", "cores", "rank_cpu", "other_cpu"]
 
 
 def _overrides(args: argparse.Namespace, world: int) -> list[str]:
@@ -98,13 +100,16 @@ def main(argv: list[str] | None = None) -> None:
         runtime.barrier()
         ours = torch.tensor([own_seconds() - own], dtype=torch.float64)
         torch.distributed.all_reduce(ours)  # every rank's CPU time, gloo's threads included
-        others = other_cpu(busy_seconds() - busy, ours.item(), time.perf_counter() - wall)
+        wall = time.perf_counter() - wall
+        others = other_cpu(busy_seconds() - busy, ours.item(), wall)
         median = statistics.median(times[args.warmup:])
         if runtime.is_main_process():
             row = {"strategy": strategy, "mode": "weak", "world_size": world, "global_batch": args.micro_batch * world,
                    "micro_batch": args.micro_batch, "step_time_s": median,
+                   "step_time_std_s": statistics.stdev(times[args.warmup:]) if args.steps > 1 else 0.0,
                    "tokens_per_s": args.micro_batch * world * cfg.model.seq_len / median, "params": params,
-                   "cores": len(os.sched_getaffinity(0)), "other_cpu": round(others, 3)}
+                   "cores": len(os.sched_getaffinity(0)), "rank_cpu": round(ours.item() / world / wall, 3),
+                   "other_cpu": round(others, 3)}
             with open(Path(args.out) / "predict_measure_rows.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
         del step
