@@ -324,7 +324,7 @@ def step_time(strategy: str, n: int, work: Workload, net: Interconnect) -> Step:
     comm_total = (sum(u.gather_fwd + u.gather_bwd for u in units) * work.micro_steps
                   + sum(u.reduce for u in units) + after)
     if work.cpu_cores and local >= work.cpu_cores:  # no free core: gloo's threads take turns with compute
-        return Step(compute + comm_total * slowdown, compute, comm_total, sent)
+        return Step(compute + comm_total * slowdown, compute, comm_total * slowdown, sent)
     fwd = compute * (1 - work.backward_fraction) / work.micro_steps
     bwd = compute * work.backward_fraction / work.micro_steps
     t = comm = 0.0
