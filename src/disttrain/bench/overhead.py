@@ -179,8 +179,10 @@ def _plain_loop(cfg, runtime, train, sampler):
 
 def _disttrain_loop(cfg, runtime, train, sampler):
     """The Trainer's own step (the code `disttrain train` runs) with its DataLoader over the same data stream (the
-    stream simply continues: batches of the same sizes, so the step index does not matter for timing)."""
+    stream simply continues: batches of the same sizes, so the step index does not matter for timing), with the
+    in-run cost figures of every logged line (perf.py: MFU, communication time, memory, the slowest rank)."""
     from disttrain.loader import Loaders, StepBatches
+    from disttrain.perf import rank_summary
     from disttrain.trainer import Trainer
 
     trainer = Trainer(cfg, runtime=runtime)
@@ -189,7 +191,13 @@ def _disttrain_loop(cfg, runtime, train, sampler):
     steps = StepBatches(sampler, 0, 10**6, d.global_batch_size, d.micro_batch_size, runtime.world_size, runtime.rank)
     batches = Loaders(d, trainer.collate_fn, runtime.device, cfg.run.seed).train(train, steps)
     micro = len(steps.step(0))
-    return lambda k: trainer._train_step(backend, batches, micro)["loss"]
+
+    def step(k: int) -> float:
+        values = trainer._train_step(backend, batches, micro)
+        values.update(rank_summary(values, runtime.device, runtime.distributed))  # as logged (train.log_every = 1)
+        return values["loss"]
+
+    return step
 
 
 def _time(step, first: int, steps: int) -> list[float]:
