@@ -88,3 +88,28 @@ def test_row_batches_follow_the_mode():
         assert (strong.data.global_batch_size, strong.data.micro_batch_size) == (24, micro)
     swept = row_config(base, "ddp", "parallel.bucket_cap_mb", "1", "weak", 1)
     assert swept.parallel.bucket_cap_mb == 1.0 and swept.parallel.strategy == "ddp" and base.parallel.strategy == "auto"
+
+
+def test_report_assembles_repeats_and_compares_ddp_with_its_own_hand_written_loop():
+    from disttrain.bench.scaling_report import _versus_hand_written, assemble
+
+    def row(strategy, loop, world, step_time, mem=0.5):
+        return {"strategy": strategy, "loop": loop, "mode": "weak", "world_size": world, "sweep_key": "",
+                "sweep_value": "", "global_batch": 8 * world, "micro_batch": 4, "seq_len": 16,
+                "step_time_s": step_time, "mem_peak_gib": mem if loop == "disttrain" else math.nan}
+
+    launches = [row("ddp", "disttrain", 1, 1.0), row("ddp", "hand-written", 1, 1.25), row("fsdp", "disttrain", 1, 2.0),
+                row("ddp", "disttrain", 2, 2.0), row("ddp", "hand-written", 2, 2.0), row("fsdp", "disttrain", 2, 8.0),
+                row("ddp", "disttrain", 2, 1.0, mem=0.75), row("ddp", "disttrain", 2, 1.5)]  # 3 launches at 2 ranks
+    rows = assemble(launches, "weak", cuda=False, cores=1)
+    by = {(r["strategy"], r["loop"], r["world_size"]): r for r in rows}
+    assert len(rows) == 6 and by["ddp", "disttrain", 2]["launches"] == 3
+    ddp = by["ddp", "disttrain", 2]
+    assert ddp["step_time_s"] == 1.5 and ddp["mem_peak_gib"] == 0.75  # median step time, max memory
+    assert ddp["efficiency"] == pytest.approx(2 / 3) and ddp["result"] == "FAIL" and ddp["oversubscribed"]
+    assert by["ddp", "hand-written", 2]["efficiency"] == pytest.approx(0.625)
+    assert ddp["efficiency_vs_hand_written"] == pytest.approx((2 / 3) / 0.625)
+    assert by["fsdp", "disttrain", 2]["efficiency"] == pytest.approx(0.25)
+    assert math.isnan(by["fsdp", "disttrain", 2]["efficiency_vs_hand_written"])
+    line = _versus_hand_written(rows)[-1]  # speeds: 1.25 at 1 rank, 2 / 1.5 at 2 (fsdp's rows left out)
+    assert line == f"|  | 2 | 0.667 | 0.625 | **{(2 / 3) / 0.625:.3f}** | >= 0.98 | PASS | 1.250 | 1.333 |"
