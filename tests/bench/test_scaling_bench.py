@@ -113,3 +113,15 @@ def test_report_assembles_repeats_and_compares_ddp_with_its_own_hand_written_loo
     assert math.isnan(by["fsdp", "disttrain", 2]["efficiency_vs_hand_written"])
     line = _versus_hand_written(rows)[-1]  # speeds: 1.25 at 1 rank, 2 / 1.5 at 2 (fsdp's rows left out)
     assert line == f"|  | 2 | 0.667 | 0.625 | **{(2 / 3) / 0.625:.3f}** | >= 0.98 | PASS | 1.250 | 1.333 |"
+
+
+def test_step_stats_read_the_steps_keys_when_they_report_them():
+    from disttrain.bench.scaling import step_stats
+
+    plain = [{"loss": 1.0, "step_time_s": 0.2}] * 3
+    assert [math.isnan(x) for x in step_stats(plain, plain, 0.4)[:3]] == [True] * 3
+    assert step_stats(plain, plain, 0.4)[3] == 0.4  # measured by the benchmark meanwhile
+    timed = [{"step_time_s": t, "comm_exposed_s": e, "comm_bytes": b, "mfu": 0.3}
+             for t, e, b in ((0.2, 0.05, 100), (0.4, 0.04, 300), (0.1, 0.05, 200))]
+    fixed = [{"mem_peak_gib": 1.5}, {"mem_peak_gib": 2.0}]
+    assert step_stats(timed, fixed, 0.4) == [0.25, 200, 0.3, 2.0]

@@ -297,15 +297,7 @@ def _measure(args, cfg, runtime, plain: bool) -> list[dict]:
     times = _compare(args, cfg, runtime, train, sampler, builders, results)
     gc.collect()
     eval_loss, own_peak, fixed = _fixed_run(args, cfg, runtime, train, sampler)
-    steps = results["disttrain"]
-
-    def median(key, of=lambda v, x: x):
-        found = [of(v, v[key]) for v in steps if v.get(key) is not None]
-        return statistics.median(found) if found else math.nan
-
-    reported = [v["mem_peak_gib"] for v in fixed if v.get("mem_peak_gib") is not None]
-    stats = [median("comm_exposed_s", lambda v, x: x / v["step_time_s"]), median("comm_bytes"), median("mfu"),
-             max(reported) if reported else own_peak]
+    stats = step_stats(results["disttrain"], fixed, own_peak)
     names = list(times)
     slowest = _max_over_ranks([t for name in names for t in times[name]] + stats, runtime)
     n = len(times[names[0]])
@@ -316,6 +308,19 @@ def _measure(args, cfg, runtime, plain: bool) -> list[dict]:
     if plain:
         rows.append({"loop": "hand-written", "step_time_s": step_time["plain"]})
     return rows
+
+
+def step_stats(timed: list[dict], fixed: list[dict], own_peak_gib: float) -> list[float]:
+    """[comm_fraction, comm_bytes, mfu, mem_peak_gib] of one rank from the values `Trainer._train_step` returned
+    in the timed steps and in the fixed run: medians over the steps that report a key, NaN where none does; the
+    memory is the step's own `mem_peak_gib` where reported, else `own_peak_gib` (measured here)."""
+    def median(key, of=lambda v, x: x):
+        found = [of(v, v[key]) for v in timed if v.get(key) is not None]
+        return statistics.median(found) if found else math.nan
+
+    reported = [v["mem_peak_gib"] for v in fixed if v.get("mem_peak_gib") is not None]
+    return [median("comm_exposed_s", lambda v, x: x / v["step_time_s"]), median("comm_bytes"), median("mfu"),
+            max(reported) if reported else own_peak_gib]
 
 
 def _fixed_run(args, cfg, runtime, train, sampler) -> tuple[float, float, list[dict]]:
