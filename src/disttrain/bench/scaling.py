@@ -46,9 +46,13 @@ import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from disttrain.bench.scaling_report import TARGETS
 from disttrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from disttrain.config import Config
 
 CPU_JOB = ("model.n_layer=2", "model.d_model=128", "model.n_head=4", "model.seq_len=64",
            "data.global_batch_size=24", "data.micro_batch_size=4", "train.eval_samples=128")
@@ -82,7 +86,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 class Plan:
     """What the driver checked before any process starts."""
 
-    base: object  # the resolved Config every row starts from
+    base: Config  # the resolved config every row starts from (the batch of world size 1)
     strategies: list[str]
     worlds: list[int]
     sweep_key: str
