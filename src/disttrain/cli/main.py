@@ -93,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     add_arguments(sub.add_parser("verify", help="the same job under several strategies vs 1 process"))
 
     bench = sub.add_parser("bench", help="benchmarks that print and save their figures")
-    bench.add_argument("name", choices=["overhead", "checkpoint", "memory", "service", "startup", "data", "gpu"])
+    bench.add_argument("name", choices=["overhead", "checkpoint", "memory", "service", "startup", "data", "gpu",
+                                        "scaling"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (see its --help)")
     return parser
 
