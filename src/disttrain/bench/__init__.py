@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 
@@ -11,3 +12,21 @@ def worker_entry(module: str, args: argparse.Namespace) -> list[str]:
     arguments (`--out` made absolute)."""
     values = {**vars(args), "out": Path(args.out).resolve()}
     return [module, "--worker", *[f"--{k.replace('_', '-')}={v}" for k, v in values.items() if k != "worker"]]
+
+
+def busy_seconds() -> float:
+    """CPU seconds the whole machine has been busy, all cores (Linux: /proc/stat; idle and iowait aside)."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def own_seconds() -> float:
+    """CPU seconds of this process, all its threads."""
+    t = os.times()
+    return t.user + t.system
+
+
+def other_cpu(busy: float, own_all_ranks: float, wall: float) -> float:
+    """Cores other processes kept busy over `wall` seconds: the machine's busy time less this job's ranks' own.
+    A benchmark on a shared machine reports it, so that a figure measured next to a neighbour's job is seen as such."""
+    return max(0.0, (busy - own_all_ranks) / wall)

@@ -1,0 +1,290 @@
+"""Benchmark: latency and bandwidth of the collectives data-parallel training runs on, over message sizes.
+
+    disttrain bench comm [--collectives all_reduce,all_gather,reduce_scatter,broadcast,all_to_all]
+                         [--min-size 1K] [--max-size 256M] [--factor 4] [--nproc N] [--out bench_results]
+
+`--nproc` ranks (default 2 on CPU with gloo, every visible GPU with nccl) run each collective on float32 buffers of
+each size, `--factor` apart. Sizes follow nccl-tests: S is the whole buffer (all_gather's output, reduce_scatter's
+input, all_to_all's buffer per rank), rounded down to a multiple of 4 x ranks bytes. Every timed call starts after a
+barrier; its time is the slowest rank's; the figure is the median over the iterations after warm-up (fewer for big
+sizes: `--iters` up to 4 MiB, then in proportion to the size, at least `--min-iters`). algbw = S / time; busbw =
+algbw x 2(n-1)/n for all_reduce, x (n-1)/n for all_gather, reduce_scatter and all_to_all, x 1 for broadcast.
+
+Per collective, alpha (s) and beta (s/byte) of t = alpha + beta * S are fitted by least squares on the relative
+error (scale_model.fit_alpha_beta), so small and large sizes both count. Results: `<out>/comm.csv`, `comm.md`
+(table, fit, config, versions, machine, date), `comm.png` (latency and busbw vs size, log-log; needs matplotlib)
+and `comm_fit.json` (the fit, which `disttrain bench predict --interconnect measured:PATH` reads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from disttrain.bench.scale_model import COLLECTIVES, bus_factor, fit_alpha_beta
+from disttrain.errors import ConfigError
+
+_UNITS = {"": 1, "K": 2**10, "KIB": 2**10, "M": 2**20, "MIB": 2**20, "G": 2**30, "GIB": 2**30}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """Bytes of `"1K"`, `"256M"`, `"1G"` (powers of 1024, as nccl-tests' -b/-e) or a plain number of bytes."""
+    match = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", str(text))
+    unit = match and match.group(2).upper()
+    if not match or unit not in _UNITS or int(match.group(1)) == 0:
+        raise ConfigError(f"{flag} {text!r} is not a size; give bytes or a number with K, M or G (powers of 1024), "
+                          f"e.g. {flag} 1K")
+    return int(match.group(1)) * _UNITS[unit]
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="disttrain bench comm", description=__doc__.split("\n")[0])
+    p.add_argument("--collectives", default=",".join(COLLECTIVES), help="comma-separated: " + ", ".join(COLLECTIVES))
+    p.add_argument("--min-size", default="1K", help="smallest message, e.g. 1K")
+    p.add_argument("--max-size", default="256M", help="largest message, e.g. 256M")
+    p.add_argument("--factor", type=int, default=4, choices=[2, 4], help="ratio between consecutive sizes")
+    p.add_argument("--nproc", type=int, default=0, help="ranks (default: every visible GPU, else 2)")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per size up to 4 MiB")
+    p.add_argument("--min-iters", type=int, default=3, help="timed iterations of the largest sizes")
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations per size")
+    p.add_argument("--out", default="bench_results")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def sizes(low: int, high: int, factor: int) -> list[int]:
+    out = [low]
+    while out[-1] * factor <= high:
+        out.append(out[-1] * factor)
+    return out
+
+
+def iterations(size: int, iters: int, min_iters: int) -> int:
+    return max(min_iters, min(iters, round(iters * 2**22 / size)))
+
+
+def check(args: argparse.Namespace) -> None:
+    """Refuse bad input in one line before any process starts; fill in the default world size."""
+    import torch
+
+    names = list(dict.fromkeys(c for c in args.collectives.split(",") if c))
+    args.collectives = ",".join(names)
+    unknown = [c for c in names if c not in COLLECTIVES]
+    if unknown or not names:
+        raise ConfigError(f"--collectives: {', '.join(unknown) or 'none given'} unknown; choose from "
+                          f"{', '.join(COLLECTIVES)}")
+    low, high = parse_size(args.min_size, "--min-size"), parse_size(args.max_size, "--max-size")
+    if low > high:
+        raise ConfigError(f"--min-size {args.min_size} is above --max-size {args.max_size}")
+    if args.iters < 1 or args.min_iters < 1 or args.warmup < 0:
+        raise ConfigError("--iters and --min-iters must be >= 1 and --warmup >= 0")
+    gpus = torch.cuda.device_count()
+    args.nproc = args.nproc or gpus or 2
+    cores = len(os.sched_getaffinity(0))
+    if args.nproc < 2:
+        raise ConfigError(f"--nproc {args.nproc}: a collective needs at least 2 ranks")
+    if gpus and args.nproc > gpus:
+        raise ConfigError(f"--nproc {args.nproc}: this machine has {gpus} visible GPUs (one rank per GPU)")
+    if not gpus and args.nproc > 4 * cores:
+        raise ConfigError(f"--nproc {args.nproc}: more than 4 ranks per core ({cores} cores here) would measure the "
+                          f"scheduler, not the collectives; use at most {4 * cores}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    if args.worker:
+        _worker(args)
+        return 0
+    check(args)
+    from disttrain.bench import worker_entry
+    from disttrain.launch import launch
+
+    out = Path(args.out).resolve()
+    code = launch(args.nproc, worker_entry("disttrain.bench.comm", args), out / "comm_run")
+    if code == 0:
+        report(json.loads((out / "comm_raw.json").read_text()), out)
+        print((out / "comm.md").read_text())
+    return code
+
+
+def _operation(collective: str, nbytes: int, n: int, device):
+    """(bytes actually moved, a function running the collective once) on float32 buffers of zeros (no
+    denormals, no overflow however often they are summed)."""
+    import torch
+    import torch.distributed as dist
+
+    count = max(n, nbytes // 4 // n * n)
+    full = torch.zeros(count, device=device)
+    if collective == "all_reduce":
+        return count * 4, lambda: dist.all_reduce(full)
+    if collective == "broadcast":
+        return count * 4, lambda: dist.broadcast(full, src=0)
+    part = torch.zeros(count // n, device=device)
+    if collective == "all_gather":
+        return count * 4, lambda: dist.all_gather_into_tensor(full, part)
+    if collective == "reduce_scatter":
+        return count * 4, lambda: dist.reduce_scatter_tensor(part, full)
+    other = torch.zeros(count, device=device)
+    return count * 4, lambda: dist.all_to_all_single(other, full)
+
+
+def _measure(run, iters: int, warmup: int, device) -> list[float]:
+    """Per-iteration seconds of the slowest rank, each call started after a barrier."""
+    import torch
+    import torch.distributed as dist
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
+    for i in range(warmup + iters):
+        dist.barrier()
+        sync()
+        start = time.perf_counter()
+        run()
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.tolist()
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import torch
+
+    from disttrain.bench import busy_seconds, other_cpu, own_seconds
+    from disttrain.config import DistConfig
+    from disttrain.runtime import exit_process, init_runtime, shutdown
+
+    # torch 2.13 renames these two (all_gather_single, reduce_scatter_single); the old names work from 2.4 on
+    warnings.filterwarnings("ignore", message=".*(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+    runtime = init_runtime(DistConfig(nproc=args.nproc, threads_per_rank=1))
+    n, rows = runtime.world_size, []
+    busy, own, wall = busy_seconds(), own_seconds(), time.perf_counter()
+    for collective in [c for c in args.collectives.split(",") if c]:
+        _measure(_operation(collective, 1024, n, runtime.device)[1], 0, 5, runtime.device)  # connections, caches
+        for size in sizes(parse_size(args.min_size, ""), parse_size(args.max_size, ""), args.factor):
+            nbytes, run = _operation(collective, size, n, runtime.device)
+            iters = iterations(size, args.iters, args.min_iters)
+            times = _measure(run, iters, args.warmup, runtime.device)
+            rows.append({"collective": collective, "bytes": nbytes, "iterations": iters, "times_s": times})
+            del run
+    ours = torch.tensor([own_seconds() - own], dtype=torch.float64)
+    torch.distributed.all_reduce(ours)
+    others = other_cpu(busy_seconds() - busy, ours.item(), time.perf_counter() - wall)
+    if runtime.is_main_process():
+        devices = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+                   if runtime.device.type == "cuda" else [])
+        raw = {"backend": runtime.backend, "world_size": n, "device": runtime.device.type, "devices": devices,
+               "rows": rows, "torch": torch.__version__, "host": platform.node(),
+               "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, {platform.processor() or ''}",
+               "threads_per_rank": 1, "warmup": args.warmup, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+               "other_cpu": round(others, 3)}
+        (Path(args.out) / "comm_raw.json").write_text(json.dumps(raw))
+    shutdown(runtime)
+    exit_process(0)
+
+
+def summarise(raw: dict) -> tuple[list[dict], dict]:
+    """(CSV rows, the fit) of the raw per-iteration times."""
+    n, table = raw["world_size"], []
+    for r in raw["rows"]:
+        median = statistics.median(r["times_s"])
+        algbw = r["bytes"] / median / 1e9
+        table.append({"collective": r["collective"], "bytes": r["bytes"], "world_size": n, "backend": raw["backend"],
+                      "iterations": r["iterations"], "time_median_s": median, "time_min_s": min(r["times_s"]),
+                      "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(r["collective"], n)})
+    fits = {}
+    for c in dict.fromkeys(r["collective"] for r in table):
+        points = [(r["bytes"], r["time_median_s"]) for r in table if r["collective"] == c]
+        alpha, beta = fit_alpha_beta([b for b, _ in points], [t for _, t in points])
+        worst = max(abs(alpha + beta * b - t) / t for b, t in points)
+        fits[c] = {"alpha_s": alpha, "beta_s_per_byte": beta, "bandwidth_Bps": 1 / beta if beta else None,
+                   "bus_bandwidth_Bps": bus_factor(c, n) / beta if beta else None, "max_rel_error": worst,
+                   "sizes_bytes": [points[0][0], points[-1][0]]}
+    fit = {"backend": raw["backend"], "world_size": n, "device": raw["device"], "host": raw["host"],
+           "date": raw["date"], "torch": raw["torch"], "model": "t = alpha + beta * bytes (nccl-tests' size)",
+           "collectives": fits}
+    return table, fit
+
+
+def _size(b: float) -> str:
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if b >= scale:
+            return f"{b / scale:g}{unit}"
+    return f"{b:g}"
+
+
+def report(raw: dict, out: Path) -> None:
+    """comm.csv, comm_fit.json, comm.png (when matplotlib is importable) and comm.md."""
+    from disttrain._version import __version__
+
+    table, fit = summarise(raw)
+    with open(out / "comm.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(table[0]))
+        writer.writeheader()
+        writer.writerows(table)
+    (out / "comm_fit.json").write_text(json.dumps(fit, indent=2))
+    plotted = plot(table, fit, out / "comm.png")
+    lines = [f"# Collectives: latency and bandwidth ({raw['date']})", "",
+             f"{raw['world_size']} ranks, {raw['backend']} on {raw['device']}"
+             f"{' (' + ', '.join(raw['devices']) + ')' if raw['devices'] else ''}, 1 torch thread per rank; "
+             f"float32 buffers; median of the slowest rank's time per call after {raw['warmup']} warm-up calls. "
+             f"Other processes kept {raw['other_cpu']:.2f} cores busy meanwhile (0 = a quiet machine).",
+             "",
+             "| collective | size | bytes | iters | latency (us) | algbw (GB/s) | busbw (GB/s) |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['collective']} | {_size(r['bytes'])} | {r['bytes']} | {r['iterations']} | "
+              f"{r['time_median_s'] * 1e6:.1f} | {r['algbw_GBps']:.3f} | {r['busbw_GBps']:.3f} |" for r in table]
+    lines += ["", "Fit t = alpha + beta x bytes (least squares on the relative error):", "",
+              "| collective | alpha (us) | beta (ns/byte) | 1/beta (GB/s) | bus bandwidth (GB/s) | worst error |",
+              "|---|---|---|---|---|---|"]
+    for c, f in fit["collectives"].items():
+        bw = f"{f['bandwidth_Bps'] / 1e9:.3f} | {f['bus_bandwidth_Bps'] / 1e9:.3f}" if f["beta_s_per_byte"] else "- | -"
+        lines.append(f"| {c} | {f['alpha_s'] * 1e6:.1f} | {f['beta_s_per_byte'] * 1e9:.4f} | {bw} | "
+                     f"{f['max_rel_error'] * 100:.0f}% |")
+    lines += ["", "comm.png: latency and bus bandwidth vs size." if plotted else
+              "comm.png not written: pip install 'disttrain[plot]'", "",
+              f"Machine: {raw['host']} ({raw['machine']}); torch {raw['torch']}, disttrain {__version__}, Python "
+              f"{platform.python_version()}. busbw: all_reduce x 2(n-1)/n, all_gather / reduce_scatter / all_to_all "
+              "x (n-1)/n, broadcast x 1 (nccl-tests)."]
+    (out / "comm.md").write_text("\n".join(lines) + "\n")
+
+
+def plot(table: list[dict], fit: dict, path: Path) -> bool:
+    """Latency and busbw vs size per collective, log-log; False (and one line) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("disttrain: comm.png not written: pip install 'disttrain[plot]'", file=sys.stderr)
+        return False
+    fig, (lat, bw) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for c, f in fit["collectives"].items():
+        rows = [r for r in table if r["collective"] == c]
+        x = [r["bytes"] for r in rows]
+        (line,) = lat.loglog(x, [r["time_median_s"] * 1e6 for r in rows], "o-", label=c, markersize=3)
+        lat.loglog(x, [(f["alpha_s"] + f["beta_s_per_byte"] * b) * 1e6 for b in x], ":", color=line.get_color())
+        bw.loglog(x, [r["busbw_GBps"] for r in rows], "o-", label=c, markersize=3)
+    lat.set(xlabel="message size (bytes)", ylabel="latency (us)", title="latency (dotted: alpha + beta x bytes)")
+    bw.set(xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)", title="bus bandwidth")
+    lat.legend(fontsize=8)
+    fig.suptitle(f"{fit['backend']}, {fit['world_size']} ranks, {fit['host']}, {fit['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""Benchmark: predicted step time, tokens/s per GPU and scaling efficiency of a data-parallel strategy at GPU counts
+this machine does not have, from one device's compute time and an alpha-beta model of the interconnect.
+
+    disttrain bench predict [CONFIG] [--set ...] [--model llama3-8b] [--strategy fsdp] [--gpus 8,64,512,1024]
+        [--interconnect h100-nvlink+ib-ndr | measured:DIR/comm_fit.json] [--compute-s S | --tflops T --mfu M]
+        [--local-batch B] [--precision bf16-mixed] [--out bench_results]
+    disttrain bench predict --validate [CONFIG] [--set ...] [--measured DIR/scaling.csv
+        --interconnect measured:DIR/comm_fit.json]
+    disttrain bench predict --measure [CONFIG] [--set ...] [--world-sizes 1,2,3] [--strategies ddp,fsdp]
+
+The model (scale_model.py, docs/architecture.md "The scale model"): compute of one step on one device, measured
+(`--compute-s`) or FLOPs / (peak x MFU) with FLOPs per token = 6 x params + 12 x layers x d_model x seq; plus each
+strategy's collectives (ring / hierarchical alpha-beta times) overlapped with the compute they can hide behind.
+Without `--model` the reference GPT of CONFIG / `--set` is modelled. Writes `<out>/predict.md` and `predict.csv`.
+
+`--validate` checks the model: (i) with `--measured` (the CSV of `disttrain bench scaling`, or of `--measure`, or a
+minimal one with the columns strategy, world_size, step_time_s) and a comm_fit.json from `disttrain bench comm` on
+the same machine: every N-rank step time predicted from the 1-rank one (error %, target <= 10%); (ii) published
+scaling (torchtitan's Llama 3 8B FSDP, the PyTorch DDP paper's weak scaling): predicted vs published efficiency.
+`--measure` writes `<out>/scaling.csv` from this machine (predict_measure.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+from disttrain.bench.scale_model import (
+    BYTES,
+    H100_BF16_TFLOPS,
+    MODELS,
+    PRESETS,
+    PUBLISHED,
+    STRATEGIES,
+    Interconnect,
+    ModelShape,
+    Workload,
+    canonical_strategy,
+    compute_seconds,
+    gpt_shape,
+    interconnect_from_fit,
+    predict,
+    step_time,
+    with_gpus_per_node,
+)
+from disttrain.errors import ConfigError
+
+LOCAL_BATCH = {"llama3-8b": 2, "llama3-70b": 1, "resnet50": 32, "bert-large": 32}
+"""Sequences (images) per GPU per step of each preset model: torchtitan's Llama runs, the DDP paper's batch."""
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="disttrain bench predict", description=__doc__.split("\n")[0])
+    p.add_argument("config", nargs="?", help="TOML config of the reference GPT (default: the built-in job)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--model", default="", help="a preset instead of the config's GPT: " + ", ".join(MODELS))
+    p.add_argument("--strategy", default="fsdp", help="comma-separated: " + ", ".join(STRATEGIES) + " (zero3 = fsdp)")
+    p.add_argument("--gpus", default="8,64,512,1024", help="GPU counts, comma-separated")
+    p.add_argument("--interconnect", default="h100-nvlink+ib-ndr",
+                   help=", ".join(PRESETS) + ", or measured:PATH (comm_fit.json of `disttrain bench comm`)")
+    p.add_argument("--gpus-per-node", type=int, default=0, help="override the interconnect's devices per node")
+    p.add_argument("--compute-s", type=float, default=0.0, help="seconds of one step's compute on one device")
+    p.add_argument("--tflops", type=float, default=H100_BF16_TFLOPS, help="peak TFLOP/s (default: H100 bf16 dense)")
+    p.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilisation of one device")
+    p.add_argument("--local-batch", type=int, default=0, help="sequences per GPU per step (default: the model's)")
+    p.add_argument("--micro-batch", type=int, default=0,
+                   help="sequences per forward pass: --local-batch / this = accumulation (default: no accumulation)")
+    p.add_argument("--precision", default="", help="one of " + ", ".join(BYTES) + " (default: the config's, or "
+                   "bf16-mixed for --model)")
+    p.add_argument("--cpu-cores", type=int, default=-1,
+                   help="cores ranks share on a CPU machine (default: this machine's with a CPU comm fit, else 0)")
+    p.add_argument("--validate", action="store_true", help="check the model (see the module help)")
+    p.add_argument("--measured", default="", help="--validate: scaling.csv measured on this machine")
+    p.add_argument("--measure", action="store_true", help="measure weak scaling here, write <out>/scaling.csv")
+    p.add_argument("--world-sizes", default="1,2,3", help="--measure: world sizes")
+    p.add_argument("--strategies", default="ddp,fsdp", help="--measure: strategies")
+    p.add_argument("--steps", type=int, default=10, help="--measure: timed steps per strategy and world size")
+    p.add_argument("--warmup", type=int, default=3, help="--measure: untimed steps first")
+    p.add_argument("--out", default="bench_results")
+    return p.parse_args(argv)
+
+
+def _counts(text: str, flag: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise ConfigError(f"{flag} {text!r}: give counts >= 1 separated by commas, e.g. {flag} 8,64,512")
+    return sorted(set(counts))
+
+
+def interconnect(spec: str) -> tuple[Interconnect, dict | None]:
+    """A preset, or the links of a comm_fit.json (`measured:PATH`, PATH a file or the folder holding it)."""
+    if spec in PRESETS:
+        return PRESETS[spec], None
+    if not spec.startswith("measured:"):
+        raise ConfigError(f"--interconnect {spec!r} is not known; choose from {', '.join(PRESETS)}, or "
+                          "measured:PATH/comm_fit.json (written by `disttrain bench comm`)")
+    path = Path(spec.removeprefix("measured:"))
+    path = path / "comm_fit.json" if path.is_dir() else path
+    try:
+        fit = json.loads(path.read_text())
+        return interconnect_from_fit(fit, spec), fit
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"--interconnect {spec}: cannot read a comm_fit.json there ({exc}); run "
+                          "`disttrain bench comm --out DIR` first") from None
+
+
+def model_shape(args: argparse.Namespace) -> tuple[ModelShape, int, str]:
+    """(shape, default local batch, default precision) of --model, else of the config's reference GPT."""
+    if args.model:
+        if args.model not in MODELS:
+            raise ConfigError(f"--model {args.model!r} is not a preset; choose from {', '.join(MODELS)}, or leave it "
+                              "out to model the reference GPT of CONFIG / --set")
+        return MODELS[args.model], LOCAL_BATCH[args.model], "bf16-mixed"
+    from disttrain.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if cfg.model.name != "gpt":
+        raise ConfigError(f"model.name = {cfg.model.name!r}: only the reference GPT's shape is known here; use "
+                          "--model PRESET, or --compute-s with a preset of the same size")
+    m = cfg.model
+    return gpt_shape(m.n_layer, m.d_model, m.seq_len, m.vocab_size), cfg.data.micro_batch_size, cfg.parallel.precision
+
+
+def _precision(args: argparse.Namespace, default: str) -> str:
+    name = args.precision or default
+    if name not in BYTES:
+        raise ConfigError(f"--precision {name!r}: choose from {', '.join(BYTES)}")
+    return name
+
+
+def _cores(args: argparse.Namespace, fit: dict | None) -> int:
+    if args.cpu_cores >= 0:
+        return args.cpu_cores
+    return len(os.sched_getaffinity(0)) if fit and fit.get("device") == "cpu" else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if args.measure:
+        from disttrain.bench.predict_measure import measure
+
+        args.world_sizes = _counts(args.world_sizes, "--world-sizes")
+        for s in args.strategies.split(","):
+            canonical_strategy(s)
+        print(f"disttrain: wrote {measure(args, out)}")
+        return 0
+    strategies = list(dict.fromkeys(canonical_strategy(s) for s in args.strategy.split(",") if s.strip()))
+    gpus = _counts(args.gpus, "--gpus")
+    net, fit = interconnect(args.interconnect)
+    net = with_gpus_per_node(net, args.gpus_per_node) if args.gpus_per_node else net
+    shape, local_batch, precision = model_shape(args)
+    precision = _precision(args, precision)
+    if args.validate:
+        text, rows = validate(args, shape, precision, net, fit)
+    else:
+        text, rows = forecast(args, strategies, gpus, shape, local_batch, precision, net, fit)
+    _write(out, text, rows)
+    print(text)
+    return 0
+
+
+def forecast(args, strategies, gpus, shape, local_batch, precision, net, fit) -> tuple[str, list[dict]]:
+    local = args.local_batch or local_batch
+    micro = args.micro_batch or local
+    if local % micro:
+        raise ConfigError(f"--local-batch {local} is not a multiple of --micro-batch {micro}")
+    tokens = local * max(shape.seq_len, 1)
+    if args.compute_s:
+        compute, source = args.compute_s, "given (--compute-s)"
+    elif fit is not None:
+        raise ConfigError("--interconnect measured:...: give --compute-s (one device's step time, e.g. the 1-rank "
+                          "step_time_s of `disttrain bench predict --measure`)")
+    else:
+        compute = compute_seconds(shape, tokens, args.tflops, args.mfu)
+        source = f"{shape.flops_per_token():.3g} FLOPs/token / ({args.tflops:g} TFLOP/s x MFU {args.mfu:g})"
+    work = Workload(shape, compute, tokens, precision, local // micro, cpu_cores=_cores(args, fit))
+    rows = []
+    for strategy in strategies:
+        for p in predict(strategy, gpus, work, net):
+            s = p.step
+            rows.append({"strategy": strategy, "gpus": p.gpus, "nodes": -(-p.gpus // net.gpus_per_node),
+                         "step_s": s.step_s, "compute_s": s.compute_s, "comm_s": s.comm_s, "exposed_s": s.exposed_s,
+                         "wire_bytes_per_gpu": s.wire_bytes, "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu,
+                         "efficiency": p.efficiency})
+    lines = [f"# Predicted scaling: {shape.name}, {', '.join(strategies)} ({_date()})", "",
+             f"- model: {shape.params / 1e6:,.1f} M parameters, {shape.n_layer} blocks of "
+             f"{shape.layer_params / 1e6:,.2f} M; {local} x {max(shape.seq_len, 1)} tokens per GPU per step "
+             f"({local // micro} micro-batches)",
+             f"- compute of one step on one device: {compute:.4g} s, {source}",
+             f"- precision {precision}: bytes per element stored / gathered / reduced "
+             + " / ".join(map(str, BYTES[precision])),
+             f"- interconnect {net.name}: {net.gpus_per_node} devices per node; {net.note}", "",
+             "| strategy | GPUs | step (s) | compute (s) | collectives (s) | exposed (s) | tokens/s per GPU | "
+             "efficiency |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['strategy']} | {r['gpus']} | {r['step_s']:.4g} | {r['compute_s']:.4g} | {r['comm_s']:.4g} | "
+              f"{r['exposed_s']:.4g} | {r['tokens_per_s_per_gpu']:,.1f} | {r['efficiency']:.3f} |" for r in rows]
+    lines += ["", "Efficiency: tokens/s per GPU relative to the smallest count (weak scaling). Collectives: the sum "
+              "of their times, mostly hidden behind compute; exposed: what the step waits for. " + _footer()]
+    return "\n".join(lines) + "\n", rows
+
+
+SERIES_KEYS = ("strategy", "mode", "loop", "sweep_key", "sweep_value")
+"""Columns that tell one measured series from another (`bench scaling` adds the loop and a swept setting)."""
+
+
+def read_measured(path: Path, params: float) -> dict[str, tuple[str, dict[int, dict]]]:
+    """label -> (strategy, world size -> {step_time_s, local: samples per rank per step (0 if unknown),
+    micro_steps}) for every series of a modelled strategy."""
+    try:
+        with open(path, newline="") as f:
+            table = list(csv.DictReader(f))
+    except OSError as exc:
+        raise ConfigError(f"--measured {path}: {exc.strerror}; write it with `disttrain bench predict --measure`"
+                          ) from None
+    missing = {"strategy", "world_size", "step_time_s"} - set(table[0] if table else {})
+    if missing:
+        raise ConfigError(f"--measured {path}: no column {', '.join(sorted(missing))} (needs strategy, world_size, "
+                          "step_time_s)")
+    wrong = {r["params"] for r in table if r.get("params") and abs(float(r["params"]) - params) > 0.5}
+    if wrong:
+        raise ConfigError(f"--measured {path} was measured on a model of {', '.join(sorted(wrong))} parameters, the "
+                          f"model given here has {params:.0f}: pass the same CONFIG / --set as the measurement")
+    series: dict[str, tuple[str, dict[int, list[dict]]]] = {}
+    for row in table:
+        if row["strategy"] in STRATEGIES:
+            label = " ".join(row[k] for k in SERIES_KEYS if row.get(k))
+            series.setdefault(label, (row["strategy"], {}))[1].setdefault(int(row["world_size"]), []).append(row)
+    result = {}
+    for label, (strategy, worlds) in series.items():
+        by_world = {}
+        for world, rows in worlds.items():
+            local = float(rows[0]["global_batch"]) / world if rows[0].get("global_batch") else 0.0
+            micro = float(rows[0]["micro_batch"]) if rows[0].get("micro_batch") else local
+            by_world[world] = {"step_time_s": statistics.median(float(r["step_time_s"]) for r in rows),
+                               "local": local, "micro_steps": max(1, round(local / micro)) if micro else 1}
+        result[label] = (strategy, by_world)
+    return result
+
+
+def validate(args, shape, precision, net, fit) -> tuple[str, list[dict]]:
+    rows, lines = [], [f"# Validation of the scale model ({_date()})", ""]
+    if args.measured:
+        if fit is None:
+            raise ConfigError("--validate --measured needs --interconnect measured:PATH/comm_fit.json from "
+                              "`disttrain bench comm` on the machine the CSV was measured on")
+        measured = read_measured(Path(args.measured), shape.params)
+        worlds = [w for _, by_world in measured.values() for w in by_world]
+        net = with_gpus_per_node(net, args.gpus_per_node or max(worlds))  # every rank on this one machine
+        cores = _cores(args, fit)
+        lines += [f"## (i) Measured on this machine: {args.measured}", "",
+                  f"Model {shape.name} ({shape.params / 1e6:.2f} M parameters, {precision}); links from "
+                  f"{args.interconnect} ({net.note}); {cores} cores (0 = accelerator); every N-rank step predicted "
+                  "from the 1-rank step. Target: |error| <= 10%.", "",
+                  "| series | ranks | measured (s) | predicted (s) | error | collectives (s) |",
+                  "|---|---|---|---|---|---|"]
+        skipped = [label for label, (_, by_world) in measured.items() if 1 not in by_world]
+        for label, (strategy, by_world) in measured.items():
+            if label in skipped:
+                continue
+            base = by_world[1]
+            for world, m in sorted(by_world.items()):
+                scale = m["local"] / base["local"] if base["local"] else 1.0
+                work = Workload(shape, base["step_time_s"] * scale, 1.0, precision, m["micro_steps"], cpu_cores=cores)
+                s = step_time(strategy, world, work, net)
+                error = s.step_s / m["step_time_s"] - 1
+                rows.append({"check": "measured", "case": label, "gpus": world, "reference": m["step_time_s"],
+                             "predicted": s.step_s, "error": error})
+                lines.append(f"| {label} | {world} | {m['step_time_s']:.4f} | {s.step_s:.4f} | {error:+.1%} | "
+                             f"{s.comm_s:.4f} |")
+        if skipped:
+            lines += ["", f"Not predicted (no 1-rank row to start from): {', '.join(skipped)}."]
+        lines.append("")
+    lines += ["## (ii) Published scaling", "",
+              "| case | GPUs | published efficiency | predicted | difference | tolerance | within |",
+              "|---|---|---|---|---|---|---|"]
+    for case in PUBLISHED:
+        predicted = case.predicted()[-1].efficiency
+        diff = predicted - case.efficiency
+        ok = abs(diff) <= case.tolerance
+        rows.append({"check": "published", "case": case.name, "gpus": case.gpus[1], "reference": case.efficiency,
+                     "predicted": predicted, "error": diff})
+        lines.append(f"| {case.name} | {case.gpus[0]} -> {case.gpus[1]} | {case.efficiency:.3f} | {predicted:.3f} | "
+                     f"{diff:+.3f} | +-{case.tolerance:g} | {'yes' if ok else 'NO'} |")
+    lines += [""] + [f"- {c.name}: {c.source}. Assumed: {c.assumptions}." for c in PUBLISHED]
+    lines += ["", _footer()]
+    return "\n".join(lines) + "\n", rows
+
+
+def _date() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _footer() -> str:
+    from disttrain._version import __version__
+
+    return f"disttrain {__version__}, Python {platform.python_version()}, {platform.node()}."
+
+
+def _write(out: Path, text: str, rows: list[dict]) -> None:
+    (out / "predict.md").write_text(text)
+    with open(out / "predict.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)

@@ -1,0 +1,416 @@
+"""The cost of scale as arithmetic: collective times from an alpha-beta model of the interconnect, and the step
+time of each data-parallel strategy from one device's compute time and its collectives. Pure Python (no torch), so
+`disttrain bench predict`, `disttrain bench comm`'s fit and the tests share one formula for everything.
+
+Conventions (nccl-tests'): a collective's size S is the whole buffer (all_gather's output, reduce_scatter's input,
+all_to_all's buffer per rank); algorithm bandwidth = S / time; bus bandwidth = algbw x `bus_factor`, the bytes each
+rank puts on its link, so one link speed describes every collective at every world size. A link is (latency per
+ring step, bus bandwidth per GPU per direction). Within a node collectives are rings; across nodes they are
+hierarchical (all_reduce = reduce-scatter in the node, all-reduce of 1/g of the bytes across nodes on each GPU's
+share of the network, all-gather in the node), which reduces to the flat ring when both links are equal.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from disttrain.errors import ConfigError
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+
+
+def bus_factor(collective: str, n: int) -> float:
+    """busbw / algbw for `n` ranks (nccl-tests' definitions)."""
+    if collective == "all_reduce":
+        return 2 * (n - 1) / n
+    return 1.0 if collective == "broadcast" else (n - 1) / n
+
+
+def ring_steps(collective: str, n: int) -> int:
+    """Sequential messages of a ring (pipelined chain for broadcast): what the latency term counts."""
+    return 2 * (n - 1) if collective == "all_reduce" else n - 1
+
+
+def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float]:
+    """(alpha s, beta s/byte) of t = alpha + beta * size by least squares on the relative error, so that the
+    microsecond points weigh as much as the second ones; both kept >= 0 (a negative one is set to 0 and the other
+    refitted)."""
+    a = [(1 / t, s / t) for s, t in zip(sizes, times, strict=True)]  # rows of the system a @ (alpha, beta) = 1
+    s11, s12, s22 = sum(x * x for x, _ in a), sum(x * y for x, y in a), sum(y * y for _, y in a)
+    r1, r2 = sum(x for x, _ in a), sum(y for _, y in a)
+    det = s11 * s22 - s12 * s12
+    alpha, beta = ((s22 * r1 - s12 * r2) / det, (s11 * r2 - s12 * r1) / det) if det > 0 else (-1.0, -1.0)
+    if alpha >= 0 and beta >= 0:
+        return alpha, beta
+    if beta < 0 or s22 == 0:
+        return r1 / s11, 0.0
+    return 0.0, r2 / s22
+
+
+# --- interconnects -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Link:
+    latency_s: float
+    """Per ring step (one message hop)."""
+    bandwidth: float
+    """Bus bandwidth per GPU per direction, bytes/s (what nccl-tests' busbw reaches)."""
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    name: str
+    gpus_per_node: int
+    intra: Mapping[str, Link]
+    """Per collective, inside a node."""
+    inter: Mapping[str, Link]
+    """Per collective, across nodes: each GPU's share of its node's network."""
+    note: str = ""
+
+
+def uniform(link: Link) -> dict[str, Link]:
+    return {c: link for c in COLLECTIVES}
+
+
+PRESETS: dict[str, Interconnect] = {
+    "h100-nvlink+ib-ndr": Interconnect(
+        "h100-nvlink+ib-ndr", 8, uniform(Link(2e-6, 370e9)), uniform(Link(5e-6, 50e9)),
+        "8 H100 per node, NVLink 4 ~370 GB/s bus bandwidth achieved per direction, one 400 Gb/s IB NDR NIC per GPU "
+        "(50 GB/s); 2 us per NVLink step, 5 us per network step"),
+    "v100-nvlink+100gbe": Interconnect(
+        "v100-nvlink+100gbe", 8, uniform(Link(5e-6, 130e9)), uniform(Link(10e-6, 100e9 / 8 / 8)),
+        "8 V100 per node (NVLink 2 ~130 GB/s bus bandwidth), one 100 Gb/s NIC per node shared by its 8 GPUs: the "
+        "setting assumed for the PyTorch DDP paper's scaling figure"),
+}
+
+
+def interconnect_from_fit(fit: Mapping, name: str = "measured") -> Interconnect:
+    """The links `disttrain bench comm` measured (its comm_fit.json): per collective, the fitted alpha spread over
+    the ring steps of the measured world size and the bus bandwidth factor / beta. Devices per node = the measured
+    world size; beyond it the same links are assumed (one measurement says nothing about a network)."""
+    world = int(fit["world_size"])
+    links = {}
+    for c, f in fit["collectives"].items():
+        bandwidth = bus_factor(c, world) / f["beta_s_per_byte"] if f["beta_s_per_byte"] > 0 else math.inf
+        links[c] = Link(f["alpha_s"] / max(ring_steps(c, world), 1), bandwidth)
+    missing = [c for c in ("all_reduce", "all_gather", "reduce_scatter") if c not in links]
+    if missing:
+        raise ConfigError(f"{name}: the fit has no {', '.join(missing)}; rerun `disttrain bench comm` with them")
+    return Interconnect(name, world, links, links,
+                        f"{fit['backend']} on {fit.get('host', '?')}, {world} ranks, measured {fit.get('date', '?')}")
+
+
+def _ring(collective: str, nbytes: float, n: int, link: Link) -> float:
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    volume = nbytes if collective == "broadcast" else bus_factor(collective, n) * nbytes
+    return ring_steps(collective, n) * link.latency_s + volume / link.bandwidth
+
+
+def collective_time(collective: str, nbytes: float, n: int, net: Interconnect) -> float:
+    """Seconds for `collective` of `nbytes` (nccl-tests' size) over `n` ranks, hierarchical across nodes."""
+    g = min(n, net.gpus_per_node)
+    nodes = math.ceil(n / g)
+    intra, inter = net.intra[collective], net.inter[collective]
+    if nodes == 1:
+        return _ring(collective, nbytes, n, intra)
+    if collective == "all_reduce":
+        return (_ring("reduce_scatter", nbytes, g, net.intra["reduce_scatter"]) + _ring("all_reduce", nbytes / g, nodes,
+                inter) + _ring("all_gather", nbytes, g, net.intra["all_gather"]))
+    if collective in ("all_gather", "reduce_scatter"):
+        return _ring(collective, nbytes, g, intra) + _ring(collective, nbytes / g, nodes, inter)
+    if collective == "all_to_all":
+        return ((g - 1) * intra.latency_s + (nodes - 1) * inter.latency_s
+                + nbytes * (g - 1) / n / intra.bandwidth + nbytes * (n - g) / n / inter.bandwidth)
+    return ((g - 1) * intra.latency_s + (nodes - 1) * inter.latency_s  # broadcast: a chain, g NICs per node
+            + nbytes / min(intra.bandwidth, g * inter.bandwidth))
+
+
+# --- models and workloads ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    params: float
+    """All parameters (what is communicated)."""
+    layer_params: float = 0.0
+    """Parameters of one transformer block: the FSDP unit. The rest (embeddings, head) is the root unit."""
+    n_layer: int = 0
+    d_model: int = 0
+    seq_len: int = 0
+    matmul_params: float = 0.0
+    """Parameters used in matrix multiplies (6 FLOPs per token each); 0 = FLOPs unknown: give the compute time."""
+
+    @property
+    def root_params(self) -> float:
+        return self.params - self.n_layer * self.layer_params
+
+    def flops_per_token(self) -> float:
+        """6 x params + 12 x layers x d_model x seq (forward + backward, attention scores included)."""
+        return 6 * self.matmul_params + 12 * self.n_layer * self.d_model * self.seq_len
+
+
+def gpt_shape(n_layer: int, d_model: int, seq_len: int, vocab_size: int) -> ModelShape:
+    """disttrain's reference GPT (models/gpt.py): tied embeddings, learned positions, biased linears."""
+    layer = 12 * d_model**2 + 13 * d_model
+    rest = vocab_size * d_model + seq_len * d_model + 2 * d_model
+    return ModelShape(f"gpt {n_layer}x{d_model}", n_layer * layer + rest, layer, n_layer, d_model, seq_len,
+                      n_layer * 12 * d_model**2 + vocab_size * d_model)
+
+
+def _llama(name, layers, d, ffn, kv_heads, heads, vocab, seq):
+    layer = 2 * d * d + 2 * d * (d * kv_heads // heads) + 3 * d * ffn + 2 * d
+    matmul = layers * (layer - 2 * d) + vocab * d  # the output head multiplies; the input embedding is a lookup
+    return ModelShape(name, layers * layer + 2 * vocab * d + d, layer, layers, d, seq, matmul)
+
+
+MODELS: dict[str, ModelShape] = {
+    "llama3-8b": _llama("llama3-8b", 32, 4096, 14336, 8, 32, 128256, 8192),
+    "llama3-70b": _llama("llama3-70b", 80, 8192, 28672, 8, 64, 128256, 8192),
+    "resnet50": ModelShape("resnet50", 25.6e6),
+    "bert-large": ModelShape("bert-large", 340e6, 12.6e6, 24, 1024, 128, 24 * 12.6e6),
+}
+
+BYTES: dict[str, tuple[int, int, int]] = {  # (stored parameters and DDP gradients, FSDP gather, FSDP reduce)
+    "fp32": (4, 4, 4), "bf16-mixed": (4, 2, 4), "fp16-mixed": (4, 2, 4), "bf16-true": (2, 2, 2)}
+"""Bytes per element on the wire under each precision (precision.py: FSDP gathers in the compute dtype and
+reduces in fp32; DDP and ZeRO-1 move the stored parameters' dtype)."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: ModelShape
+    compute_s: float
+    """Forward + backward + optimizer of one step on one device, alone (no communication)."""
+    tokens: float
+    """Tokens (or samples) per device per step."""
+    precision: str = "bf16-mixed"
+    micro_steps: int = 1
+    """Accumulation micro-batches per step; gradients are reduced on the last one only."""
+    bucket_bytes: float = 25 * 2**20
+    backward_fraction: float = 2 / 3
+    cpu_cores: int = 0
+    """0 on accelerators. On CPU, ranks beyond the cores share them, and so do gloo's communication threads."""
+
+
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
+ALIASES = {"zero3": "fsdp"}
+
+
+def canonical_strategy(name: str) -> str:
+    name = ALIASES.get(name.strip().lower(), name.strip().lower())
+    if name not in STRATEGIES:
+        raise ConfigError(f"--strategy {name!r} is not modelled; choose from {', '.join(STRATEGIES)} (zero3 = fsdp)")
+    return name
+
+
+
+# --- one step under each strategy ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What is gathered and reduced together (an FSDP block or root, a DDP bucket) and its share of compute."""
+
+    compute: float
+    """Share of the step's compute (forward and backward alike)."""
+    gather_fwd: float = 0.0
+    gather_bwd: float = 0.0
+    reduce: float = 0.0
+    """Seconds of each collective."""
+
+
+@dataclass
+class Step:
+    step_s: float
+    compute_s: float
+    comm_s: float
+    """Sum of the step's collective times, overlapped or not."""
+    wire_bytes: float
+    """Bytes each rank sends per step (the collectives' sizes x bus factor)."""
+
+    @property
+    def exposed_s(self) -> float:
+        return self.step_s - self.compute_s
+
+
+def _pass(units: list[Unit], seconds: float, gather: str, reduce: bool, t: float, comm: float
+          ) -> tuple[float, float]:
+    """One forward or backward pass over `units` (in execution order) on two streams, compute and one FIFO of
+    collectives: a unit starts when its all-gather is done; the next unit's all-gather is issued when a unit
+    starts (prefetch of one, as FSDP2 does); a unit's reduction is issued when its backward ends."""
+    def issue(u: Unit, at: float) -> float:
+        nonlocal comm
+        if not getattr(u, gather):
+            return at
+        comm = max(comm, at) + getattr(u, gather)
+        return comm
+
+    ready = issue(units[0], t)
+    for i, u in enumerate(units):
+        start = max(t, ready)
+        if i + 1 < len(units):
+            ready = issue(units[i + 1], start)
+        t = start + u.compute * seconds
+        if reduce and u.reduce:
+            comm = max(comm, t) + u.reduce
+    return t, comm
+
+
+def _compute_shares(model: ModelShape) -> list[float]:
+    """Fraction of a step's compute in the root unit, then in each block: by FLOPs when known, else by parameters."""
+    if model.n_layer == 0:
+        return [1.0]
+    if model.matmul_params:
+        block = 6 * model.layer_params + 12 * model.d_model * model.seq_len
+        per_block = block / model.flops_per_token()
+    else:
+        per_block = model.layer_params / model.params
+    return [max(0.0, 1 - model.n_layer * per_block)] + [per_block] * model.n_layer
+
+
+def _buckets(model: ModelShape, grad_bytes: int, bucket_bytes: float) -> list[float]:
+    """DDP's gradient buckets in forward order (bytes): filled from the last parameter, so the bucket reduced last
+    (holding the first parameters) is the partial one."""
+    total = model.params * grad_bytes
+    full, rest = divmod(total, bucket_bytes)
+    return ([rest] if rest else []) + [bucket_bytes] * int(full)
+
+
+def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[list[Unit], float, float]:
+    """(units in forward order, seconds of collectives after the optimizer step, wire bytes per step)."""
+    model, (stored, gathered, reduced) = work.model, BYTES[work.precision]
+
+    def wire(collective: str, nbytes: float, ranks: int, times: int = 1, across: bool = False) -> float:
+        nonlocal sent
+        sent += times * nbytes * bus_factor(collective, ranks)
+        return _ring(collective, nbytes, ranks, net.inter[collective]) if across else \
+            collective_time(collective, nbytes, ranks, net)
+
+    sent = 0.0
+    if strategy in ("ddp", "zero1"):
+        buckets = _buckets(model, stored, work.bucket_bytes)
+        units = [Unit(b / sum(buckets), reduce=wire("all_reduce", b, n)) for b in buckets]
+        after = wire("all_gather", model.params * stored, n) if strategy == "zero1" else 0.0
+        return units, after, sent
+    shard = min(n, net.gpus_per_node) if strategy == "hsdp" else n
+    replicas = n // shard
+    units = []
+    sizes = [model.root_params] + [model.layer_params] * model.n_layer
+    for i, (share, params) in enumerate(zip(_compute_shares(model), sizes, strict=True)):
+        again = strategy in ("fsdp", "hsdp") and i > 0  # gathered again for backward; the root stays gathered
+        gather = wire("all_gather", params * gathered, shard, work.micro_steps * (2 if again else 1))
+        reduce = wire("reduce_scatter", params * reduced, shard)
+        if replicas > 1:  # hsdp: the shard's gradient is all-reduced across the nodes' replicas
+            reduce += wire("all_reduce", params * reduced / shard, replicas, across=True)
+        units.append(Unit(share, gather, gather if again else 0.0, reduce))
+    return units, 0.0, sent
+
+
+def step_time(strategy: str, n: int, work: Workload, net: Interconnect) -> Step:
+    """One optimizer step on `n` devices (weak scaling: `work` is one device's share at every `n`)."""
+    strategy = canonical_strategy(strategy)
+    local = min(n, net.gpus_per_node)
+    slowdown = max(1.0, local / work.cpu_cores) if work.cpu_cores else 1.0
+    compute = work.compute_s * slowdown
+    if n == 1:
+        return Step(compute, compute, 0.0, 0.0)
+    units, after, sent = _units(strategy, work, n, net)
+    comm_total = (sum(u.gather_fwd + u.gather_bwd for u in units) * work.micro_steps
+                  + sum(u.reduce for u in units) + after)
+    if work.cpu_cores and local >= work.cpu_cores:  # no free core: gloo's threads take turns with compute
+        return Step(compute + comm_total * slowdown, compute, comm_total, sent)
+    fwd = compute * (1 - work.backward_fraction) / work.micro_steps
+    bwd = compute * work.backward_fraction / work.micro_steps
+    t = comm = 0.0
+    for m in range(work.micro_steps):
+        t, comm = _pass(units, fwd, "gather_fwd", False, t, comm)
+        t, comm = _pass(units[::-1], bwd, "gather_bwd", m == work.micro_steps - 1, t, comm)
+    return Step(max(t, comm) + after, compute, comm_total, sent)
+
+
+@dataclass
+class Prediction:
+    gpus: int
+    step: Step
+    tokens_per_s_per_gpu: float
+    efficiency: float
+    """Per-GPU throughput relative to the smallest count predicted."""
+
+
+def predict(strategy: str, counts: list[int], work: Workload, net: Interconnect) -> list[Prediction]:
+    steps = [(n, step_time(strategy, n, work, net)) for n in sorted(counts)]
+    base = steps[0][1].step_s
+    return [Prediction(n, s, work.tokens / s.step_s, base / s.step_s) for n, s in steps]
+
+
+def compute_seconds(model: ModelShape, tokens: float, tflops: float, mfu: float) -> float:
+    """One device's step compute from FLOPs: tokens x FLOPs per token / (peak x MFU)."""
+    if not model.matmul_params:
+        raise ConfigError(f"the FLOPs of {model.name} are not modelled; give --compute-s (seconds of one step on "
+                          "one device)")
+    return tokens * model.flops_per_token() / (tflops * 1e12 * mfu)
+
+
+H100_BF16_TFLOPS = 989.0
+"""H100 SXM dense bf16 peak (NVIDIA's datasheet; 1979 is with sparsity)."""
+
+
+def with_gpus_per_node(net: Interconnect, gpus: int) -> Interconnect:
+    return replace(net, gpus_per_node=gpus)
+
+
+# --- published shapes the model is checked against ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Published:
+    name: str
+    source: str
+    strategy: str
+    model: str
+    interconnect: str
+    gpus: tuple[int, int]
+    """(base, scaled) GPU counts."""
+    efficiency: float
+    """Published per-GPU throughput at the scaled count / at the base count."""
+    tolerance: float
+    """How far the prediction may be from it (stated with the case)."""
+    local_batch: int
+    precision: str
+    compute_s: float = 0.0
+    """One GPU's step compute; 0 = from FLOPs at `mfu` of the H100's bf16 peak."""
+    mfu: float = 0.0
+    assumptions: str = ""
+
+    def workload(self) -> Workload:
+        model = MODELS[self.model]
+        tokens = self.local_batch * max(model.seq_len, 1)
+        compute = self.compute_s or compute_seconds(model, tokens, H100_BF16_TFLOPS, self.mfu)
+        return Workload(model, compute, tokens, self.precision)
+
+    def predicted(self) -> list[Prediction]:
+        return predict(self.strategy, list(self.gpus), self.workload(), PRESETS[self.interconnect])
+
+
+PUBLISHED = (
+    Published("torchtitan Llama 3.1 8B, FSDP, H100: 8 -> 128 GPUs",
+              "pytorch/torchtitan docs/performance.md, Tables 1 and 3: 5,762 -> 5,605 tokens/s per GPU",
+              "fsdp", "llama3-8b", "h100-nvlink+ib-ndr", (8, 128), 5605 / 5762, 0.03, 2, "bf16-mixed", mfu=0.34,
+              assumptions="local batch 2 x 8192, bf16 with fp32 reduction; MFU 0.34 reproduces the 8-GPU 5,762 "
+                          "tokens/s (torchtitan reports 33-39%); 400 Gb/s RDMA per GPU as on their Grand Teton hosts"),
+    Published("PyTorch DDP paper, ResNet50, V100: 8 -> 256 GPUs",
+              "Li et al., PyTorch Distributed, VLDB 2020: near-linear weak scaling to 256 GPUs",
+              "ddp", "resnet50", "v100-nvlink+100gbe", (8, 256), 0.95, 0.05, 32, "fp32", compute_s=0.1,
+              assumptions="published as a shape ('near-linear'), read here as 0.90-1.00; 32 images per GPU at "
+                          "~320 images/s (fp32 V100, 0.1 s per step); 100 Gb/s per 8-GPU node; 25 MiB buckets"),
+    Published("PyTorch DDP paper, BERT-large, V100: 8 -> 256 GPUs",
+              "Li et al., PyTorch Distributed, VLDB 2020: near-linear weak scaling to 256 GPUs",
+              "ddp", "bert-large", "v100-nvlink+100gbe", (8, 256), 0.95, 0.05, 32, "fp32", compute_s=0.75,
+              assumptions="as ResNet50; 32 sequences of 128 tokens per GPU, 0.75 s per step (~40% of the V100's "
+                          "15.7 fp32 TFLOP/s); 340 M parameters, 1.36 GB of fp32 gradients"),
+)

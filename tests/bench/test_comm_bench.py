@@ -1,0 +1,79 @@
+"""`disttrain bench comm` at 2 ranks with tiny sizes (its figures are reported, never asserted), the report without
+matplotlib, and bad input (one line, exit 2)."""
+
+import csv
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from conftest import run_cli
+from disttrain.bench import comm
+from disttrain.cli.main import main as cli
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("comm")
+    result = run_cli(["bench", "comm", "--nproc", "2", "--min-size", "1K", "--max-size", "64K", "--iters", "3",
+                      "--min-iters", "2", "--warmup", "1", "--out", str(tmp / "b")], tmp, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return tmp / "b", result
+
+
+def test_table_columns_and_bus_bandwidth_follow_the_measured_time(run):
+    out, result = run
+    rows = list(csv.DictReader(open(out / "comm.csv")))
+    assert list(rows[0]) == ["collective", "bytes", "world_size", "backend", "iterations", "time_median_s",
+                             "time_min_s", "algbw_GBps", "busbw_GBps"]
+    assert [r["collective"] for r in rows[::4]] == list(comm.COLLECTIVES)  # 1K, 4K, 16K, 64K each
+    assert {int(r["bytes"]) for r in rows} == {1024, 4096, 16384, 65536}
+    factor = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "broadcast": 1.0, "all_to_all": 0.5}
+    for r in rows:
+        t = float(r["time_median_s"])
+        assert r["world_size"] == "2" and r["backend"] == "gloo" and 0 < float(r["time_min_s"]) <= t
+        assert float(r["algbw_GBps"]) == pytest.approx(int(r["bytes"]) / t / 1e9, rel=1e-9)
+        assert float(r["busbw_GBps"]) == pytest.approx(float(r["algbw_GBps"]) * factor[r["collective"]], rel=1e-9)
+    raw = json.loads((out / "comm_raw.json").read_text())
+    assert all(len(r["times_s"]) == r["iterations"] == 3 for r in raw["rows"])
+    assert "| all_to_all | 64K | 65536 | 3 |" in result.stdout
+    assert (out / "comm.png").is_file() == (importlib.util.find_spec("matplotlib") is not None)
+
+
+def test_fit_is_sane(run):
+    out, _ = run
+    fit = json.loads((out / "comm_fit.json").read_text())
+    assert fit["backend"] == "gloo" and fit["world_size"] == 2 and fit["host"] and fit["date"]
+    assert set(fit["collectives"]) == set(comm.COLLECTIVES)
+    rows = list(csv.DictReader(open(out / "comm.csv")))
+    for c, f in fit["collectives"].items():
+        times = [float(r["time_median_s"]) for r in rows if r["collective"] == c]
+        assert f["alpha_s"] >= 0 and f["beta_s_per_byte"] >= 0 and f["alpha_s"] + f["beta_s_per_byte"] > 0
+        assert f["alpha_s"] <= max(times)  # latency cannot exceed the slowest call it was fitted to
+        assert f["max_rel_error"] == pytest.approx(max(
+            abs(f["alpha_s"] + f["beta_s_per_byte"] * int(r["bytes"]) - float(r["time_median_s"]))
+            / float(r["time_median_s"]) for r in rows if r["collective"] == c), rel=1e-9)
+
+
+def test_report_without_matplotlib_writes_everything_else(run, tmp_path, monkeypatch, capsys):
+    out, _ = run
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    comm.report(json.loads((out / "comm_raw.json").read_text()), tmp_path)
+    assert capsys.readouterr().err.strip() == "disttrain: comm.png not written: pip install 'disttrain[plot]'"
+    assert {p.name for p in tmp_path.iterdir()} == {"comm.csv", "comm.md", "comm_fit.json"}
+    assert "pip install 'disttrain[plot]'" in (tmp_path / "comm.md").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--collectives", "all_reduce,allreduce"], "--collectives: allreduce unknown; choose from all_reduce, "),
+    (["--min-size", "1KB"], "--min-size '1KB' is not a size"),
+    (["--max-size", "lots"], "--max-size 'lots' is not a size"),
+    (["--min-size", "1M", "--max-size", "1K"], "--min-size 1M is above --max-size 1K"),
+    (["--nproc", "1000"], "--nproc 1000: more than 4 ranks per core"),
+    (["--nproc", "1"], "--nproc 1: a collective needs at least 2 ranks"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
+    assert cli(["bench", "comm", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("disttrain: error: " + message) and "\n" not in err, err

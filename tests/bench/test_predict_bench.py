@@ -1,0 +1,77 @@
+"""`disttrain bench predict`: the forecast table, the validation against a measured CSV and the published cases,
+the measuring mode (a smoke run on 1 and 2 ranks), and bad input (one line, exit 2)."""
+
+import csv
+import json
+
+import pytest
+
+from conftest import run_cli
+from disttrain.bench import scale_model as sm
+from disttrain.cli.main import main as cli
+
+FIT = {"backend": "gloo", "world_size": 2, "device": "cpu", "host": "h", "date": "d",
+       "collectives": {c: {"alpha_s": 4e-4, "beta_s_per_byte": 1e-9} for c in sm.COLLECTIVES}}
+TINY = ["--set", "model.n_layer=2", "--set", "model.d_model=64", "--set", "model.n_head=4", "--set",
+        "model.seq_len=32"]
+
+
+def test_forecast_writes_the_table(tmp_path, capsys):
+    assert cli(["bench", "predict", "--model", "llama3-8b", "--strategy", "ddp,zero3", "--gpus", "64,8",
+                "--mfu", "0.4", "--out", str(tmp_path)]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "predict.csv")))
+    assert [(r["strategy"], r["gpus"]) for r in rows] == [("ddp", "8"), ("ddp", "64"), ("fsdp", "8"), ("fsdp", "64")]
+    work = sm.Workload(sm.MODELS["llama3-8b"], sm.compute_seconds(sm.MODELS["llama3-8b"], 2 * 8192, 989, 0.4), 16384)
+    expected = sm.step_time("fsdp", 64, work, sm.PRESETS["h100-nvlink+ib-ndr"])
+    assert float(rows[3]["step_s"]) == pytest.approx(expected.step_s, rel=1e-9)
+    assert float(rows[2]["efficiency"]) == 1.0 and float(rows[3]["efficiency"]) < 1.0
+    assert "| fsdp | 64 |" in (tmp_path / "predict.md").read_text() and "| fsdp | 64 |" in capsys.readouterr().out
+
+
+def test_validate_against_a_minimal_csv_and_the_published_cases(tmp_path):
+    (tmp_path / "comm_fit.json").write_text(json.dumps(FIT))
+    (tmp_path / "scaling.csv").write_text("strategy,world_size,step_time_s\nddp,1,0.1\nddp,2,0.12\nfsdp,1,0.1\n"
+                                          "fsdp,2,0.2\nsingle,1,0.1\n")
+    assert cli(["bench", "predict", "--validate", *TINY, "--measured", str(tmp_path / "scaling.csv"),
+                "--interconnect", f"measured:{tmp_path}", "--cpu-cores", "2", "--out", str(tmp_path)]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "predict.csv")))
+    measured = [r for r in rows if r["check"] == "measured"]
+    assert [(r["case"], r["gpus"]) for r in measured] == [("ddp", "1"), ("ddp", "2"), ("fsdp", "1"), ("fsdp", "2")]
+    work = sm.Workload(sm.gpt_shape(2, 64, 32, 256), 0.1, 1.0, "fp32", cpu_cores=2)
+    ddp2 = sm.step_time("ddp", 2, work, sm.interconnect_from_fit(FIT))
+    assert float(measured[1]["predicted"]) == pytest.approx(ddp2.step_s, rel=1e-9)
+    assert float(measured[1]["error"]) == pytest.approx(ddp2.step_s / 0.12 - 1, rel=1e-9)
+    published = [r for r in rows if r["check"] == "published"]
+    assert len(published) == len(sm.PUBLISHED)
+    assert "| yes |" in (tmp_path / "predict.md").read_text()
+
+
+def test_measure_then_validate(tmp_path):
+    result = run_cli(["bench", "predict", "--measure", "--world-sizes", "1,2", "--strategies", "ddp", "--steps", "2",
+                      "--warmup", "1", "--micro-batch", "2", *TINY, "--out", str(tmp_path / "m")], tmp_path,
+                     timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = list(csv.DictReader(open(tmp_path / "m" / "scaling.csv")))
+    assert [(r["strategy"], r["world_size"], r["global_batch"]) for r in rows] == [("ddp", "1", "2"), ("ddp", "2", "4")]
+    assert all(float(r["step_time_s"]) > 0 and r["params"] == str(sm.gpt_shape(2, 64, 32, 256).params) for r in rows)
+    (tmp_path / "comm_fit.json").write_text(json.dumps(FIT))
+    assert cli(["bench", "predict", "--validate", *TINY, "--measured", str(tmp_path / "m" / "scaling.csv"),
+                "--interconnect", f"measured:{tmp_path / 'comm_fit.json'}", "--out", str(tmp_path / "v")]) == 0
+    assert "| ddp weak | 2 |" in (tmp_path / "v" / "predict.md").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--strategy", "tp"], "--strategy 'tp' is not modelled; choose from ddp, zero1, zero2, fsdp, hsdp"),
+    (["--interconnect", "infiniband"], "--interconnect 'infiniband' is not known; choose from h100-nvlink+ib-ndr"),
+    (["--interconnect", "measured:/nonexistent"], "--interconnect measured:/nonexistent: cannot read a comm_fit.json"),
+    (["--gpus", "8,sixty-four"], "--gpus '8,sixty-four': give counts >= 1 separated by commas"),
+    (["--gpus", "0,8"], "--gpus '0,8': give counts >= 1"),
+    (["--model", "gpt5"], "--model 'gpt5' is not a preset"),
+    (["--model", "resnet50"], "the FLOPs of resnet50 are not modelled; give --compute-s"),
+    (["--validate", "--measured", "x.csv"], "--validate --measured needs --interconnect measured:"),
+    (["--measure", "--world-sizes", "1,two"], "--world-sizes '1,two': give counts"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path):
+    assert cli(["bench", "predict", *args, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("disttrain: error: " + message) and "\n" not in err, err

@@ -1,0 +1,149 @@
+"""The scale model (bench/scale_model.py) as arithmetic: collective formulas, the fit, each strategy's bytes and
+overlap, the node hierarchy, and the published scaling it must reproduce. No process, no torch in the model."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+from disttrain.bench import scale_model as sm
+from disttrain.errors import ConfigError
+
+NET = sm.PRESETS["h100-nvlink+ib-ndr"]
+LLAMA = sm.MODELS["llama3-8b"]
+
+
+def flat(link: sm.Link, gpus_per_node: int = 8) -> sm.Interconnect:
+    return sm.Interconnect("flat", gpus_per_node, sm.uniform(link), sm.uniform(link))
+
+
+def test_bus_factors_are_nccl_tests_definitions():
+    assert sm.bus_factor("all_reduce", 4) == 2 * 3 / 4
+    for collective in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert sm.bus_factor(collective, 4) == 3 / 4
+    assert sm.bus_factor("broadcast", 4) == 1.0
+
+
+def test_ring_all_reduce_cost_is_alpha_beta_formula():
+    link = sm.Link(3e-6, 100e9)
+    for n in (2, 3, 8):
+        nbytes = 123e6
+        expected = 2 * (n - 1) * 3e-6 + 2 * (n - 1) / n * nbytes / 100e9
+        assert sm.collective_time("all_reduce", nbytes, n, flat(link)) == pytest.approx(expected, rel=1e-12)
+        assert sm.collective_time("all_gather", nbytes, n, flat(link)) == pytest.approx(
+            (n - 1) * 3e-6 + (n - 1) / n * nbytes / 100e9, rel=1e-12)
+    assert sm.collective_time("all_reduce", 1e9, 1, NET) == 0.0
+
+
+def test_hierarchy_makes_crossing_nodes_slower_and_reduces_to_the_ring_on_equal_links():
+    per_byte = {n: sm.collective_time("all_reduce", 1e9, n, NET) for n in (8, 16, 128)}
+    assert per_byte[8] < per_byte[16] < per_byte[128]  # IB NDR (50 GB/s per GPU) is the bottleneck across nodes
+    inside = sm.collective_time("all_reduce", 1e9, 8, NET)
+    assert per_byte[16] > 1.5 * inside
+    zero_latency = sm.Link(0.0, 10e9)
+    for collective in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        hierarchical = sm.collective_time(collective, 1e9, 32, flat(zero_latency, gpus_per_node=4))
+        ring = sm.collective_time(collective, 1e9, 32, flat(zero_latency, gpus_per_node=32))
+        assert hierarchical == pytest.approx(ring, rel=1e-12), collective
+
+
+def test_fit_recovers_alpha_beta_and_weighs_small_sizes():
+    sizes = [2.0**k for k in range(10, 29, 2)]
+    times = [50e-6 + 1e-9 * s for s in sizes]
+    alpha, beta = sm.fit_alpha_beta(sizes, times)
+    assert alpha == pytest.approx(50e-6, rel=1e-9) and beta == pytest.approx(1e-9, rel=1e-9)
+    noisy = [t * (1.1 if i % 2 else 0.9) for i, t in enumerate(times)]
+    alpha, beta = sm.fit_alpha_beta(sizes, noisy)
+    assert 40e-6 < alpha < 60e-6 and 0.8e-9 < beta < 1.2e-9  # a plain least squares would lose alpha entirely
+    assert sm.fit_alpha_beta([1e3, 1e4], [1e-3, 0.9e-3]) == (pytest.approx(0.947e-3, rel=1e-2), 0.0)  # clamped
+
+
+def test_fsdp_moves_one_and_a_half_times_ddp_bytes_in_fp32():
+    work = sm.Workload(LLAMA, 1.0, 8192, precision="fp32")
+    ddp = sm.step_time("ddp", 64, work, NET).wire_bytes
+    fsdp = sm.step_time("fsdp", 64, work, NET).wire_bytes
+    assert ddp == pytest.approx(2 * 63 / 64 * LLAMA.params * 4, rel=1e-9)
+    blocks = LLAMA.n_layer * LLAMA.layer_params  # gathered for forward and again for backward, then reduce-scattered
+    assert fsdp == pytest.approx(63 / 64 * 4 * (3 * blocks + 2 * LLAMA.root_params), rel=1e-9)  # root: gathered once
+    assert 1.4 * ddp < fsdp <= 1.5 * ddp  # ZeRO's 1.5x, less the root's second gather
+    assert sm.step_time("zero2", 64, work, NET).wire_bytes < fsdp
+
+
+def test_ddp_hides_the_all_reduce_behind_backward_except_the_last_bucket():
+    link = sm.Link(0.0, 1e9)  # 1 GB/s, so the bytes decide
+    model = sm.ModelShape("m", 100e6 / 4)  # 100 MB of fp32 gradients = 4 buckets of 25 MiB (+ a partial one)
+    work = sm.Workload(model, compute_s=10.0, tokens=1, precision="fp32")
+    buckets = sm._buckets(model, 4, work.bucket_bytes)
+    last = sm.collective_time("all_reduce", buckets[0], 2, flat(link))
+    step = sm.step_time("ddp", 2, work, flat(link))
+    assert step.step_s == pytest.approx(10.0 + last, rel=1e-9)  # everything else fits inside the 6.7 s backward
+    slow = sm.step_time("ddp", 2, sm.Workload(model, 0.03, 1, "fp32"), flat(link))
+    first_ready = 0.02 * buckets[-1] / sum(buckets)  # backward (2/3 of 0.03 s) until the first bucket is complete
+    assert slow.step_s == pytest.approx(0.01 + first_ready + slow.comm_s, rel=1e-9)  # then the collectives back to back
+
+
+def test_efficiency_falls_with_the_count_for_every_strategy():
+    work = sm.Workload(LLAMA, sm.compute_seconds(LLAMA, 8192, sm.H100_BF16_TFLOPS, 0.4), 8192)
+    for strategy in sm.STRATEGIES:
+        rows = sm.predict(strategy, [8, 16, 64, 512, 4096], work, NET)
+        eff = [r.efficiency for r in rows]
+        assert eff[0] == 1.0 and all(a >= b for a, b in zip(eff, eff[1:], strict=False)), (strategy, eff)
+        assert eff[-1] < 1.0
+
+
+def test_cpu_ranks_beyond_the_cores_share_them():
+    work = sm.Workload(sm.gpt_shape(2, 64, 32, 256), 0.1, 64, "fp32", cpu_cores=2)
+    net = sm.Interconnect("cpu", 4, sm.uniform(sm.Link(1e-4, 1e9)), sm.uniform(sm.Link(1e-4, 1e9)))
+    assert sm.step_time("ddp", 2, work, net).compute_s == pytest.approx(0.1)
+    assert sm.step_time("ddp", 3, work, net).compute_s == pytest.approx(0.15)
+
+
+def test_shapes_and_flops():
+    torch = pytest.importorskip("torch")
+    from disttrain.config import ModelConfig
+    from disttrain.models.gpt import GPT
+
+    cfg = ModelConfig(n_layer=3, d_model=96, n_head=4, seq_len=48, vocab_size=300)
+    model = GPT(cfg)
+    shape = sm.gpt_shape(3, 96, 48, 300)
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    assert shape.layer_params == sum(p.numel() for p in model.blocks[0].parameters())
+    assert isinstance(torch.__version__, str)
+    assert LLAMA.params == pytest.approx(8.03e9, rel=2e-3)  # Llama 3 8B
+    assert LLAMA.flops_per_token() == 6 * LLAMA.matmul_params + 12 * 32 * 4096 * 8192
+
+
+def test_published_scaling_is_reproduced_within_the_stated_tolerance():
+    for case in sm.PUBLISHED:
+        rows = case.predicted()
+        assert abs(rows[-1].efficiency - case.efficiency) <= case.tolerance, (case.name, rows[-1].efficiency)
+    torchtitan = sm.PUBLISHED[0].predicted()
+    assert torchtitan[0].tokens_per_s_per_gpu == pytest.approx(5762, rel=0.02)  # MFU 0.34 is the 8-GPU figure
+
+
+def test_measured_links_from_a_comm_fit():
+    fit = {"world_size": 2, "backend": "gloo", "collectives": {
+        c: {"alpha_s": 4e-4, "beta_s_per_byte": 1e-9} for c in ("all_reduce", "all_gather", "reduce_scatter")}}
+    net = sm.interconnect_from_fit(fit)
+    assert net.gpus_per_node == 2
+    # the fitted line comes back at the measured world size
+    assert sm.collective_time("all_reduce", 1e6, 2, net) == pytest.approx(4e-4 + 1e-9 * 1e6, rel=1e-12)
+    assert sm.collective_time("all_gather", 1e6, 2, net) == pytest.approx(4e-4 + 1e-9 * 1e6, rel=1e-12)
+    del fit["collectives"]["reduce_scatter"]
+    with pytest.raises(ConfigError, match="reduce_scatter"):
+        sm.interconnect_from_fit(fit)
+
+
+def test_bad_names_are_config_errors():
+    assert sm.canonical_strategy("ZeRO3") == "fsdp"
+    with pytest.raises(ConfigError, match="choose from ddp"):
+        sm.canonical_strategy("tp")
+    with pytest.raises(ConfigError, match="--compute-s"):
+        sm.compute_seconds(sm.MODELS["resnet50"], 32, 989, 0.4)
+    assert math.isfinite(sm.compute_seconds(LLAMA, 8192, 989, 0.4))
+
+
+def test_the_model_imports_no_torch():
+    code = "import sys, disttrain.bench.scale_model; assert 'torch' not in sys.modules, 'torch imported'"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
