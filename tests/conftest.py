@@ -18,7 +18,7 @@ DISTTRAIN = [sys.executable, "-m", "disttrain"]
 
 def cli_env(tmp_path: Path) -> dict[str, str]:
     env = dict(os.environ)
-    # the checkout's own src first: a git worktree's tests then run its code, not the editable install's
+    # the source tree these tests belong to comes first (not another checkout's editable install)
     env.update(OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(SCRIPTS)]))
     return env
 

@@ -1,5 +1,7 @@
 """`ddp` on 2 real processes (gloo) against the `single` reference, through the real CLI and torchrun."""
 
+import json
+
 import pytest
 
 from conftest import read_metrics, run_cli
@@ -17,7 +19,8 @@ def runs(tmp_path_factory):
     single = run_cli(["train", "--nproc", "1", "--set", "run.name=single", "--set", "data.micro_batch_size=16",
                       *common], tmp)
     assert single.returncode == 0, single.stderr
-    ddp = run_cli(["train", "--nproc", "2", "--set", "run.name=ddp", "--set", "data.micro_batch_size=4", *common], tmp)
+    ddp = run_cli(["train", "--nproc", "2", "--set", "run.name=ddp", "--set", "data.micro_batch_size=4",
+                   "--set", 'log.profile_steps="3-4"', *common], tmp)
     assert ddp.returncode == 0, ddp.stderr
     return tmp, single, ddp
 
@@ -44,3 +47,29 @@ def test_run_dir_holds_resolved_config_and_metrics(runs):
         assert record["tokens"] == 16 * 32
     assert "torchrun --nnodes 1 --nproc-per-node 2" in ddp.stderr  # the equivalent command is printed
     assert not list(tmp.glob("torchelastic_*"))  # torchrun's temp folders stay inside the run dir
+
+
+def test_every_line_carries_the_cost_of_the_step(runs):
+    tmp, _, _ = runs
+    single, ddp = read_metrics(tmp / "single"), read_metrics(tmp / "ddp")
+    for record in ddp:
+        assert record["comm_s"] > 0 and 0 <= record["comm_exposed_s"] <= record["comm_s"] < record["step_time_s"]
+        assert record["comm_bytes"] > 0 and record["slowest_rank"] in (0, 1)
+        assert record["step_time_max_s"] >= record["step_time_s"]
+        assert record["mem_peak_gib_max"] >= record["mem_peak_gib"] > 0
+        assert record["mfu"] is None and record["tflops"] > 0  # no peak is known for a CPU
+    for record in single:
+        assert record["comm_s"] is None and record["slowest_rank"] == 0  # nothing to communicate
+    # the same model and tokens: the same FLOPs per token, so TFLOP/s and tokens/s keep one ratio in both runs
+    ratios = [r["tflops"] / r["tokens_per_s"] for r in single + ddp]
+    assert max(ratios) / min(ratios) == pytest.approx(2.0, rel=1e-6)  # per device: 2 ranks share the tokens
+
+
+def test_profile_steps_write_a_trace_per_rank(runs):
+    tmp, single, _ = runs
+    for rank in (0, 1):
+        trace = json.loads((tmp / "ddp" / "profile" / f"rank{rank}.json").read_text())
+        names = {event.get("name", "") for event in trace["traceEvents"]}
+        assert "aten::mm" in names or "aten::addmm" in names
+        assert any("all_reduce" in name or "allreduce" in name for name in names)  # DDP's gradient buckets
+    assert not (tmp / "single" / "profile").exists()

@@ -11,7 +11,7 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
-from conftest import SCRIPTS, cli_env, run_cli
+from conftest import SCRIPTS, cli_env, read_metrics, run_cli
 
 sys.path.insert(0, str(SCRIPTS))
 from plain_reference import Reference, compare  # noqa: E402
@@ -21,6 +21,8 @@ VARIANTS = ["ddp", "zero1", "zero2", "fsdp", "zero3", "hsdp:1", "hsdp:2"]  # hsd
 OPTIONS = ["fsdp+offload", "zero2+offload", "hsdp+offload:1", "fsdp+prefetch2", "zero2+prefetch1"]
 # optimizers against the plain loop: "" = AdamW with grad_clip 1.0 (the job's default)
 OPTIMIZERS = ["", "+noclip", "+sgd+noclip"]
+# gradient compression (parallel.grad_compression): close to the exact run, not equal to it
+COMPRESSED = ["ddp+gcfp16", "ddp+gcbf16", "ddp+powersgd+tinybuckets", "fsdp+gcbf16", "zero2+gcfp16"]
 UNCLIPPED = ["ddp+sgd+noclip", "zero1+sgd+noclip", "zero2+sgd+noclip", "fsdp+sgd+noclip", "hsdp+sgd+noclip:1",
              "ddp+noclip", "fsdp+noclip", "hsdp+noclip:1"]
 
@@ -43,7 +45,7 @@ def results(tmp_path_factory):
     single = subprocess.run([sys.executable, script, str(tmp), *one_process], cwd=tmp, env=cli_env(tmp),
                             capture_output=True, text=True, timeout=180)
     assert single.returncode == 0, single.stderr
-    variants = VARIANTS + [with_ac(v) for v in VARIANTS] + OPTIONS + UNCLIPPED
+    variants = VARIANTS + [with_ac(v) for v in VARIANTS] + OPTIONS + UNCLIPPED + COMPRESSED
     multi = run_cli(["launch", "--nproc", "2", "--run-dir", str(tmp / "launch"), script, str(tmp), *variants], tmp,
                     timeout=400)
     assert multi.returncode == 0, multi.stderr
@@ -51,6 +53,8 @@ def results(tmp_path_factory):
     for world, runs in ((1, one), (2, two)):
         for variant, run in runs.items():
             run["params"] = load_file(tmp / str(world) / f"{variant}.safetensors")
+    for variant, run in two.items():
+        run["metrics"] = read_metrics(tmp / variant.replace(":", "_"))
     return one, two
 
 
@@ -105,3 +109,32 @@ def test_offload_and_prefetch_match_single_process(results, variant):
     assert two[variant]["losses"] == pytest.approx(one["single"]["losses"], abs=1e-5)
     for step in one["single"]["eval"]:
         assert two[variant]["eval"][step] == pytest.approx(one["single"]["eval"][step], abs=1e-5)
+
+
+@pytest.mark.parametrize("variant", COMPRESSED)
+def test_compressed_gradients_train_close_to_exact(results, variant):
+    one, two = results
+    got, exact = two[variant]["losses"], one["single"]["losses"]
+    assert max(abs(a - b) for a, b in zip(got, exact, strict=True)) > 1e-6  # the compression is really on
+    tolerance = 0.2 if "powersgd" in variant else 0.02  # rank-1 PowerSGD of a 20-step run vs a half-precision wire
+    assert got == pytest.approx(exact, abs=tolerance)
+    assert got[-1] < got[0] - 1.0  # it learns (PowerSGD with many buckets on gloo would hang: it got one)
+
+
+def test_in_run_cost_figures_are_recorded_per_step(results):
+    _, two = results
+    numel = sum(t.numel() for t in two["ddp"]["params"].values()) - two["ddp"]["params"]["tok_emb.weight"].numel()
+    for variant in ("ddp", "fsdp", "zero2"):
+        for m in two[variant]["metrics"]:
+            assert 0 <= m["comm_exposed_s"] <= m["comm_s"] < m["step_time_s"] <= m["step_time_max_s"]
+            assert m["comm_s"] > 0, (variant, m)
+            assert m["slowest_rank"] in (0, 1) and m["mfu"] is None and m["tflops"] > 0
+            assert 0 < m["mem_peak_gib"] <= m["mem_peak_gib_max"] < 8
+    ddp = two["ddp"]["metrics"]
+    assert {m["comm_bytes"] for m in ddp} == {4 * numel}  # every fp32 gradient all-reduced once (tied: once)
+    # gradients cross the wire in half precision; PowerSGD sends low-rank factors after its first two steps
+    assert {m["comm_bytes"] for m in two["ddp+gcfp16"]["metrics"]} == {2 * numel}
+    assert max(m["comm_bytes"] for m in two["ddp+powersgd+tinybuckets"]["metrics"][2:]) < 0.2 * 4 * numel
+    # FSDP: all-gathers in forward and backward (fp32 parameters) plus the reduce-scatter (bf16 with compression)
+    fsdp, fsdp_bf16 = two["fsdp"]["metrics"][0]["comm_bytes"], two["fsdp+gcbf16"]["metrics"][0]["comm_bytes"]
+    assert fsdp - fsdp_bf16 == pytest.approx(2 * numel, rel=0.01)  # half of the 4-byte reduce-scatter

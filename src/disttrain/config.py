@@ -166,6 +166,14 @@ class ParallelConfig:
     fsdp_prefetch: int = 0
     """zero2/fsdp/zero3/hsdp: all-gather the next N transformer blocks' parameters while the current block runs
     (forward and backward; FSDP2 explicit prefetching). 0 = FSDP2's default (one block, implicitly)."""
+    grad_compression: str = "none"
+    """Compress gradient communication: `none`, `fp16` or `bf16` (gradients cross the wire in that dtype: DDP's
+    compression hooks, the FSDP strategies' reduce dtype; half the bytes) or `powersgd` (DDP only: low-rank PowerSGD
+    with error feedback, rank `powersgd_rank`; on gloo it runs with one gradient bucket). The numbers change
+    slightly (see docs/benchmarks/scaling.md for the eval-loss cost); PowerSGD's error-feedback state is not
+    checkpointed, so a resumed run restarts it."""
+    powersgd_rank: int = 1
+    """`grad_compression = "powersgd"`: rank of the low-rank approximation (higher: more bytes, closer to exact)."""
     cpu_offload: bool = False
     """Keep parameters and optimizer state in host memory: FSDP2 CPUOffloadPolicy for the FSDP strategies,
     ZeRO-Offload (`offload_optimizer` to cpu) for `deepspeed` stages 1-3. Saves GPU memory; on a CPU-only run
@@ -225,6 +233,12 @@ class LogConfig:
     """Show a progress bar with loss and tokens/s on rank 0."""
     tensorboard: bool = False
     """Also write TensorBoard event files to `RUN_DIR/tensorboard` (needs `pip install tensorboard`)."""
+    peak_tflops: float = 0.0
+    """Peak TFLOP/s of one device for `mfu` (model FLOPs utilisation); 0 = from the table of known accelerators
+    (H100, H200, A100, ...; `mfu` is null on a CPU or an unknown device)."""
+    profile_steps: str = ""
+    """Write a torch.profiler trace of these steps, e.g. `"10-12"` or `"5"`, to `RUN_DIR/profile/rank<R>.json`
+    (one per rank; open in Perfetto or chrome://tracing). Empty = no profiling."""
 
 
 @dataclass
@@ -266,6 +280,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "checkpoint.best_mode": ("min", "max"),
     "checkpoint.on_error": ("abort", "continue"),
     "train.on_nonfinite": ("stop", "skip"),
+    "parallel.grad_compression": ("none", "fp16", "bf16", "powersgd"),
 }
 
 
@@ -458,12 +473,31 @@ def validate(cfg: Config, gpu_count: int = 0, world: int | None = None) -> None:
     _validate_parallel(cfg, world)
     _validate_checkpoint(cfg)
     _validate_dist(cfg, gpu_count, world)
+    _validate_log(cfg)
     if cfg.log.tensorboard:
         import importlib.util
 
         _check(importlib.util.find_spec("tensorboard") is not None,
                "log.tensorboard = true but the tensorboard package is not installed; "
                "pip install 'disttrain[tensorboard]' or set log.tensorboard = false")
+
+
+def profile_range(text: str) -> tuple[int, int] | None:
+    """`log.profile_steps` as (first, last) step, or None when empty; ConfigError naming the setting otherwise."""
+    if not text.strip():
+        return None
+    match = re.fullmatch(r"(\d+)(?:-(\d+))?", text.strip())
+    out = (int(match[1]), int(match[2] or match[1])) if match else (0, 0)
+    _check(1 <= out[0] <= out[1], f"log.profile_steps = {text!r}: give steps as \"FIRST-LAST\" or \"N\" (steps >= 1), "
+           "e.g. log.profile_steps = \"10-12\"")
+    return out
+
+
+def _validate_log(cfg: Config) -> None:
+    span = profile_range(cfg.log.profile_steps)
+    _check(span is None or span[0] <= cfg.train.steps, f"log.profile_steps = {cfg.log.profile_steps!r} starts after "
+           f"the last step (train.steps = {cfg.train.steps}); choose steps within the run")
+    _check(cfg.log.peak_tflops >= 0, f"log.peak_tflops = {cfg.log.peak_tflops}: must be >= 0 (0 = from the table)")
 
 
 def _validate_run(cfg: Config) -> None:
@@ -571,6 +605,7 @@ def _validate_parallel(cfg: Config, world: int) -> None:
            f"parallel.strategy = {spec.name!r} runs on at most {spec.max_world} process(es) but the world size is "
            f"{world}; use parallel.strategy = 'ddp' (or 'auto') or --nproc {spec.max_world}")
     _check(p.bucket_cap_mb > 0, f"parallel.bucket_cap_mb = {p.bucket_cap_mb}: must be > 0")
+    _check(p.powersgd_rank >= 1, f"parallel.powersgd_rank = {p.powersgd_rank}: must be >= 1")
     registry.check_options(spec, p, ParallelConfig())
     if spec.check is not None:
         spec.check(cfg, world)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from disttrain.config import LogConfig
+from disttrain.perf import straggler
 
 
 class NullMetrics:
@@ -24,8 +25,9 @@ class NullMetrics:
 
 
 class ProgressBar:
-    """`[####......] 40/100 loss 2.310 | 51.2k tok/s | eta 12s` redrawn in place on a terminal; on a pipe
-    (CI, log files) the same text as a new line about 20 times per run."""
+    """`[####......] 40/100 loss 2.310 | 51.2k tok/s | MFU 41% | comm 3% | eta 12s` redrawn in place on a terminal;
+    on a pipe (CI, log files) the same text as a new line about 20 times per run. A rank slower than rank 0 by more
+    than 20% is named (`slowest rank 3 1.4x`)."""
 
     def __init__(self, total: int, stream: TextIO = sys.stderr, start_step: int = 0):
         self.total, self.stream, self.start_step = total, stream, start_step
@@ -45,6 +47,12 @@ class ProgressBar:
             parts.append(f"loss {values['loss']:.4f}")
         if "tokens_per_s" in values:
             parts.append(f"{values['tokens_per_s'] / 1000:.1f}k tok/s")
+        if values.get("mfu") is not None:
+            parts.append(f"MFU {values['mfu']:.0%}")
+        if values.get("comm_exposed_s") is not None and values.get("step_time_s"):
+            parts.append(f"comm {values['comm_exposed_s'] / values['step_time_s']:.0%}")
+        if straggler(values):
+            parts.append("slowest " + straggler(values))
         if "eval_loss" in values:
             parts.append(f"eval {values['eval_loss']:.4f}")
         parts.append(f"eta {eta:.0f}s")

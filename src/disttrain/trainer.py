@@ -12,7 +12,6 @@ import logging
 import math
 import os
 import random
-import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ from torch.utils.data import Dataset
 
 from disttrain.backend import LossFn, TrainingBackend, create_backend
 from disttrain.checkpoint import CheckpointError, CheckpointManager, parse_step, restore_rng
-from disttrain.config import Config, ConfigError, save_config, validate
+from disttrain.config import Config, ConfigError, profile_range, save_config, validate
 from disttrain.data import GlobalSampler, build_datasets, collate, eval_shard, fetch, split_micro
 from disttrain.loader import CollateFn, Loaders, StepBatches, check_dataset, probe
 from disttrain.metrics import Metrics, NullMetrics
@@ -35,6 +34,7 @@ from disttrain.models.hf import is_hf_model
 from disttrain.monitor import RankStatus, peer_failed
 from disttrain.optim import OptimizerFactory, optimizer_factory, scheduler_factory
 from disttrain.parallel import registry
+from disttrain.perf import StepMeter, StepProfiler, rank_summary
 from disttrain.runtime import Preempted, Runtime, StopSignals, check_ranks_agree, detect_launch, init_runtime, shutdown
 
 log = logging.getLogger(__name__)
@@ -138,6 +138,8 @@ class Trainer:
             grad_clip=cfg.optim.grad_clip, loss_fn=self.loss_fn, on_nonfinite=cfg.train.on_nonfinite,
             max_consecutive_skips=cfg.train.max_consecutive_skips,
         )
+        self.meter = StepMeter(backend.model, cfg.model.seq_len, runtime.world_size, runtime.device,
+                               cfg.parallel.precision, cfg.log.peak_tflops, backend.prepared.comm)
         return backend, train, val
 
     def _fit(self, runtime: Runtime, status: RankStatus, stop: StopSignals) -> TrainResult:
@@ -174,28 +176,38 @@ class Trainer:
         last = cfg.train.stop_at or cfg.train.steps
         d = cfg.data
         micro_per_step = -(-d.global_batch_size // runtime.world_size // d.micro_batch_size)
-        for step in range(start + 1, last + 1):
-            values = self._train_step(backend, batches, micro_per_step)
-            cursor += cfg.data.global_batch_size
-            result.losses.append(values["loss"])
-            result.grad_norms.append(values["grad_norm"])
-            stopping = values.pop("stop_requested")
-            if val is not None and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == last):
-                status.phase("eval")
-                values["eval_loss"], _ = evaluate(backend, val, runtime, cfg.data.micro_batch_size,
-                                                  cfg.train.eval_samples, batches_of=lambda b: loaders.eval(val, b))
-                result.eval_losses[step] = values["eval_loss"]
-            if step % cfg.train.log_every == 0 or step == last or "eval_loss" in values or stopping:
-                metrics.log(step, values)
-            if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == last or stopping):
-                status.phase("checkpoint")
-                self._save(manager, backend, step, cursor, values)
-            status.phase("data", step=step)
-            if stopping:  # every rank saw the request at this same step (it rode on the step's all-reduce)
-                self._checkpoint_guard(manager.wait)
-                raise Preempted(step)
+        with StepProfiler(profile_range(cfg.log.profile_steps), cfg.run_dir, runtime.rank, runtime.device) as profiler:
+            for step in range(start + 1, last + 1):
+                with profiler.step(step):
+                    values = self._train_step(backend, batches, micro_per_step)
+                cursor += d.global_batch_size
+                self._after_step(step, last, values, result, backend, val, loaders, manager, metrics, status,
+                                 runtime, cursor)
         self._checkpoint_guard(manager.wait)  # an async save's error surfaces at the latest here
         return result
+
+    def _after_step(self, step, last, values, result, backend, val, loaders, manager, metrics, status, runtime,
+                    cursor) -> None:
+        """Record the step; evaluate, log and checkpoint where due; raise Preempted when a stop was requested."""
+        cfg = self.cfg
+        result.losses.append(values["loss"])
+        result.grad_norms.append(values["grad_norm"])
+        stopping = values.pop("stop_requested")
+        if val is not None and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == last):
+            status.phase("eval")
+            values["eval_loss"], _ = evaluate(backend, val, runtime, cfg.data.micro_batch_size,
+                                              cfg.train.eval_samples, batches_of=lambda b: loaders.eval(val, b))
+            result.eval_losses[step] = values["eval_loss"]
+        if step % cfg.train.log_every == 0 or step == last or "eval_loss" in values or stopping:
+            values.update(rank_summary(values, runtime.device, runtime.distributed))  # every rank, same steps
+            metrics.log(step, values)
+        if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == last or stopping):
+            status.phase("checkpoint")
+            self._save(manager, backend, step, cursor, values)
+        status.phase("data", step=step)
+        if stopping:  # every rank saw the request at this same step (it rode on the step's all-reduce)
+            self._checkpoint_guard(manager.wait)
+            raise Preempted(step)
 
     def _save(self, manager: CheckpointManager, backend: TrainingBackend, step: int, cursor: int,
               values: dict[str, Any]) -> None:
@@ -244,14 +256,13 @@ class Trainer:
 
     def _train_step(self, backend: TrainingBackend, batches: Iterator[Any], micro_per_step: int) -> dict[str, Any]:
         """One optimizer step over this rank's next `micro_per_step` micro-batches of the stream."""
-        start = time.perf_counter()
+        self.meter.start()
         for i in range(micro_per_step):
             backend.on_phase("data")
             backend.forward_backward(next(batches), sync=i == micro_per_step - 1)
         out = backend.optim_step()
-        elapsed = time.perf_counter() - start
         values = {"loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"], "tokens": int(out["count"]),
-                  "tokens_per_s": out["count"] / elapsed, "step_time_s": elapsed, "skipped_steps": out["skipped_steps"],
+                  **self.meter.stop(out["count"]), "skipped_steps": out["skipped_steps"],
                   "stop_requested": out["stop_requested"]}
         if "loss_scale" in out:
             values["loss_scale"] = out["loss_scale"]

@@ -5,7 +5,8 @@
 
 A variant is `strategy[+flag...][:hsdp_shard_size]`, flags: `ac` (activation checkpointing), `offload`
 (cpu_offload), `prefetchN` (fsdp_prefetch=N), `stageN` (deepspeed_stage=N), `bf16` (bf16-mixed), `fp16` (fp16-mixed),
-`sgd` (optim.name=sgd), `noclip` (optim.grad_clip=0).
+`sgd` (optim.name=sgd), `noclip` (optim.grad_clip=0), `gcfp16` / `gcbf16` / `powersgd` (parallel.grad_compression),
+`tinybuckets` (parallel.bucket_cap_mb=0.01: many DDP buckets).
 An argument with `=` is a setting for every variant (e.g. `model.name=hf:DIR` trains a Hugging Face model).
 `A>B` trains A to step 10 with a checkpoint there, then resumes it under B to step 20 (its losses are
 steps 11-20). The strategy `plain` (1 process only) is not disttrain but the plain-torch loop of
@@ -32,7 +33,9 @@ JOB = ["model.n_layer=2", "model.d_model=64", "model.seq_len=32", "data.global_b
 FLAGS = {"ac": "parallel.activation_checkpointing=true", "offload": "parallel.cpu_offload=true",
          "prefetch": "parallel.fsdp_prefetch={}", "stage": "parallel.deepspeed_stage={}",
          "bf": "parallel.precision=bf{}-mixed", "fp": "parallel.precision=fp{}-mixed", "sgd": "optim.name=sgd",
-         "noclip": "optim.grad_clip=0"}
+         "noclip": "optim.grad_clip=0", "gcfp": "parallel.grad_compression=fp{}",
+         "gcbf": "parallel.grad_compression=bf{}", "powersgd": "parallel.grad_compression=powersgd",
+         "tinybuckets": "parallel.bucket_cap_mb=0.01"}
 
 
 def overrides(variant: str) -> list[str]:

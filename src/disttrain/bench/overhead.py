@@ -70,7 +70,7 @@ def _hand_written_adamw(model, optim):
     return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2))
 
 
-def _plain_setup(cfg, strategy: str):
+def _plain_setup(cfg, strategy: str, device: torch.device | None = None):
     """(module, optimizer, no_sync) wired by hand with torch's own engines, as their tutorials do."""
     import contextlib
 
@@ -79,11 +79,13 @@ def _plain_setup(cfg, strategy: str):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from disttrain.models.gpt import GPT
+    device = device or torch.device("cpu")
     torch.manual_seed(cfg.run.seed)
-    model = GPT(cfg.model)
+    model = GPT(cfg.model).to(device)
     optimizer = _hand_written_adamw(model, cfg.optim)
     if strategy in ("ddp", "zero1"):
-        module = DDP(model, bucket_cap_mb=cfg.parallel.bucket_cap_mb, gradient_as_bucket_view=True)
+        module = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                     bucket_cap_mb=cfg.parallel.bucket_cap_mb, gradient_as_bucket_view=True)
         if strategy == "zero1":
             optimizer = ZeroRedundancyOptimizer([dict(g) for g in optimizer.param_groups],
                                                 optimizer_class=torch.optim.AdamW, lr=cfg.optim.lr,
@@ -94,7 +96,7 @@ def _plain_setup(cfg, strategy: str):
         from torch.distributed.device_mesh import init_device_mesh
 
         world = torch.distributed.get_world_size()
-        kwargs["mesh"] = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+        kwargs["mesh"] = init_device_mesh(device.type, (1, world), mesh_dim_names=("replicate", "shard"))
     for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -152,7 +154,7 @@ def _plain_loop(cfg, runtime, train, sampler):
 
     if cfg.parallel.strategy == "deepspeed":
         return _plain_deepspeed_loop(cfg, runtime, train, sampler)
-    model, optimizer, no_sync = _plain_setup(cfg, cfg.parallel.strategy)
+    model, optimizer, no_sync = _plain_setup(cfg, cfg.parallel.strategy, runtime.device)
     scheduler = scheduler_factory(cfg.optim, cfg.train.steps)(optimizer)
     d = cfg.data
     accum = d.global_batch_size // (d.micro_batch_size * runtime.world_size)
@@ -162,7 +164,7 @@ def _plain_loop(cfg, runtime, train, sampler):
         indices = sampler.rank_indices(cursor, d.global_batch_size, runtime.world_size, runtime.rank)
         micro = split_micro(indices, d.micro_batch_size)
         for i, idx in enumerate(micro):
-            batch = fetch(train, idx)
+            batch = {k: v.to(runtime.device) for k, v in fetch(train, idx).items()}
             ctx = no_sync() if i < len(micro) - 1 else torch.enable_grad()
             with ctx:
                 logits = model(batch["input_ids"])
@@ -177,46 +179,63 @@ def _plain_loop(cfg, runtime, train, sampler):
     return step
 
 
-def _disttrain_loop(cfg, runtime, train, sampler):
-    """The Trainer's own step (the code `disttrain train` runs) with its DataLoader over the same data stream (the
-    stream simply continues: batches of the same sizes, so the step index does not matter for timing)."""
+def _disttrain_job(cfg, runtime, train, sampler):
+    """(backend, validation set, step): the Trainer's backend and its own step (the code `disttrain train` runs)
+    with its DataLoader over the same data stream; `step(k)` returns the step's values (`Trainer._train_step`) with
+    the in-run cost figures of every logged line (perf.py: MFU, communication time, memory, the slowest rank).
+    The stream simply continues: batches of the same sizes, so the step index does not matter for timing."""
     from disttrain.loader import Loaders, StepBatches
+    from disttrain.perf import rank_summary
     from disttrain.trainer import Trainer
 
     trainer = Trainer(cfg, runtime=runtime)
-    backend, _, _ = trainer._setup(runtime)
+    backend, _, val = trainer._setup(runtime)
     d = cfg.data
     steps = StepBatches(sampler, 0, 10**6, d.global_batch_size, d.micro_batch_size, runtime.world_size, runtime.rank)
     batches = Loaders(d, trainer.collate_fn, runtime.device, cfg.run.seed).train(train, steps)
     micro = len(steps.step(0))
-    return lambda k: trainer._train_step(backend, batches, micro)["loss"]
+
+    def step(k: int) -> dict:
+        values = trainer._train_step(backend, batches, micro)
+        values.update(rank_summary(values, runtime.device, runtime.distributed))  # as logged (train.log_every = 1)
+        return values
+
+    return backend, val, step
 
 
-def _time(step, first: int, steps: int) -> list[float]:
+def _disttrain_loop(cfg, runtime, train, sampler):
+    return _disttrain_job(cfg, runtime, train, sampler)[2]
+
+
+def _time(step, first: int, steps: int, results: list | None = None) -> list[float]:
     times = []
     for k in range(first, first + steps):
         start = time.perf_counter()
-        step(k)
+        out = step(k)
         times.append(time.perf_counter() - start)
+        if results is not None:
+            results.append(out)
     return times
 
 
-def _compare(args, cfg, runtime, train, sampler) -> dict[str, list[float]]:
-    """Step times of the hand-written loop and disttrain's, interleaved in rounds."""
+def _compare(args, cfg, runtime, train, sampler, builders=None, results=None) -> dict[str, list[float]]:
+    """Step times of the hand-written loop and disttrain's (or of `builders`, name -> `build(cfg, runtime, train,
+    sampler) -> step`), interleaved in rounds; `results[name]`, when given, collects what each timed step returned."""
     import torch.distributed as dist
 
-    builders = {"plain": _plain_loop, "disttrain": _disttrain_loop}
+    builders = builders or {"plain": _plain_loop, "disttrain": _disttrain_loop}
     times: dict[str, list[float]] = {name: [] for name in builders}
     # Whichever loop is built second runs ~7% slower here (measured plain vs plain: memory placement),
     # so half of the rounds build the loops in one order and half in the other.
-    for order in (("plain", "disttrain"), ("disttrain", "plain")):
+    for order in (list(builders), list(builders)[::-1]):
         loops = {name: builders[name](cfg, runtime, train, sampler) for name in order}
         for step in loops.values():  # warm-up: allocator, DDP bucket rebuild, first-touch pages
             _time(step, 0, 3)
         for r in range(args.rounds // 2):
             for name, step in loops.items() if r % 2 == 0 else reversed(loops.items()):
                 dist.barrier()
-                times[name] += _time(step, r * args.steps, args.steps)
+                kept = None if results is None else results.setdefault(name, [])
+                times[name] += _time(step, r * args.steps, args.steps, kept)
         del loops, step
         gc.collect()
     return times

@@ -8,7 +8,8 @@
     disttrain estimate-memory [CONFIG] --world-size N [--strategy S] [--budget-gib G]
     disttrain deepspeed-config [CONFIG] [--set ...] [--nproc N] -o ds.json   the DeepSpeed JSON of a config
     disttrain env                              versions, devices, backends, detected launcher
-    disttrain bench overhead|checkpoint|memory|service|startup|data|comm|predict   figures: overhead, checkpoint, ...
+    disttrain plot RUN_DIR [RUN_DIR ...] [--out DIR]   loss, lr, tokens/s, MFU, memory, communication as PNG
+    disttrain bench overhead|scaling|comm|predict|checkpoint|memory|service|startup|data|gpu   figures (see --help)
 """
 
 from __future__ import annotations
@@ -70,6 +71,10 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("env", help="versions, devices, backends and the detected launcher")
 
+    plot = sub.add_parser("plot", help="draw runs' metrics.jsonl (loss, lr, tokens/s, MFU, memory, communication)")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders; several are overlaid")
+    plot.add_argument("--out", help="folder for the PNG files (default: the first RUN_DIR/plots)")
+
     mem = sub.add_parser("estimate-memory", help="per-rank memory of a config under every strategy")
     mem.add_argument("config", nargs="?")
     mem.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -88,8 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     add_arguments(sub.add_parser("verify", help="the same job under several strategies vs 1 process"))
 
     bench = sub.add_parser("bench", help="benchmarks that print and save their figures")
-    bench.add_argument("name", choices=["overhead", "checkpoint", "memory", "service", "startup", "data", "comm",
-                                                      "predict"])
+    bench.add_argument("name", choices=["overhead", "checkpoint", "memory", "service", "startup", "data", "gpu",
+                                        "scaling", "comm", "predict"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (see its --help)")
     return parser
 
@@ -227,6 +232,12 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plot(args: argparse.Namespace) -> int:
+    from disttrain.cli.plot import run
+
+    return run(args.run_dirs, args.out)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
@@ -235,7 +246,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 COMMANDS = {"train": cmd_train, "ckpt": cmd_ckpt, "launch": cmd_launch, "config": cmd_config, "env": cmd_env,
             "verify": cmd_verify, "estimate-memory": cmd_estimate_memory, "bench": cmd_bench,
-            "deepspeed-config": cmd_deepspeed_config}
+            "deepspeed-config": cmd_deepspeed_config, "plot": cmd_plot}
 
 
 def main(argv: list[str] | None = None) -> int:

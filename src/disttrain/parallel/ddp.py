@@ -1,30 +1,47 @@
 """`ddp`: torch DistributedDataParallel, gradients all-reduced in buckets overlapping backward.
 
 Accumulation micro-batches run under DDP's own `no_sync()`, so only the last micro-batch of a step
-communicates.
+communicates. `parallel.grad_compression` picks DDP's communication hook (comm.py); every hook is timed.
 """
 
 from __future__ import annotations
 
+import logging
+
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from disttrain.parallel import layout
+from disttrain.parallel import comm, layout
 from disttrain.parallel.spec import Prepared, StrategySpec
 
-OPTIONS = frozenset({"bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters"})
+log = logging.getLogger(__name__)
+
+OPTIONS = frozenset({"bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters",
+                     "grad_compression", "powersgd_rank"})
 
 
 def apply(model, runtime, cfg) -> Prepared:
     device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
+    bucket_cap_mb = cfg.bucket_cap_mb
+    if cfg.grad_compression == "powersgd" and dist.get_backend() == "gloo":
+        # PowerSGD's hook hangs on gloo when a step has several buckets in flight: one bucket for everything
+        bucket_cap_mb = max(bucket_cap_mb, comm.single_bucket_mb(model))
+        if runtime.is_main_process() and bucket_cap_mb != cfg.bucket_cap_mb:
+            log.info("powersgd on gloo: one gradient bucket of %.0f MiB (parallel.bucket_cap_mb = %g would give "
+                     "several, and PowerSGD hangs on gloo with several)", bucket_cap_mb, cfg.bucket_cap_mb)
     ddp = DistributedDataParallel(
         model,
         device_ids=device_ids,
-        bucket_cap_mb=cfg.bucket_cap_mb,
+        bucket_cap_mb=bucket_cap_mb,
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
         static_graph=cfg.static_graph,
         find_unused_parameters=cfg.find_unused_parameters,
     )
-    return Prepared(module=ddp, model=model, no_sync=ddp.no_sync, grads_averaged_over=runtime.world_size)
+    meter = comm.CommMeter() if runtime.device.type == "cpu" else None
+    if meter is not None or cfg.grad_compression != "none":
+        ddp.register_comm_hook(*comm.ddp_hook(cfg.grad_compression, meter, cfg.powersgd_rank))
+    return Prepared(module=ddp, model=model, no_sync=ddp.no_sync, grads_averaged_over=runtime.world_size,
+                    comm=meter)
 
 
 def memory(shapes, cfg, world: int, rank: int | None) -> layout.MemoryLayout:

@@ -15,13 +15,14 @@ all-gathered just before it runs and freed after (`reshard_after_forward`), grad
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from disttrain.errors import ConfigError
-from disttrain.parallel import layout
+from disttrain.parallel import comm, layout
 from disttrain.parallel.activation_checkpoint import transformer_blocks
 from disttrain.parallel.spec import Prepared, StrategySpec
 from disttrain.parallel.state import full_state_dict_fns
@@ -36,7 +37,7 @@ def _shard(model: nn.Module, runtime, cfg, reshard_after_forward: bool,
     else:
         mesh = init_device_mesh(device_type, mesh_shape, mesh_dim_names=("replicate", "shard"))
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
-              "mp_policy": get_precision(cfg.precision).fsdp_policy() or MixedPrecisionPolicy()}
+              "mp_policy": _mixed_precision(cfg)}
     if cfg.cpu_offload:  # pinned host memory needs an accelerator; on a CPU run the shards stay where they are
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device_type == "cuda")
     blocks = list(transformer_blocks(model))
@@ -45,9 +46,22 @@ def _shard(model: nn.Module, runtime, cfg, reshard_after_forward: bool,
     fully_shard(model, **kwargs)
     if cfg.fsdp_prefetch:
         _explicit_prefetch(blocks, cfg.fsdp_prefetch)
+    meter = comm.CommMeter() if device_type == "cpu" else None
+    if meter is not None:
+        all_gather, reduce_scatter = comm.fsdp_comms(meter)
+        for module in [*blocks, model]:
+            module.set_custom_all_gather(all_gather)
+            module.set_custom_reduce_scatter(reduce_scatter)
     return Prepared(module=model, model=model, no_sync=lambda: _no_gradient_sync(model),
                     grads_averaged_over=runtime.world_size, checkpoint_target=_sharded_targets(model),
-                    **full_state_dict_fns(model, sharded=True))
+                    comm=meter, **full_state_dict_fns(model, sharded=True))
+
+
+def _mixed_precision(cfg) -> MixedPrecisionPolicy:
+    """The precision's policy, with gradients reduced in `parallel.grad_compression`'s dtype when one is set."""
+    policy = get_precision(cfg.precision).fsdp_policy() or MixedPrecisionPolicy()
+    wire = comm.reduce_dtype(cfg.grad_compression)
+    return policy if wire is None else dataclasses.replace(policy, reduce_dtype=wire)
 
 
 def _sharded_targets(model: nn.Module):
@@ -104,7 +118,7 @@ def apply_hsdp(model: nn.Module, runtime, cfg) -> Prepared:
 
 
 def check_hsdp(cfg, world: int) -> None:
-    check_prefetch(cfg, world)
+    check_fsdp(cfg, world)
     p = cfg.parallel
     shard = p.hsdp_shard_size or world
     if p.hsdp_shard_size < 0 or world % shard:
@@ -112,7 +126,11 @@ def check_hsdp(cfg, world: int) -> None:
                           f"choose a divisor of {world}")
 
 
-def check_prefetch(cfg, world: int) -> None:
+def check_fsdp(cfg, world: int) -> None:
+    if cfg.parallel.grad_compression == "powersgd":
+        raise ConfigError(f"parallel.grad_compression = 'powersgd' is a DDP communication hook and "
+                          f"{cfg.parallel.strategy!r} reduce-scatters its gradients; use 'bf16' or 'fp16' (the FSDP "
+                          "reduce dtype), or parallel.strategy = 'ddp'")
     if cfg.parallel.fsdp_prefetch < 0:
         raise ConfigError(f"parallel.fsdp_prefetch = {cfg.parallel.fsdp_prefetch}: must be >= 0 (0 = FSDP2's default)")
 
@@ -131,12 +149,12 @@ def memory_hsdp(shapes, cfg, world: int, rank: int | None) -> layout.MemoryLayou
     return layout.sharded(shapes, cfg, cfg.parallel.hsdp_shard_size or world)
 
 
-COMMON = frozenset({"cpu_offload", "fsdp_prefetch"})
+COMMON = frozenset({"cpu_offload", "fsdp_prefetch", "grad_compression"})
 SPECS = (
     StrategySpec("zero2", apply_zero2, "FSDP2, parameters kept gathered from forward to backward: gradients and "
-                 "optimizer state sharded", memory_zero2, check_prefetch, shards_parameters=True, options=COMMON),
+                 "optimizer state sharded", memory_zero2, check_fsdp, shards_parameters=True, options=COMMON),
     StrategySpec("fsdp", apply_fsdp, "FSDP2 fully_shard per block: parameters, gradients and optimizer state "
-                 "sharded", memory_fsdp, check_prefetch, shards_parameters=True,
+                 "sharded", memory_fsdp, check_fsdp, shards_parameters=True,
                  options=COMMON | {"reshard_after_forward"}, aliases=("zero3",)),
     StrategySpec("hsdp", apply_hsdp, "FSDP2 on a replicate x shard mesh (parallel.hsdp_shard_size ranks per shard "
                  "group)", memory_hsdp, check_hsdp,

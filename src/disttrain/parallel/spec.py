@@ -100,6 +100,9 @@ class Prepared:
     scaler: Any = None
     """fp16's loss scaler (None otherwise), set by `build_optimizer`."""
     grad_clip: float = 0.0
+    comm: Any = None
+    """The strategy's `CommMeter` (parallel/comm.py): time and bytes of its gradient/parameter collectives per step;
+    None where they are not measured (no communication, an engine's own collectives, CUDA)."""
     partition_module: Callable[[Any], None] | None = None
     """For a sharded start whose engine partitions parameters itself (DeepSpeed ZeRO-3): called on each module,
     children first, once its parameters are real; None: the strategy has sharded the meta model already."""

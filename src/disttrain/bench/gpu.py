@@ -1,0 +1,457 @@
+"""Benchmark: validate the CUDA paths on one GPU, each check PASS or FAIL with its figures.
+
+    disttrain bench gpu [--out docs/benchmarks/gpu.md] [--n-layer 24] [--d-model 2048] [--n-head 16]
+                        [--seq-len 2048] [--vocab 50304] [--micro 0] [--mfu-precision bf16-mixed]
+                        [--steps 10] [--no-compile] [--peak-tflops 0] [--memory-fraction 0.8]
+
+The checks run in this order, each its own function; one that raises is reported FAIL with its one-line reason and
+the others still run:
+
+    nccl               a one-rank nccl process group over a FileStore, in this process: init, all_reduce (value and
+                       time), barrier
+    steps PRECISION    bf16-mixed, fp16-mixed (GradScaler), bf16-true: 40 steps of a small reference GPT through
+                       `create_backend`: finite losses that fall; step time
+    memory STRATEGY    single, fsdp (one-rank nccl group): `memory.estimate` against torch.cuda.max_memory_allocated of
+                       a step of two micro-batches (gradients are held while the second one's activations are, the
+                       sum the estimate counts), fp32, at a medium size; target: within 10%
+    cpu_offload        fsdp with and without parallel.cpu_offload: the peak GPU memory of a step of each, and the saving
+                       against the estimated model states (target: at least 75% of them)
+    mfu                the reference GPT at --n-layer x --d-model ... (1.3 B parameters by default), the largest
+                       power-of-two micro-batch whose estimate fits --memory-fraction of the device (or --micro),
+                       torch.compile, flash attention forced through SDPA: tokens/s, TFLOP/s (perf.flops_per_token),
+                       MFU against perf.peak_tflops (or --peak-tflops); target >= 45%
+
+Writes the report (date, device, versions, every figure, PASS/FAIL per check) to --out and prints it; exits 1 when a
+check failed. Without a CUDA device it prints one line, writes nothing and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import math
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+NO_GPU = "no CUDA GPU visible: bench gpu validates the CUDA paths and needs one; nothing was run"
+SMALL = {"n_layer": 4, "d_model": 256, "n_head": 4, "seq_len": 256, "vocab_size": 256}
+MEDIUM = {"n_layer": 24, "d_model": 1024, "n_head": 16, "seq_len": 1024, "vocab_size": 8192}  # activations lead
+OFFLOAD = {"n_layer": 12, "d_model": 2048, "n_head": 16, "seq_len": 512, "vocab_size": 8192}  # states dominate
+MEMORY_TOLERANCE = 0.10
+OFFLOAD_TARGET = 0.75
+MFU_TARGET = 0.45
+GIB = 2**30
+
+
+@dataclass
+class Check:
+    """One check's outcome. A check function fills `figures` as it goes, so a failure keeps what came before it."""
+
+    name: str
+    passed: bool = False
+    figures: dict[str, str] = field(default_factory=dict)
+    reason: str = ""
+    """One line: the target, or why it failed."""
+    seconds: float = 0.0
+
+
+def _args(argv):
+    p = argparse.ArgumentParser(prog="disttrain bench gpu", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="docs/benchmarks/gpu.md", help="where the markdown report goes")
+    p.add_argument("--n-layer", type=int, default=24, help="MFU model: blocks")
+    p.add_argument("--d-model", type=int, default=2048, help="MFU model: width")
+    p.add_argument("--n-head", type=int, default=16, help="MFU model: attention heads")
+    p.add_argument("--seq-len", type=int, default=2048, help="MFU model: sequence length")
+    p.add_argument("--vocab", type=int, default=50304, help="MFU model: vocabulary")
+    p.add_argument("--micro", type=int, default=0, help="MFU micro-batch (0: the largest the estimator fits)")
+    p.add_argument("--mfu-precision", default="bf16-mixed", choices=("bf16-mixed", "bf16-true"))
+    p.add_argument("--steps", type=int, default=10, help="MFU: timed steps (after 3 warm-up steps)")
+    p.add_argument("--no-compile", dest="compile", action="store_false", help="MFU without torch.compile")
+    p.add_argument("--peak-tflops", type=float, default=0.0, help="the device's dense peak (0: perf.PEAK_TFLOPS)")
+    p.add_argument("--memory-fraction", type=float, default=0.8,
+                   help="share of the device's memory the MFU model's estimate may fill (temporaries come on top)")
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure parts: configs, the micro-batch picker, the report
+
+
+def mfu_size(args) -> dict[str, int]:
+    return {"n_layer": args.n_layer, "d_model": args.d_model, "n_head": args.n_head, "seq_len": args.seq_len,
+            "vocab_size": args.vocab}
+
+
+def config(size: dict[str, int], micro: int, strategy: str, precision: str, extra: tuple[str, ...] = ()):
+    """A disttrain Config of the reference GPT of `size` (what the estimator reads)."""
+    from disttrain.config import load_config
+
+    return load_config(None, [*(f"model.{k}={v}" for k, v in size.items()), f"data.micro_batch_size={micro}",
+                              f"parallel.strategy={strategy}", f"parallel.precision={precision}", *extra])
+
+
+def pick_micro_batch(size: dict[str, int], precision: str, budget_bytes: float, strategy: str = "single",
+                     limit: int = 256) -> int | None:
+    """The largest power-of-two micro-batch (at most `limit`) whose estimated per-rank total fits `budget_bytes`;
+    None when not even one sequence does."""
+    from disttrain.memory import estimate
+
+    best, micro = None, 1
+    while micro <= limit:
+        total = estimate(config(size, micro, strategy, precision), 1, strategy).total(False)
+        if total is None or total > budget_bytes:
+            break
+        best, micro = micro, 2 * micro
+    return best
+
+
+def render(checks: list[Check], env: dict[str, str], command: str) -> str:
+    """The markdown report: environment, a PASS/FAIL table, then every figure of every check."""
+    lines = ["# GPU validation: the CUDA paths on one device", "", f"Command: `{command}`", "", "| | |", "|---|---|"]
+    lines += [f"| {key} | {value} |" for key, value in env.items()]
+    lines += ["", "| check | result | seconds | target / reason |", "|---|---|---|---|"]
+    lines += [f"| {c.name} | {'PASS' if c.passed else 'FAIL'} | {c.seconds:.1f} | {c.reason.replace('|', '/')} |"
+              for c in checks]
+    for c in checks:
+        lines += ["", f"## {c.name}: {'PASS' if c.passed else 'FAIL'}", ""]
+        lines += [f"- {key}: {value}" for key, value in c.figures.items()] or ["- (no figures)"]
+        if c.reason:
+            lines.append(f"- {'target' if c.passed else 'reason'}: {c.reason}")
+    passed = sum(c.passed for c in checks)
+    lines += ["", f"{passed} of {len(checks)} checks passed."]
+    return "\n".join(lines) + "\n"
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    text = str(exc).strip().splitlines()
+    line = f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def run_checks(checks: list[tuple[str, Callable]], args, release: Callable[[], None] = lambda: None) -> list[Check]:
+    """Run each `fn(args, check)` in turn; an exception makes that check FAIL with its one line, and the next runs."""
+    done = []
+    for name, fn in checks:
+        check, start = Check(name), time.perf_counter()
+        print(f"disttrain: bench gpu: {name} ...", file=sys.stderr, flush=True)
+        try:
+            fn(args, check)
+        except Exception as exc:  # every failure is a finding of the report
+            check.passed, check.reason = False, one_line(exc)
+        try:
+            release()  # after the except clause: the traceback (and the tensors its frames hold) is gone
+        except Exception as exc:  # a device left broken: the next checks will say so too
+            check.passed, check.reason = False, f"{check.reason}; then {one_line(exc)}".lstrip("; ")
+        check.seconds = time.perf_counter() - start
+        done.append(check)
+    return done
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers on a device
+
+
+def _runtime(device, group: bool):
+    """This process as rank 0 of 1: with a process group (nccl on CUDA, formed once, on an in-memory store) for
+    strategies that need one, else without."""
+    from disttrain.config import DistConfig
+    from disttrain.runtime import LaunchInfo, Runtime, init_runtime
+
+    if group:
+        return init_runtime(DistConfig(device=device.type), environ={}, always_form_group=True)
+    return Runtime(LaunchInfo("single"), device, "nccl" if device.type == "cuda" else "gloo", distributed=False)
+
+
+def _backend(cfg, runtime, grad_clip: float = 0.0):
+    import torch
+
+    from disttrain.backend import create_backend
+    from disttrain.models.gpt import GPT
+    from disttrain.optim import optimizer_factory
+
+    torch.manual_seed(0)
+    with torch.device(runtime.device):  # initialised where it runs (a GPU initialises 1 B parameters in a blink)
+        model = GPT(cfg.model)
+    return create_backend(model, optimizer_factory(cfg.optim), cfg.parallel, runtime=runtime, grad_clip=grad_clip)
+
+
+def _windows(seq_len: int):
+    """The built-in synthetic language (learnable: losses fall)."""
+    from disttrain.config import DataConfig
+    from disttrain.data import build_datasets
+
+    return build_datasets(DataConfig(), seq_len)[0]
+
+
+def _batch(windows, index: int, micro: int):
+    from disttrain.data import fetch
+
+    return fetch(windows, [(index * micro + i) % len(windows) for i in range(micro)])
+
+
+def _step(backend, windows, index: int, micro: int, accumulate: int = 1) -> dict:
+    for i in range(accumulate):
+        backend.forward_backward(_batch(windows, index * accumulate + i, micro), sync=i == accumulate - 1)
+    return backend.optim_step()  # reads the step's totals back: the host waits for the device
+
+
+def _release(device) -> None:
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# The checks: fn(args, check); args.device is the torch.device they run on
+
+
+def check_nccl(args, check: Check) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group already exists in this process; the nccl check forms its own")
+    device = args.device
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        store = dist.FileStore(str(Path(tmp) / "store"), 1)
+        dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=device,
+                                timeout=datetime.timedelta(seconds=120))
+        try:
+            x = torch.full((2**24,), 1.5, device=device)  # 64 MiB of float32
+            dist.all_reduce(x)
+            torch.cuda.synchronize(device)
+            check.figures["init_process_group + first all_reduce"] = _ms(time.perf_counter() - start)
+            times = []
+            for _ in range(10):
+                t = time.perf_counter()
+                dist.all_reduce(x)
+                torch.cuda.synchronize(device)
+                times.append(time.perf_counter() - t)
+            check.figures["all_reduce of 64 MiB, median of 10"] = _ms(statistics.median(times))
+            t = time.perf_counter()
+            dist.barrier(device_ids=[device.index])
+            torch.cuda.synchronize(device)
+            check.figures["barrier"] = _ms(time.perf_counter() - t)
+            backend, unchanged = dist.get_backend(), bool(torch.all(x == 1.5))
+            check.figures["backend"] = backend
+        finally:
+            dist.destroy_process_group()
+    check.passed = backend == "nccl" and unchanged
+    check.reason = "a one-rank all_reduce leaves the tensor as it was" if unchanged else \
+        "the one-rank all_reduce changed the tensor (its sum over one rank must equal it)"
+
+
+def check_steps(args, check: Check, precision: str, size: dict[str, int] = SMALL, steps: int = 40,
+                micro: int = 8) -> None:
+    """`steps` optimizer steps of a small GPT on fresh batches: every loss finite, the last five below the first."""
+    cfg = config(size, micro, "single", precision, ("optim.lr=0.001",))
+    backend = _backend(cfg, _runtime(args.device, group=False))
+    windows = _windows(size["seq_len"])
+    losses, times, out = [], [], {}
+    for index in range(steps):
+        start = time.perf_counter()
+        out = _step(backend, windows, index, micro)
+        times.append(time.perf_counter() - start)
+        losses.append(out["loss"])
+    finite, first, last = all(map(math.isfinite, losses)), losses[0], statistics.mean(losses[-5:])
+    check.figures.update({"model": _describe(size, micro), "first loss": f"{first:.4f}",
+                          "mean of the last 5 losses": f"{last:.4f}",
+                          "step time, median after 5": _ms(statistics.median(times[5:] or times)),
+                          "skipped steps": str(out["skipped_steps"])})
+    if "loss_scale" in out:
+        check.figures["final loss scale"] = f"{out['loss_scale']:g}"
+    check.passed = finite and last < first - 0.5 and out["skipped_steps"] < steps // 2
+    check.reason = ("finite losses, the last 5 at least 0.5 below the first, under half the steps skipped"
+                    if check.passed else
+                    "non-finite loss" if not finite else f"losses did not fall ({first:.4f} -> {last:.4f}) "
+                    f"or too many skipped steps ({out['skipped_steps']} of {steps})")
+
+
+def check_memory(args, check: Check, strategy: str, size: dict[str, int] = MEDIUM, micro: int = 4) -> None:
+    """The estimate's total against the allocator's peak over the second step (the first creates optimizer state)."""
+    import torch
+
+    from disttrain.memory import estimate
+    from disttrain.parallel import registry
+
+    cfg = config(size, micro, strategy, "fp32")
+    est = estimate(cfg, 1, strategy)
+    backend = _backend(cfg, _runtime(args.device, group=registry.get(strategy).needs_group))
+    windows = _windows(size["seq_len"])
+    _step(backend, windows, 0, micro, accumulate=2)
+    torch.cuda.synchronize(args.device)
+    torch.cuda.reset_peak_memory_stats(args.device)
+    held = torch.cuda.memory_allocated(args.device)
+    _step(backend, windows, 1, micro, accumulate=2)
+    peak = torch.cuda.max_memory_allocated(args.device)
+    total = est.total(False)
+    ratio = peak / total
+    check.figures.update({
+        "model": _describe(size, micro) + ", fp32, AdamW, 2 micro-batches per step",
+        "estimate: params / grads / optimizer / activations":
+            " / ".join(_gib(n) for n in (est.params, est.grads, est.optimizer, est.activations)),
+        "estimate total": _gib(total), "measured peak (max_memory_allocated)": _gib(peak),
+        "measured / estimate": f"{ratio:.3f}",
+        "held between steps (params + optimizer state) vs estimate":
+            f"{_gib(held)} vs {_gib(est.params + est.optimizer)}"})
+    check.passed = abs(ratio - 1) <= MEMORY_TOLERANCE
+    check.reason = f"measured / estimate within 1 +- {MEMORY_TOLERANCE:g}" + ("" if check.passed else
+                                                                              f": {ratio:.3f}")
+
+
+def check_cpu_offload(args, check: Check, size: dict[str, int] = OFFLOAD, micro: int = 2) -> None:
+    import torch
+
+    from disttrain.memory import estimate
+
+    peaks = {}
+    windows = _windows(size["seq_len"])
+    for offload in (False, True):
+        cfg = config(size, micro, "fsdp", "fp32", (f"parallel.cpu_offload={str(offload).lower()}",))
+        backend = _backend(cfg, _runtime(args.device, group=True))
+        _step(backend, windows, 0, micro)
+        torch.cuda.synchronize(args.device)
+        torch.cuda.reset_peak_memory_stats(args.device)
+        _step(backend, windows, 1, micro)
+        peaks[offload] = torch.cuda.max_memory_allocated(args.device)
+        check.figures[f"peak GPU memory of a step, cpu_offload={str(offload).lower()}"] = _gib(peaks[offload])
+        del backend
+        _release(args.device)
+    est = estimate(config(size, micro, "fsdp", "fp32"), 1, "fsdp")
+    states = est.params + est.grads + est.optimizer
+    saved = peaks[False] - peaks[True]
+    check.figures.update({"model": _describe(size, micro) + ", fp32, AdamW",
+                          "saved": f"{_gib(saved)} of {_gib(states)} estimated model states ({saved / states:.0%})"})
+    check.passed = saved >= OFFLOAD_TARGET * states
+    check.reason = f"saves at least {OFFLOAD_TARGET:.0%} of the model states" + (
+        "" if check.passed else f": {saved / states:.0%}")
+
+
+def check_mfu(args, check: Check) -> None:
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from disttrain.memory import estimate
+    from disttrain.perf import flops_per_token, peak_tflops
+
+    device, size, precision = args.device, mfu_size(args), args.mfu_precision
+    budget = args.memory_fraction * torch.cuda.get_device_properties(device).total_memory
+    micro = args.micro or pick_micro_batch(size, precision, budget)
+    if micro is None:
+        raise RuntimeError(f"the model does not fit {_gib(budget)} (--memory-fraction {args.memory_fraction}) even "
+                           "at micro-batch 1; pass a smaller --n-layer / --d-model / --seq-len")
+    cfg = config(size, micro, "single", precision)
+    backend = _backend(cfg, _runtime(device, group=False), grad_clip=1.0)  # the Trainer's clip
+    flops = flops_per_token(backend.model, args.seq_len)
+    peak = args.peak_tflops or peak_tflops(device, precision)
+    check.figures.update({"model": _describe(size, micro) + f", {precision}, AdamW (fused), grad clip 1.0",
+                          "parameters": f"{sum(p.numel() for p in backend.model.parameters()) / 1e9:.3f} B",
+                          "training FLOPs per token": f"{flops / 1e9:.2f} GFLOP",
+                          "torch.compile": str(args.compile), "attention": "SDPA, flash attention forced",
+                          "estimate total": _gib(estimate(cfg, 1, "single").total(False))})
+    if args.compile:
+        backend.model.compile()  # in place: the module keeps its class, names and forward signature
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(args.vocab, (micro, args.seq_len + 1), generator=gen)
+    batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # raises where flash attention cannot run, rather than falling back
+        start = time.perf_counter()
+        for _ in range(3):  # the first compiles forward and backward
+            backend.forward_backward(batch)
+            backend.optim_step()
+        check.figures["warm-up (3 steps, compilation included)"] = f"{time.perf_counter() - start:.1f} s"
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            backend.forward_backward(batch)
+            out = backend.optim_step()
+        torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+    tokens_per_s = args.steps * micro * args.seq_len / elapsed
+    tflops = flops * tokens_per_s / 1e12
+    check.figures.update({"step time": _ms(elapsed / args.steps), "tokens/s": f"{tokens_per_s:,.0f}",
+                          "achieved TFLOP/s": f"{tflops:.1f}",
+                          "peak TFLOP/s": f"{peak:g}" if peak else "unknown for this device (pass --peak-tflops)",
+                          "peak memory (max_memory_allocated)": _gib(torch.cuda.max_memory_allocated(device)),
+                          "last loss": f"{out['loss']:.4f}"})
+    if not peak:
+        raise RuntimeError(f"no peak TFLOP/s known for {torch.cuda.get_device_name(device)}; pass --peak-tflops")
+    mfu = tflops / peak
+    check.figures["MFU"] = f"{mfu:.1%}"
+    check.passed = mfu >= MFU_TARGET and math.isfinite(out["loss"])
+    check.reason = f"MFU >= {MFU_TARGET:.0%}" + ("" if check.passed else f": {mfu:.1%}")
+
+
+def _describe(size: dict[str, int], micro: int) -> str:
+    return (f"GPT {size['n_layer']} x {size['d_model']} ({size['n_head']} heads), seq {size['seq_len']}, "
+            f"vocab {size['vocab_size']}, micro-batch {micro}")
+
+
+CHECKS: list[tuple[str, Callable]] = [
+    ("nccl", check_nccl),
+    *((f"steps {p}", partial(check_steps, precision=p)) for p in ("bf16-mixed", "fp16-mixed", "bf16-true")),
+    *((f"memory {s}", partial(check_memory, strategy=s)) for s in ("single", "fsdp")),
+    ("cpu_offload", check_cpu_offload),
+    ("mfu", check_mfu),
+]
+
+
+def environment(device) -> dict[str, str]:
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else None
+    return {"date": datetime.date.today().isoformat(),
+            "device": f"{props.name} ({props.total_memory / GIB:.1f} GiB, compute capability "
+                      f"{props.major}.{props.minor})",
+            "torch": torch.__version__, "CUDA": str(torch.version.cuda),
+            "NCCL": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        print(NO_GPU)
+        return 0
+    args.device = torch.device("cuda", 0)
+    torch.cuda.set_device(args.device)
+    env = environment(args.device)  # before any check can leave the device broken
+    checks = run_checks(CHECKS, args, release=lambda: _release(args.device))
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # formed by the fsdp checks
+        dist.destroy_process_group()
+    command = " ".join(["disttrain bench gpu", *(argv if argv is not None else sys.argv[1:])])
+    report = render(checks, env, command)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(report)
+    print(report)
+    return 0 if all(c.passed for c in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

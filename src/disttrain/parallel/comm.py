@@ -1,0 +1,168 @@
+"""The strategies' gradient and parameter communication: how much time and how many bytes a step spends in it
+(`CommMeter`), and gradient compression (`parallel.grad_compression`).
+
+Measuring. Each strategy routes its own collectives through a thin timer, so nothing is sampled and nothing is
+synchronised for the measurement:
+
+- ddp / zero1: the DDP communication hook (the compression hook, or DDP's plain all-reduce) is wrapped; a bucket's
+  all-reduce starts when the hook is called and ends when its future completes (a callback on gloo's thread).
+- zero2 / fsdp / hsdp: FSDP2's all-gather and reduce-scatter are replaced by FSDP2's own default implementations
+  wrapped the same way (`set_custom_all_gather` / `set_custom_reduce_scatter`).
+
+`comm_s` is the wall time during which at least one of them was in flight (the union of the intervals, so
+overlapping buckets are not counted twice); `comm_bytes` is the size of the buffers handed to them, as nccl-tests
+counts sizes (all-reduce: the buffer; all-gather: the gathered output; reduce-scatter: the input), in the dtype on
+the wire. Which part the step waited for (`comm_exposed_s`) is worked out by the caller (perf.py). The step's own
+small all-reduce of the loss totals is not counted. On CUDA a collective's future completes when the work is
+queued, not done, so there `comm_s` is not reported (None): use `log.profile_steps` for a trace.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class CommMeter:
+    """Intervals and bytes of one rank's collectives since the last `take()`. Thread-safe: completions arrive on
+    the communication library's threads."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._intervals: list[tuple[float, float]] = []
+        self._bytes = 0
+
+    def timed(self, work: Any, nbytes: int, start: float) -> Any:
+        """Record a collective started at `start`. `work`: a Future (returned chained: whoever waits on it wakes
+        only after the end was recorded), a Work, or None (it ran synchronously, and has ended)."""
+        with self._lock:
+            self._bytes += nbytes
+        if work is None:
+            self._done(start)
+            return work
+        if not hasattr(work, "get_future"):  # a Future (torch's own, or its C++ class that DDP hooks return)
+            def done(future) -> Any:
+                self._done(start)
+                return future.value()
+
+            return work.then(done)
+        work.get_future().add_done_callback(lambda _: self._done(start))
+        return work
+
+    def _done(self, start: float) -> None:
+        end = time.perf_counter()
+        with self._lock:
+            self._intervals.append((start, end))
+
+    def take(self) -> tuple[float, int]:
+        """(seconds with a collective in flight, bytes) since the previous call; resets both."""
+        with self._lock:
+            intervals, nbytes = sorted(self._intervals), self._bytes
+            self._intervals, self._bytes = [], 0
+        total, reach = 0.0, float("-inf")
+        for start, end in intervals:
+            if end > reach:
+                total += end - max(start, reach)
+                reach = end
+        return total, nbytes
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+# ----------------------------------------------------------------------------------------------
+# DDP: compression hooks, timed
+
+
+def bf16_hook(process_group, bucket):
+    """torch's bf16 compression hook under another name: DDP refuses the name `bf16_compress_hook` unless it runs
+    on NCCL, although gloo all-reduces bfloat16 fine (the hook casts, all-reduces and copies back)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
+
+
+def _powersgd_bytes(bucket, state) -> int:
+    """Bytes PowerSGD all-reduces for `bucket`: the low-rank factors P (n x r) and Q (m x r) of each matrix it
+    compresses, and the other tensors whole; the full buffer before `start_powerSGD_iter`."""
+    buffer = bucket.buffer()
+    if state.iter < state.start_powerSGD_iter:
+        return _nbytes(buffer)
+    rank, total = state.matrix_approximation_rank, 0
+    for grad in bucket.gradients():
+        rows = grad.shape[0] if grad.dim() > 1 else 1
+        cols = grad.numel() // rows
+        compressed = grad.dim() > 1 and (rows + cols) * rank * state.min_compression_rate < rows * cols
+        total += ((rows + cols) * rank if compressed else grad.numel()) * buffer.element_size()
+    return total
+
+
+def ddp_hook(compression: str, meter: CommMeter | None, powersgd_rank: int = 1):
+    """(state, hook) to register on a DDP module for `compression`, timed by `meter` when given."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if compression == "powersgd":
+        # start after DDP has rebuilt its buckets (iteration 1); error feedback keeps it unbiased over steps
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank,
+                                            start_powerSGD_iter=2)
+        inner, size = powerSGD_hook.powerSGD_hook, functools.partial(_powersgd_bytes, state=state)
+    else:
+        state = None
+        inner = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
+                 "bf16": bf16_hook}[compression]
+        wire = WIRE_DTYPES.get(compression)
+        size = (lambda bucket: bucket.buffer().numel() * wire.itemsize) if wire else \
+            (lambda bucket: _nbytes(bucket.buffer()))
+    if meter is None:
+        return state, inner
+
+    def timed_hook(state, bucket):  # no annotations: DDP compares them with the real classes (not strings)
+        start = time.perf_counter()
+        nbytes = size(bucket)  # before the hook: PowerSGD advances its iteration counter on the last bucket
+        return meter.timed(inner(state, bucket), nbytes, start)
+
+    return state, timed_hook
+
+
+def single_bucket_mb(model: torch.nn.Module) -> float:
+    """A DDP `bucket_cap_mb` that puts every gradient into one bucket."""
+    return sum(_nbytes(p) for p in model.parameters() if p.requires_grad) / 2**20 + 1.0
+
+
+# ----------------------------------------------------------------------------------------------
+# FSDP2: timed all-gather and reduce-scatter
+
+
+def fsdp_comms(meter: CommMeter):
+    """FSDP2's default all-gather and reduce-scatter, each call recorded by `meter`."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    class TimedAllGather(DefaultAllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            start = time.perf_counter()
+            work = super().__call__(output_tensor, input_tensor, group, async_op)
+            return meter.timed(work, _nbytes(output_tensor), start)
+
+    class TimedReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            start = time.perf_counter()
+            work = super().__call__(output_tensor, input_tensor, group, op, async_op)
+            return meter.timed(work, _nbytes(input_tensor), start)
+
+    return TimedAllGather(), TimedReduceScatter()
+
+
+def reduce_dtype(compression: str) -> torch.dtype | None:
+    """The dtype FSDP reduces gradients in for `compression` (None: the default, float32)."""
+    return WIRE_DTYPES.get(compression)

@@ -1,0 +1,200 @@
+"""What a step costs, measured in every run: model FLOPs and MFU, communication time, peak memory per rank, and the
+slowest rank. The Trainer adds these to each `metrics.jsonl` line (docs/architecture.md, "The cost of scale").
+
+    tflops          achieved model TFLOP/s per device: flops_per_token x tokens/s / world size
+    mfu             tflops / the device's peak (`log.peak_tflops`, or the table below); null where the peak is unknown
+    comm_s          seconds this rank's gradient/parameter collectives were in flight during the step (parallel/comm.py)
+    comm_exposed_s  the part of it the step waited for: on a CPU rank (one torch thread, gloo's own threads do the
+                    communication) the time the training thread was blocked, wall time - its CPU time, capped at
+                    comm_s; the rest (comm_hidden_s) overlapped compute
+    comm_bytes      bytes handed to those collectives (nccl-tests' sizes), in the dtype on the wire
+    mem_peak_gib    this rank's peak memory since the previous line: CUDA max allocated, or the process's peak
+                    resident set (Linux: VmHWM, reset after each reading)
+    *_max, slowest_rank   the same over all ranks (one all-gather of three numbers per logged step)
+
+The measurement costs a few clock reads per step and one small all-gather per logged line (`bench overhead`
+measures it against a hand-written loop).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# Dense peak TFLOP/s of one device by the dtype its matmuls run in (vendor data sheets, without sparsity).
+# Matched against torch.cuda.get_device_name() in this order (the first substring that matches).
+PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0}),
+    ("H100 NVL", {"bf16": 835.0, "fp16": 835.0, "tf32": 418.0, "fp32": 60.0}),
+    ("H100", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0}),  # SXM
+    ("H200", {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0}),
+    ("B200", {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 75.0}),
+    ("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    ("L40S", {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6}),
+    ("L4", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+)
+
+
+def peak_tflops(device: torch.device, precision: str) -> float | None:
+    """The table's dense peak for `device` in `precision`'s matmul dtype; None on a CPU or an unknown device."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    dtype = {"bf16-mixed": "bf16", "bf16-true": "bf16", "fp16-mixed": "fp16"}.get(precision)
+    if dtype is None:  # fp32: TensorFloat-32 matmuls when torch allows them
+        dtype = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
+    for key, peaks in PEAK_TFLOPS:
+        if key in name:
+            return peaks[dtype]
+    return None
+
+
+def _numel(param: torch.Tensor) -> int:
+    return int(getattr(param, "ds_numel", 0) or param.numel())  # a DeepSpeed ZeRO-3 partition keeps its size there
+
+
+def _shape(model: nn.Module) -> tuple[int, int] | None:
+    """(layers, attention width) of a transformer, from the reference GPT's or a Hugging Face model's config."""
+    cfg = getattr(model, "config", None) or getattr(model, "cfg", None)
+    layers = next((getattr(cfg, k) for k in ("num_hidden_layers", "n_layer", "num_layers") if hasattr(cfg, k)), None)
+    heads = getattr(cfg, "num_attention_heads", None)
+    head_dim = getattr(cfg, "head_dim", None)
+    width = heads * head_dim if heads and head_dim else next(
+        (getattr(cfg, k) for k in ("hidden_size", "d_model", "n_embd") if hasattr(cfg, k)), None)
+    return (int(layers), int(width)) if layers and width else None
+
+
+def flops_per_token(model: nn.Module, seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward): 6 x the parameters that multiply activations, plus the
+    attention scores and their weighted sum, 12 x layers x attention width x sequence length (PaLM's count, as
+    torchtitan reports MFU; causal masking is not discounted).
+
+    Parameters are counted from the module tree: every parameter except those only an `nn.Embedding` uses (a table
+    lookup is not a matmul); an embedding tied to the output head counts once. Models without a transformer config
+    get the 6 x parameters term only."""
+    lookup_only: set[int] = set()
+    used: set[int] = set()
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            (lookup_only if isinstance(module, nn.Embedding) else used).add(id(param))
+    params = {id(p): p for p in model.parameters()}
+    n = sum(_numel(p) for key, p in params.items() if key in used or key not in lookup_only)
+    shape = _shape(model)
+    attention = 12 * shape[0] * shape[1] * seq_len if shape else 0
+    return 6 * n + attention
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """This process's peak memory since the previous call, then reset: CUDA max allocated on a GPU; on a CPU the
+    peak resident set (Linux `VmHWM`, reset through /proc/self/clear_refs; elsewhere the lifetime peak)."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak / 2**30
+    try:
+        status = Path("/proc/self/status").read_text()
+        kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:"))
+        Path("/proc/self/clear_refs").write_text("5")  # "5": reset the peak to the current resident set
+        return kib / 2**20
+    except (OSError, StopIteration, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class StepMeter:
+    """Times one rank's steps and turns them into the figures above."""
+
+    def __init__(self, model: nn.Module, seq_len: int, world: int, device: torch.device, precision: str,
+                 peak_override: float = 0.0, comm: Any = None):
+        self.flops_per_token = flops_per_token(model, seq_len)
+        self.peak = peak_override or peak_tflops(device, precision)
+        self.world, self.device, self.comm = world, device, comm
+        self._wall = self._cpu = 0.0
+
+    def start(self) -> None:
+        if self.comm is not None:
+            self.comm.take()  # forget collectives between steps (evaluation's all-gathers, checkpoint gathers)
+        self._wall, self._cpu = time.perf_counter(), time.thread_time()
+
+    def stop(self, tokens: float) -> dict[str, Any]:
+        """Figures of the step since `start()`; `tokens` is the global number of tokens it trained on."""
+        elapsed = time.perf_counter() - self._wall
+        blocked = max(0.0, elapsed - (time.thread_time() - self._cpu))
+        tokens_per_s = tokens / elapsed
+        tflops = self.flops_per_token * tokens_per_s / self.world / 1e12
+        out: dict[str, Any] = {"tokens_per_s": tokens_per_s, "step_time_s": elapsed, "tflops": tflops,
+                               "mfu": tflops / self.peak if self.peak else None}
+        if self.comm is None:
+            out.update(comm_s=None, comm_exposed_s=None, comm_bytes=None)
+        else:
+            comm_s, nbytes = self.comm.take()
+            exposed = min(comm_s, blocked) if self.device.type == "cpu" else None
+            out.update(comm_s=comm_s, comm_exposed_s=exposed, comm_bytes=nbytes)
+        return out
+
+
+def rank_summary(values: dict[str, Any], device: torch.device, distributed: bool) -> dict[str, Any]:
+    """This rank's peak memory, and the slowest rank's step time and the largest peak over all ranks (a collective:
+    every rank calls it at the same steps)."""
+    mine = [values["step_time_s"], peak_memory_gib(device), values.get("comm_exposed_s") or 0.0]
+    rows = [mine]
+    if distributed:
+        local = torch.tensor(mine, dtype=torch.float64, device=device)
+        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, local)
+        rows = [t.tolist() for t in gathered]
+    slowest = max(range(len(rows)), key=lambda r: rows[r][0])
+    return {"mem_peak_gib": mine[1], "mem_peak_gib_max": max(r[1] for r in rows),
+            "step_time_max_s": rows[slowest][0], "slowest_rank": slowest,
+            "comm_exposed_s_max": max(r[2] for r in rows)}
+
+
+def straggler(values: dict[str, Any], factor: float = 1.2) -> str:
+    """'rank R 1.4x' when the slowest rank took more than `factor` x rank 0's step time, else ''."""
+    slow, mine = values.get("step_time_max_s"), values.get("step_time_s")
+    if not slow or not mine or values.get("slowest_rank", 0) == 0 or slow < factor * mine or not math.isfinite(slow):
+        return ""
+    return f"rank {values['slowest_rank']} {slow / mine:.1f}x"
+
+
+class StepProfiler:
+    """`log.profile_steps`: a torch.profiler trace of steps FIRST..LAST, written by each rank to
+    `RUN_DIR/profile/rank<R>.json` (Chrome trace format: Perfetto, chrome://tracing)."""
+
+    def __init__(self, span: tuple[int, int] | None, run_dir: Path, rank: int, device: torch.device):
+        self.span, self.path, self.device = span, Path(run_dir) / "profile" / f"rank{rank}.json", device
+        self._profile = None
+
+    def __enter__(self) -> StepProfiler:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()  # also when the run ends inside the span
+
+    @contextlib.contextmanager
+    def step(self, step: int):
+        """Profile the body when `step` lies in the span (the trace is written after its last step)."""
+        if self.span and step == self.span[0]:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            self._profile = profile(activities=activities)
+            self._profile.__enter__()
+        yield
+        if self.span and step == self.span[1]:
+            self.close()
+
+    def close(self) -> None:
+        if self._profile is None:
+            return
+        profile, self._profile = self._profile, None
+        profile.__exit__(None, None, None)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        profile.export_chrome_trace(str(self.path))

@@ -1,0 +1,70 @@
+"""`disttrain bench gpu`: the no-GPU path, and the parts that need no GPU (the micro-batch picker, the runner, the
+report, a check's training loop on CPU). The CUDA checks themselves run only on a GPU machine."""
+
+import pytest
+import torch
+
+from conftest import run_cli
+from disttrain.bench import gpu
+from disttrain.memory import estimate
+
+TINY = {"n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 64, "vocab_size": 256}
+
+
+def test_without_a_gpu_says_so_and_writes_nothing(tmp_path):
+    result = run_cli(["bench", "gpu", "--out", str(tmp_path / "gpu.md")], tmp_path, timeout=60,
+                     env={"CUDA_VISIBLE_DEVICES": ""})  # the no-GPU path, also on a machine that has one
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == gpu.NO_GPU
+    assert not (tmp_path / "gpu.md").exists() and not (tmp_path / "docs").exists()
+
+
+def test_micro_batch_picker_takes_the_largest_power_of_two_that_fits():
+    def total(micro):
+        return estimate(gpu.config(TINY, micro, "single", "bf16-mixed"), 1, "single").total(False)
+
+    assert total(8) < total(16)
+    assert gpu.pick_micro_batch(TINY, "bf16-mixed", total(8)) == 8  # exactly the estimate fits
+    assert gpu.pick_micro_batch(TINY, "bf16-mixed", total(16) - 1) == 8
+    assert gpu.pick_micro_batch(TINY, "bf16-mixed", total(1) - 1) is None  # not even one sequence
+    assert gpu.pick_micro_batch(TINY, "bf16-mixed", 1e15, limit=32) == 32
+
+
+def test_a_failing_check_is_reported_and_the_others_still_run():
+    def breaks(args, check):
+        check.figures["before"] = "1.0 ms"
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+
+    def passes(args, check):
+        check.passed, check.reason = True, "target"
+
+    released = []
+    checks = gpu.run_checks([("a", breaks), ("b", passes)], None, release=lambda: released.append(1))
+    assert [(c.name, c.passed) for c in checks] == [("a", False), ("b", True)] and len(released) == 2
+    assert checks[0].reason == "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert checks[0].figures == {"before": "1.0 ms"}  # what came before the failure is kept
+
+    report = gpu.render(checks, {"date": "2026-11-23", "device": "NVIDIA H100 80GB HBM3"}, "disttrain bench gpu")
+    assert "| date | 2026-11-23 |" in report and "| device | NVIDIA H100 80GB HBM3 |" in report
+    assert "| a | FAIL |" in report and "| b | PASS |" in report
+    assert "## a: FAIL" in report and "- before: 1.0 ms" in report and "- reason: OutOfMemoryError" in report
+    assert "## b: PASS" in report and "- target: target" in report and "1 of 2 checks passed." in report
+
+
+def test_defaults_are_the_issues_sizes():
+    args = gpu._args([])
+    assert gpu.mfu_size(args) == {"n_layer": 24, "d_model": 2048, "n_head": 16, "seq_len": 2048,
+                                  "vocab_size": 50304}
+    assert args.out == "docs/benchmarks/gpu.md" and args.compile and args.mfu_precision == "bf16-mixed"
+    assert [name for name, _ in gpu.CHECKS] == ["nccl", "steps bf16-mixed", "steps fp16-mixed", "steps bf16-true",
+                                                "memory single", "memory fsdp", "cpu_offload", "mfu"]
+
+
+@pytest.mark.parametrize("precision", ["fp16-mixed"])
+def test_the_steps_check_trains_on_cpu(precision):
+    """The check's loop through create_backend (fp16: GradScaler, skipped steps) runs on a CPU as well."""
+    args = gpu._args([])
+    args.device = torch.device("cpu")
+    [check] = gpu.run_checks([(precision, lambda a, c: gpu.check_steps(a, c, precision, size=TINY, micro=4))], args)
+    assert check.passed, (check.reason, check.figures)
+    assert 0 < int(check.figures["skipped steps"]) < 20 and float(check.figures["final loss scale"]) < 65536

@@ -1,0 +1,133 @@
+"""The in-run cost figures (perf.py, parallel/comm.py) checked against independent measurements: model FLOPs
+against torch's FlopCounterMode, peak memory against a real allocation, communication intervals against real
+futures. The multi-rank figures are checked in test_parallel_ddp.py / test_parallel_fsdp.py (same launches)."""
+
+import time
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from conftest import SCRIPTS, read_metrics, run_cli
+from disttrain.config import ConfigError, ModelConfig, load_config, validate
+from disttrain.models.gpt import GPT
+from disttrain.parallel.comm import CommMeter
+from disttrain.perf import StepMeter, flops_per_token, peak_memory_gib, peak_tflops, straggler
+
+
+def counted_flops(model, input_ids) -> int:
+    """FLOPs torch counts for one forward and backward: matmuls, and attention as the math kernel computes it (the
+    counter does not see inside CPU flash attention)."""
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        out = model(input_ids)
+        logits = out.logits if hasattr(out, "logits") else out
+        logits.float().sum().backward()
+    return counter.get_total_flops()
+
+
+def test_gpt_flops_per_token_match_torch_flop_counter():
+    cfg = ModelConfig(n_layer=3, n_head=4, d_model=96, seq_len=48, vocab_size=300)
+    model = GPT(cfg)
+    batch = torch.randint(0, 300, (2, 48))
+    expected = counted_flops(model, batch) / batch.numel()
+    assert flops_per_token(model, 48) == pytest.approx(expected, rel=0.02)
+
+
+def test_hf_llama_flops_per_token_match_torch_flop_counter():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, vocab_size=256,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config)
+    batch = torch.randint(0, 256, (2, 40))
+    expected = counted_flops(model, batch) / batch.numel()
+    assert flops_per_token(model, 40) == pytest.approx(expected, rel=0.02)
+
+
+def test_embedding_lookups_are_not_counted_but_a_tied_head_is():
+    model = GPT(ModelConfig(n_layer=1, n_head=2, d_model=32, seq_len=16, vocab_size=256))
+    everything = sum(p.numel() for p in model.parameters())
+    attention = 12 * 1 * 32 * 16
+    # the position table is a lookup only; the token table is also the output head (a matmul), counted once
+    assert flops_per_token(model, 16) == 6 * (everything - model.pos_emb.weight.numel()) + attention
+
+
+def test_peak_memory_sees_a_transient_allocation_and_resets():
+    device = torch.device("cpu")
+    peak_memory_gib(device)
+    baseline = peak_memory_gib(device)
+    block = torch.ones(64 * 2**20, dtype=torch.uint8)  # 64 MiB, touched
+    del block
+    assert peak_memory_gib(device) - baseline > 60 / 1024
+    assert peak_memory_gib(device) - baseline < 30 / 1024  # the peak was reset to the current resident set
+
+
+def test_comm_meter_counts_overlapping_collectives_once():
+    meter = CommMeter()
+    t0 = time.perf_counter()
+    first, second = torch.futures.Future(), torch.futures.Future()
+    meter.timed(first, 100, t0)
+    meter.timed(second, 50, t0 + 0.01)
+    time.sleep(0.05)
+    first.set_result(None)
+    time.sleep(0.05)
+    second.set_result(None)
+    time.sleep(0.05)
+    meter.timed(None, 8, time.perf_counter() - 0.02)  # a synchronous call that took 20 ms, after both
+    seconds, nbytes = meter.take()
+    assert nbytes == 158
+    # the two overlapping intervals (~0.10 s) once, plus the 20 ms one; not the gaps (a loose upper bound: a loaded
+    # machine oversleeps)
+    assert 0.10 + 0.02 <= seconds < 0.10 + 0.02 + 0.08
+    assert meter.take() == (0.0, 0)
+
+
+def test_mfu_needs_a_peak_and_uses_the_given_one():
+    model = GPT(ModelConfig(n_layer=1, n_head=2, d_model=32, seq_len=16))
+    cpu = torch.device("cpu")
+    assert peak_tflops(cpu, "bf16-mixed") is None
+    meter = StepMeter(model, 16, world=2, device=cpu, precision="fp32")
+    meter.start()
+    out = meter.stop(tokens=1000)
+    assert out["mfu"] is None and out["comm_s"] is None and out["tflops"] > 0
+    given = StepMeter(model, 16, world=2, device=cpu, precision="fp32", peak_override=0.5)
+    given.start()
+    figures = given.stop(tokens=1000)
+    expected_tflops = flops_per_token(model, 16) * figures["tokens_per_s"] / 2 / 1e12
+    assert figures["tflops"] == pytest.approx(expected_tflops)
+    assert figures["mfu"] == pytest.approx(expected_tflops / 0.5)
+
+
+def test_a_straggler_is_named_only_when_clearly_slower():
+    assert straggler({"step_time_s": 1.0, "step_time_max_s": 1.5, "slowest_rank": 3}) == "rank 3 1.5x"
+    assert straggler({"step_time_s": 1.0, "step_time_max_s": 1.1, "slowest_rank": 3}) == ""
+    assert straggler({"step_time_s": 1.0, "step_time_max_s": 1.0, "slowest_rank": 0}) == ""
+
+
+@pytest.mark.parametrize("value", ["x", "0", "5-3", "3-"])
+def test_bad_profile_steps_are_refused_in_one_line(value):
+    with pytest.raises(ConfigError, match="log.profile_steps"):
+        validate(load_config(None, [f'log.profile_steps="{value}"']))
+
+
+def test_powersgd_is_refused_under_fsdp_in_one_line():
+    cfg = load_config(None, ["parallel.strategy=fsdp", "parallel.grad_compression=powersgd", "dist.nproc=2",
+                             "data.micro_batch_size=4"])
+    with pytest.raises(ConfigError, match="grad_compression = 'powersgd'.*'bf16' or 'fp16'"):
+        validate(cfg)
+
+
+def test_no_memory_leak_over_200_steps_and_a_leak_is_seen(tmp_path):
+    """Peak memory per rank after warm-up (steps 21-40) against the last 20 of 200 steps: the training loop grows
+    by less than 1%; the same loop with a loss function that keeps 512 KiB per call grows visibly (the control)."""
+    result = run_cli(["launch", "--nproc", "2", "--run-dir", str(tmp_path / "launch"), str(SCRIPTS / "leak_job.py"),
+                      str(tmp_path)], tmp_path, timeout=180)
+    assert result.returncode == 0, result.stderr
+
+    def growth(name: str) -> float:
+        peaks = [m["mem_peak_gib_max"] for m in read_metrics(tmp_path / name)]
+        assert len(peaks) == 200
+        return max(peaks[180:]) / max(peaks[20:40])
+
+    assert growth("steady") < 1.01
+    assert growth("leaky") > 1.05
