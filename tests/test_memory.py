@@ -73,7 +73,8 @@ def test_estimate_matches_measurement_in_16_bits(measured_16bit, measured, preci
             assert meas > 0 and abs(est - meas) <= allowed * meas, (row["strategy"], row["world"], kind, est, meas)
     fp32 = {(r["strategy"], r["world"], r["ac"]): r["measured"] for r in measured["rows"]}
     ddp = next(r["measured"] for r in rows if r["strategy"] == "ddp" and r["world"] == 2 and not r["ac"])
-    assert ddp["activations"] < 0.75 * fp32["ddp", 2, False]["activations"]
+    # less, though autocast keeps a 16-bit copy of each weight and of ln1's output for each of q, k and v
+    assert ddp["activations"] < 0.85 * fp32["ddp", 2, False]["activations"]
     assert (ddp["params"] < fp32["ddp", 2, False]["params"]) == (precision == "bf16-true")
 
 

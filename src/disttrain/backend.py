@@ -30,7 +30,7 @@ from disttrain.losses import default_loss
 from disttrain.models.hf import is_hf_model
 from disttrain.models.meta import has_meta_parameters, materialize
 from disttrain.optim import OptimizerFactory
-from disttrain.parallel import Prepared, registry
+from disttrain.parallel import Prepared, compose, registry
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from disttrain.precision import Precision, get_precision
 from disttrain.runtime import Runtime, detect_launch, init_runtime
@@ -72,6 +72,12 @@ class TrainingBackend:
         """The plain model (unwrapped), e.g. for saving weights."""
         return self.prepared.model
 
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        """(data-parallel degree, this rank's index on it): this rank reads shard `index` of `degree` of every
+        global batch (ranks that split the model between them read the same shard)."""
+        return self.prepared.data_parallel or (self.runtime.world_size, self.runtime.rank)
+
     def _reset_accumulators(self) -> None:
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
         self._count = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
@@ -109,7 +115,10 @@ class TrainingBackend:
             # this micro-batch joins the step's totals once its backward has run (a backward that raises
             # leaves them as they were); the last one starts their all-reduce now, to overlap its backward
             loss_sum_d = loss_sum.detach().double()
-            joined.extend([loss_sum_d, torch.maximum(self._nonfinite, (~torch.isfinite(loss_sum_d)).double())])
+            nonfinite = torch.maximum(self._nonfinite, (~torch.isfinite(loss_sum_d)).double())
+            if not self.prepared.counts_loss:  # another rank counts this data shard's loss (pipeline, tensor)
+                loss_sum_d, count = torch.zeros_like(loss_sum_d), torch.zeros_like(count)
+            joined.extend([loss_sum_d, nonfinite, count])
             if sync:
                 self._start_totals(self._loss_sum + loss_sum_d, self._count + count, joined[1],
                                    self._micro_batches + 1)
@@ -119,7 +128,7 @@ class TrainingBackend:
         autocast = self.precision.autocast(self.runtime.device.type)
         loss_sum, count = self.prepared.forward_backward(self.model_call(batch), loss_terms, on_loss, sync, autocast)
         self._loss_sum += joined[0]
-        self._count += count
+        self._count += joined[2]
         self._nonfinite = joined[1]
         self._micro_batches += 1
         self._unsynced = not sync
@@ -292,7 +301,7 @@ def create_backend(model: nn.Module, optimizer_factory: OptimizerFactory, parall
         model = model.to(dtype=policy.param_dtype)  # still on meta: only the dtype the shards are allocated in
     else:
         model = model.to(runtime.device, dtype=policy.param_dtype)
-    prepared = spec.apply(model, runtime, parallel)
+    prepared = compose.prepare(spec, model, runtime, parallel)  # pipeline x data x tensor (parallel/mesh.py)
     if deferred:
         materialize(model, runtime.device, prepared.partition_module)
     scaler = policy.grad_scaler(runtime.device.type, distributed=runtime.distributed)

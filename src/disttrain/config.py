@@ -28,7 +28,7 @@ else:  # pragma: no cover - exercised only on Python 3.10
 
 
 from disttrain.errors import ConfigError
-from disttrain.parallel import registry
+from disttrain.parallel import mesh, registry
 from disttrain.precision import PRECISIONS, canonical_precision
 
 __all__ = ["Config", "ConfigError", "load_config", "validate"]
@@ -178,6 +178,26 @@ class ParallelConfig:
     """Keep parameters and optimizer state in host memory: FSDP2 CPUOffloadPolicy for the FSDP strategies,
     ZeRO-Offload (`offload_optimizer` to cpu) for `deepspeed` stages 1-3. Saves GPU memory; on a CPU-only run
     it changes nothing but the code path (useful for testing it)."""
+    tensor: int = 1
+    """Tensor-parallel degree: each transformer block's attention and MLP matrices are split across this many
+    ranks (DTensor `parallelize_module`, column-wise then row-wise, Megatron style); 1 = not split. The world size
+    is parallel.pipeline x parallel.tensor x the data-parallel degree (parallel/mesh.py)."""
+    sequence_parallel: bool = False
+    """parallel.tensor > 1: also split the layer norms' and dropouts' activations along the sequence across the
+    tensor-parallel ranks (less activation memory; the same numbers)."""
+    pipeline: int = 1
+    """Pipeline stages: the model's blocks are split into this many consecutive stages, one per rank of a
+    pipeline group (`torch.distributed.pipelining`); 1 = not split."""
+    pipeline_schedule: str = "1f1b"
+    """parallel.pipeline > 1: `gpipe`, `1f1b`, `interleaved-1f1b` (two virtual stages per rank) or `zero-bubble`
+    (torch's interleaved zero-bubble schedule, two virtual stages per rank)."""
+    pipeline_microbatches: int = 0
+    """Micro-batches per step through the pipeline; 0 = what the batch settings give (data.global_batch_size /
+    (data-parallel degree x data.micro_batch_size)); a value that disagrees with them is an error naming the
+    micro-batch size that would give it."""
+    pipeline_split: str = ""
+    """parallel.pipeline > 1: the module names where stages 2, 3, ... begin, comma-separated (e.g. "blocks.3");
+    empty = balanced by parameter count, embeddings on the first stage and the head on the last."""
     deepspeed_stage: int = 2
     """deepspeed: ZeRO stage 0 (data parallel), 1 (optimizer state sharded), 2 (+ gradients) or 3 (+ parameters)."""
     deepspeed_config: str = ""
@@ -281,6 +301,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "checkpoint.on_error": ("abort", "continue"),
     "train.on_nonfinite": ("stop", "skip"),
     "parallel.grad_compression": ("none", "fp16", "bf16", "powersgd"),
+    "parallel.pipeline_schedule": ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"),
 }
 
 
@@ -464,13 +485,14 @@ def validate(cfg: Config, gpu_count: int = 0, world: int | None = None) -> None:
         _check_choice(key, getattr(getattr(cfg, section), name), options)
     _validate_run(cfg)
     _validate_model(cfg)
-    _validate_data(cfg, world)
+    layout = mesh.layout_for(cfg.parallel, world)  # the data-parallel degree divides the batch
+    _validate_data(cfg, layout.data, "world size" if layout.data == world else "data-parallel degree")
     _validate_optim_train(cfg)
     if cfg.parallel.precision not in PRECISIONS:  # set in Python, not through the config's parser
         canonical_precision(cfg.parallel.precision)  # raises for an unknown name, saying what each means
         raise ConfigError(f"parallel.precision = {cfg.parallel.precision!r}: use the canonical name "
                           f"'{canonical_precision(cfg.parallel.precision)}'")
-    _validate_parallel(cfg, world)
+    _validate_parallel(cfg, world, layout)
     _validate_checkpoint(cfg)
     _validate_dist(cfg, gpu_count, world)
     _validate_log(cfg)
@@ -522,7 +544,7 @@ def _validate_model(cfg: Config) -> None:
     _check(0.0 <= m.dropout < 1.0, f"model.dropout = {m.dropout}: must be in [0, 1)")
 
 
-def _validate_data(cfg: Config, world: int) -> None:
+def _validate_data(cfg: Config, world: int, split: str = "world size") -> None:
     d, m = cfg.data, cfg.model
     if d.source != "builtin":
         path = Path(d.source)
@@ -540,7 +562,7 @@ def _validate_data(cfg: Config, world: int) -> None:
         lower = max(per_step, d.global_batch_size // per_step * per_step)
         raise ConfigError(
             f"data.global_batch_size = {d.global_batch_size} is not divisible by data.micro_batch_size x "
-            f"world size = {d.micro_batch_size} x {world} = {per_step}; set data.global_batch_size to a "
+            f"{split} = {d.micro_batch_size} x {world} = {per_step}; set data.global_batch_size to a "
             f"multiple of {per_step} (e.g. {lower} or {lower + per_step}) or change micro_batch_size")
     _check(0.0 < d.val_fraction < 1.0, f"data.val_fraction = {d.val_fraction}: must be in (0, 1)")
     _check(d.num_workers >= 0, f"data.num_workers = {d.num_workers}: must be >= 0 (0 = load in the training process)")
@@ -597,8 +619,9 @@ def strategies_for(cfg: Config, world: int) -> list[str]:
     return out
 
 
-def _validate_parallel(cfg: Config, world: int) -> None:
-    """Generic checks driven by the strategy's spec (world size, its own settings, its package), then its own."""
+def _validate_parallel(cfg: Config, world: int, layout: mesh.MeshLayout) -> None:
+    """Generic checks driven by the strategy's spec (world size, its own settings, its package), then its own,
+    then the model against the layout."""
     p = cfg.parallel
     spec = registry.resolve(p.strategy, world)
     _check(spec.runs_on(world),
@@ -608,7 +631,8 @@ def _validate_parallel(cfg: Config, world: int) -> None:
     _check(p.powersgd_rank >= 1, f"parallel.powersgd_rank = {p.powersgd_rank}: must be >= 1")
     registry.check_options(spec, p, ParallelConfig())
     if spec.check is not None:
-        spec.check(cfg, world)
+        spec.check(cfg, layout.data)
+    mesh.check_model_split(cfg, layout)
     _check(registry.available(spec), f"parallel.strategy = {spec.name!r} but the {spec.package} package is not "
            f"installed; pip install 'disttrain[{spec.package}]' or choose another strategy")
 

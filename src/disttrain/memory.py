@@ -59,7 +59,7 @@ def gpt_activation_bytes(m: ModelConfig, micro_batch: int, checkpointing: bool, 
     """Bytes autograd keeps for backward after the forward of one micro-batch of the reference GPT.
 
     Per block and token: LayerNorm inputs and their mean/rstd (in the residual stream's dtype: float32, or
-    bfloat16 under bf16-true), LayerNorm outputs (2 x d), the qkv output (3 d; q, k, v are views of it), the
+    bfloat16 under bf16-true), LayerNorm outputs (2 x d), the q, k and v outputs (3 d), the
     attention output (d; the projection's input is a view of it), the MLP hidden before and after GELU
     (2 x 4 d) -- in the activation dtype (16-bit under mixed precision and bf16-true) -- and the attention
     logsumexp (h, float32). Outside the blocks: ln_f's input, statistics and output, the float32
@@ -67,7 +67,8 @@ def gpt_activation_bytes(m: ModelConfig, micro_batch: int, checkpointing: bool, 
     (fp16-mixed: and the loss scale). With checkpointing a block keeps only its input (the residual stream).
 
     Under mixed precision what the linear layers keep depends on who casts the weights (`linears`):
-    "autocast"   autocast casts them: the 16-bit copies are saved (12 d^2 per block, V d for the lm_head);
+    "autocast"   autocast casts them: the 16-bit copies are saved (12 d^2 per block, V d for the lm_head), and
+                 it casts the input of each linear on its own (ln1's output three times, for q, k and v);
     "gathered16" FSDP2's MixedPrecisionPolicy gathers them in 16 bits and casts the forward's inputs: no
                  copies, and the residual stream runs in 16 bits too (the layout of bf16-true);
     "zero3"      DeepSpeed ZeRO-3's memory-efficient linear (it replaces torch.nn.functional.linear) saves
@@ -79,7 +80,9 @@ def gpt_activation_bytes(m: ModelConfig, micro_batch: int, checkpointing: bool, 
     res = 2 if precision == "bf16-true" or (mixed and linears == "gathered16") else 4  # residual stream, LN
     ln_out = res if mixed and linears == "zero3" else act  # LayerNorm outputs, as the next linear saves them
     copies = 2 if mixed and linears == "autocast" else 0  # bytes per weight element autocast saves
-    block = res * d if checkpointing else 2 * res * d + 4 * res + 2 * ln_out * d + 12 * act * d + 4 * h
+    # autocast casts ln1's output once for each of q, k and v, and each keeps its own copy: 2 more than one linear
+    recasts = 2 * act * d if mixed and linears == "autocast" else 0
+    block = res * d if checkpointing else 2 * res * d + 4 * res + 2 * ln_out * d + 12 * act * d + 4 * h + recasts
     outside = res * d + 2 * res + ln_out * d + 4 * v + 8 * 2
     weights = ((0 if checkpointing else n * 12 * d * d) + v * d) * copies
     return b * t * (n * block + outside) + weights + 8 * t + 4 + (4 if precision == "fp16-mixed" else 0)

@@ -159,7 +159,7 @@ class Trainer:
         status.phase("data", step=start)
         d = cfg.data
         steps = StepBatches(sampler, cursor, max(0, (cfg.train.stop_at or cfg.train.steps) - start),
-                            d.global_batch_size, d.micro_batch_size, runtime.world_size, runtime.rank)
+                            d.global_batch_size, d.micro_batch_size, *backend.data_parallel)
         metrics = Metrics(cfg.run_dir, cfg.log, cfg.train.steps, start) if runtime.is_main_process() \
             else NullMetrics()
         if runtime.is_main_process():
@@ -175,7 +175,7 @@ class Trainer:
         cfg, result = self.cfg, TrainResult()
         last = cfg.train.stop_at or cfg.train.steps
         d = cfg.data
-        micro_per_step = -(-d.global_batch_size // runtime.world_size // d.micro_batch_size)
+        micro_per_step = -(-d.global_batch_size // backend.data_parallel[0] // d.micro_batch_size)
         with StepProfiler(profile_range(cfg.log.profile_steps), cfg.run_dir, runtime.rank, runtime.device) as profiler:
             for step in range(start + 1, last + 1):
                 with profiler.step(step):
@@ -281,14 +281,15 @@ def evaluate(backend: TrainingBackend, dataset: Dataset, runtime: Runtime, micro
     forward communicates never wait on a rank that has finished.
     """
     n = min(len(dataset), limit) if limit else len(dataset)
-    shard = eval_shard(n, runtime.world_size, runtime.rank)
+    shards, index = backend.data_parallel
+    shard = eval_shard(n, shards, index)
     batches = split_micro(shard, micro_batch_size)
-    rounds = math.ceil(math.ceil(n / runtime.world_size) / micro_batch_size)
+    rounds = math.ceil(math.ceil(n / shards) / micro_batch_size)
     padded = batches + [[0]] * (rounds - len(batches))
     built = iter(batches_of(padded)) if batches_of else (fetch(dataset, b) for b in padded)
     totals = torch.zeros(2, dtype=torch.float64, device=runtime.device)
     for i, batch in zip(range(rounds), built, strict=True):
-        counted = i < len(batches)
+        counted = i < len(batches) and backend.prepared.counts_loss  # one rank per data shard counts it
         outputs = backend.forward(batch)
         if counted:
             loss_sum, count = backend.loss_terms(outputs, batch)

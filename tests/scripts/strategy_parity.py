@@ -6,7 +6,8 @@
 A variant is `strategy[+flag...][:hsdp_shard_size]`, flags: `ac` (activation checkpointing), `offload`
 (cpu_offload), `prefetchN` (fsdp_prefetch=N), `stageN` (deepspeed_stage=N), `bf16` (bf16-mixed), `fp16` (fp16-mixed),
 `sgd` (optim.name=sgd), `noclip` (optim.grad_clip=0), `gcfp16` / `gcbf16` / `powersgd` (parallel.grad_compression),
-`tinybuckets` (parallel.bucket_cap_mb=0.01: many DDP buckets).
+`tinybuckets` (parallel.bucket_cap_mb=0.01: many DDP buckets), `tpN` (parallel.tensor=N), `sp` (sequence parallel),
+`ppN` (parallel.pipeline=N).
 An argument with `=` is a setting for every variant (e.g. `model.name=hf:DIR` trains a Hugging Face model).
 `A>B` trains A to step 10 with a checkpoint there, then resumes it under B to step 20 (its losses are
 steps 11-20). The strategy `plain` (1 process only) is not disttrain but the plain-torch loop of
@@ -35,7 +36,8 @@ FLAGS = {"ac": "parallel.activation_checkpointing=true", "offload": "parallel.cp
          "bf": "parallel.precision=bf{}-mixed", "fp": "parallel.precision=fp{}-mixed", "sgd": "optim.name=sgd",
          "noclip": "optim.grad_clip=0", "gcfp": "parallel.grad_compression=fp{}",
          "gcbf": "parallel.grad_compression=bf{}", "powersgd": "parallel.grad_compression=powersgd",
-         "tinybuckets": "parallel.bucket_cap_mb=0.01"}
+         "tinybuckets": "parallel.bucket_cap_mb=0.01", "tp": "parallel.tensor={}",
+         "sp": "parallel.sequence_parallel=true", "pp": "parallel.pipeline={}"}
 
 
 def overrides(variant: str) -> list[str]:

@@ -20,7 +20,11 @@ OPTIONS = frozenset({"bucket_cap_mb", "gradient_as_bucket_view", "static_graph",
                      "grad_compression", "powersgd_rank"})
 
 
-def apply(model, runtime, cfg) -> Prepared:
+def apply(model, runtime, cfg, mesh=None) -> Prepared:
+    if mesh is not None:  # the data axis of a pipeline / tensor-parallel layout (parallel/compose.py)
+        from disttrain.parallel import fsdp
+
+        return fsdp.replicate(model, runtime, cfg, mesh)
     device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
     bucket_cap_mb = cfg.bucket_cap_mb
     if cfg.grad_compression == "powersgd" and dist.get_backend() == "gloo":
@@ -52,4 +56,4 @@ def memory(shapes, cfg, world: int, rank: int | None) -> layout.MemoryLayout:
 
 
 SPECS = (StrategySpec("ddp", apply, "DistributedDataParallel: replicated model, bucketed gradient all-reduce",
-                      memory, options=OPTIONS),)
+                      memory, options=OPTIONS, data_axes=lambda p, data: (data, 1)),)

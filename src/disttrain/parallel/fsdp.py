@@ -25,14 +25,18 @@ from disttrain.errors import ConfigError
 from disttrain.parallel import comm, layout
 from disttrain.parallel.activation_checkpoint import transformer_blocks
 from disttrain.parallel.spec import Prepared, StrategySpec
-from disttrain.parallel.state import full_state_dict_fns
+from disttrain.parallel.state import dtensor_targets, full_state_dict_fns
 from disttrain.precision import get_precision
 
 
 def _shard(model: nn.Module, runtime, cfg, reshard_after_forward: bool,
-           mesh_shape: tuple[int, ...] | None = None) -> Prepared:
+           mesh_shape: tuple[int, ...] | None = None, mesh=None) -> Prepared:
+    """FSDP2 over `mesh` (the data axes of a composed layout, parallel/compose.py), else over a mesh of all ranks
+    (`mesh_shape`: replicate x shard)."""
     device_type = runtime.device.type
-    if mesh_shape is None:
+    if mesh is not None:
+        pass
+    elif mesh_shape is None:
         mesh = init_device_mesh(device_type, (runtime.world_size,))
     else:
         mesh = init_device_mesh(device_type, mesh_shape, mesh_dim_names=("replicate", "shard"))
@@ -53,7 +57,7 @@ def _shard(model: nn.Module, runtime, cfg, reshard_after_forward: bool,
             module.set_custom_all_gather(all_gather)
             module.set_custom_reduce_scatter(reduce_scatter)
     return Prepared(module=model, model=model, no_sync=lambda: _no_gradient_sync(model),
-                    grads_averaged_over=runtime.world_size, checkpoint_target=_sharded_targets(model),
+                    grads_averaged_over=mesh.size(), checkpoint_target=dtensor_targets(model),
                     comm=meter, **full_state_dict_fns(model, sharded=True))
 
 
@@ -62,25 +66,6 @@ def _mixed_precision(cfg) -> MixedPrecisionPolicy:
     policy = get_precision(cfg.precision).fsdp_policy() or MixedPrecisionPolicy()
     wire = comm.reduce_dtype(cfg.grad_compression)
     return policy if wire is None else dataclasses.replace(policy, reduce_dtype=wire)
-
-
-def _sharded_targets(model: nn.Module):
-    """Load a DCP checkpoint shard by shard: parameters and their optimizer moments (same global shape)
-    into empty DTensors sharded like the parameter; anything else (steps, scalars) as a full tensor."""
-    import torch
-
-    params = dict(model.named_parameters(remove_duplicate=False))  # tied weights under each name
-
-    def target(key: str, size, dtype):
-        name = key.removeprefix("model.")
-        if key.startswith("optimizer.state."):
-            name = key.removeprefix("optimizer.state.").rsplit(".", 1)[0]
-        param = params.get(name)
-        if param is not None and tuple(param.shape) == tuple(size) and hasattr(param, "to_local"):
-            return torch.empty_like(param, dtype=dtype)
-        return torch.empty(size, dtype=dtype)
-
-    return target
 
 
 def _explicit_prefetch(blocks: list[FSDPModule], depth: int) -> None:
@@ -104,26 +89,34 @@ def _no_gradient_sync(model: FSDPModule):
         model.set_requires_gradient_sync(True)
 
 
-def apply_fsdp(model: nn.Module, runtime, cfg) -> Prepared:
-    return _shard(model, runtime, cfg, reshard_after_forward=cfg.reshard_after_forward)
+def apply_fsdp(model: nn.Module, runtime, cfg, mesh=None) -> Prepared:
+    return _shard(model, runtime, cfg, cfg.reshard_after_forward, mesh=_data_mesh(mesh, "dp_shard"))
 
 
-def apply_zero2(model: nn.Module, runtime, cfg) -> Prepared:
-    return _shard(model, runtime, cfg, reshard_after_forward=False)
+def apply_zero2(model: nn.Module, runtime, cfg, mesh=None) -> Prepared:
+    return _shard(model, runtime, cfg, reshard_after_forward=False, mesh=_data_mesh(mesh, "dp_shard"))
 
 
-def apply_hsdp(model: nn.Module, runtime, cfg) -> Prepared:
+def apply_hsdp(model: nn.Module, runtime, cfg, mesh=None) -> Prepared:
+    if mesh is not None:
+        return _shard(model, runtime, cfg, cfg.reshard_after_forward, mesh=mesh["dp_replicate", "dp_shard"])
     shard = cfg.hsdp_shard_size or runtime.world_size
     return _shard(model, runtime, cfg, cfg.reshard_after_forward, mesh_shape=(runtime.world_size // shard, shard))
 
 
-def check_hsdp(cfg, world: int) -> None:
-    check_fsdp(cfg, world)
-    p = cfg.parallel
-    shard = p.hsdp_shard_size or world
-    if p.hsdp_shard_size < 0 or world % shard:
-        raise ConfigError(f"parallel.hsdp_shard_size = {p.hsdp_shard_size} does not divide the world size {world}; "
-                          f"choose a divisor of {world}")
+def replicate(model: nn.Module, runtime, cfg, mesh) -> Prepared:
+    """Plain data parallelism over the `dp_replicate` axis of a composed layout, as FSDP2 on a replicate x 1 mesh
+    (gradients all-reduced, parameters whole): DDP cannot hold the DTensor parameters of tensor parallelism."""
+    return _shard(model, runtime, cfg, reshard_after_forward=False, mesh=mesh["dp_replicate", "dp_shard"])
+
+
+def _data_mesh(mesh, axis: str):
+    return None if mesh is None else mesh[axis]
+
+
+def check_hsdp(cfg, data: int) -> None:
+    check_fsdp(cfg, data)
+    hsdp_axes(cfg.parallel, data)
 
 
 def check_fsdp(cfg, world: int) -> None:
@@ -133,6 +126,19 @@ def check_fsdp(cfg, world: int) -> None:
                           "reduce dtype), or parallel.strategy = 'ddp'")
     if cfg.parallel.fsdp_prefetch < 0:
         raise ConfigError(f"parallel.fsdp_prefetch = {cfg.parallel.fsdp_prefetch}: must be >= 0 (0 = FSDP2's default)")
+
+
+def hsdp_axes(p, data: int) -> tuple[int, int]:
+    """(replicate, shard) of `data` data-parallel ranks (the world size unless pipeline/tensor take some)."""
+    shard = p.hsdp_shard_size or data
+    if p.hsdp_shard_size < 0 or data % shard:
+        raise ConfigError(f"parallel.hsdp_shard_size = {p.hsdp_shard_size} does not divide the {data} data-parallel "
+                          f"ranks (the world size / (parallel.pipeline x parallel.tensor)); choose a divisor of {data}")
+    return data // shard, shard
+
+
+def sharded_axes(p, data: int) -> tuple[int, int]:
+    return 1, data
 
 
 def memory_fsdp(shapes, cfg, world: int, rank: int | None) -> layout.MemoryLayout:
@@ -152,11 +158,13 @@ def memory_hsdp(shapes, cfg, world: int, rank: int | None) -> layout.MemoryLayou
 COMMON = frozenset({"cpu_offload", "fsdp_prefetch", "grad_compression"})
 SPECS = (
     StrategySpec("zero2", apply_zero2, "FSDP2, parameters kept gathered from forward to backward: gradients and "
-                 "optimizer state sharded", memory_zero2, check_fsdp, shards_parameters=True, options=COMMON),
+                 "optimizer state sharded", memory_zero2, check_fsdp, shards_parameters=True, options=COMMON,
+                 data_axes=sharded_axes),
     StrategySpec("fsdp", apply_fsdp, "FSDP2 fully_shard per block: parameters, gradients and optimizer state "
                  "sharded", memory_fsdp, check_fsdp, shards_parameters=True,
-                 options=COMMON | {"reshard_after_forward"}, aliases=("zero3",)),
+                 options=COMMON | {"reshard_after_forward"}, aliases=("zero3",), data_axes=sharded_axes),
     StrategySpec("hsdp", apply_hsdp, "FSDP2 on a replicate x shard mesh (parallel.hsdp_shard_size ranks per shard "
                  "group)", memory_hsdp, check_hsdp,
-                 shards_parameters=True, options=COMMON | {"reshard_after_forward", "hsdp_shard_size"}),
+                 shards_parameters=True, options=COMMON | {"reshard_after_forward", "hsdp_shard_size"},
+                 data_axes=hsdp_axes),
 )

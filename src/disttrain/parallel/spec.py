@@ -53,6 +53,9 @@ class StrategySpec:
     """sharded_start(parallel_cfg): a model whose parameters are on the meta device (`hf:DIR`) is applied to this
     strategy before it is materialised, so each rank allocates only its part (models/meta.py). None: as
     `shards_parameters` says."""
+    data_axes: Callable[[Any, int], tuple[int, int]] | None = None
+    """data_axes(parallel_cfg, data) -> (replicate, shard): how it lays out `data` data-parallel ranks when it
+    composes with pipeline and tensor parallelism (parallel/mesh.py); None: it does not compose with them."""
     options: frozenset[str] = frozenset()
     """Strategy-specific `parallel.*` settings it reads; any other one set away from its default is an error."""
     package: str = ""
@@ -103,6 +106,15 @@ class Prepared:
     comm: Any = None
     """The strategy's `CommMeter` (parallel/comm.py): time and bytes of its gradient/parameter collectives per step;
     None where they are not measured (no communication, an engine's own collectives, CUDA)."""
+    data_parallel: tuple[int, int] | None = None
+    """(data-parallel degree, this rank's index on it): which share of each global batch this rank reads. None:
+    (world size, rank). Ranks that split the model between them (pipeline stages, tensor shards) read the same."""
+    counts_loss: bool = True
+    """Whether this rank's loss and item count join the step's global totals: one rank per data shard does (the
+    others compute the same loss, or none)."""
+    norm_group: Any = None
+    """A process group whose ranks hold different parameters that no DTensor spans (pipeline stages): the squared
+    gradient norm is summed over it. None: the norm is complete on each rank."""
     partition_module: Callable[[Any], None] | None = None
     """For a sharded start whose engine partitions parameters itself (DeepSpeed ZeRO-3): called on each module,
     children first, once its parameters are real; None: the strategy has sharded the meta model already."""
@@ -155,8 +167,7 @@ class Prepared:
         if grads and (need_norm or self.grad_clip > 0):
             # one pass: the norm of the raw sums gives the mean's norm (x factor); normalisation and the clip
             # coefficient are applied together, to each rank's local shards (no DTensor dispatch)
-            raw = torch.nn.utils.get_total_norm(grads)
-            norm = (raw.full_tensor() if hasattr(raw, "full_tensor") else raw).item() * factor
+            norm = total_norm(grads, self.norm_group) * factor
             if self.grad_clip > 0 and math.isfinite(norm):
                 factor *= min(1.0, self.grad_clip / (norm + 1e-6))
         if grads and factor != 1.0:
@@ -172,6 +183,48 @@ class Prepared:
                 optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return norm, applied
+
+
+def total_norm(grads: list, group=None) -> float:
+    """The 2-norm of all `grads` on every rank. Plain tensors and DTensors (on several meshes or placements: tensor
+    parallelism leaves norms and positions whole) are normed in groups of one kind, each DTensor group reduced over
+    its mesh; `group` then sums the squares over ranks that hold other parameters (pipeline stages)."""
+    import torch
+
+    kinds: dict[Any, list] = {}
+    for g in grads:
+        key = (g.device_mesh, tuple(g.placements)) if hasattr(g, "device_mesh") else None
+        kinds.setdefault(key, []).append(g)
+    squares = []
+    for same in kinds.values():
+        norm = torch.nn.utils.get_total_norm(same)
+        squares.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).double() ** 2)
+    square = torch.stack(squares).sum()
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(square, group=group)
+    return math.sqrt(square.item())
+
+
+def split_by_kind(factory: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`factory`, with each parameter group that mixes DTensors and plain tensors split in two: tensor parallelism
+    leaves some parameters whole (positions, norms), and torch's multi-tensor optimizer kernels refuse a mix in one
+    call (they run once per group). Same settings, same numbers."""
+
+    def build(model):
+        optimizer = factory(model)
+        groups = []
+        for group in optimizer.param_groups:
+            for dtensor in (True, False):
+                params = [p for p in group["params"] if hasattr(p, "device_mesh") == dtensor]
+                if params:
+                    groups.append({**group, "params": params})
+        if len(groups) == len(optimizer.param_groups):
+            return optimizer
+        return type(optimizer)(groups, **optimizer_kwargs(optimizer))
+
+    return build
 
 
 def unfused(factory: Callable[[Any], Any]) -> Callable[[Any], Any]:

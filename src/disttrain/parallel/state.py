@@ -49,3 +49,23 @@ def share_tied(model, model_state: dict) -> dict:
         for name in present[1:]:
             model_state[name] = model_state[present[0]]
     return model_state
+
+
+def dtensor_targets(model):
+    """For a DCP checkpoint: each saved tensor (key, global size, dtype) is loaded into an empty tensor laid out like
+    the parameter it belongs to (a DTensor receives only its shard), optimizer moments like their parameter (same
+    global shape), anything else (steps, scalars) in full."""
+    import torch
+
+    params = dict(model.named_parameters(remove_duplicate=False))  # tied weights under each name
+
+    def target(key: str, size, dtype):
+        name = key.removeprefix("model.")
+        if key.startswith("optimizer.state."):
+            name = key.removeprefix("optimizer.state.").rsplit(".", 1)[0]
+        param = params.get(name)
+        if param is not None and tuple(param.shape) == tuple(size) and hasattr(param, "to_local"):
+            return torch.empty_like(param, dtype=dtype)
+        return torch.empty(size, dtype=dtype)
+
+    return target

@@ -1,0 +1,47 @@
+"""One composition of the parallel axes: `prepare(spec, model, runtime, parallel)` is what `create_backend`
+calls for every strategy.
+
+A job whose model is not split (parallel.pipeline = parallel.tensor = 1) goes to the strategy as it always has,
+over all ranks. Otherwise the ranks form one DeviceMesh (parallel/mesh.py: pp x dp_replicate x dp_shard x tp) and
+the axes are applied innermost first, as torchtitan does:
+
+    tensor     parallel/tensor.py splits each block over the `tp` axis (parameters become DTensors)
+    data       the strategy over the data axes only (`mesh=`: DDP on the dp_replicate group, FSDP2 on dp_shard
+               or dp_replicate x dp_shard); skipped when the data-parallel degree is 1
+    (pipeline: [4/6] continues here)
+
+The `Prepared` it returns says which share of each batch this rank reads (`data_parallel`) and whether its loss
+counts in the global totals (one rank per data shard), so the backend and the Trainer stay as they are.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from disttrain.parallel import mesh as layouts
+from disttrain.parallel.spec import Prepared, StrategySpec, split_by_kind
+from disttrain.parallel.state import dtensor_targets, full_state_dict_fns
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+def prepare(spec: StrategySpec, model: nn.Module, runtime, parallel) -> Prepared:
+    layout = layouts.layout_for(parallel, runtime.world_size, spec)
+    if not layout.model_parallel:
+        return spec.apply(model, runtime, parallel)
+    device_mesh = layouts.device_mesh(layout, runtime.device.type)
+    if layout.tensor > 1:
+        from disttrain.parallel import tensor
+
+        tensor.parallelize(model, device_mesh["tp"], parallel.sequence_parallel)
+    if layout.data > 1:
+        prepared = spec.apply(model, runtime, parallel, mesh=device_mesh)
+    else:
+        prepared = Prepared(module=model, model=model, checkpoint_target=dtensor_targets(model),
+                            **full_state_dict_fns(model, sharded=True))
+    if layout.tensor > 1 and prepared.make_optimizer is None:
+        prepared.make_optimizer = lambda factory: split_by_kind(factory)(model)
+    prepared.data_parallel = (layout.data, layout.data_rank(runtime.rank))
+    prepared.counts_loss = layout.counts_loss(runtime.rank)
+    return prepared

@@ -1,0 +1,158 @@
+"""The layout of a job on its ranks: pipeline x data (replicate, shard) x tensor, as pure arithmetic.
+
+    MeshLayout(pipeline=2, replicate=1, shard=2, tensor=1)   # 4 ranks: 2 stages, each FSDP over 2 ranks
+
+Ranks are laid out row-major over the axes `AXES` (pipeline outermost, tensor innermost, as torchtitan does, so
+that a tensor-parallel group is made of neighbouring ranks: the GPUs of one node). `layout_for(cfg, world)` turns
+the settings into a layout and refuses an impossible one in one line, before any process starts; `device_mesh`
+builds torch's `DeviceMesh` with those axis names on a running job (parallel/compose.py).
+
+The data-parallel degree is what the strategy makes of the ranks left over by `parallel.pipeline` and
+`parallel.tensor`: replicated (ddp), sharded (fsdp, zero2), or both (hsdp) - each spec's `data_axes` says which.
+Every rank of one data-parallel coordinate (its pipeline stages and tensor shards) reads the same samples.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from disttrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from disttrain.config import Config, ParallelConfig
+    from disttrain.parallel.spec import StrategySpec
+
+AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+"""The mesh's axis names, outermost first."""
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    pipeline: int = 1
+    replicate: int = 1
+    shard: int = 1
+    tensor: int = 1
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return self.pipeline, self.replicate, self.shard, self.tensor
+
+    @property
+    def world(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def data(self) -> int:
+        """Data-parallel degree: how many different batches one step reads."""
+        return self.replicate * self.shard
+
+    @property
+    def model_parallel(self) -> bool:
+        """Whether the model itself is split (pipeline stages or tensor shards), not only the data."""
+        return self.pipeline > 1 or self.tensor > 1
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's index on each axis."""
+        out, rest = {}, rank
+        for axis, size in zip(reversed(AXES), reversed(self.shape), strict=True):
+            out[axis] = rest % size
+            rest //= size
+        return {axis: out[axis] for axis in AXES}
+
+    def data_rank(self, rank: int) -> int:
+        """Which of the `data` batch shards this rank reads."""
+        c = self.coords(rank)
+        return c["dp_replicate"] * self.shard + c["dp_shard"]
+
+    def counts_loss(self, rank: int) -> bool:
+        """Whether this rank's loss joins the global totals: one rank per data shard (the last pipeline stage,
+        tensor shard 0) - the others compute the same loss, or none."""
+        c = self.coords(rank)
+        return c["pp"] == self.pipeline - 1 and c["tp"] == 0
+
+    def describe(self) -> str:
+        parts = [f"{name}{size}" for name, size in zip(("pp", "dp_replicate", "dp_shard", "tp"), self.shape,
+                                                         strict=True) if size > 1]
+        return " x ".join(parts) or "1 rank"
+
+
+def layout_for(p: ParallelConfig, world: int, spec: StrategySpec | None = None) -> MeshLayout:
+    """The layout the `parallel` settings ask for on `world` ranks; ConfigError (one line: the setting and the fix)
+    when the degrees do not multiply to the world size or the strategy does not compose with them."""
+    from disttrain.parallel import registry
+
+    spec = spec or registry.resolve(p.strategy, world)
+    for key in ("pipeline", "tensor"):
+        value = getattr(p, key)
+        if value < 1:
+            raise ConfigError(f"parallel.{key} = {value}: must be >= 1 (1 = not split)")
+    split = p.pipeline * p.tensor
+    if world % split:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        raise ConfigError(f"parallel.pipeline x parallel.tensor = {p.pipeline} x {p.tensor} = {split} does not divide "
+                          f"the world size {world}; choose degrees whose product divides {world} ({divisors}) or "
+                          f"run on a multiple of {split} processes")
+    data = world // split
+    if split > 1 and spec.data_axes is None:
+        raise ConfigError(f"parallel.strategy = {spec.name!r} does not compose with parallel.pipeline / "
+                          f"parallel.tensor; use 'ddp', 'fsdp', 'zero2' or 'hsdp' for the data-parallel axis")
+    replicate, shard = spec.data_axes(p, data) if spec.data_axes is not None else (data, 1)
+    return MeshLayout(p.pipeline, replicate, shard, p.tensor)
+
+
+def check_model_split(cfg: Config, layout: MeshLayout) -> None:
+    """The model's shape against the layout (the reference GPT's sizes are in the config; a model of your own is
+    checked when it is split)."""
+    p, m = cfg.parallel, cfg.model
+    if layout.model_parallel and p.grad_compression == "powersgd":
+        raise ConfigError("parallel.grad_compression = 'powersgd' is a DDP communication hook, and with "
+                          "parallel.pipeline or parallel.tensor > 1 the data axis runs through FSDP2; use 'bf16' or "
+                          "'fp16'")
+    if p.sequence_parallel and layout.tensor == 1:
+        raise ConfigError("parallel.sequence_parallel = true needs parallel.tensor > 1; set parallel.tensor or "
+                          "remove parallel.sequence_parallel")
+    if m.name == "gpt" and layout.tensor > 1:
+        for key, value in (("n_head", m.n_head), ("d_model", m.d_model), ("vocab_size", m.vocab_size)):
+            if value % layout.tensor:
+                raise ConfigError(f"model.{key} = {value} is not divisible by parallel.tensor = {layout.tensor}; "
+                                  f"choose a tensor degree that divides it")
+    if p.sequence_parallel and m.seq_len % layout.tensor:
+        raise ConfigError(f"model.seq_len = {m.seq_len} is not divisible by parallel.tensor = {layout.tensor} "
+                          "(sequence parallelism splits the sequence); choose a divisor, or "
+                          "parallel.sequence_parallel = false")
+    if layout.pipeline > 1:
+        stages = layout.pipeline * (2 if p.pipeline_schedule in VIRTUAL_SCHEDULES else 1)
+        if m.name == "gpt" and m.n_layer < stages:
+            raise ConfigError(f"model.n_layer = {m.n_layer} blocks cannot fill {stages} pipeline stages "
+                              f"(parallel.pipeline = {layout.pipeline}, schedule {p.pipeline_schedule!r}); use "
+                              f"parallel.pipeline <= {max(1, m.n_layer // (stages // layout.pipeline))} or more layers")
+        micro = cfg.data.global_batch_size // (layout.data * cfg.data.micro_batch_size)
+        if p.pipeline_microbatches and p.pipeline_microbatches != micro:
+            raise ConfigError(
+                f"parallel.pipeline_microbatches = {p.pipeline_microbatches}, but data.global_batch_size / "
+                f"(data-parallel degree {layout.data} x data.micro_batch_size {cfg.data.micro_batch_size}) = {micro} "
+                f"micro-batches per step; set data.micro_batch_size = "
+                f"{_micro_for(cfg.data.global_batch_size, layout.data, p.pipeline_microbatches)} or remove "
+                "parallel.pipeline_microbatches")
+        if p.pipeline_schedule in VIRTUAL_SCHEDULES and micro % layout.pipeline:
+            raise ConfigError(f"parallel.pipeline_schedule = {p.pipeline_schedule!r} needs the micro-batches per step "
+                              f"({micro}) to be a multiple of parallel.pipeline = {layout.pipeline}; change "
+                              "data.micro_batch_size or data.global_batch_size")
+
+
+VIRTUAL_SCHEDULES = ("interleaved-1f1b", "zero-bubble")
+"""Schedules that put two (virtual) stages on each pipeline rank."""
+
+
+def _micro_for(global_batch: int, data: int, microbatches: int) -> str:
+    size, rest = divmod(global_batch, data * microbatches)
+    return str(size) if size and not rest else f"global_batch_size / ({data} x {microbatches}) (not a whole number now)"
+
+
+def device_mesh(layout: MeshLayout, device_type: str):
+    """torch's DeviceMesh over every rank, with the axes `AXES` (size-1 axes included)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, layout.shape, mesh_dim_names=AXES)

@@ -1,0 +1,118 @@
+"""Tensor parallelism: each transformer block's attention and MLP split across the ranks of the mesh's `tp` axis
+with DTensor's `parallelize_module` (Megatron style: q, k, v and the MLP's first matrices column-wise, the output
+projections row-wise, so a block needs one all-reduce forward and one backward).
+
+`parallel.sequence_parallel` also splits the residual stream along the sequence between those matrices: the norms
+run on a rank's part of the sequence, and the all-reduce becomes an all-gather before and a reduce-scatter after.
+The numbers are the same either way (fp32: to rounding).
+
+The plans are written against module names: the reference GPT (models/gpt.py) and Hugging Face Llama-family
+models (LlamaForCausalLM and the families that share its module names: Mistral, Qwen2, Qwen3, ...). The token
+embedding is split by vocabulary rows and the LM head by vocabulary columns; tied weights stay tied. The head's
+logits are gathered in full on every rank (the loss function is the user's, so loss parallelism is not used).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from disttrain.errors import ConfigError
+from disttrain.parallel.activation_checkpoint import transformer_blocks
+from disttrain.parallel.state import tie_groups
+
+# Per model family: names inside one block. `attention`/`mlp` are the submodules whose input is gathered under
+# sequence parallelism; `column`/`row` the linear layers split column-wise / row-wise; `norms` the block's norms.
+FAMILIES = {
+    "gpt": {"attention": "attn", "mlp": "mlp", "column": ("attn.q", "attn.k", "attn.v", "mlp.0"),
+            "row": ("attn.proj", "mlp.2"), "norms": ("ln1", "ln2"), "heads": "n_head"},
+    "llama": {"attention": "self_attn", "mlp": "mlp",
+              "column": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
+              "row": ("self_attn.o_proj", "mlp.down_proj"), "norms": ("input_layernorm", "post_attention_layernorm"),
+              "heads": "num_key_value_heads"},
+}
+
+
+def family(model: nn.Module) -> str:
+    """Which plan fits `model` (by the names in its first block); a one-line error when none does."""
+    blocks = transformer_blocks(model)
+    names = {name for name, _ in blocks[0].named_modules()} if blocks else set()
+    for name, plan in FAMILIES.items():
+        if set(plan["column"]) | set(plan["row"]) <= names:
+            return name
+    raise ConfigError(f"parallel.tensor > 1: no tensor-parallel plan fits {type(model).__name__} (plans exist for "
+                      "the reference GPT and Hugging Face Llama-family models: q/k/v/o_proj, gate/up/down_proj); "
+                      "set parallel.tensor = 1 and use fsdp to shard it")
+
+
+def check_divisible(model: nn.Module, kind: str, degree: int) -> None:
+    """Heads and vocabulary split evenly across `degree` ranks, or a one-line error naming the model's size."""
+    config = getattr(model, "config", None) or getattr(model, "cfg", None)
+    heads = getattr(config, FAMILIES[kind]["heads"], None) or getattr(config, "num_attention_heads", None)
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.tok_emb
+    for what, value in (("attention heads", heads), ("vocabulary size", embedding.num_embeddings)):
+        if value is not None and value % degree:
+            raise ConfigError(f"parallel.tensor = {degree} does not divide the model's {what} ({value}); choose a "
+                              f"tensor degree that divides {value}")
+
+
+def parallelize(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
+    """Split `model`'s blocks, embedding and head across `tp_mesh` in place (parameters become DTensors)."""
+    kind = family(model)
+    check_divisible(model, kind, tp_mesh.size())
+    plan = FAMILIES[kind]
+    ties = tie_groups(model)
+    seq = Shard(1)
+    block_plan = {name: ColwiseParallel() for name in plan["column"]}
+    block_plan.update({name: RowwiseParallel(output_layouts=seq if sequence_parallel else Replicate())
+                       for name in plan["row"]})
+    if sequence_parallel:
+        block_plan.update({name: SequenceParallel() for name in plan["norms"]})
+        block_plan[plan["attention"]] = PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": seq}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
+        ) if kind == "llama" else PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+        block_plan[plan["mlp"]] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+    blocks = transformer_blocks(model)
+    for block in blocks:
+        parallelize_module(block, tp_mesh, block_plan)
+    parallelize_module(model, tp_mesh, _outer_plan(model, kind, sequence_parallel, blocks))
+    _retie(model, ties)
+
+
+def _outer_plan(model: nn.Module, kind: str, sequence_parallel: bool, blocks: list[nn.Module]) -> dict:
+    """Embedding (vocabulary rows), the sequence split before the first block, the final norm and the head."""
+    names = {module: name for name, module in model.named_modules()}
+    embedding = names[model.get_input_embeddings()] if hasattr(model, "get_input_embeddings") else "tok_emb"
+    head = "lm_head"
+    seq = Shard(1)
+    plan = {embedding: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            head: ColwiseParallel(input_layouts=seq if sequence_parallel else Replicate(), output_layouts=Replicate())}
+    if sequence_parallel:
+        # the stream is split along the sequence where the blocks start (the GPT adds positions first; a Llama's
+        # rotary embedding and mask are computed from the full sequence before its first layer)
+        start = "drop" if kind == "gpt" else names[blocks[0]]
+        plan[start] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(seq,),
+                                         use_local_output=True)
+        plan["ln_f" if kind == "gpt" else names[_final_norm(model)]] = SequenceParallel()
+    return plan
+
+
+def _final_norm(model: nn.Module) -> nn.Module:
+    return model.model.norm
+
+
+def _retie(model: nn.Module, ties: list[list[str]]) -> None:
+    """Tied parameters (e.g. embedding and head) were replaced one module at a time: point every name at one
+    DTensor again (both are split by vocabulary rows, so the placements agree)."""
+    for group in ties:
+        first = model.get_parameter(group[0])
+        for name in group[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, first)
