@@ -136,7 +136,8 @@ def test_labels_longer_than_inputs_are_one_line(llama_dir):
 
 
 PARITY = ["ddp", "ddp+ac", "zero1", "zero1+ac", "zero2", "zero2+ac", "fsdp", "fsdp+ac", "hsdp:1", "hsdp+ac:1",
-          "deepspeed+stage2", "deepspeed+stage2+ac", "deepspeed+stage3", "deepspeed+stage3+ac"]
+          "deepspeed+stage2", "deepspeed+stage2+ac", "deepspeed+stage3", "deepspeed+stage3+ac",
+          "ddp+tp2", "ddp+tp2+sp"]  # tensor parallel (parallel/tensor.py: the Llama plan), with sequence parallel
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from disttrain.parallel import mesh as layouts
-from disttrain.parallel.spec import Prepared, StrategySpec, split_by_kind
+from disttrain.parallel.spec import Prepared, StrategySpec
 from disttrain.parallel.state import dtensor_targets, full_state_dict_fns
 
 if TYPE_CHECKING:
@@ -40,8 +40,6 @@ def prepare(spec: StrategySpec, model: nn.Module, runtime, parallel) -> Prepared
     else:
         prepared = Prepared(module=model, model=model, checkpoint_target=dtensor_targets(model),
                             **full_state_dict_fns(model, sharded=True))
-    if layout.tensor > 1 and prepared.make_optimizer is None:
-        prepared.make_optimizer = lambda factory: split_by_kind(factory)(model)
     prepared.data_parallel = (layout.data, layout.data_rank(runtime.rank))
     prepared.counts_loss = layout.counts_loss(runtime.rank)
     return prepared

@@ -207,26 +207,6 @@ def total_norm(grads: list, group=None) -> float:
     return math.sqrt(square.item())
 
 
-def split_by_kind(factory: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """`factory`, with each parameter group that mixes DTensors and plain tensors split in two: tensor parallelism
-    leaves some parameters whole (positions, norms), and torch's multi-tensor optimizer kernels refuse a mix in one
-    call (they run once per group). Same settings, same numbers."""
-
-    def build(model):
-        optimizer = factory(model)
-        groups = []
-        for group in optimizer.param_groups:
-            for dtensor in (True, False):
-                params = [p for p in group["params"] if hasattr(p, "device_mesh") == dtensor]
-                if params:
-                    groups.append({**group, "params": params})
-        if len(groups) == len(optimizer.param_groups):
-            return optimizer
-        return type(optimizer)(groups, **optimizer_kwargs(optimizer))
-
-    return build
-
-
 def unfused(factory: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """`factory`, but with torch's fused optimizer kernel (optim.py picks it where torch has one) turned off, for
     where it cannot run: the optimizer is rebuilt (before any step, so with no state) with torch's default

@@ -14,8 +14,9 @@ logits are gathered in full on every rank (the loss function is the user's, so l
 
 from __future__ import annotations
 
+import torch
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -23,6 +24,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from disttrain.errors import ConfigError
 from disttrain.parallel.activation_checkpoint import transformer_blocks
@@ -84,6 +86,25 @@ def parallelize(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
         parallelize_module(block, tp_mesh, block_plan)
     parallelize_module(model, tp_mesh, _outer_plan(model, kind, sequence_parallel, blocks))
     _retie(model, ties)
+    whole = [m for m in model.modules() if any(not isinstance(p, DTensor) for p in m.parameters(recurse=False))]
+    for module in whole:  # positions, and the norms when the sequence is not split
+        Replicated()._apply(module, tp_mesh)
+
+
+class Replicated(ParallelStyle):
+    """A module left whole on every tensor-parallel rank, with its parameters as replicated DTensors (so that
+    every parameter is a DTensor on the mesh, as optimizers' multi-tensor kernels, gradient norms and checkpoints
+    want): inputs enter as replicated DTensors and outputs leave as plain tensors. No communication."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def inputs(_, args, mesh):
+            return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+                         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
+
+        def outputs(_, out, mesh):
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        return distribute_module(module, device_mesh, None, input_fn=inputs, output_fn=outputs)
 
 
 def _outer_plan(model: nn.Module, kind: str, sequence_parallel: bool, blocks: list[nn.Module]) -> dict:

@@ -1,0 +1,129 @@
+"""Models split across ranks (parallel/mesh.py, compose.py, tensor.py): every layout gives the single-process
+losses, gradient norms, evaluation and final parameters of the same job (fp32, 20 steps, within 1e-5), and a
+checkpoint saved under one layout resumes under another. One launch per world size trains all the variants
+(start-up is shared); the layouts are checked as arithmetic, in one line, before anything starts."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import SCRIPTS, cli_env, run_cli
+from disttrain.config import ConfigError, load_config, validate
+from disttrain.parallel.mesh import MeshLayout, layout_for
+
+TWO = ["ddp+tp2", "ddp+tp2+sp", "fsdp+tp2"]  # tensor parallel over both ranks (data degree 1: no data axis)
+FOUR = ["fsdp+tp2", "ddp+tp2+sp", "hsdp:2"]  # tp2 x fsdp2, tp2 (sequence parallel) x replicate2, hsdp 2 x 2
+# checkpoints across layouts: A>B trains A to step 10, saves, and B resumes it to step 20
+RESUMES = ["ddp+tp2>fsdp", "fsdp>ddp+tp2+sp", "ddp+tp2>ddp+tp2"]
+
+
+def load(tmp, world: int) -> dict:
+    runs = json.loads((tmp / f"{world}.json").read_text())
+    for variant, run in runs.items():
+        run["params"] = load_file(tmp / str(world) / f"{variant}.safetensors")
+    return runs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("layouts")
+    script = str(SCRIPTS / "strategy_parity.py")
+    single = subprocess.run([sys.executable, script, str(tmp), "single"], cwd=tmp, env=cli_env(tmp),
+                            capture_output=True, text=True, timeout=180)
+    assert single.returncode == 0, single.stderr[-3000:]
+    for world, variants in ((2, TWO + RESUMES), (4, FOUR)):
+        launched = run_cli(["launch", "--nproc", str(world), "--run-dir", str(tmp / f"launch{world}"), script,
+                            str(tmp), *variants], tmp, timeout=400)
+        assert launched.returncode == 0, launched.stderr[-3000:]
+    return load(tmp, 1)["single"], {2: load(tmp, 2), 4: load(tmp, 4)}
+
+
+def assert_same_training(got: dict, reference: dict, steps=slice(None)) -> None:
+    assert got["losses"] == pytest.approx(reference["losses"][steps], abs=1e-5)
+    assert got["grad_norms"] == pytest.approx(reference["grad_norms"][steps], rel=1e-4)
+    for step, loss in got["eval"].items():  # 33 samples: uneven shards over the data-parallel ranks
+        assert loss == pytest.approx(reference["eval"][step], abs=1e-5)
+    assert got["params"].keys() == reference["params"].keys()
+    for name, tensor in reference["params"].items():
+        assert torch.allclose(got["params"][name], tensor, atol=1e-5), name
+
+
+@pytest.mark.parametrize("world, variant", [(2, v) for v in TWO] + [(4, v) for v in FOUR])
+def test_layout_matches_single_process(runs, world, variant):
+    single, multi = runs
+    got = multi[world][variant]
+    assert len(got["losses"]) == 20 and got["eval"].keys() == {"10", "20"}
+    assert_same_training(got, single)
+
+
+def test_single_process_learns(runs):
+    """The reference is a real training run (so matching it means something)."""
+    single, _ = runs
+    assert single["losses"][-1] < single["losses"][0] - 1.0
+
+
+@pytest.mark.parametrize("variant", RESUMES)
+def test_checkpoint_resumes_across_layouts(runs, variant):
+    """Steps 11-20 after resuming (a sharded DCP checkpoint, resharded to the new layout) are the single-process
+    run's steps 11-20."""
+    single, multi = runs
+    got = multi[2][variant]
+    assert len(got["losses"]) == 10
+    assert_same_training(got, single, slice(10, 20))
+
+
+def test_mesh_coordinates():
+    layout = MeshLayout(pipeline=2, replicate=1, shard=2, tensor=2)
+    assert layout.world == 8 and layout.data == 2
+    coords = [layout.coords(r) for r in range(8)]
+    assert coords[5] == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "tp": 1}  # tensor innermost, pipeline outermost
+    assert [layout.data_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    # one rank per data shard counts the loss: the last stage's first tensor shard
+    assert [r for r in range(8) if layout.counts_loss(r)] == [4, 6]
+    assert layout.describe() == "pp2 x dp_shard2 x tp2"
+
+
+@pytest.mark.parametrize("overrides, world, expected", [
+    (["parallel.tensor=2"], 4, MeshLayout(1, 2, 1, 2)),  # auto -> ddp: the data axis replicates
+    (["parallel.strategy=fsdp", "parallel.tensor=2"], 4, MeshLayout(1, 1, 2, 2)),
+    (["parallel.strategy=hsdp", "parallel.hsdp_shard_size=2", "parallel.pipeline=2"], 8, MeshLayout(2, 2, 2, 1)),
+    (["parallel.strategy=hsdp", "parallel.hsdp_shard_size=2"], 4, MeshLayout(1, 2, 2, 1)),
+])
+def test_layout_from_settings(overrides, world, expected):
+    cfg = load_config(None, ["data.global_batch_size=32", *overrides])
+    assert layout_for(cfg.parallel, world) == expected
+    validate(cfg, world=world)
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["parallel.tensor=2"], 3, r"parallel.pipeline x parallel.tensor = 1 x 2 = 2 does not divide the world size 3"),
+    (["parallel.tensor=0"], 2, r"parallel.tensor = 0: must be >= 1"),
+    (["parallel.strategy=zero1", "parallel.tensor=2"], 2, "'zero1' does not compose with parallel.pipeline"),
+    (["parallel.sequence_parallel=true"], 2, "sequence_parallel = true needs parallel.tensor > 1"),
+    (["parallel.tensor=2", "model.n_head=3", "model.d_model=96"], 2, "model.n_head = 3 is not divisible by "
+     "parallel.tensor = 2"),
+    (["parallel.tensor=4", "parallel.sequence_parallel=true", "model.seq_len=30"], 4,
+     "model.seq_len = 30 is not divisible by parallel.tensor = 4"),
+    (["parallel.tensor=2", "parallel.grad_compression=powersgd"], 4, "powersgd.* the data axis runs through FSDP2"),
+    (["parallel.tensor=2", "parallel.strategy=hsdp", "parallel.hsdp_shard_size=4"], 4,
+     "hsdp_shard_size = 4 does not divide the 2 data-parallel ranks"),
+    (["parallel.tensor=2", "data.global_batch_size=12", "data.micro_batch_size=4"], 4,
+     r"not divisible by data.micro_batch_size x data-parallel degree = 4 x 2 = 8"),
+])
+def test_bad_layouts_are_one_line(overrides, world, message):
+    cfg = load_config(None, overrides)
+    with pytest.raises(ConfigError, match=message) as info:
+        validate(cfg, world=world)
+    assert "\n" not in str(info.value)
+
+
+def test_bad_layout_exits_2_before_any_process_starts(tmp_path, small_gpt):
+    result = run_cli(["train", "--nproc", "3", *small_gpt, "--set", "parallel.tensor=2",
+                      "--set", "data.global_batch_size=12", "--set", "data.micro_batch_size=2"], tmp_path, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "does not divide the world size 3" in result.stderr
+    assert "torchrun" not in result.stdout + result.stderr
