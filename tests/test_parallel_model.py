@@ -3,6 +3,7 @@ losses, gradient norms, evaluation and final parameters of the same job (fp32, 2
 checkpoint saved under one layout resumes under another. One launch per world size trains all the variants
 (start-up is shared); the layouts are checked as arithmetic, in one line, before anything starts."""
 
+import glob
 import json
 import subprocess
 import sys
@@ -15,31 +16,59 @@ from conftest import SCRIPTS, cli_env, run_cli
 from disttrain.config import ConfigError, load_config, validate
 from disttrain.parallel.mesh import MeshLayout, layout_for
 
-TWO = ["ddp+tp2", "ddp+tp2+sp", "fsdp+tp2"]  # tensor parallel over both ranks (data degree 1: no data axis)
-FOUR = ["fsdp+tp2", "ddp+tp2+sp", "hsdp:2"]  # tp2 x fsdp2, tp2 (sequence parallel) x replicate2, hsdp 2 x 2
+# 2 ranks: tensor parallel over both (data degree 1: no data axis); a pipeline of 2 stages under each schedule
+# (interleaved and zero-bubble put 2 virtual stages on each rank: a 4-block model, `layers4`)
+TWO = ["ddp+tp2", "ddp+tp2+sp", "fsdp+tp2", "ddp+pp2+gpipe", "ddp+pp2+1f1b", "ddp+pp2+i1f1b+layers4",
+       "ddp+pp2+zb+layers4"]
+# 4 ranks: tp2 x fsdp2, tp2 (sequence parallel) x replicate2, hsdp 2 x 2, pp2 x replicate2, pp2 x fsdp2, pp2 x tp2
+FOUR = ["fsdp+tp2", "ddp+tp2+sp", "hsdp:2", "ddp+pp2", "fsdp+pp2", "ddp+pp2+tp2"]
 # checkpoints across layouts: A>B trains A to step 10, saves, and B resumes it to step 20
-RESUMES = ["ddp+tp2>fsdp", "fsdp>ddp+tp2+sp", "ddp+tp2>ddp+tp2"]
+RESUMES = ["ddp+tp2>fsdp", "fsdp>ddp+tp2+sp", "ddp+tp2>ddp+tp2", "ddp+pp2+1f1b>fsdp", "fsdp>ddp+pp2+gpipe",
+           "ddp+pp2>ddp+pp2", "ddp+pp2>ddp+tp2"]
+# ... and into one process: the step-10 checkpoints of these 2-rank runs, resumed by `single`
+INTO_ONE = {"tp": "ddp+tp2>fsdp", "pp": "ddp+pp2+1f1b>fsdp"}
 
 
 def load(tmp, world: int) -> dict:
+    """Each variant's results and final parameters (a pipeline's stages wrote theirs apart: joined here)."""
     runs = json.loads((tmp / f"{world}.json").read_text())
     for variant, run in runs.items():
-        run["params"] = load_file(tmp / str(world) / f"{variant}.safetensors")
+        run["params"] = {}
+        for part in (tmp / str(world)).glob(f"{glob.escape(variant)}.*safetensors"):
+            run["params"].update(load_file(part))
     return runs
+
+
+def run_dir(variant: str) -> str:
+    return variant.replace(":", "_").replace(">", "_to_").replace("@", "_")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("layouts")
     script = str(SCRIPTS / "strategy_parity.py")
-    single = subprocess.run([sys.executable, script, str(tmp), "single"], cwd=tmp, env=cli_env(tmp),
-                            capture_output=True, text=True, timeout=180)
+    single = subprocess.run([sys.executable, script, str(tmp), "single", "single+layers4"], cwd=tmp,
+                            env=cli_env(tmp), capture_output=True, text=True, timeout=180)
     assert single.returncode == 0, single.stderr[-3000:]
     for world, variants in ((2, TWO + RESUMES), (4, FOUR)):
         launched = run_cli(["launch", "--nproc", str(world), "--run-dir", str(tmp / f"launch{world}"), script,
                             str(tmp), *variants], tmp, timeout=400)
         assert launched.returncode == 0, launched.stderr[-3000:]
-    return load(tmp, 1)["single"], {2: load(tmp, 2), 4: load(tmp, 4)}
+    one = {}
+    for label, source in INTO_ONE.items():
+        out = tmp / f"into_one_{label}"
+        out.mkdir()
+        resume = f"checkpoint.resume={tmp / run_dir(source) / 'checkpoints' / 'step_10'}"
+        resumed = subprocess.run([sys.executable, script, str(out), f"single@{label}", resume], cwd=tmp,
+                                 env=cli_env(tmp), capture_output=True, text=True, timeout=180)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        one[label] = load(out, 1)[f"single@{label}"]
+    references = load(tmp, 1)
+    return references, {2: load(tmp, 2), 4: load(tmp, 4)}, one
+
+
+def reference_of(references: dict, variant: str) -> dict:
+    return references["single+layers4" if "layers4" in variant else "single"]
 
 
 def assert_same_training(got: dict, reference: dict, steps=slice(None)) -> None:
@@ -54,26 +83,35 @@ def assert_same_training(got: dict, reference: dict, steps=slice(None)) -> None:
 
 @pytest.mark.parametrize("world, variant", [(2, v) for v in TWO] + [(4, v) for v in FOUR])
 def test_layout_matches_single_process(runs, world, variant):
-    single, multi = runs
+    references, multi, _ = runs
     got = multi[world][variant]
     assert len(got["losses"]) == 20 and got["eval"].keys() == {"10", "20"}
-    assert_same_training(got, single)
+    assert_same_training(got, reference_of(references, variant))
 
 
 def test_single_process_learns(runs):
-    """The reference is a real training run (so matching it means something)."""
-    single, _ = runs
-    assert single["losses"][-1] < single["losses"][0] - 1.0
+    """The references are real training runs (so matching them means something), and different ones."""
+    references, _, _ = runs
+    for run in references.values():
+        assert run["losses"][-1] < run["losses"][0] - 1.0
+    assert references["single"]["losses"][0] != references["single+layers4"]["losses"][0]
 
 
 @pytest.mark.parametrize("variant", RESUMES)
 def test_checkpoint_resumes_across_layouts(runs, variant):
     """Steps 11-20 after resuming (a sharded DCP checkpoint, resharded to the new layout) are the single-process
     run's steps 11-20."""
-    single, multi = runs
+    references, multi, _ = runs
     got = multi[2][variant]
     assert len(got["losses"]) == 10
-    assert_same_training(got, single, slice(10, 20))
+    assert_same_training(got, references["single"], slice(10, 20))
+
+
+@pytest.mark.parametrize("label", INTO_ONE)
+def test_layout_checkpoint_resumes_in_one_process(runs, label):
+    references, _, one = runs
+    assert len(one[label]["losses"]) == 10
+    assert_same_training(one[label], references["single"], slice(10, 20))
 
 
 def test_mesh_coordinates():

@@ -127,9 +127,10 @@ class TrainingBackend:
 
         autocast = self.precision.autocast(self.runtime.device.type)
         loss_sum, count = self.prepared.forward_backward(self.model_call(batch), loss_terms, on_loss, sync, autocast)
-        self._loss_sum += joined[0]
-        self._count += joined[2]
-        self._nonfinite = joined[1]
+        if joined:  # (a pipeline joins a step's micro-batches at once, on its last: parallel/pipeline.py)
+            self._loss_sum += joined[0]
+            self._count += joined[2]
+            self._nonfinite = joined[1]
         self._micro_batches += 1
         self._unsynced = not sync
         local_loss, local_count = loss_sum.item(), count.item()
@@ -249,6 +250,8 @@ class TrainingBackend:
         model_state, optimizer_state = self.prepared.state_dict(self.optimizer)
         state = {"model": model_state, "optimizer": optimizer_state, "step": self.step,
                  "skipped_steps": self.skipped_steps}
+        if self.prepared.local_state:  # this rank's stage only: the checkpoint joins the ranks' parts
+            state["local_parts"] = True
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         if self.scaler is not None:

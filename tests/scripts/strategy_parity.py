@@ -7,12 +7,15 @@ A variant is `strategy[+flag...][:hsdp_shard_size]`, flags: `ac` (activation che
 (cpu_offload), `prefetchN` (fsdp_prefetch=N), `stageN` (deepspeed_stage=N), `bf16` (bf16-mixed), `fp16` (fp16-mixed),
 `sgd` (optim.name=sgd), `noclip` (optim.grad_clip=0), `gcfp16` / `gcbf16` / `powersgd` (parallel.grad_compression),
 `tinybuckets` (parallel.bucket_cap_mb=0.01: many DDP buckets), `tpN` (parallel.tensor=N), `sp` (sequence parallel),
-`ppN` (parallel.pipeline=N).
+`ppN` (parallel.pipeline=N), `gpipe` / `1f1b` / `i1f1b` / `zb` (parallel.pipeline_schedule), `layersN`
+(model.n_layer=N).
 An argument with `=` is a setting for every variant (e.g. `model.name=hf:DIR` trains a Hugging Face model).
 `A>B` trains A to step 10 with a checkpoint there, then resumes it under B to step 20 (its losses are
-steps 11-20). The strategy `plain` (1 process only) is not disttrain but the plain-torch loop of
+steps 11-20). `variant@label` runs the variant under another name (e.g. twice, with different settings).
+The strategy `plain` (1 process only) is not disttrain but the plain-torch loop of
 plain_reference.py on the same job. Rank 0 writes OUT/<world>.json: {variant: {"losses": [...],
-"grad_norms": [...], "eval": {...}}} and each variant's final parameters to OUT/<world>/<variant>.safetensors.
+"grad_norms": [...], "eval": {...}}} and each variant's final parameters to OUT/<world>/<variant>.safetensors
+(under a pipeline, rank 0's stage; the other ranks' in <variant>.rank<R>.safetensors).
 """
 
 import json
@@ -37,7 +40,10 @@ FLAGS = {"ac": "parallel.activation_checkpointing=true", "offload": "parallel.cp
          "noclip": "optim.grad_clip=0", "gcfp": "parallel.grad_compression=fp{}",
          "gcbf": "parallel.grad_compression=bf{}", "powersgd": "parallel.grad_compression=powersgd",
          "tinybuckets": "parallel.bucket_cap_mb=0.01", "tp": "parallel.tensor={}",
-         "sp": "parallel.sequence_parallel=true", "pp": "parallel.pipeline={}"}
+         "sp": "parallel.sequence_parallel=true", "pp": "parallel.pipeline={}",
+         "gpipe": "parallel.pipeline_schedule=gpipe", "1f1b": "parallel.pipeline_schedule=1f1b",
+         "i1f1b": "parallel.pipeline_schedule=interleaved-1f1b", "zb": "parallel.pipeline_schedule=zero-bubble",
+         "layers": "model.n_layer={}"}
 
 
 def overrides(variant: str) -> list[str]:
@@ -79,17 +85,20 @@ def main() -> None:
     runtime = init_runtime(load_config(None, JOB).dist)
     results = {}
     for variant in variants:
-        first, _, then = variant.partition(">")
-        name = variant.replace(":", "_").replace(">", "_to_")
+        first, _, then = variant.split("@")[0].partition(">")
+        name = variant.replace(":", "_").replace(">", "_to_").replace("@", "_")
         if then:  # the second run resumes the first's checkpoint (same run dir, checkpoint.resume = auto)
             train(out, runtime, name, first, ["checkpoint.every=10", "train.stop_at=10"])
             results[variant], params = train(out, runtime, name, then, ["checkpoint.every=10"])
         else:
-            results[variant], params = train(out, runtime, name, variant, [])
+            results[variant], params = train(out, runtime, name, first, [])
+        folder = out / str(runtime.world_size)
         if runtime.is_main_process():
-            (out / str(runtime.world_size)).mkdir(exist_ok=True)
-            save_file(params,
-                      out / str(runtime.world_size) / f"{variant}.safetensors")
+            folder.mkdir(exist_ok=True)
+            save_file(params, folder / f"{variant}.safetensors")
+        elif "+pp" in variant:  # a pipeline stage holds its own parameters: every rank writes its part
+            folder.mkdir(exist_ok=True)
+            save_file(params, folder / f"{variant}.rank{runtime.rank}.safetensors")
     if runtime.is_main_process():
         (out / f"{runtime.world_size}.json").write_text(json.dumps(results))
     shutdown(runtime)

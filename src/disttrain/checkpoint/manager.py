@@ -40,6 +40,8 @@ from disttrain.checkpoint.layout import (
     step_dir_name,
 )
 from disttrain.checkpoint.statefile import (
+    DICT,
+    TENSOR,
     ChecksumError,
     FileInfo,
     atomic_write,
@@ -51,6 +53,7 @@ from disttrain.checkpoint.statefile import (
     write_bytes,
     write_state,
 )
+from disttrain.collectives import gather_json
 from disttrain.config import CheckpointConfig
 from disttrain.errors import UserError
 from disttrain.runtime import Runtime
@@ -163,7 +166,10 @@ class CheckpointManager:
         self.wait()  # the previous async save, and its error if it failed
         rank_state = {"rng": _rng_state()} if rank_state is None else rank_state
         self._prepare_folder(step)
-        sharded = _is_sharded(state)  # decided once: it walks the whole state
+        sharded = _is_sharded(state) or bool(state.get("local_parts"))  # decided once: it walks the whole state
+        skeleton = None
+        if state.get("local_parts") and self._distributed():  # each rank holds other keys (pipeline stages)
+            skeleton = merge_skeletons(gather_json(flatten(state)[0]))
         if self.cfg.async_save:
             if sharded and self._distributed() and self._dcp_group is None:
                 # DCP's own collectives run in the background thread; on the default group they would
@@ -176,19 +182,20 @@ class CheckpointManager:
                 both = self._snapshot(both)
                 self._copied.set()
             self._pending = threading.Thread(target=self._save_in_background, name="disttrain-ckpt",
-                                             args=(step, both, metrics, sharded), daemon=True)
+                                             args=(step, both, metrics, sharded, skeleton), daemon=True)
             self._pending.start()
         else:
-            self._save(step, state, metrics, rank_state, collective=True, sharded=sharded)
+            self._save(step, state, metrics, rank_state, collective=True, sharded=sharded, skeleton=skeleton)
 
-    def _save_in_background(self, step, both, metrics, sharded: bool) -> None:
+    def _save_in_background(self, step, both, metrics, sharded: bool, skeleton) -> None:
         try:
             if not self._copied.is_set():
                 try:
                     both = self._snapshot(both)
                 finally:
                     self._copied.set()
-            self._save(step, both["state"], metrics, both["rank"], collective=False, sharded=sharded)
+            self._save(step, both["state"], metrics, both["rank"], collective=False, sharded=sharded,
+                       skeleton=skeleton)
         except BaseException as exc:  # surfaced by wait()
             self._pending_error = exc
 
@@ -220,13 +227,14 @@ class CheckpointManager:
         if self._distributed():
             self.runtime.barrier()
 
-    def _save(self, step: int, state, metrics, rank_state, collective: bool, sharded: bool) -> None:
+    def _save(self, step: int, state, metrics, rank_state, collective: bool, sharded: bool, skeleton=None) -> None:
         path = self.path(step)
         error = None
         try:
             files = write_state(path, f"rank{self.rank}", rank_state)
             if sharded:  # every rank writes its shards through DCP
-                files.update(_write_sharded(path, state, self.rank, None if collective else self._dcp_group))
+                files.update(_write_sharded(path, state, self.rank, None if collective else self._dcp_group,
+                                            skeleton))
             elif self.rank == 0:
                 files.update(write_state(path, "state", state))
             write_bytes(path / f"files_rank{self.rank}.json",
@@ -384,20 +392,46 @@ class CheckpointManager:
 
 
 def _read_sharded(path: Path, skeleton: Any, target) -> Any:
+    """The state, each tensor read into `target(key, size, dtype)`; a target of None leaves that tensor unread (None
+    in the state: a pipeline stage reads only its own parameters)."""
     meta = tensor_metadata(path)
     make = target or (lambda key, size, dtype: torch.empty(size, dtype=dtype))
     targets = {key: make(key, torch.Size(m["size"]), getattr(torch, m["dtype"])) for key, m in meta.items()}
-    load_sharded(targets, path)
-    return unflatten(skeleton, targets)
+    wanted = {key: t for key, t in targets.items() if t is not None}
+    load_sharded(wanted, path)
+    return unflatten(skeleton, {**targets, **wanted})
+
+
+def merge_skeletons(skeletons: list[Any]) -> Any:
+    """One skeleton holding every rank's keys, for states whose ranks hold different parts (pipeline stages: their
+    own parameters and optimizer state; parameter-name lists, such as an optimizer group's, are joined)."""
+    def merge(a, b):
+        if isinstance(a, dict) and isinstance(b, dict) and TENSOR not in a and TENSOR not in b:
+            if DICT in a and DICT in b:
+                return {DICT: [list(kv) for kv in merge(dict(map(tuple, a[DICT])), dict(map(tuple, b[DICT]))).items()]}
+            return {**b, **{k: merge(v, b[k]) if k in b else v for k, v in a.items()}}
+        if isinstance(a, list) and isinstance(b, list):
+            if all(isinstance(x, str) for x in a + b):
+                return a + [x for x in b if x not in a]
+            if len(a) == len(b):
+                return [merge(x, y) for x, y in zip(a, b, strict=True)]
+        return a
+
+    out = skeletons[0]
+    for other in skeletons[1:]:
+        out = merge(out, other)
+    return out
 
 
 def _is_sharded(state: Any) -> bool:
     return any(hasattr(t, "to_local") for t in flatten(state)[1].values())
 
 
-def _write_sharded(path: Path, state: Any, rank: int, group=None) -> dict[str, FileInfo]:
-    """DCP layout: the skeleton as `state.json` (rank 0), the tensors as DCP shards with JSON metadata."""
-    skeleton, tensors = flatten(state)
+def _write_sharded(path: Path, state: Any, rank: int, group=None, skeleton=None) -> dict[str, FileInfo]:
+    """DCP layout: the skeleton as `state.json` (rank 0; `skeleton`: every rank's, merged), the tensors as DCP
+    shards with JSON metadata."""
+    own, tensors = flatten(state)
+    skeleton = own if skeleton is None else skeleton
     files = {}
     if rank == 0:
         files["state.json"] = write_bytes(path / "state.json", json.dumps({"skeleton": skeleton}).encode())

@@ -8,7 +8,7 @@ the axes are applied innermost first, as torchtitan does:
     tensor     parallel/tensor.py splits each block over the `tp` axis (parameters become DTensors)
     data       the strategy over the data axes only (`mesh=`: DDP on the dp_replicate group, FSDP2 on dp_shard
                or dp_replicate x dp_shard); skipped when the data-parallel degree is 1
-    (pipeline: [4/6] continues here)
+    pipeline   parallel/pipeline.py splits the (tensor-parallel) model into stages; the data axis wraps each stage
 
 The `Prepared` it returns says which share of each batch this rank reads (`data_parallel`) and whether its loss
 counts in the global totals (one rank per data shard), so the backend and the Trainer stay as they are.
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from disttrain.parallel import mesh as layouts
 from disttrain.parallel.spec import Prepared, StrategySpec
 from disttrain.parallel.state import dtensor_targets, full_state_dict_fns
+from disttrain.precision import get_precision
 
 if TYPE_CHECKING:
     from torch import nn
@@ -35,7 +36,15 @@ def prepare(spec: StrategySpec, model: nn.Module, runtime, parallel) -> Prepared
         from disttrain.parallel import tensor
 
         tensor.parallelize(model, device_mesh["tp"], parallel.sequence_parallel)
-    if layout.data > 1:
+    if layout.pipeline > 1:
+        from disttrain.parallel import pipeline
+
+        data = (lambda part: spec.apply(part, runtime, parallel, mesh=device_mesh)) if layout.data > 1 else None
+        # the stream between stages: the parameters' dtype, or FSDP2's compute dtype under mixed precision
+        compute = get_precision(parallel.precision).compute_dtype
+        stream = compute if compute is not None and data is not None else next(model.parameters()).dtype
+        prepared = pipeline.prepare(model, runtime, parallel, device_mesh, data, stream)
+    elif layout.data > 1:
         prepared = spec.apply(model, runtime, parallel, mesh=device_mesh)
     else:
         prepared = Prepared(module=model, model=model, checkpoint_target=dtensor_targets(model),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -115,6 +115,12 @@ class Prepared:
     norm_group: Any = None
     """A process group whose ranks hold different parameters that no DTensor spans (pipeline stages): the squared
     gradient norm is summed over it. None: the norm is complete on each rank."""
+    local_state: bool = False
+    """`state_dict` holds only this rank's part of the model (pipeline stages; its tensors need not be DTensors):
+    checkpoints join the ranks' parts, and `load_state_dict` takes what this rank holds from a full state."""
+    norm_skip: set = field(default_factory=set)
+    """ids of parameters left out of the norm because another rank of `norm_group` counts them (a tied weight's
+    copy on the last pipeline stage)."""
     partition_module: Callable[[Any], None] | None = None
     """For a sharded start whose engine partitions parameters itself (DeepSpeed ZeRO-3): called on each module,
     children first, once its parameters are real; None: the strategy has sharded the meta model already."""
@@ -167,7 +173,8 @@ class Prepared:
         if grads and (need_norm or self.grad_clip > 0):
             # one pass: the norm of the raw sums gives the mean's norm (x factor); normalisation and the clip
             # coefficient are applied together, to each rank's local shards (no DTensor dispatch)
-            norm = total_norm(grads, self.norm_group) * factor
+            normed = [p.grad for p in self._params if p.grad is not None and id(p) not in self.norm_skip]
+            norm = total_norm(normed, self.norm_group) * factor
             if self.grad_clip > 0 and math.isfinite(norm):
                 factor *= min(1.0, self.grad_clip / (norm + 1e-6))
         if grads and factor != 1.0:

@@ -33,10 +33,23 @@ def full_state_dict_fns(model, sharded: bool = False) -> dict[str, Callable]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         full = not any(hasattr(t, "to_local") for t in model_state.values())
-        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+        set_state_dict(model, optimizer, model_state_dict=model_state,
+                       optim_state_dict=canonical_names(model, optimizer_state),
                        options=StateDictOptions(full_state_dict=full))
 
     return {"state_dict": state_dict, "load_state_dict": load_state_dict}
+
+
+def canonical_names(model, optimizer_state: dict) -> dict:
+    """An optimizer state keyed by parameter names, with a tied parameter under the one name this model's optimizer
+    uses (its first): a state saved under a pipeline holds it under both (the first and last stage each keep one)."""
+    first = {name: names[0] for names in parameter_names(model).values() for name in names}
+    state = {}
+    for name, value in optimizer_state.get("state", {}).items():
+        state.setdefault(first.get(name, name), value)
+    groups = [{**g, "params": list(dict.fromkeys(first.get(n, n) for n in g["params"]))}
+              for g in optimizer_state.get("param_groups", [])]
+    return {**optimizer_state, "state": state, "param_groups": groups}
 
 
 def share_tied(model, model_state: dict) -> dict:
