@@ -3,6 +3,7 @@ transformers' own `model(..., labels=...).loss`, how batches call the model, par
 strategy (2 real ranks), the sharded start, and the one-line errors. Models are built from a config and saved
 locally: nothing downloads."""
 
+import glob
 import json
 import subprocess
 import sys
@@ -137,7 +138,8 @@ def test_labels_longer_than_inputs_are_one_line(llama_dir):
 
 PARITY = ["ddp", "ddp+ac", "zero1", "zero1+ac", "zero2", "zero2+ac", "fsdp", "fsdp+ac", "hsdp:1", "hsdp+ac:1",
           "deepspeed+stage2", "deepspeed+stage2+ac", "deepspeed+stage3", "deepspeed+stage3+ac",
-          "ddp+tp2", "ddp+tp2+sp"]  # tensor parallel (parallel/tensor.py: the Llama plan), with sequence parallel
+          "ddp+tp2", "ddp+tp2+sp",  # tensor parallel (parallel/tensor.py: the Llama plan), with sequence parallel
+          "ddp+pp2+1f1b"]  # two pipeline stages (parallel/pipeline.py)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +155,9 @@ def parity(llama_dir, tmp_path_factory):
     one, two = json.loads((tmp / "1.json").read_text()), json.loads((tmp / "2.json").read_text())
     for world, runs in ((1, one), (2, two)):
         for variant, run in runs.items():
-            run["params"] = load_file(tmp / str(world) / f"{variant}.safetensors")
+            run["params"] = {}
+            for part in (tmp / str(world)).glob(f"{glob.escape(variant)}.*safetensors"):  # a pipeline's stages
+                run["params"].update(load_file(part))
     return one["single"], two
 
 
