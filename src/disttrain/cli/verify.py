@@ -1,13 +1,17 @@
 """`disttrain verify`: does your job give the same numbers under every strategy as in one process?
 
-    disttrain verify [CONFIG] [--set k=v ...] [--strategies ddp,zero2,fsdp,hsdp] --nproc 2 --steps 10
+    disttrain verify [CONFIG] [--set k=v ...] [--strategies ddp,zero2,fsdp,hsdp,tp2,pp2,fsdp+tp2] --nproc 2 --steps 10
 
 Runs your config for K steps in one process (the reference) and then, in one torchrun launch of N ranks,
 under each strategy in turn (one process group, so start-up is paid once). Prints, per strategy, the max
 |loss difference|, the max relative difference of the gradient norm and the max |difference| of the final
 parameters, and exits 1 if any exceeds the tolerance. The default is every registered strategy that runs on a
-process group and can run this config; a strategy registered by your own module (`disttrain.parallel.register`)
-is verified too: its module is imported in the workers. Runs go to `RUN_DIR/verify/`.
+process group and can run this config, and the model split over all N ranks (`tpN`: tensor parallel, `ppN`: a
+pipeline of N stages) where the model allows it; a strategy registered by your own module
+(`disttrain.parallel.register`) is verified too: its module is imported in the workers. Runs go to `RUN_DIR/verify/`.
+
+An entry is a strategy, a layout, or both joined by `+`: `tp2`, `pp2`, `fsdp+tp2` (data axis fsdp, tensor 2),
+`ddp+pp2+gpipe`, `tp2+sp` (sequence parallel); a pipeline's schedule is one of parallel.pipeline_schedule's values.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -24,21 +29,54 @@ from disttrain.config import Config, ConfigError, load_config, save_config, stra
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="TOML config file (default: the built-in job)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    parser.add_argument("--strategies", default="", help="comma-separated strategy names (default: every "
-                        "registered one that runs on a process group and can run the config)")
+    parser.add_argument("--strategies", default="", help="comma-separated strategies and layouts, e.g. "
+                        "ddp,fsdp,tp2,pp2,fsdp+tp2 (default: every registered strategy that runs on a process group "
+                        "and can run the config, and tpN / ppN over all N ranks where the model allows)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks for the distributed runs")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
     parser.add_argument("--tolerance", type=float, default=1e-5,
                         help="max allowed |loss difference|, relative grad-norm difference and |parameter difference|")
 
 
-def _job(cfg: Config, steps: int, out: Path, name: str, strategy: str, nproc: int) -> Config:
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+
+
+def _job(cfg: Config, steps: int, out: Path, name: str, entry: str, nproc: int) -> Config:
+    """`cfg` for K steps under `entry` (a strategy, a layout such as `tp2` / `pp2+gpipe`, or both: `fsdp+tp2`)."""
     job = copy.deepcopy(cfg)
     job.train.steps, job.train.stop_at, job.train.eval_every = steps, 0, 0
     job.checkpoint.every, job.checkpoint.resume, job.log.progress = 0, "never", False
     job.run.out_dir, job.run.name = str(out), name
-    job.parallel.strategy, job.dist.nproc = strategy, nproc
+    job.dist.nproc = nproc
+    p = job.parallel
+    for i, part in enumerate(entry.split("+")):
+        degree = re.fullmatch(r"(tp|pp)(\d+)", part)
+        if degree:
+            setattr(p, "tensor" if degree[1] == "tp" else "pipeline", int(degree[2]))
+        elif part == "sp":
+            p.sequence_parallel = True
+        elif part in SCHEDULES:
+            p.pipeline_schedule = part
+        elif i == 0:
+            from disttrain.parallel import registry
+
+            p.strategy = registry.canonical(part)
+        else:
+            raise ConfigError(f"verify --strategies: {part!r} in {entry!r} is not tpN, ppN, sp or a pipeline schedule "
+                              f"({', '.join(SCHEDULES)}); e.g. 'fsdp+tp2' or 'pp2+gpipe'")
     return job
+
+
+def _layouts(cfg: Config, nproc: int) -> list[str]:
+    """The model split over all ranks, tensor-wise and stage-wise, where the config allows it."""
+    out = []
+    for entry in (f"tp{nproc}", f"pp{nproc}"):
+        try:
+            validate(_job(cfg, 1, Path("."), entry, entry, nproc), gpu_count=nproc, world=nproc)
+        except ConfigError:
+            continue
+        out.append(entry)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,11 +85,12 @@ def run(args: argparse.Namespace) -> int:
     from disttrain.parallel import registry
 
     cfg = load_config(args.config, args.overrides)
-    strategies = [registry.canonical(s.strip()) for s in args.strategies.split(",") if s.strip()]
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if args.steps < 1 or args.nproc < 1:
         raise ConfigError("verify: --steps and --nproc must be >= 1")
     if not strategies:
         strategies = [s for s in strategies_for(cfg, args.nproc) if registry.get(s).needs_group]
+        strategies += _layouts(cfg, args.nproc) if args.nproc > 1 else []
     out = cfg.run_dir / "verify"
     jobs = {s: _job(cfg, args.steps, out, s, s, args.nproc) for s in strategies}
     reference = _job(cfg, args.steps, out, "single", "single", 1)
@@ -67,13 +106,17 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"disttrain verify: reference run (1 process, {args.steps} steps)", file=sys.stderr)
     single = _record(Trainer(reference), out, "single")
-    modules = {registry.get(s).apply.__module__ for s in strategies}
+    modules = {registry.get(job.parallel.strategy).apply.__module__ for job in jobs.values()
+               if job.parallel.strategy != "auto"}
     imports = sorted(m for m in modules if not m.startswith("disttrain."))
     code = launch(args.nproc, ["disttrain.cli.verify", str(out), ",".join(imports), *strategies], out)
     if code != 0:
         return code
     results = json.loads((out / "results.json").read_text())
-    params = {name: load_file(out / name / "final.safetensors") for name in ["single", *results]}
+    params = {}
+    for name in ["single", *results]:  # a pipeline's stages wrote their parts apart
+        params[name] = {k: v for part in sorted((out / name).glob("final*.safetensors")) for k, v in
+                        load_file(part).items()}
     return _report(single, params, results, args.tolerance)
 
 
@@ -88,13 +131,15 @@ def _record(trainer, out: Path, name: str) -> dict[str, list[float]]:
         weights[key] = full.detach().to("cpu", copy=True).float().contiguous()  # tied weights: separate copies
     if trainer.backend.runtime.is_main_process():
         save_file(weights, out / name / "final.safetensors")
+    elif trainer.backend.prepared.local_state:  # a pipeline stage: this rank's own parameters
+        save_file(weights, out / name / f"final.rank{trainer.backend.runtime.rank}.safetensors")
     return {"losses": result.losses, "grad_norms": result.grad_norms}
 
 
 def _report(single: dict, params: dict, results: dict[str, dict], tolerance: float) -> int:
-    print(f"{'strategy':<10} {'steps':>5} {'max |loss diff|':>16} {'grad norm (rel)':>16} {'params':>10} "
+    print(f"{'strategy':<16} {'steps':>5} {'max |loss diff|':>16} {'grad norm (rel)':>16} {'params':>10} "
           f"{'final loss':>11}  verdict")
-    print(f"{'single':<10} {len(single['losses']):>5} {'(reference)':>16} {'':>16} {'':>10} "
+    print(f"{'single':<16} {len(single['losses']):>5} {'(reference)':>16} {'':>16} {'':>10} "
           f"{single['losses'][-1]:>11.6f}")
     failed = 0
     for name, run in results.items():
@@ -104,7 +149,7 @@ def _report(single: dict, params: dict, results: dict[str, dict], tolerance: flo
         param = max((params[name][k] - ref).abs().max().item() for k, ref in params["single"].items())
         ok = loss <= tolerance and norm <= tolerance and param <= tolerance  # False for NaN too
         failed += not ok
-        print(f"{name:<10} {len(run['losses']):>5} {loss:>16.3e} {norm:>16.3e} {param:>10.3e} "
+        print(f"{name:<16} {len(run['losses']):>5} {loss:>16.3e} {norm:>16.3e} {param:>10.3e} "
               f"{run['losses'][-1]:>11.6f}  {'ok' if ok else f'DIFFERS (tolerance {tolerance:g})'}")
     return 1 if failed else 0
 
