@@ -219,6 +219,11 @@ class PipelinePrepared(Prepared):
         if not sync:
             return zero, zero  # counted when the schedule runs, on the step's last micro-batch
         pending, self.pending = self.pending, []
+        if len({p.ids.shape[0] for p in pending}) > 1:
+            sizes = [p.ids.shape[0] for p in pending]
+            raise ConfigError(f"parallel.pipeline > 1: the micro-batches of a step have {sizes} rows; a pipeline "
+                              "needs equal micro-batches: make the batch a multiple of the micro-batch size times the "
+                              "data-parallel degree")
         totals = [zero, zero]
         widths = [p.ids.shape[1] for p in pending]
         scale = self.scaler.get_scale() if self.scaler is not None else 1.0
@@ -286,10 +291,12 @@ def build_schedule(prepared: PipelinePrepared, microbatches: int, size: int, wid
         # every shape given: the stages never exchange (pickled) metadata
         stages.append(pipelining.PipelineStage(part, index, lay.stages, device, input_args=(meta,),
                                                output_args=(out,), group=lay.group))
-    cls = getattr(pipelining, SCHEDULES[lay.schedule])
     one = lay.schedule not in VIRTUAL_SCHEDULES
-    return cls(stages[0] if one else stages, n_microbatches=microbatches, loss_fn=lambda output, target: output,
-               scale_grads=False)
+    name = SCHEDULES[lay.schedule]
+    if microbatches < lay.ranks:  # too few micro-batches to interleave (e.g. one call of the TrainingService):
+        name = "ScheduleGPipe" if one else "ScheduleLoopedBFS"  # all forwards, then all backwards; same numbers
+    return getattr(pipelining, name)(stages[0] if one else stages, n_microbatches=microbatches,
+                                     loss_fn=lambda output, target: output, scale_grads=False)
 
 
 def _ids_of(inputs) -> torch.Tensor:

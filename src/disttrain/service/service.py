@@ -131,7 +131,12 @@ class ServiceOptions:
                  "timeout_s": self.timeout_s, "sys_path": _import_paths()}
         if grad_clip is not None:
             setup["grad_clip"] = grad_clip
-        service = TrainingService(self, setup)
+        from disttrain.config import ParallelConfig
+        from disttrain.parallel.mesh import layout_for
+
+        # pipeline / tensor degrees checked as arithmetic before any worker starts
+        layout = layout_for(ParallelConfig(strategy=strategy, precision=precision, **(parallel or {})), self.nproc)
+        service = TrainingService(self, setup, layout)
         await service._start()
         service._started = True
         return service
@@ -144,8 +149,13 @@ class TrainingService:
     def options(**options: Any) -> ServiceOptions:
         return ServiceOptions(**options)
 
-    def __init__(self, options: ServiceOptions, setup: dict[str, Any]):
+    def __init__(self, options: ServiceOptions, setup: dict[str, Any], layout=None):
+        from disttrain.parallel.mesh import MeshLayout
+
         self.options, self._setup = options, setup
+        self.layout = layout or MeshLayout(replicate=options.nproc)
+        """How the ranks split the model (parallel/mesh.py): ranks of one data shard get the same slice of a batch,
+        and one of them reports its loss and outputs."""
         self.group: WorkerGroup | None = None
         self.generation = 0
         self.restarts = 0
@@ -255,8 +265,18 @@ class TrainingService:
             notice, self._notice = self._notice, None
             raise notice
 
+    def _split(self, batch: Any) -> list[Any]:
+        """Each rank's slice of `batch`: one of `split_batch(batch, data-parallel degree)` (every rank its own unless
+        pipeline stages or tensor shards share one)."""
+        parts = split_batch(batch, self.layout.data)
+        return [parts[self.layout.data_rank(rank)] for rank in range(self.nproc)]
+
+    def _counted(self, replies: list) -> list:
+        """The replies of the one rank per data shard whose loss and outputs count (in data order)."""
+        return [reply for rank, reply in enumerate(replies) if self.layout.counts_loss(rank)]
+
     def _scatter(self, shards: list[Any], **fields: Any) -> list[tuple[dict, dict]]:
-        """One message per rank carrying its slice of the batch (`split_batch(batch, nproc)`)."""
+        """One message per rank carrying its slice of the batch (`_split`)."""
         out = []
         for shard in shards:
             skeleton, tensors = pack(shard, "batch")
@@ -275,13 +295,13 @@ class TrainingService:
         later call (accumulation across calls)."""
 
         async def action():
-            shards = split_batch(batch, self.nproc)
+            shards = self._split(batch)
             # every rank runs the same number of micro-batches (collectives pair up), even when the
             # slices differ by a row: as many as the largest slice needs
             pieces = math.ceil(max(rows(s) for s in shards) / micro_batch_size) if micro_batch_size > 0 else 1
             messages = self._scatter(shards, op="forward_backward", sync=sync, loss_fn=loss_fn, micro_batches=pieces)
             self._micro_batches += 1  # before the call: after an error, gradients may have accumulated
-            replies = await self.group.all(messages)
+            replies = self._counted(await self.group.all(messages))
             counts = [r["metrics"]["count"] for r, _ in replies]
             total = sum(counts)
             loss = sum(r["metrics"]["loss"] * c for (r, _), c in zip(replies, counts, strict=True)) / max(total, 1.0)
@@ -304,7 +324,7 @@ class TrainingService:
         """Outputs of the model (eval mode, no gradients) for the global `batch`, in batch order."""
 
         async def action():
-            replies = await self.group.all(self._scatter(split_batch(batch, self.nproc), op="forward"))
+            replies = self._counted(await self.group.all(self._scatter(self._split(batch), op="forward")))
             return concat([unpack(r["result"], t) for r, t in replies])
 
         return await self._run(action)
@@ -314,8 +334,7 @@ class TrainingService:
         may use `disttrain.collectives`); returns the results in rank order."""
 
         async def action():
-            shards = split_batch(batch, self.nproc)
-            replies = await self.group.all(self._scatter(shards, op="call", fn=fn, kwargs=kwargs))
+            replies = await self.group.all(self._scatter(self._split(batch), op="call", fn=fn, kwargs=kwargs))
             return [unpack(r["result"], t) for r, t in replies]
 
         return await self._run(action)
@@ -364,7 +383,7 @@ class TrainingService:
 
         async def action():
             replies = await self.group.all([({"op": "state_dict"}, None)] * self.nproc)
-            return dict(replies[0][1])
+            return {k: v for _, tensors in replies for k, v in (tensors or {}).items()}  # (pipeline: each stage's)
 
         return await self._run(action)
 

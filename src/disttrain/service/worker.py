@@ -145,6 +145,9 @@ class Worker:
                                      **msg.get("parallel", {})})
         # the group forms before the model is built: a model factory may use it (as under the Trainer)
         spec = registry.resolve(parallel.strategy, self.world)
+        from disttrain.parallel.mesh import layout_for
+
+        self.layout = layout_for(parallel, self.world, spec)
         self.runtime = init_runtime(dist_cfg, always_form_group=spec.needs_group)
         torch.manual_seed(int(msg.get("seed", 0)))
         model = self._build_model(msg)
@@ -241,10 +244,12 @@ class Worker:
     def op_state_dict(self, msg: dict, tensors: dict) -> tuple[dict, dict | None]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        local = self.backend.prepared.local_state  # a pipeline stage: its own parameters, gathered on its ranks
         weights = get_model_state_dict(self.backend.model, options=StateDictOptions(full_state_dict=True,
-                                                                                      cpu_offload=True))
-        if self.rank != 0:
-            return {"keys": []}, None
+                                                                                      cpu_offload=not local))
+        at = self.layout.coords(self.rank)
+        if self.rank != 0 and not (local and at["dp_replicate"] == at["dp_shard"] == at["tp"] == 0):
+            return {"keys": []}, None  # (one rank per stage sends its part)
         return {"keys": list(weights)}, {k: v.detach().clone() for k, v in weights.items()}
 
     def op_ping(self, msg: dict, tensors: dict) -> tuple[dict, None]:
