@@ -19,7 +19,8 @@ from disttrain.parallel.mesh import MeshLayout, layout_for
 # 2 ranks: tensor parallel over both (data degree 1: no data axis); a pipeline of 2 stages under each schedule
 # (interleaved and zero-bubble put 2 virtual stages on each rank: a 4-block model, `layers4`)
 TWO = ["ddp+tp2", "ddp+tp2+sp", "fsdp+tp2", "ddp+pp2+gpipe", "ddp+pp2+1f1b", "ddp+pp2+i1f1b+layers4",
-       "ddp+pp2+zb+layers4"]
+       "ddp+pp2+zb+layers4", "ddp+tp2+ac", "ddp+pp2+ac"]  # (+ac: activation checkpointing composes)
+MIXED = ["ddp+tp2+bf16", "ddp+pp2+bf16"]  # bf16-mixed: against one process in bf16-mixed, to bf16's rounding
 # 4 ranks: tp2 x fsdp2, tp2 (sequence parallel) x replicate2, hsdp 2 x 2, pp2 x replicate2, pp2 x fsdp2, pp2 x tp2
 FOUR = ["fsdp+tp2", "ddp+tp2+sp", "hsdp:2", "ddp+pp2", "fsdp+pp2", "ddp+pp2+tp2"]
 # checkpoints across layouts: A>B trains A to step 10, saves, and B resumes it to step 20
@@ -47,10 +48,10 @@ def run_dir(variant: str) -> str:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("layouts")
     script = str(SCRIPTS / "strategy_parity.py")
-    single = subprocess.run([sys.executable, script, str(tmp), "single", "single+layers4"], cwd=tmp,
+    single = subprocess.run([sys.executable, script, str(tmp), "single", "single+layers4", "single+bf16"], cwd=tmp,
                             env=cli_env(tmp), capture_output=True, text=True, timeout=180)
     assert single.returncode == 0, single.stderr[-3000:]
-    for world, variants in ((2, TWO + RESUMES), (4, FOUR)):
+    for world, variants in ((2, TWO + MIXED + RESUMES), (4, FOUR)):
         launched = run_cli(["launch", "--nproc", str(world), "--run-dir", str(tmp / f"launch{world}"), script,
                             str(tmp), *variants], tmp, timeout=400)
         assert launched.returncode == 0, launched.stderr[-3000:]
@@ -87,6 +88,16 @@ def test_layout_matches_single_process(runs, world, variant):
     got = multi[world][variant]
     assert len(got["losses"]) == 20 and got["eval"].keys() == {"10", "20"}
     assert_same_training(got, reference_of(references, variant))
+
+
+@pytest.mark.parametrize("variant", MIXED)
+def test_layout_in_bf16_matches_single_process_in_bf16(runs, variant):
+    """Mixed precision composes: the losses follow one process's bf16-mixed run as closely as ddp's do (bf16
+    rounding; measured 1e-4 to 3e-4), and differ from the fp32 run (so the bf16 path really ran)."""
+    references, multi, _ = runs
+    got, bf16, fp32 = multi[2][variant], references["single+bf16"], references["single"]
+    assert got["losses"] == pytest.approx(bf16["losses"], abs=1e-3)
+    assert got["losses"] != pytest.approx(fp32["losses"], abs=1e-6)
 
 
 def test_single_process_learns(runs):
