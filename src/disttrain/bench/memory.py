@@ -15,10 +15,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from pathlib import Path
 
+PARALLEL_DEGREES = ("parallel.pipeline", "parallel.tensor")
 KINDS = ("params", "grads", "optimizer", "activations")
+LAYOUTS = {
+    "tp2": ("parallel.tensor=2",),
+    "tp2+sp": ("parallel.tensor=2", "parallel.sequence_parallel=true"),
+    "pp2-1f1b": ("parallel.pipeline=2", "parallel.pipeline_schedule=1f1b"),
+    "pp2-gpipe": ("parallel.pipeline=2", "parallel.pipeline_schedule=gpipe"),
+}
+"""Layouts of the model over the ranks (parallel.pipeline / parallel.tensor), the data axis (ddp) taking the rest."""
+MICRO_BATCHES = 4
+"""Micro-batches of a layout row's step (a pipeline schedule keeps some of them in flight)."""
 
 
 def _args(argv):
@@ -32,6 +43,11 @@ def _args(argv):
     p.add_argument("--strategies", default="all",
                    help="comma-separated, or all (every registered strategy that is installed); each runs the option "
                         "sets its spec lists (deepspeed: ZeRO stages 0-3, and 1-3 with offload)")
+    p.add_argument("--layouts", default=",".join(LAYOUTS),
+                   help="comma-separated model-parallel layouts measured at world size --nproc where they fit "
+                        f"({', '.join(LAYOUTS)}), each over {MICRO_BATCHES} micro-batches; empty: none")
+    p.add_argument("--world-sizes", default="",
+                   help="comma-separated world sizes to launch (default: 1 and --nproc)")
     p.add_argument("--out", default="bench_results")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -46,10 +62,11 @@ def _config(args, strategy: str, checkpointing: bool, extra: tuple[str, ...] = (
                               f"parallel.precision={args.precision}", "dist.threads_per_rank=1", *extra])
 
 
-def _variants(args, world: int) -> list[tuple[str, str, bool, tuple[str, ...]]]:
-    """(label, strategy, activation checkpointing, config overrides) for each run at `world` ranks, from the
-    strategy registry: every spec's option sets (its defaults when it lists none), with and without activation
-    checkpointing where the option sets are the defaults."""
+def _variants(args, world: int) -> list[tuple[str, str, bool, tuple[str, ...], int]]:
+    """(label, strategy, activation checkpointing, config overrides, micro-batches) for each run at `world` ranks,
+    from the strategy registry: every spec's option sets (its defaults when it lists none), with and without
+    activation checkpointing where the option sets are the defaults, one micro-batch each; then the `--layouts`
+    that fit `world` (> 1) ranks, with ddp on the data axis, `MICRO_BATCHES` micro-batches each."""
     from disttrain.config import strategies_for
     from disttrain.parallel import registry
 
@@ -69,9 +86,16 @@ def _variants(args, world: int) -> list[tuple[str, str, bool, tuple[str, ...]]]:
         if "hsdp_shard_size" in spec.options:  # shard groups of 1 rank, replicated across them: not fsdp's layout
             extra += ("parallel.hsdp_shard_size=1",)
         if spec.variants:
-            out += [(label, spec.name, False, (*overrides, *extra)) for label, overrides in spec.variants]
+            out += [(label, spec.name, False, (*overrides, *extra), 1) for label, overrides in spec.variants]
         else:
-            out += [(spec.name, spec.name, ac, extra) for ac in (False, True)]
+            out += [(spec.name, spec.name, ac, extra, 1) for ac in (False, True)]
+    for label in filter(None, args.layouts.split(",")):
+        overrides = LAYOUTS[label]
+        split = math.prod(int(o.split("=")[1]) for o in overrides if o.split("=")[0] in PARALLEL_DEGREES)
+        if world > 1 and world % split == 0:
+            batch = f"data.global_batch_size={args.micro * world // split * MICRO_BATCHES}"
+            out.append((label if world == split else f"{label}xdp{world // split}", "ddp", False,
+                        (*overrides, batch), MICRO_BATCHES))
     return out
 
 
@@ -83,21 +107,22 @@ def _worker(args) -> None:
     from disttrain.memory import estimate, measure
     from disttrain.models import build_model
     from disttrain.optim import optimizer_factory
+    from disttrain.parallel.mesh import layout_for
     from disttrain.runtime import exit_process, init_runtime, shutdown
 
     runtime = init_runtime(_config(args, "auto", False).dist, always_form_group=True)
     world = runtime.world_size
     rows = []
-    for label, strategy, checkpointing, extra in _variants(args, world):
+    for label, strategy, checkpointing, extra, steps in _variants(args, world):
         cfg = _config(args, strategy, checkpointing, extra)
         torch.manual_seed(0)
         train, _ = build_datasets(cfg.data, cfg.model.seq_len)
-        start = runtime.rank * args.micro
+        start = layout_for(cfg.parallel, world).data_rank(runtime.rank) * args.micro * steps
+        batches = [fetch(train, range(start + i * args.micro, start + (i + 1) * args.micro)) for i in range(steps)]
         measured = measure(lambda cfg=cfg: create_backend(build_model(cfg.model), optimizer_factory(cfg.optim),
-                                                          cfg.parallel, runtime=runtime),
-                           fetch(train, range(start, start + args.micro)))
+                                                          cfg.parallel, runtime=runtime), batches)
         est = estimate(cfg, world, strategy, runtime.rank)
-        rows.append({"strategy": label, "ac": checkpointing, "world": world, "rank": runtime.rank,
+        rows.append({"strategy": label, "ac": checkpointing, "world": world, "rank": runtime.rank, "steps": steps,
                      "measured": measured,
                      "estimated": {"params": est.params, "grads": est.grads, "optimizer": est.optimizer,
                                    "activations": est.activations_ac if checkpointing else est.activations}})
@@ -117,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    for world in (1, args.nproc):
+    for world in [int(w) for w in args.world_sizes.split(",")] if args.world_sizes else (1, args.nproc):
         code = launch(world, worker_entry("disttrain.bench.memory", args), out / "memory_run")
         if code:
             return code
