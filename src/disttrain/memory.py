@@ -26,7 +26,9 @@ import torch
 from torch import nn
 
 from disttrain.config import Config, ModelConfig
-from disttrain.parallel import registry
+from disttrain.parallel import placement, registry
+from disttrain.parallel.layout import replicated
+from disttrain.parallel.mesh import MeshLayout, layout_for
 
 
 @dataclass
@@ -39,24 +41,36 @@ class MemoryEstimate:
     activations: int | None  # without activation checkpointing
     activations_ac: int | None  # with activation checkpointing
     notes: list[str] = field(default_factory=list)
+    layout: str = ""
+    """How the job lies on the ranks (`MeshLayout.describe`, e.g. "pp2 x dp_shard2"); empty when the model is
+    not split (pipeline = tensor = 1)."""
+    rank: int | None = None
+    """The rank estimated (the most loaded one unless one was asked for); None where all ranks hold the same."""
 
     def total(self, activation_checkpointing: bool) -> int | None:
         acts = self.activations_ac if activation_checkpointing else self.activations
         return None if acts is None else self.params + self.grads + self.optimizer + acts
 
 
-def param_shapes(model_cfg: ModelConfig) -> list[torch.Size]:
-    """Shapes of the model's trainable parameters (tied ones once), built on the meta device: no memory."""
+def meta_model(model_cfg: ModelConfig) -> nn.Module:
+    """The model built on the meta device: names and shapes, no memory."""
     from disttrain.models import build_model
 
     with torch.device("meta"):
-        model = build_model(model_cfg)
-    return [p.shape for p in model.parameters() if p.requires_grad]
+        return build_model(model_cfg)
+
+
+def param_shapes(model_cfg: ModelConfig) -> list[torch.Size]:
+    """Shapes of the model's trainable parameters (tied ones once), built on the meta device: no memory."""
+    return [p.shape for p in meta_model(model_cfg).parameters() if p.requires_grad]
 
 
 def gpt_activation_bytes(m: ModelConfig, micro_batch: int, checkpointing: bool, precision: str = "fp32",
-                         linears: str = "autocast") -> int:
-    """Bytes autograd keeps for backward after the forward of one micro-batch of the reference GPT.
+                         linears: str = "autocast", *, tensor: int = 1, sequence_parallel: bool = False,
+                         blocks: int | None = None, embeds: bool = True, head: bool = True, ids: bool = True) -> int:
+    """Bytes autograd keeps for backward after the forward of one micro-batch of the reference GPT (or of a
+    pipeline stage of it: `blocks` blocks, with the embedding if `embeds` and ln_f, the head and the loss if
+    `head`; `ids`: with the token ids the embedding saves, which a pipeline keeps for the whole step apart).
 
     Per block and token: LayerNorm inputs and their mean/rstd (in the residual stream's dtype: float32, or
     bfloat16 under bf16-true), LayerNorm outputs (2 x d), the q, k and v outputs (3 d), the
@@ -73,8 +87,16 @@ def gpt_activation_bytes(m: ModelConfig, micro_batch: int, checkpointing: bool, 
                  copies, and the residual stream runs in 16 bits too (the layout of bf16-true);
     "zero3"      DeepSpeed ZeRO-3's memory-efficient linear (it replaces torch.nn.functional.linear) saves
                  the parameter, not a copy, and its input as it comes: LayerNorm outputs stay float32.
+
+    Tensor parallelism over `tensor` ranks (measured exact in fp32 on CPU) splits what the column-wise linears
+    make: q, k, v, the attention output and its logsumexp (heads), the MLP hidden before and after GELU; the norms'
+    inputs, statistics and outputs, the log-softmax (the head's logits are gathered) and the ids stay whole. With
+    `sequence_parallel` the norms' inputs and statistics (and a checkpointed block's input) are split along the
+    sequence too, but their outputs are not: the linears save the all-gathered input.
     """
-    b, t, d, h, v, n = micro_batch, m.seq_len, m.d_model, m.n_head, m.vocab_size, m.n_layer
+    b, t, d, h, v = micro_batch, m.seq_len, m.d_model, m.n_head, m.vocab_size
+    n = m.n_layer if blocks is None else blocks
+    tp, sp = tensor, tensor if sequence_parallel else 1
     mixed = precision in ("bf16-mixed", "fp16-mixed")
     act = 4 if precision == "fp32" else 2  # activations
     res = 2 if precision == "bf16-true" or (mixed and linears == "gathered16") else 4  # residual stream, LN
@@ -82,10 +104,19 @@ def gpt_activation_bytes(m: ModelConfig, micro_batch: int, checkpointing: bool, 
     copies = 2 if mixed and linears == "autocast" else 0  # bytes per weight element autocast saves
     # autocast casts ln1's output once for each of q, k and v, and each keeps its own copy: 2 more than one linear
     recasts = 2 * act * d if mixed and linears == "autocast" else 0
-    block = res * d if checkpointing else 2 * res * d + 4 * res + 2 * ln_out * d + 12 * act * d + 4 * h + recasts
-    outside = res * d + 2 * res + ln_out * d + 4 * v + 8 * 2
-    weights = ((0 if checkpointing else n * 12 * d * d) + v * d) * copies
-    return b * t * (n * block + outside) + weights + 8 * t + 4 + (4 if precision == "fp16-mixed" else 0)
+    # per block: (bytes per token split along the sequence under sp, whole, split by tensor parallelism)
+    if checkpointing:
+        block = (res * d, 0, 0)
+    else:
+        block = (2 * res * d + 4 * res, 2 * ln_out * d + recasts, 12 * act * d // tp + 4 * h // tp)
+    total = n * (b * t // sp * block[0] + b * t * (block[1] + block[2]))
+    if embeds:  # the token ids and the positions the embeddings save
+        total += (8 * b * t if ids else 0) + 8 * t
+    if head:  # ln_f, the float32 log-softmax, the int64 targets, the loss's total weight (fp16: and its scale)
+        total += b * t // sp * (res * d + 2 * res) + b * t * (ln_out * d + 4 * v + 8) + 4
+        total += 4 if precision == "fp16-mixed" else 0
+    weights = ((0 if checkpointing else n * 12 * d * d) + (v * d if head else 0)) * copies // tp
+    return total + weights
 
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
@@ -115,10 +146,16 @@ def llama_activation_bytes(hf: dict, micro_batch: int, seq_len: int, checkpointi
     return b * t * n * layer + outside
 
 
-def _activations(cfg: Config, layout) -> tuple[int | None, int | None, list[str]]:
-    """(activations, with checkpointing, notes) for the models the estimator knows: the reference GPT, and
-    Llama-family HF models in fp32."""
+def _activations(cfg: Config, layout, mesh: MeshLayout | None = None, model: nn.Module | None = None,
+                 stage_rank: int = 0) -> tuple[int | None, int | None, list[str]]:
+    """(activations, with checkpointing, notes) for the models the estimator knows: the reference GPT (on any
+    layout), and Llama-family HF models in fp32 (model not split)."""
     precision, micro = cfg.parallel.precision, cfg.data.micro_batch_size
+    if mesh is not None and cfg.model.name == "gpt":
+        return _gpt_split_activations(cfg, layout.linears, mesh, model, stage_rank)
+    if mesh is not None:
+        return None, None, ["activations under parallel.pipeline / parallel.tensor are estimated for the reference "
+                            "GPT only; measure your model instead (`disttrain bench memory`)"]
     if cfg.model.name == "gpt":
         acts, acts_ac = (gpt_activation_bytes(cfg.model, micro, ac, precision, layout.linears) for ac in (False, True))
         notes = []
@@ -139,13 +176,75 @@ def _activations(cfg: Config, layout) -> tuple[int | None, int | None, list[str]
 
 
 def estimate(cfg: Config, world: int, strategy: str | None = None, rank: int | None = None) -> MemoryEstimate:
-    """Bytes per rank, from the strategy's memory layout (its spec); where ranks differ (zero1, deepspeed),
-    `rank`'s or, with None, the most loaded one's."""
+    """Bytes per rank, from the strategy's memory layout (its spec) on the layout the config asks for
+    (parallel.pipeline, parallel.tensor); where ranks differ (pipeline stages, zero1, deepspeed), `rank`'s or,
+    with None, the most loaded one's."""
     spec = registry.resolve(strategy or cfg.parallel.strategy, world)
+    mesh = layout_for(cfg.parallel, world, spec)
+    if mesh.model_parallel:
+        return _split_estimate(cfg, spec, mesh, rank)
     layout = spec.memory([tuple(s) for s in param_shapes(cfg.model)], cfg, world, rank)
     acts, acts_ac, notes = _activations(cfg, layout)
     notes = list(layout.notes) + notes
     return MemoryEstimate(spec.name, world, layout.params, layout.grads, layout.optimizer, acts, acts_ac, notes)
+
+
+def _split_estimate(cfg: Config, spec, mesh: MeshLayout, rank: int | None) -> MemoryEstimate:
+    """A model split by a pipeline and/or tensor parallelism: each rank's stage(s) and tensor shards (by parameter
+    name, parallel/placement.py), the strategy's data axis on top, and the activations its schedule keeps."""
+    model = meta_model(cfg.model)
+    # ranks differ only by pipeline stage (tensor shards are alike; the composing strategies treat data ranks alike)
+    ranks = [rank] if rank is not None else [mesh.world // mesh.pipeline * stage for stage in range(mesh.pipeline)]
+    best = None
+    for r in ranks:
+        e = _rank_estimate(cfg, spec, mesh, model, r)
+        if best is None or (e.total(False) or e.params + e.grads + e.optimizer) > \
+                (best.total(False) or best.params + best.grads + best.optimizer):
+            best = e
+    if rank is None and mesh.pipeline > 1:
+        best.notes.insert(0, f"pipeline: the most loaded stage's rank ({best.rank}) of {mesh.pipeline}")
+    return best
+
+
+def _rank_estimate(cfg: Config, spec, mesh: MeshLayout, model: nn.Module, rank: int) -> MemoryEstimate:
+    stage_rank = mesh.coords(rank)["pp"]
+    shapes = placement.local_shapes(model, mesh, cfg.parallel, stage_rank)
+    if mesh.data > 1:
+        layout = spec.memory(shapes, cfg, mesh.data, mesh.data_rank(rank), mesh=mesh)
+    else:  # no data axis: the split model as it is (parallel/compose.py)
+        layout = replicated(shapes, cfg, 1, None)
+    acts, acts_ac, notes = _activations(cfg, layout, mesh, model, stage_rank)
+    return MemoryEstimate(spec.name, mesh.world, layout.params, layout.grads, layout.optimizer, acts, acts_ac,
+                          list(layout.notes) + notes, mesh.describe(), rank)
+
+
+def _gpt_split_activations(cfg: Config, linears: str, mesh: MeshLayout, model: nn.Module,
+                           stage_rank: int) -> tuple[int, int, list[str]]:
+    """The reference GPT's activations on one rank of a pipeline x tensor layout: each micro-batch the schedule
+    keeps in flight there (placement.in_flight) holds what its stage saves, tensor-split as gpt_activation_bytes
+    says; the first stage also holds the step's token ids, one tensor that the pipeline cuts into micro-batches."""
+    p, m, micro = cfg.parallel, cfg.model, cfg.data.micro_batch_size
+    stages = placement.rank_stages(mesh, p, stage_rank)
+    bounds = placement.stage_bounds(model, mesh.pipeline * placement.virtual_stages(p), p.pipeline_split)
+    last = mesh.pipeline * placement.virtual_stages(p) - 1
+    microbatches = cfg.data.global_batch_size // (mesh.data * micro) if mesh.pipeline > 1 else 1
+    chunks = placement.in_flight(p.pipeline_schedule, mesh.pipeline, stage_rank, microbatches) \
+        if mesh.pipeline > 1 else [0]
+    out = []
+    for ac in (False, True):
+        total = sum(gpt_activation_bytes(m, micro, ac, p.precision, linears, tensor=mesh.tensor,
+                                         sequence_parallel=p.sequence_parallel,
+                                         blocks=bounds[stages[c]][1] - bounds[stages[c]][0],
+                                         embeds=stages[c] == 0, head=stages[c] == last, ids=mesh.pipeline == 1)
+                    for c in chunks)
+        out.append(total + (8 * microbatches * micro * m.seq_len if 0 in stages and mesh.pipeline > 1 else 0))
+    notes = []
+    if mesh.tensor > 1 and p.precision != "fp32":  # checked: fp32; bf16-mixed tp2 measured 11% below the estimate
+        notes.append("activations under parallel.tensor > 1 are checked in fp32; in 16 bits they are approximate")
+    if mesh.pipeline > 1:
+        notes.append(f"pipeline ({p.pipeline_schedule}, {microbatches} micro-batches per step): stage rank "
+                     f"{stage_rank} keeps {len(chunks)} micro-batches' activations in flight")
+    return out[0], out[1], notes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,10 +291,60 @@ def _reachable_storages(roots: list) -> dict[int, int]:
     return found
 
 
+class SavedPeak:
+    """Saved-tensor hooks that keep the bytes autograd holds for backward, live, and their peak: a storage counts
+    from the first time a graph saves it until the last graph node holding it is freed (its backward has run).
+    Parameters are not activations: a parameter, a view of one (FSDP2 saves transposed views of its gathered
+    parameters), or a tensor on a parameter's storage (a tensor-parallel weight's local shard) is left out."""
+
+    def __init__(self, param_ptrs: set[int]):
+        self.param_ptrs, self.holders, self.sizes = param_ptrs, {}, {}
+        self.live = self.peak = 0
+
+    def pack(self, t: torch.Tensor):
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            return t
+        storage = _local(t).untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self.param_ptrs or not storage.nbytes():
+            return t
+        return _Held(self, t, ptr, storage.nbytes())
+
+    @staticmethod
+    def unpack(held):
+        return held.tensor if isinstance(held, _Held) else held
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+class _Held:
+    """One saved tensor; autograd drops it when the node that saved it is freed."""
+
+    def __init__(self, peak: SavedPeak, tensor: torch.Tensor, ptr: int, nbytes: int):
+        self.peak, self.tensor, self.ptr = peak, tensor, ptr
+        holders = peak.holders.get(ptr, 0)
+        if not holders:
+            peak.sizes[ptr] = nbytes
+            peak.live += nbytes
+            peak.peak = max(peak.peak, peak.live)
+        peak.holders[ptr] = holders + 1
+
+    def __del__(self):
+        peak = self.peak
+        peak.holders[self.ptr] -= 1
+        if not peak.holders[self.ptr]:
+            del peak.holders[self.ptr]
+            peak.live -= peak.sizes.pop(self.ptr)
+
+
 def measure(build, batch) -> dict[str, int]:
-    """Build a backend with `build()`, run one step of `batch` and return the bytes this rank holds: params,
-    grads (after backward), optimizer state (after the step: its state, plus any tensor it steps that is not
-    a model parameter, i.e. a master copy) and activations saved for backward (during forward).
+    """Build a backend with `build()`, run one step of `batch` (or of a list of micro-batches, accumulated: all
+    but the last with sync=False) and return the bytes this rank holds: params, grads (after backward),
+    optimizer state (after the step: its state, plus any tensor it steps that is not a model parameter, i.e. a
+    master copy) and activations: the peak of the bytes autograd held saved for backward at once during the
+    step (`SavedPeak`). Without a pipeline that is what one micro-batch's forward saves (the next forward starts
+    after the previous backward freed it); under a pipeline schedule it is the most this stage held in flight.
 
     An engine strategy (deepspeed) keeps gradients in buffers of its own rather than in `param.grad`: there,
     grads are every tensor storage reachable from the engine (or a parameter's `.grad`) after backward that is
@@ -204,20 +353,11 @@ def measure(build, batch) -> dict[str, int]:
     params = list(backend.model.parameters())
     owned = params + [p.ds_tensor for p in params if hasattr(p, "ds_tensor")]  # ZeRO-3's partitions
     param_ptrs = {_local(p).untyped_storage().data_ptr() for p in owned}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        # parameters are not activations: the parameter itself, a view of it (FSDP2 saves transposed views
-        # of its gathered parameters), or a sharded DTensor
-        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or hasattr(t, "to_local"):
-            return t
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in param_ptrs and storage.nbytes():
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        backend.forward_backward(batch)
+    saved = SavedPeak(param_ptrs)
+    batches = batch if isinstance(batch, list) else [batch]
+    with saved.hooks():
+        for i, micro in enumerate(batches):
+            backend.forward_backward(micro, sync=i == len(batches) - 1)
     engine = getattr(backend.prepared, "engine", None)
     if engine is None:
         grads = _tensor_bytes(p.grad for p in params if p.grad is not None)
@@ -234,7 +374,7 @@ def measure(build, batch) -> dict[str, int]:
         grads = sum(n for ptr, n in held.items() if ptr not in skip)
     state = [v for per_param in optimizer.state.values() for v in per_param.values() if torch.is_tensor(v)]
     return {"params": _tensor_bytes(owned), "grads": grads, "optimizer": _tensor_bytes(state + stepped),
-            "activations": sum(saved.values())}
+            "activations": saved.peak}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -244,13 +384,14 @@ def measure(build, batch) -> dict[str, int]:
 def report(cfg: Config, world: int, strategies: list[str], budget_gib: float | None) -> str:
     """A table of per-rank bytes for each strategy, with and without activation checkpointing."""
     mib = 2**20
+    estimates = [estimate(cfg, world, strategy) for strategy in strategies]
+    split = any(e.layout for e in estimates)  # the model is split: each row says how the ranks lie
     rows = [f"per-rank memory estimate: world size {world}, micro-batch {cfg.data.micro_batch_size}, "
             f"seq_len {cfg.model.seq_len}, precision {cfg.parallel.precision}, optimizer {cfg.optim.name}", "",
             f"{'strategy':<9} {'params':>9} {'grads':>9} {'optim':>9} {'activ.':>9} {'activ.AC':>9} "
-            f"{'total':>9} {'total AC':>9}  (MiB)" + ("  fits" if budget_gib else "")]
+            f"{'total':>9} {'total AC':>9}  (MiB)" + ("  fits" if budget_gib else "") + ("  layout" if split else "")]
     notes = []
-    for strategy in strategies:
-        e = estimate(cfg, world, strategy)
+    for strategy, e in zip(strategies, estimates, strict=True):
         cells = [e.params, e.grads, e.optimizer, e.activations, e.activations_ac, e.total(False), e.total(True)]
         text = " ".join(f"{c / mib:>9.1f}" if c is not None else f"{'n/a':>9}" for c in cells)
         fits = ""
@@ -258,7 +399,7 @@ def report(cfg: Config, world: int, strategies: list[str], budget_gib: float | N
             budget = budget_gib * 2**30
             fits = "  " + ("yes" if (e.total(False) or 0) <= budget else
                            "with AC" if (e.total(True) or 0) <= budget else "no")
-        rows.append(f"{strategy:<9} {text}{fits}")
+        rows.append(f"{strategy:<9} {text}{fits}" + (f"  {e.layout}" if split else ""))
         notes += [n for n in e.notes if n not in notes]
     rows += ["", *(f"note: {n}" for n in notes),
              "Steady-state bytes per rank; allocator caches, communication buffers and temporaries come on top."]

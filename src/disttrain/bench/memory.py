@@ -1,7 +1,7 @@
 """Benchmark: the memory estimator against measurement, for every strategy at world sizes 1 and N.
 
     disttrain bench memory [--nproc 2] [--n-layer 4] [--d-model 128] [--micro 8] [--precision fp32]
-                           [--out bench_results]
+                           [--layouts tp2,tp2+sp,pp2-1f1b,pp2-gpipe] [--world-sizes 1,2] [--out bench_results]
 
 Each world size is one torchrun launch in which every strategy (with and without activation checkpointing)
 builds the reference GPT, runs one step, and measures the bytes its rank holds (memory.measure). Where
@@ -9,16 +9,36 @@ DeepSpeed is installed, its ZeRO stages 0-3 run too (`deepspeed-zN`), with a ZeR
 of d_model^2 elements so that both whole and partitioned parameters occur. The report puts estimate and
 measurement side by side, with the per-rank model-state bytes of fsdp vs ddp and the optimizer-state bytes
 of zero1 vs ddp. Results: `<out>/memory.json` and `<out>/memory.md`.
+
+In the same launch, at world size N, the model-parallel `--layouts` that fit N ranks (tensor parallelism with and
+without sequence parallelism, a 2-stage pipeline under 1F1B and GPipe, the data axis taking the ranks left) run a
+step of `MICRO_BATCHES` micro-batches: a pipeline's activations are the peak it keeps in flight during its
+schedule (memory.SavedPeak), estimated per rank from its stage.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from pathlib import Path
 
+PARALLEL_DEGREES = ("parallel.pipeline", "parallel.tensor")
 KINDS = ("params", "grads", "optimizer", "activations")
+LAYOUTS = {
+    "tp2": ("parallel.tensor=2",),
+    "tp2+sp": ("parallel.tensor=2", "parallel.sequence_parallel=true"),
+    "pp2-1f1b": ("parallel.pipeline=2", "parallel.pipeline_schedule=1f1b"),
+    "pp2-gpipe": ("parallel.pipeline=2", "parallel.pipeline_schedule=gpipe"),
+    "pp2-fsdp": ("parallel.pipeline=2", "parallel.strategy=fsdp"),
+}
+"""Layouts of the model over the ranks (parallel.pipeline / parallel.tensor), the data axis taking the rest (ddp
+unless the layout names a strategy; with 2 ranks per data coordinate pp2-fsdp is pp2-1f1b). Measured by default:
+`DEFAULT_LAYOUTS`."""
+DEFAULT_LAYOUTS = ("tp2", "tp2+sp", "pp2-1f1b", "pp2-gpipe")
+MICRO_BATCHES = 4
+"""Micro-batches of a layout row's step (a pipeline schedule keeps some of them in flight)."""
 
 
 def _args(argv):
@@ -32,6 +52,11 @@ def _args(argv):
     p.add_argument("--strategies", default="all",
                    help="comma-separated, or all (every registered strategy that is installed); each runs the option "
                         "sets its spec lists (deepspeed: ZeRO stages 0-3, and 1-3 with offload)")
+    p.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS),
+                   help="comma-separated model-parallel layouts measured at world size --nproc where they fit "
+                        f"({', '.join(LAYOUTS)}), each over {MICRO_BATCHES} micro-batches; empty: none")
+    p.add_argument("--world-sizes", default="",
+                   help="comma-separated world sizes to launch (default: 1 and --nproc)")
     p.add_argument("--out", default="bench_results")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -46,10 +71,11 @@ def _config(args, strategy: str, checkpointing: bool, extra: tuple[str, ...] = (
                               f"parallel.precision={args.precision}", "dist.threads_per_rank=1", *extra])
 
 
-def _variants(args, world: int) -> list[tuple[str, str, bool, tuple[str, ...]]]:
-    """(label, strategy, activation checkpointing, config overrides) for each run at `world` ranks, from the
-    strategy registry: every spec's option sets (its defaults when it lists none), with and without activation
-    checkpointing where the option sets are the defaults."""
+def _variants(args, world: int) -> list[tuple[str, str, bool, tuple[str, ...], int]]:
+    """(label, strategy, activation checkpointing, config overrides, micro-batches) for each run at `world` ranks,
+    from the strategy registry: every spec's option sets (its defaults when it lists none), with and without
+    activation checkpointing where the option sets are the defaults, one micro-batch each; then the `--layouts`
+    that fit `world` (> 1) ranks, with ddp on the data axis, `MICRO_BATCHES` micro-batches each."""
     from disttrain.config import strategies_for
     from disttrain.parallel import registry
 
@@ -69,9 +95,17 @@ def _variants(args, world: int) -> list[tuple[str, str, bool, tuple[str, ...]]]:
         if "hsdp_shard_size" in spec.options:  # shard groups of 1 rank, replicated across them: not fsdp's layout
             extra += ("parallel.hsdp_shard_size=1",)
         if spec.variants:
-            out += [(label, spec.name, False, (*overrides, *extra)) for label, overrides in spec.variants]
+            out += [(label, spec.name, False, (*overrides, *extra), 1) for label, overrides in spec.variants]
         else:
-            out += [(spec.name, spec.name, ac, extra) for ac in (False, True)]
+            out += [(spec.name, spec.name, ac, extra, 1) for ac in (False, True)]
+    for label in filter(None, args.layouts.split(",")):
+        settings = dict(o.split("=") for o in LAYOUTS[label])
+        strategy = settings.pop("parallel.strategy", "ddp")
+        split = math.prod(int(settings[key]) for key in PARALLEL_DEGREES if key in settings)
+        if world > 1 and world % split == 0:
+            batch = f"data.global_batch_size={args.micro * world // split * MICRO_BATCHES}"
+            out.append((label, strategy, False,
+                        (*(f"{k}={v}" for k, v in settings.items()), batch), MICRO_BATCHES))
     return out
 
 
@@ -83,21 +117,23 @@ def _worker(args) -> None:
     from disttrain.memory import estimate, measure
     from disttrain.models import build_model
     from disttrain.optim import optimizer_factory
+    from disttrain.parallel.mesh import layout_for
     from disttrain.runtime import exit_process, init_runtime, shutdown
 
     runtime = init_runtime(_config(args, "auto", False).dist, always_form_group=True)
     world = runtime.world_size
     rows = []
-    for label, strategy, checkpointing, extra in _variants(args, world):
+    for label, strategy, checkpointing, extra, steps in _variants(args, world):
         cfg = _config(args, strategy, checkpointing, extra)
         torch.manual_seed(0)
         train, _ = build_datasets(cfg.data, cfg.model.seq_len)
-        start = runtime.rank * args.micro
+        start = layout_for(cfg.parallel, world).data_rank(runtime.rank) * args.micro * steps
+        batches = [fetch(train, range(start + i * args.micro, start + (i + 1) * args.micro)) for i in range(steps)]
         measured = measure(lambda cfg=cfg: create_backend(build_model(cfg.model), optimizer_factory(cfg.optim),
-                                                          cfg.parallel, runtime=runtime),
-                           fetch(train, range(start, start + args.micro)))
+                                                          cfg.parallel, runtime=runtime), batches)
         est = estimate(cfg, world, strategy, runtime.rank)
-        rows.append({"strategy": label, "ac": checkpointing, "world": world, "rank": runtime.rank,
+        rows.append({"strategy": label, "ac": checkpointing, "world": world, "rank": runtime.rank, "steps": steps,
+                     "layout": est.layout,
                      "measured": measured,
                      "estimated": {"params": est.params, "grads": est.grads, "optimizer": est.optimizer,
                                    "activations": est.activations_ac if checkpointing else est.activations}})
@@ -117,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    for world in (1, args.nproc):
+    for world in [int(w) for w in args.world_sizes.split(",")] if args.world_sizes else (1, args.nproc):
         code = launch(world, worker_entry("disttrain.bench.memory", args), out / "memory_run")
         if code:
             return code
@@ -140,7 +176,8 @@ def _report(rows: list[dict], args) -> dict:
             err = abs(est - meas) / meas if meas else float(est != 0)  # nothing measured: 0% or 100% off
             worst = max(worst, err)
             cells.append(f"{est / 2**20:.2f}/{meas / 2**20:.2f} ({err:.1%})")
-        lines.append(f"| {r['world']} | {r['strategy']} | {'yes' if r['ac'] else 'no'} | {r['rank']} | "
+        label = f"{r['strategy']} ({r['layout']})" if r.get("layout") else r["strategy"]
+        lines.append(f"| {r['world']} | {label} | {'yes' if r['ac'] else 'no'} | {r['rank']} | "
                      + " | ".join(cells) + " |")
 
     def ratio(strategy, key):  # of the most loaded ranks, vs ddp (None where either was not run)

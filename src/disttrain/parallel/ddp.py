@@ -48,7 +48,11 @@ def apply(model, runtime, cfg, mesh=None) -> Prepared:
                     comm=meter)
 
 
-def memory(shapes, cfg, world: int, rank: int | None) -> layout.MemoryLayout:
+def memory(shapes, cfg, world: int, rank: int | None, mesh=None) -> layout.MemoryLayout:
+    if mesh is not None:  # the data axis of a pipeline / tensor-parallel layout runs as FSDP2 replicate (`apply`)
+        from disttrain.parallel import fsdp
+
+        return fsdp.memory_replicate(shapes, cfg, world, rank)
     out = layout.replicated(shapes, cfg, world, rank)
     if not cfg.parallel.gradient_as_bucket_view:
         out.grads *= 2  # gradients plus DDP's communication buckets

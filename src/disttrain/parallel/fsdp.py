@@ -141,17 +141,23 @@ def sharded_axes(p, data: int) -> tuple[int, int]:
     return 1, data
 
 
-def memory_fsdp(shapes, cfg, world: int, rank: int | None) -> layout.MemoryLayout:
+def memory_fsdp(shapes, cfg, world: int, rank: int | None, mesh=None) -> layout.MemoryLayout:
     return layout.sharded(shapes, cfg, world)
 
 
-def memory_zero2(shapes, cfg, world: int, rank: int | None) -> layout.MemoryLayout:
+def memory_replicate(shapes, cfg, world: int, rank: int | None) -> layout.MemoryLayout:
+    """`replicate`'s layout: FSDP2 on one shard (whole parameters, gradients and optimizer state; its mixed-precision
+    policy casts the weights, so no autocast copies are saved)."""
+    return layout.sharded(shapes, cfg, 1)
+
+
+def memory_zero2(shapes, cfg, world: int, rank: int | None, mesh=None) -> layout.MemoryLayout:
     out = layout.sharded(shapes, cfg, world)
     out.notes.append("zero2 also holds each block's full parameters from its forward to its backward")
     return out
 
 
-def memory_hsdp(shapes, cfg, world: int, rank: int | None) -> layout.MemoryLayout:
+def memory_hsdp(shapes, cfg, world: int, rank: int | None, mesh=None) -> layout.MemoryLayout:
     return layout.sharded(shapes, cfg, cfg.parallel.hsdp_shard_size or world)
 
 

@@ -39,7 +39,10 @@ class StrategySpec:
     """One line for `disttrain config --list` and the docs."""
     memory: Callable[..., MemoryLayout]
     """memory(shapes, cfg, world, rank) -> MemoryLayout: per-rank bytes of parameters, gradients and optimizer
-    state (see parallel/layout.py); `rank=None` means the most loaded rank."""
+    state (see parallel/layout.py); `rank=None` means the most loaded rank. A strategy with `data_axes` is also
+    called, under a pipeline / tensor layout, as memory(shapes, cfg, data, data_rank, mesh=MeshLayout), as `apply`
+    gets `mesh=`: the shapes are one rank's stage and tensor shard (parallel/placement.py), `data` the
+    data-parallel degree."""
     check: Callable[[Config, int], None] | None = None
     """check(cfg, world): the strategy's own option checks, raising a one-line ConfigError. It receives the
     whole config because some engines tie their options to the batch (DeepSpeed's JSON batch keys)."""

@@ -1,0 +1,125 @@
+"""Where a model's parameters live under a pipeline x tensor layout, by name, for the memory estimator: which
+parameters a pipeline rank holds (its stage's blocks, the embeddings on the first stage, the final norm and head on
+the last; a tied embedding/head weight on both) and the local shape of each under tensor parallelism (the split
+parallel/tensor.py applies: column-wise linears by output rows, row-wise by input columns with their bias whole,
+the embedding by vocabulary rows, the head by vocabulary columns, i.e. its weight's rows; the rest whole).
+
+It reads a model built on the meta device (no memory) and the same split rules the strategies apply
+(pipeline.split_points, tensor.FAMILIES), so the estimate follows what a real run holds.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from disttrain.parallel import pipeline, tensor
+from disttrain.parallel.activation_checkpoint import transformer_blocks
+from disttrain.parallel.mesh import VIRTUAL_SCHEDULES, MeshLayout
+
+if TYPE_CHECKING:
+    from disttrain.config import ParallelConfig
+
+Shape = tuple[int, ...]
+
+
+def virtual_stages(parallel: ParallelConfig) -> int:
+    """Stages per pipeline rank: 2 for the interleaved schedules, else 1."""
+    return 2 if parallel.pipeline_schedule in VIRTUAL_SCHEDULES else 1
+
+
+def stage_bounds(model: nn.Module, stages: int, given: str) -> list[tuple[int, int]]:
+    """[first block, end) of each stage, as the pipeline splits the model."""
+    cuts = pipeline.split_points(model, stages, given) if stages > 1 else []
+    return list(zip([0, *cuts], [*cuts, len(transformer_blocks(model))], strict=True))
+
+
+def rank_stages(layout: MeshLayout, parallel: ParallelConfig, pipeline_rank: int) -> list[int]:
+    """The stages a pipeline rank runs (virtual stages loop: stage s on rank s mod ranks)."""
+    stages = layout.pipeline * virtual_stages(parallel)
+    return [s for s in range(stages) if s % layout.pipeline == pipeline_rank]
+
+
+def stage_parameters(model: nn.Module, layout: MeshLayout, parallel: ParallelConfig,
+                     pipeline_rank: int) -> list[tuple[str, nn.Parameter]]:
+    """(first name, parameter) of every trainable parameter the pipeline rank holds, each once."""
+    if layout.pipeline == 1:
+        return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    fam = pipeline.FAMILIES[pipeline.family_of(model)]
+    stages = layout.pipeline * virtual_stages(parallel)
+    bounds = stage_bounds(model, stages, parallel.pipeline_split)
+    blocks = transformer_blocks(model)
+    mine = rank_stages(layout, parallel, pipeline_rank)
+    modules = [blocks[i] for s in mine for i in range(*bounds[s])]
+    if 0 in mine:
+        modules += [model.get_submodule(name) for name in fam.embeddings]
+    if stages - 1 in mine:
+        modules += [model.get_submodule(name) for name in fam.head]
+    kept = {id(p) for module in modules for p in module.parameters()}
+    return [(n, p) for n, p in model.named_parameters() if id(p) in kept and p.requires_grad]
+
+
+def tensor_shard_shape(shape: Shape, degree: int, dim: int | None) -> Shape:
+    """The local shape on one of `degree` tensor-parallel ranks of a parameter split along `dim` (None: whole)."""
+    if degree == 1 or dim is None or not shape:
+        return shape
+    return tuple(math.ceil(n / degree) if i == dim else n for i, n in enumerate(shape))
+
+
+def tensor_splits(model: nn.Module) -> dict[str, int]:
+    """Parameter name (every name of a tied one) -> the dimension tensor parallelism splits, from the family's
+    plan: column-wise linears' weight and bias by rows (0), row-wise linears' weight by columns (1; the bias
+    stays whole), the input embedding by vocabulary rows and the head by vocabulary (its weight's rows)."""
+    plan = tensor.FAMILIES[tensor.family(model)]
+    names = {module: name for name, module in model.named_modules()}
+    out = {}
+    for block in transformer_blocks(model):
+        prefix = names[block] + "."
+        for column in plan["column"]:
+            out.update({prefix + column + ".weight": 0, prefix + column + ".bias": 0})
+        for row in plan["row"]:
+            out[prefix + row + ".weight"] = 1
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.tok_emb
+    out[names[embedding] + ".weight"] = 0
+    out.update({"lm_head.weight": 0, "lm_head.bias": 0})
+    return out
+
+
+def local_shapes(model: nn.Module, layout: MeshLayout, parallel: ParallelConfig, pipeline_rank: int) -> list[Shape]:
+    """Shapes of the parameters one rank holds under `layout` before the data axis shards them: its pipeline
+    stage(s), each tensor-parallel shard's local part (all tensor ranks hold the same shapes)."""
+    params = stage_parameters(model, layout, parallel, pipeline_rank)
+    splits = tensor_splits(model) if layout.tensor > 1 else {}
+    # a tied weight is split as any of its names is (embedding and head agree)
+    aliases = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    out = []
+    for _, p in params:
+        dim = next((splits[n] for n in aliases[id(p)] if n in splits), None)
+        out.append(tensor_shard_shape(tuple(p.shape), layout.tensor, dim))
+    return out
+
+
+def in_flight(schedule: str, ranks: int, pipeline_rank: int, microbatches: int) -> list[int]:
+    """The micro-batches whose activations a pipeline rank holds at its peak, as the local stage each belongs to
+    (0: its first stage; 1: its second under the interleaved schedules), in forward order.
+
+    gpipe           every forward before any backward: all m micro-batches of its stage.
+    1f1b            p - 1 - r warm-up forwards, then one forward and one backward in turn: min(p - r, m).
+    interleaved     torch's ScheduleInterleaved1F1B: (v - 1) x k + 2 (p - 1 - r) warm-up forwards (k = micro-batches
+    (and            per round, m / (m // p)), then one forward and one backward in turn, so that many + 1 chunks,
+    zero-bubble)    capped at v x m; forwards run in rounds of k micro-batches per local stage (k of the first,
+                    k of the second, ...). Zero-bubble splits each backward into an input and a weight part whose
+                    saved tensors live until the weight part runs: counted as interleaved (not measured)."""
+    p, r, m = ranks, pipeline_rank, microbatches
+    if schedule == "gpipe":
+        return [0] * m
+    if schedule == "1f1b":
+        return [0] * min(p - r, m)
+    local = 2
+    per_round = m // max(1, m // p)
+    chunks = min((local - 1) * per_round + 2 * (p - 1 - r) + 1, local * m)
+    return [(i // per_round) % local for i in range(chunks)]
