@@ -153,6 +153,15 @@ def test_layout_from_settings(overrides, world, expected):
     (["parallel.tensor=0"], 2, r"parallel.tensor = 0: must be >= 1"),
     (["parallel.strategy=zero1", "parallel.tensor=2"], 2, "'zero1' does not compose with parallel.pipeline"),
     (["parallel.sequence_parallel=true"], 2, "sequence_parallel = true needs parallel.tensor > 1"),
+    (["parallel.pipeline_split=blocks.1"], 2, "pipeline_split = 'blocks.1' needs parallel.pipeline > 1"),
+    (["parallel.pipeline=2", "model.n_layer=1"], 2, "model.n_layer = 1 blocks cannot fill 2 pipeline stages"),
+    (["parallel.pipeline=2", "parallel.pipeline_schedule=interleaved-1f1b", "model.n_layer=2"], 2,
+     "cannot fill 4 pipeline stages"),
+    (["parallel.pipeline=2", "parallel.pipeline_microbatches=3", "data.global_batch_size=16",
+      "data.micro_batch_size=4"], 2, r"pipeline_microbatches = 3, but .* = 4 micro-batches per step"),
+    (["parallel.pipeline=2", "parallel.pipeline_schedule=zero-bubble", "data.global_batch_size=12",
+      "data.micro_batch_size=4", "model.n_layer=4"], 2, "needs the micro-batches per step \\(3\\) to be a multiple"),
+    (["parallel.strategy=deepspeed", "parallel.pipeline=2"], 2, "'deepspeed' does not compose"),
     (["parallel.tensor=2", "model.n_head=3", "model.d_model=96"], 2, "model.n_head = 3 is not divisible by "
      "parallel.tensor = 2"),
     (["parallel.tensor=4", "parallel.sequence_parallel=true", "model.seq_len=30"], 4,
@@ -176,3 +185,21 @@ def test_bad_layout_exits_2_before_any_process_starts(tmp_path, small_gpt):
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "does not divide the world size 3" in result.stderr
     assert "torchrun" not in result.stdout + result.stderr
+
+
+def test_stage_split_balances_parameters_and_takes_given_points():
+    from disttrain.models.gpt import GPT
+    from disttrain.parallel.pipeline import balanced_split, split_points
+
+    assert balanced_split([10, 10, 10, 10], 2) == [2]
+    assert balanced_split([10, 10, 10, 10], 2, first_extra=25) == [1]  # the embedding weighs on the first stage
+    assert balanced_split([10, 10, 10, 10], 4) == [1, 2, 3]
+    with pytest.raises(ConfigError, match="4 blocks cannot fill 5 pipeline stages"):
+        balanced_split([10, 10, 10, 10], 5)
+    gpt = GPT(load_config(None, ["model.n_layer=4", "model.d_model=32", "model.n_head=2"]).model)
+    assert split_points(gpt, 2, "") == [2]  # embedding and (tied) head weigh alike on the two ends: 2 + 2 blocks
+    assert split_points(gpt, 2, "blocks.1") == [1]
+    with pytest.raises(ConfigError, match="'blocks.9' is not a block of the model"):
+        split_points(gpt, 2, "blocks.9")
+    with pytest.raises(ConfigError, match="give 1 increasing block names"):
+        split_points(gpt, 2, "blocks.1,blocks.2")

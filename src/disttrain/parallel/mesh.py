@@ -110,6 +110,9 @@ def check_model_split(cfg: Config, layout: MeshLayout) -> None:
         raise ConfigError("parallel.grad_compression = 'powersgd' is a DDP communication hook, and with "
                           "parallel.pipeline or parallel.tensor > 1 the data axis runs through FSDP2; use 'bf16' or "
                           "'fp16'")
+    if p.pipeline_split.strip() and layout.pipeline == 1:
+        raise ConfigError(f"parallel.pipeline_split = {p.pipeline_split!r} needs parallel.pipeline > 1; set "
+                          "parallel.pipeline or remove parallel.pipeline_split")
     if p.sequence_parallel and layout.tensor == 1:
         raise ConfigError("parallel.sequence_parallel = true needs parallel.tensor > 1; set parallel.tensor or "
                           "remove parallel.sequence_parallel")
