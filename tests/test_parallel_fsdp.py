@@ -73,8 +73,8 @@ def test_single_process_matches_plain_torch(results, optimizer):
 def test_plain_runs_differ_by_optimizer(results):
     """The three reference runs are different trainings (so matching each of them means something)."""
     one, _ = results
-    finals = [one[f"plain{o}"]["params"]["lm_head.weight" if "lm_head.weight" in one["plain"]["params"]
-                                        else next(iter(one["plain"]["params"]))] for o in OPTIMIZERS]
+    # the embedding (tied to the head) learns under every optimizer (a key bias, for one, gets no gradient)
+    finals = [one[f"plain{o}"]["params"]["tok_emb.weight"] for o in OPTIMIZERS]
     assert (finals[0] - finals[1]).abs().max() > 1e-4 and (finals[1] - finals[2]).abs().max() > 1e-4
     assert one["plain+sgd+noclip"]["losses"][-1] < one["plain+sgd+noclip"]["losses"][0] - 0.1  # SGD learns
 
