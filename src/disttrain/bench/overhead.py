@@ -235,13 +235,11 @@ def _plain_loop(cfg, runtime, train, sampler):
     return step
 
 
-def _disttrain_job(cfg, runtime, train, sampler):
-    """(backend, validation set, step): the Trainer's backend and its own step (the code `disttrain train` runs)
-    with its DataLoader over the same data stream; `step(k)` returns the step's values (`Trainer._train_step`) with
-    the in-run cost figures of every logged line (perf.py: MFU, communication time, memory, the slowest rank).
-    The stream simply continues: batches of the same sizes, so the step index does not matter for timing."""
+def disttrain_setup(cfg, runtime, train, sampler):
+    """(trainer, backend, validation set, batches, micro-batches per step): what `disttrain train` builds on this
+    rank, and its DataLoader over this rank's data shard of the stream (the layout's: a pipeline's or tensor-parallel
+    job's ranks read the same samples)."""
     from disttrain.loader import Loaders, StepBatches
-    from disttrain.perf import rank_summary
     from disttrain.trainer import Trainer
 
     trainer = Trainer(cfg, runtime=runtime)
@@ -249,7 +247,17 @@ def _disttrain_job(cfg, runtime, train, sampler):
     d = cfg.data
     steps = StepBatches(sampler, 0, 10**6, d.global_batch_size, d.micro_batch_size, *backend.data_parallel)
     batches = Loaders(d, trainer.collate_fn, runtime.device, cfg.run.seed).train(train, steps)
-    micro = len(steps.step(0))
+    return trainer, backend, val, batches, len(steps.step(0))
+
+
+def _disttrain_job(cfg, runtime, train, sampler):
+    """(backend, validation set, step): the Trainer's backend and its own step (the code `disttrain train` runs)
+    with its DataLoader over the same data stream; `step(k)` returns the step's values (`Trainer._train_step`) with
+    the in-run cost figures of every logged line (perf.py: MFU, communication time, memory, the slowest rank).
+    The stream simply continues: batches of the same sizes, so the step index does not matter for timing."""
+    from disttrain.perf import rank_summary
+
+    trainer, backend, val, batches, micro = disttrain_setup(cfg, runtime, train, sampler)
 
     def step(k: int) -> dict:
         values = trainer._train_step(backend, batches, micro)
