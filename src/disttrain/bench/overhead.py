@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from disttrain.bench import plain_model_parallel
+
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="disttrain bench overhead", description=__doc__.split("\n")[0])
@@ -112,15 +114,6 @@ def _config(args: argparse.Namespace, strategy: str = "ddp"):
                               *settings(strategy)])
 
 
-def _hand_written_adamw(model, optim):
-    """AdamW as the tutorials write it (torch's default implementation), with the same parameter groups and
-    hyper-parameters as disttrain's factory, which picks torch's fused kernel where there is one."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2))
-
-
 def _plain_setup(cfg, strategy: str, device: torch.device | None = None):
     """(module, optimizer, no_sync) wired by hand with torch's own engines, as their tutorials do."""
     import contextlib
@@ -133,7 +126,7 @@ def _plain_setup(cfg, strategy: str, device: torch.device | None = None):
     device = device or torch.device("cpu")
     torch.manual_seed(cfg.run.seed)
     model = GPT(cfg.model).to(device)
-    optimizer = _hand_written_adamw(model, cfg.optim)
+    optimizer = plain_model_parallel.hand_written_adamw(model, cfg.optim)
     if strategy in ("ddp", "zero1"):
         module = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                      bucket_cap_mb=cfg.parallel.bucket_cap_mb, gradient_as_bucket_view=True)
@@ -151,7 +144,7 @@ def _plain_setup(cfg, strategy: str, device: torch.device | None = None):
     for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
-    optimizer = _hand_written_adamw(model, cfg.optim)  # over the sharded parameters
+    optimizer = plain_model_parallel.hand_written_adamw(model, cfg.optim)  # over the sharded parameters
 
     @contextlib.contextmanager
     def no_sync():
@@ -174,7 +167,7 @@ def _plain_deepspeed_loop(cfg, runtime, train, sampler):
 
     torch.manual_seed(cfg.run.seed)
     model = GPT(cfg.model)
-    optimizer = _hand_written_adamw(model, cfg.optim)
+    optimizer = plain_model_parallel.hand_written_adamw(model, cfg.optim)
     d = cfg.data
     accum = d.global_batch_size // (d.micro_batch_size * runtime.world_size)
     config = {"train_micro_batch_size_per_gpu": d.micro_batch_size, "gradient_accumulation_steps": accum,
@@ -206,8 +199,6 @@ def _plain_loop(cfg, runtime, train, sampler):
     if cfg.parallel.strategy == "deepspeed":
         return _plain_deepspeed_loop(cfg, runtime, train, sampler)
     if cfg.parallel.pipeline > 1 or cfg.parallel.tensor > 1:
-        from disttrain.bench import plain_model_parallel
-
         loop = plain_model_parallel.pipeline_loop if cfg.parallel.pipeline > 1 else plain_model_parallel.tensor_loop
         return loop(cfg, runtime, train, sampler)
     model, optimizer, no_sync = _plain_setup(cfg, cfg.parallel.strategy, runtime.device)

@@ -4,6 +4,7 @@ what a user writes from the `torch.distributed.pipelining` and tensor-parallel t
 Both split the reference GPT over all ranks (no data axis), so every rank reads the whole global batch, as
 disttrain's layout does. Neither clips gradients (the tutorials do not; `bench overhead` sets optim.grad_clip = 0
 for these layouts on both sides). Each `*_loop(cfg, runtime, train, sampler)` returns `step(k) -> loss`.
+`hand_written_adamw` is the optimizer of every hand-written loop of the benchmarks (data-parallel ones too).
 """
 
 from __future__ import annotations
@@ -16,6 +17,15 @@ from torch import nn
 from disttrain.data import fetch, split_micro
 from disttrain.models.gpt import GPT
 from disttrain.optim import scheduler_factory
+
+
+def hand_written_adamw(model, optim):
+    """AdamW as the tutorials write it (torch's default implementation), with the same parameter groups and
+    hyper-parameters as disttrain's factory, which picks torch's fused kernel where there is one."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2))
 
 
 class Stage(nn.Module):
@@ -46,8 +56,6 @@ def pipeline_loop(cfg, runtime, train, sampler):
     divided by the step's token count, AdamW."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from disttrain.bench.overhead import _hand_written_adamw
-
     rank, stages, device = runtime.rank, runtime.world_size, runtime.device
     d, m = cfg.data, cfg.model
     torch.manual_seed(cfg.run.seed)
@@ -64,7 +72,7 @@ def pipeline_loop(cfg, runtime, train, sampler):
     schedule_class = ScheduleGPipe if cfg.parallel.pipeline_schedule == "gpipe" else Schedule1F1B
     schedule = schedule_class(pipe, n_microbatches=d.global_batch_size // d.micro_batch_size, loss_fn=loss_fn,
                               scale_grads=False)
-    optimizer = _hand_written_adamw(stage, cfg.optim)
+    optimizer = hand_written_adamw(stage, cfg.optim)
     scheduler = scheduler_factory(cfg.optim, cfg.train.steps)(optimizer)
     tie_group = dist.new_group([0, stages - 1])  # the embedding and the head share one weight
 
@@ -99,8 +107,6 @@ def tensor_loop(cfg, runtime, train, sampler):
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from disttrain.bench.overhead import _hand_written_adamw
-
     device, d = runtime.device, cfg.data
     mesh = init_device_mesh(device.type, (runtime.world_size,))
     torch.manual_seed(cfg.run.seed)
@@ -112,7 +118,7 @@ def tensor_loop(cfg, runtime, train, sampler):
     parallelize_module(model, mesh, {"tok_emb": RowwiseParallel(input_layouts=Replicate()),
                                      "lm_head": ColwiseParallel(output_layouts=Replicate())})
     model.lm_head.weight = model.tok_emb.weight  # tied again: both are split by vocabulary rows
-    optimizer = _hand_written_adamw(model, cfg.optim)
+    optimizer = hand_written_adamw(model, cfg.optim)
     scheduler = scheduler_factory(cfg.optim, cfg.train.steps)(optimizer)
     micro_batches = d.global_batch_size // d.micro_batch_size
 
