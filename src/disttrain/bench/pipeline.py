@@ -243,6 +243,7 @@ def _plot(rows: list[dict], out: Path) -> str:
     ax.set_xlabel("micro-batches per step (m)")
     ax.set_ylabel("bubble fraction")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(counts, [str(m) for m in counts])
     ax.set_ylim(bottom=0)
     ax.legend()
     fig.savefig(out / "bubble.png", dpi=120, bbox_inches="tight")
