@@ -2,7 +2,10 @@
 
 import json
 
-from conftest import run_cli
+import pytest
+
+from conftest import SCRIPTS, run_cli
+from disttrain.cli.main import main
 
 
 def test_overhead_benchmark_runs_and_saves_its_figures(tmp_path):
@@ -17,3 +20,54 @@ def test_overhead_benchmark_runs_and_saves_its_figures(tmp_path):
         assert row["ratio_vs_plain"] == row["disttrain_s"] / row["plain_s"]
         assert row["disttrain_vs_ddp"] == row["disttrain_s"] / ddp["disttrain_s"]
     assert "ratio disttrain / hand-written" in result.stdout
+
+
+def test_model_parallel_layouts_run_against_their_hand_written_loops(tmp_path):
+    result = run_cli(["bench", "overhead", "--rounds", "2", "--steps", "1", "--strategies", "pp2,pp2-gpipe,tp2",
+                      "--micro", "4", "--global-batch", "8", "--out", str(tmp_path / "b")], tmp_path, timeout=240)
+    assert result.returncode == 0, result.stderr
+    figures = json.loads((tmp_path / "b" / "overhead.json").read_text())
+    assert list(figures["strategies"]) == ["pp2", "pp2-gpipe", "tp2"] and figures["steps_per_loop"] == 2
+    for row in figures["strategies"].values():
+        assert row["plain_s"] > 0 and row["disttrain_s"] > 0
+        assert row["ratio_vs_plain"] == row["disttrain_s"] / row["plain_s"]
+    md = (tmp_path / "b" / "overhead.md").read_text()
+    for name in ("pp2", "pp2-gpipe", "tp2"):
+        assert f"| {name} | " in md
+    assert "ppN = parallel.pipeline = N (schedule 1f1b" in md and "Schedule1F1B" in md and "ColwiseParallel" in md
+
+
+@pytest.mark.parametrize("strategies, says", [
+    ("ddp,pp", "--strategies pp: unknown; use a strategy (single, ddp"),
+    ("tp2-gpipe", "or a layout over all ranks: pp2, pp2-gpipe, tp2"),
+    ("pp4", "--strategies pp4: the layout's degree 4 must equal --nproc 2"),
+    ("", "--strategies is empty"),
+])
+def test_unknown_layout_is_one_line_and_exit_2(tmp_path, capsys, strategies, says):
+    code = main(["bench", "overhead", "--strategies", strategies, "--out", str(tmp_path / "b")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("disttrain: error: ") and says in err and "\n" not in err, err
+    assert not (tmp_path / "b").exists()
+
+
+def test_layout_settings():
+    from disttrain.bench.overhead import settings
+
+    assert settings("fsdp") == ["parallel.strategy=fsdp"]
+    assert settings("pp2") == ["parallel.strategy=ddp", "optim.grad_clip=0", "parallel.pipeline=2",
+                               "parallel.pipeline_schedule=1f1b"]
+    assert settings("pp4-gpipe")[-1] == "parallel.pipeline_schedule=gpipe"
+    assert settings("tp2") == ["parallel.strategy=ddp", "optim.grad_clip=0", "parallel.tensor=2"]
+
+
+def test_hand_written_model_parallel_loops_train_like_one_process(tmp_path):
+    """The references are right: the hand-written 1f1b, GPipe and tensor-parallel loops give the losses of the same
+    GPT, data and AdamW in one process, step by step."""
+    result = run_cli(["launch", "--nproc", "2", "--run-dir", str(tmp_path / "launch"),
+                      str(SCRIPTS / "plain_model_parallel_job.py"), str(tmp_path)], tmp_path, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    reference = losses.pop("one process")
+    assert len(reference) == 4 and reference[3] < reference[0]
+    for name, values in losses.items():
+        assert values == pytest.approx(reference, rel=1e-5), name

@@ -1,7 +1,13 @@
 """Benchmark: disttrain's step vs the same strategy written by hand in plain PyTorch, same model, data
 and threads; for several strategies, also each strategy's step time relative to ddp.
 
-    disttrain bench overhead [--strategies ddp,zero1,zero2,fsdp,hsdp,deepspeed] [--nproc 2] [--rounds 8] [--steps 10]
+    disttrain bench overhead [--strategies ddp,zero1,zero2,fsdp,hsdp,deepspeed,pp2,pp2-gpipe,tp2] [--nproc 2]
+                             [--rounds 8] [--steps 10]
+
+Besides the strategies, `--strategies` takes model-parallel layouts over all `--nproc` ranks (N = --nproc):
+`ppN` = parallel.pipeline = N with the 1f1b schedule, `ppN-gpipe` the same with GPipe, `tpN` = parallel.tensor = N.
+Their hand-written loops are in bench/plain_model_parallel.py; both sides run them without clipping
+(optim.grad_clip = 0), as the pipelining and tensor-parallel tutorials do.
 
 Both loops run in the same processes, interleaved in rounds (A B B A ...) so that machine noise hits
 both alike, and each is built first for half of the rounds. The figure is the ratio of median step
@@ -16,6 +22,7 @@ import gc
 import json
 import os
 import platform
+import re
 import statistics
 import time
 from pathlib import Path
@@ -23,11 +30,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from disttrain.bench import plain_model_parallel
+
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="disttrain bench overhead", description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--strategies", default="ddp", help="comma-separated: ddp, zero1, zero2, fsdp, hsdp, deepspeed")
+    p.add_argument("--strategies", default="ddp", help="comma-separated: ddp, zero1, zero2, fsdp, hsdp, deepspeed, "
+                   "and layouts over all --nproc ranks: ppN (pipeline, 1f1b), ppN-gpipe, tpN (tensor)")
     p.add_argument("--rounds", type=int, default=8, help="interleaved rounds per loop (even)")
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per round")
     p.add_argument("--micro", type=int, default=16, help="micro-batch per rank")
@@ -45,11 +55,54 @@ def main(argv: list[str] | None = None) -> int:
     from disttrain.bench import worker_entry
     from disttrain.launch import launch
 
+    check_strategies(args)
     out = Path(args.out).resolve()
     code = launch(args.nproc, worker_entry("disttrain.bench.overhead", args), out / "overhead_run")
     if code == 0:
         print((out / "overhead.md").read_text())
     return code
+
+
+LAYOUT = re.compile(r"pp(?P<pp>[0-9]+)(?P<gpipe>-gpipe)?|tp(?P<tp>[0-9]+)")
+"""A model-parallel layout in --strategies: ppN, ppN-gpipe, tpN."""
+
+
+def settings(name: str) -> list[str]:
+    """The config overrides of one --strategies entry: a strategy's name, or a layout's `parallel.*` settings (the
+    data-parallel strategy ddp, idle when the layout takes every rank) and no clipping, as in the hand-written loops."""
+    found = LAYOUT.fullmatch(name)
+    if found is None:
+        return [f"parallel.strategy={name}"]
+    split = ([f"parallel.pipeline={found['pp']}",
+              f"parallel.pipeline_schedule={'gpipe' if found['gpipe'] else '1f1b'}"] if found["pp"] else
+             [f"parallel.tensor={found['tp']}"])
+    return ["parallel.strategy=ddp", "optim.grad_clip=0", *split]
+
+
+def check_strategies(args: argparse.Namespace) -> None:
+    """Every --strategies entry against the registry, the layouts and the config's validation, before any process
+    starts: ConfigError (one line) naming the entry and the fix."""
+    from disttrain.config import validate
+    from disttrain.errors import ConfigError
+    from disttrain.parallel import registry
+
+    names = [s for s in args.strategies.split(",") if s]
+    if not names:
+        raise ConfigError("--strategies is empty; name at least one, e.g. --strategies ddp,pp2,tp2")
+    for name in names:
+        found = LAYOUT.fullmatch(name)
+        degree = int(found["pp"] or found["tp"]) if found else None
+        if found is None and name not in [*registry.names(), *registry.aliases()]:
+            raise ConfigError(f"--strategies {name}: unknown; use a strategy ({', '.join(registry.names())}) or a "
+                              f"layout over all ranks: pp{args.nproc}, pp{args.nproc}-gpipe, tp{args.nproc}")
+        if degree is not None and degree != args.nproc:
+            raise ConfigError(f"--strategies {name}: the layout's degree {degree} must equal --nproc {args.nproc} (the "
+                              f"hand-written loops split the model over every rank); use {name[:2]}{args.nproc} or "
+                              f"--nproc {degree}")
+        try:
+            validate(_config(args, name), 0, args.nproc)
+        except ConfigError as exc:
+            raise ConfigError(f"--strategies {name}: {exc}") from None
 
 
 def _config(args: argparse.Namespace, strategy: str = "ddp"):
@@ -58,16 +111,7 @@ def _config(args: argparse.Namespace, strategy: str = "ddp"):
     return load_config(None, [f"data.global_batch_size={args.global_batch}", f"data.micro_batch_size={args.micro}",
                               "dist.threads_per_rank=1", "log.progress=false", "train.steps=100000",
                               f"dist.nproc={args.nproc}", f"run.out_dir={args.out}", "run.name=overhead_run",
-                              f"parallel.strategy={strategy}"])
-
-
-def _hand_written_adamw(model, optim):
-    """AdamW as the tutorials write it (torch's default implementation), with the same parameter groups and
-    hyper-parameters as disttrain's factory, which picks torch's fused kernel where there is one."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2))
+                              *settings(strategy)])
 
 
 def _plain_setup(cfg, strategy: str, device: torch.device | None = None):
@@ -82,7 +126,7 @@ def _plain_setup(cfg, strategy: str, device: torch.device | None = None):
     device = device or torch.device("cpu")
     torch.manual_seed(cfg.run.seed)
     model = GPT(cfg.model).to(device)
-    optimizer = _hand_written_adamw(model, cfg.optim)
+    optimizer = plain_model_parallel.hand_written_adamw(model, cfg.optim)
     if strategy in ("ddp", "zero1"):
         module = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                      bucket_cap_mb=cfg.parallel.bucket_cap_mb, gradient_as_bucket_view=True)
@@ -100,7 +144,7 @@ def _plain_setup(cfg, strategy: str, device: torch.device | None = None):
     for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
-    optimizer = _hand_written_adamw(model, cfg.optim)  # over the sharded parameters
+    optimizer = plain_model_parallel.hand_written_adamw(model, cfg.optim)  # over the sharded parameters
 
     @contextlib.contextmanager
     def no_sync():
@@ -123,7 +167,7 @@ def _plain_deepspeed_loop(cfg, runtime, train, sampler):
 
     torch.manual_seed(cfg.run.seed)
     model = GPT(cfg.model)
-    optimizer = _hand_written_adamw(model, cfg.optim)
+    optimizer = plain_model_parallel.hand_written_adamw(model, cfg.optim)
     d = cfg.data
     accum = d.global_batch_size // (d.micro_batch_size * runtime.world_size)
     config = {"train_micro_batch_size_per_gpu": d.micro_batch_size, "gradient_accumulation_steps": accum,
@@ -154,6 +198,9 @@ def _plain_loop(cfg, runtime, train, sampler):
 
     if cfg.parallel.strategy == "deepspeed":
         return _plain_deepspeed_loop(cfg, runtime, train, sampler)
+    if cfg.parallel.pipeline > 1 or cfg.parallel.tensor > 1:
+        loop = plain_model_parallel.pipeline_loop if cfg.parallel.pipeline > 1 else plain_model_parallel.tensor_loop
+        return loop(cfg, runtime, train, sampler)
     model, optimizer, no_sync = _plain_setup(cfg, cfg.parallel.strategy, runtime.device)
     scheduler = scheduler_factory(cfg.optim, cfg.train.steps)(optimizer)
     d = cfg.data
@@ -179,21 +226,29 @@ def _plain_loop(cfg, runtime, train, sampler):
     return step
 
 
-def _disttrain_job(cfg, runtime, train, sampler):
-    """(backend, validation set, step): the Trainer's backend and its own step (the code `disttrain train` runs)
-    with its DataLoader over the same data stream; `step(k)` returns the step's values (`Trainer._train_step`) with
-    the in-run cost figures of every logged line (perf.py: MFU, communication time, memory, the slowest rank).
-    The stream simply continues: batches of the same sizes, so the step index does not matter for timing."""
+def disttrain_setup(cfg, runtime, train, sampler):
+    """(trainer, backend, validation set, batches, micro-batches per step): what `disttrain train` builds on this
+    rank, and its DataLoader over this rank's data shard of the stream (the layout's: a pipeline's or tensor-parallel
+    job's ranks read the same samples)."""
     from disttrain.loader import Loaders, StepBatches
-    from disttrain.perf import rank_summary
     from disttrain.trainer import Trainer
 
     trainer = Trainer(cfg, runtime=runtime)
     backend, _, val = trainer._setup(runtime)
     d = cfg.data
-    steps = StepBatches(sampler, 0, 10**6, d.global_batch_size, d.micro_batch_size, runtime.world_size, runtime.rank)
+    steps = StepBatches(sampler, 0, 10**6, d.global_batch_size, d.micro_batch_size, *backend.data_parallel)
     batches = Loaders(d, trainer.collate_fn, runtime.device, cfg.run.seed).train(train, steps)
-    micro = len(steps.step(0))
+    return trainer, backend, val, batches, len(steps.step(0))
+
+
+def _disttrain_job(cfg, runtime, train, sampler):
+    """(backend, validation set, step): the Trainer's backend and its own step (the code `disttrain train` runs)
+    with its DataLoader over the same data stream; `step(k)` returns the step's values (`Trainer._train_step`) with
+    the in-run cost figures of every logged line (perf.py: MFU, communication time, memory, the slowest rank).
+    The stream simply continues: batches of the same sizes, so the step index does not matter for timing."""
+    from disttrain.perf import rank_summary
+
+    trainer, backend, val, batches, micro = disttrain_setup(cfg, runtime, train, sampler)
 
     def step(k: int) -> dict:
         values = trainer._train_step(backend, batches, micro)
@@ -241,18 +296,25 @@ def _compare(args, cfg, runtime, train, sampler, builders=None, results=None) ->
     return times
 
 
-def _worker(args: argparse.Namespace) -> None:
-
+def start_worker(cfg):
+    """(runtime, training set, sampler) of a benchmark's rank: the process group, one core per rank where the cores
+    suffice (less scheduler noise in the figures), the data stream."""
     from disttrain.data import GlobalSampler, build_datasets
-    from disttrain.runtime import exit_process, init_runtime, shutdown
+    from disttrain.runtime import init_runtime
 
-    cfg = _config(args)
     runtime = init_runtime(cfg.dist)
     cores = sorted(os.sched_getaffinity(0))
-    if len(cores) >= runtime.launch.local_world_size:  # one core per rank: less scheduler noise in the figures
+    if len(cores) >= runtime.launch.local_world_size:
         os.sched_setaffinity(0, {cores[runtime.local_rank]})
     train, _ = build_datasets(cfg.data, cfg.model.seq_len)
-    sampler = GlobalSampler(len(train), cfg.run.seed)
+    return runtime, train, GlobalSampler(len(train), cfg.run.seed)
+
+
+def _worker(args: argparse.Namespace) -> None:
+    from disttrain.runtime import exit_process, shutdown
+
+    cfg = _config(args)
+    runtime, train, sampler = start_worker(cfg)
     strategies = [s for s in args.strategies.split(",") if s]
     times = {s: _compare(args, _config(args, s), runtime, train, sampler) for s in strategies}
     if runtime.is_main_process():
@@ -287,11 +349,21 @@ def _report(args, cfg, times: dict[str, dict[str, list[float]]]) -> None:
         f"# disttrain step time vs the same strategy written by hand ({result['date']})\n\n"
         "| strategy | hand-written (ms) | disttrain (ms) | ratio disttrain / hand-written | vs ddp |\n"
         "|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
-        "Target: ratio <= 1.00 for every strategy (disttrain no slower than the loop written by hand).\n\n"
+        "Target: ratio <= 1.00 for every strategy (disttrain no slower than the loop written by hand); <= 1.03 for "
+        "the model-parallel layouts.\n\n" + (_LAYOUTS_NOTE if any(LAYOUT.fullmatch(s) for s in times) else "") +
         f"{args.nproc} ranks x 1 thread, gloo; GPT {m.n_layer} layers, d_model {m.d_model}, seq_len "
         f"{m.seq_len}; micro-batch {args.micro}, global batch {args.global_batch}; {steps} timed steps per loop "
         f"in {args.rounds} interleaved rounds; torch {torch.__version__}, disttrain {__version__}, "
         f"Python {platform.python_version()}.\n")
+
+
+_LAYOUTS_NOTE = (
+    "Layouts over all ranks: ppN = parallel.pipeline = N (schedule 1f1b; ppN-gpipe: GPipe) against a hand-written "
+    "torch.distributed.pipelining loop (one stage per rank, static shapes, Schedule1F1B/ScheduleGPipe with "
+    "scale_grads=False and a token-sum loss, the tied embedding gradient summed between first and last stage, "
+    "gradients divided by the token count, AdamW); tpN = parallel.tensor = N against parallelize_module with "
+    "ColwiseParallel (q, k, v, mlp.0, the head) and RowwiseParallel (proj, mlp.2, the embedding), AdamW. Every rank "
+    "reads the whole global batch; both sides run without clipping (optim.grad_clip = 0).\n\n")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@
     disttrain deepspeed-config [CONFIG] [--set ...] [--nproc N] -o ds.json   the DeepSpeed JSON of a config
     disttrain env                              versions, devices, backends, detected launcher
     disttrain plot RUN_DIR [RUN_DIR ...] [--out DIR]   loss, lr, tokens/s, MFU, memory, communication as PNG
-    disttrain bench overhead|scaling|comm|predict|checkpoint|memory|service|startup|data|gpu   figures (see --help)
+    disttrain bench overhead|scaling|comm|predict|pipeline|checkpoint|memory|service|startup|data|gpu
+                                               figures (see --help)
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print and save their figures")
     bench.add_argument("name", choices=["overhead", "checkpoint", "memory", "service", "startup", "data", "gpu",
-                                        "scaling", "comm", "predict"])
+                                        "scaling", "comm", "predict", "pipeline"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (see its --help)")
     return parser
 

@@ -1,0 +1,43 @@
+"""Two ranks: the hand-written pipeline (1f1b, gpipe) and tensor-parallel loops of `bench overhead` train four steps;
+rank 0 writes their losses and those of the same GPT, data and AdamW in one process to OUT/losses.json."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from disttrain.bench import overhead, plain_model_parallel
+from disttrain.config import load_config
+from disttrain.data import fetch
+from disttrain.models.gpt import GPT
+from disttrain.optim import scheduler_factory
+
+out = Path(sys.argv[1])
+small = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=16"]
+config = lambda name, micro: load_config(  # noqa: E731
+    None, [*small, "data.global_batch_size=8", f"data.micro_batch_size={micro}", "dist.threads_per_rank=1",
+           "train.steps=100", "dist.nproc=2", *overhead.settings(name)])
+runtime, train, sampler = overhead.start_worker(config("pp2", 4))
+losses = {}
+for name, micro in (("pp2", 4), ("pp2-gpipe", 4), ("tp2", 8)):  # tp2: one micro-batch, so its loss is the step's
+    step = overhead._plain_loop(config(name, micro), runtime, train, sampler)
+    losses[name] = [step(k) for k in range(4)]
+cfg = config("tp2", 8)
+torch.manual_seed(cfg.run.seed)
+model = GPT(cfg.model)
+optimizer = plain_model_parallel.hand_written_adamw(model, cfg.optim)
+scheduler = scheduler_factory(cfg.optim, cfg.train.steps)(optimizer)
+losses["one process"] = []
+for k in range(4):
+    batch = fetch(train, sampler.rank_indices(k * 8, 8, 1, 0))
+    loss = F.cross_entropy(model(batch["input_ids"]).flatten(0, 1), batch["labels"].flatten())
+    loss.backward()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    losses["one process"].append(loss.item())
+if runtime.rank == 1:  # the last stage holds the pipeline's loss
+    (out / "losses.json").write_text(json.dumps(losses))
+torch.distributed.destroy_process_group()
