@@ -26,6 +26,8 @@ FOUR = ["fsdp+tp2", "ddp+tp2+sp", "hsdp:2", "ddp+pp2", "fsdp+pp2", "ddp+pp2+tp2"
 # checkpoints across layouts: A>B trains A to step 10, saves, and B resumes it to step 20
 RESUMES = ["ddp+tp2>fsdp", "fsdp>ddp+tp2+sp", "ddp+tp2>ddp+tp2", "ddp+pp2+1f1b>fsdp", "fsdp>ddp+pp2+gpipe",
            "ddp+pp2>ddp+pp2", "ddp+pp2>ddp+tp2"]
+# ... on 4 ranks, between 2-D layouts: pp2 x fsdp2 -> tp2 x dp2 (sequence parallel), tp2 x fsdp2 -> pp2 x dp2
+RESUMES_FOUR = ["fsdp+pp2>ddp+tp2+sp", "fsdp+tp2>ddp+pp2"]
 # ... and into one process: the step-10 checkpoints of these 2-rank runs, resumed by `single`
 INTO_ONE = {"tp": "ddp+tp2>fsdp", "pp": "ddp+pp2+1f1b>fsdp"}
 
@@ -51,7 +53,7 @@ def runs(tmp_path_factory):
     single = subprocess.run([sys.executable, script, str(tmp), "single", "single+layers4", "single+bf16"], cwd=tmp,
                             env=cli_env(tmp), capture_output=True, text=True, timeout=180)
     assert single.returncode == 0, single.stderr[-3000:]
-    for world, variants in ((2, TWO + MIXED + RESUMES), (4, FOUR)):
+    for world, variants in ((2, TWO + MIXED + RESUMES), (4, FOUR + RESUMES_FOUR)):
         launched = run_cli(["launch", "--nproc", str(world), "--run-dir", str(tmp / f"launch{world}"), script,
                             str(tmp), *variants], tmp, timeout=400)
         assert launched.returncode == 0, launched.stderr[-3000:]
@@ -108,12 +110,12 @@ def test_single_process_learns(runs):
     assert references["single"]["losses"][0] != references["single+layers4"]["losses"][0]
 
 
-@pytest.mark.parametrize("variant", RESUMES)
-def test_checkpoint_resumes_across_layouts(runs, variant):
+@pytest.mark.parametrize("world, variant", [(2, v) for v in RESUMES] + [(4, v) for v in RESUMES_FOUR])
+def test_checkpoint_resumes_across_layouts(runs, world, variant):
     """Steps 11-20 after resuming (a sharded DCP checkpoint, resharded to the new layout) are the single-process
     run's steps 11-20."""
     references, multi, _ = runs
-    got = multi[2][variant]
+    got = multi[world][variant]
     assert len(got["losses"]) == 10
     assert_same_training(got, references["single"], slice(10, 20))
 

@@ -442,9 +442,17 @@ def local_state_fns(model: nn.Module, ties: list[list[str]]) -> dict[str, Callab
         inner["load_state_dict"](optimizer, own(model_state),
                                  {"state": own(optimizer_state["state"]), "param_groups": groups})
 
+    # a tied weight saved under a name this stage does not hold is read like the parameter it holds (e.g. the
+    # last stage's head from a checkpoint that stored it as the embedding): sharded the same way
+    alias = {other: name for name in held for other in partners.get(name, ()) if other not in held}
+
     def checkpoint_target(key: str, size, dtype):
         name = _parameter_of(key)
-        return None if name is not None and name not in wanted else target(key, size, dtype)
+        if name is not None and name not in wanted:
+            return None
+        if name in alias:
+            key = key.replace(name, alias[name], 1)
+        return target(key, size, dtype)
 
     return {"state_dict": inner["state_dict"], "load_state_dict": load_state_dict,
             "checkpoint_target": checkpoint_target}
