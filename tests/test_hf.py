@@ -139,7 +139,9 @@ def test_labels_longer_than_inputs_are_one_line(llama_dir):
 PARITY = ["ddp", "ddp+ac", "zero1", "zero1+ac", "zero2", "zero2+ac", "fsdp", "fsdp+ac", "hsdp:1", "hsdp+ac:1",
           "deepspeed+stage2", "deepspeed+stage2+ac", "deepspeed+stage3", "deepspeed+stage3+ac",
           "ddp+tp2", "ddp+tp2+sp",  # tensor parallel (parallel/tensor.py: the Llama plan), with sequence parallel
-          "ddp+pp2+1f1b"]  # two pipeline stages (parallel/pipeline.py)
+          "ddp+pp2+1f1b", "ddp+pp2+gpipe"]  # two pipeline stages (parallel/pipeline.py)
+# 4 ranks: tp2 x fsdp2 (the sharded start), pp2 x dp2, pp2 x fsdp2, hsdp 2 x 2
+PARITY_FOUR = ["fsdp+tp2", "ddp+pp2", "fsdp+pp2+gpipe", "hsdp:2"]
 
 
 @pytest.fixture(scope="module")
@@ -149,16 +151,18 @@ def parity(llama_dir, tmp_path_factory):
     single = subprocess.run([sys.executable, script, str(tmp), *settings, "single"], cwd=tmp, env=cli_env(tmp),
                             capture_output=True, text=True, timeout=180)
     assert single.returncode == 0, single.stderr
-    multi = run_cli(["launch", "--nproc", "2", "--run-dir", str(tmp / "launch"), script, str(tmp), *settings,
-                     *PARITY], tmp, timeout=400)
-    assert multi.returncode == 0, multi.stderr[-3000:]
-    one, two = json.loads((tmp / "1.json").read_text()), json.loads((tmp / "2.json").read_text())
-    for world, runs in ((1, one), (2, two)):
-        for variant, run in runs.items():
+    for world, variants in ((2, PARITY), (4, PARITY_FOUR)):
+        multi = run_cli(["launch", "--nproc", str(world), "--run-dir", str(tmp / f"launch{world}"), script, str(tmp),
+                         *settings, *variants], tmp, timeout=400)
+        assert multi.returncode == 0, multi.stderr[-3000:]
+    loaded = {}
+    for world in (1, 2, 4):
+        loaded[world] = json.loads((tmp / f"{world}.json").read_text())
+        for variant, run in loaded[world].items():
             run["params"] = {}
             for part in (tmp / str(world)).glob(f"{glob.escape(variant)}.*safetensors"):  # a pipeline's stages
                 run["params"].update(load_file(part))
-    return one["single"], two
+    return loaded[1]["single"], {**loaded[2], **loaded[4]}  # (the two launches' variant names differ)
 
 
 def test_trainer_uses_hf_label_convention(llama_dir, parity):
@@ -175,7 +179,7 @@ def test_trainer_uses_hf_label_convention(llama_dir, parity):
     assert single["losses"][-1] < single["losses"][0] - 0.5  # it learns
 
 
-@pytest.mark.parametrize("variant", PARITY)
+@pytest.mark.parametrize("variant", PARITY + PARITY_FOUR)
 def test_hf_model_matches_single_process(parity, variant):
     single, two = parity
     got = two[variant]
