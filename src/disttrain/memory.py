@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from disttrain.config import Config, ModelConfig
-from disttrain.parallel import placement, registry
+from disttrain.parallel import pipeline, placement, registry
 from disttrain.parallel.layout import replicated
 from disttrain.parallel.mesh import MeshLayout, layout_for
 
@@ -225,8 +225,8 @@ def _gpt_split_activations(cfg: Config, linears: str, mesh: MeshLayout, model: n
     says; the first stage also holds the step's token ids, one tensor that the pipeline cuts into micro-batches."""
     p, m, micro = cfg.parallel, cfg.model, cfg.data.micro_batch_size
     stages = placement.rank_stages(mesh, p, stage_rank)
-    bounds = placement.stage_bounds(model, mesh.pipeline * placement.virtual_stages(p), p.pipeline_split)
-    last = mesh.pipeline * placement.virtual_stages(p) - 1
+    last = pipeline.stage_count(p, mesh.pipeline) - 1
+    bounds = pipeline.stage_bounds(model, last + 1, p.pipeline_split)
     microbatches = cfg.data.global_batch_size // (mesh.data * micro) if mesh.pipeline > 1 else 1
     chunks = placement.in_flight(p.pipeline_schedule, mesh.pipeline, stage_rank, microbatches) \
         if mesh.pipeline > 1 else [0]

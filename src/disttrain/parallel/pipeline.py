@@ -136,6 +136,27 @@ def split_points(model: nn.Module, stages: int, given: str) -> list[int]:
                           size(fam.head))
 
 
+def stage_count(parallel, ranks: int) -> int:
+    """Stages over `ranks` pipeline ranks: two (virtual) per rank for the interleaved schedules."""
+    return ranks * (2 if parallel.pipeline_schedule in VIRTUAL_SCHEDULES else 1)
+
+
+def holder(stage: int, ranks: int) -> int:
+    """The pipeline rank that runs `stage` (virtual stages loop: stage s on rank s mod ranks)."""
+    return stage % ranks
+
+
+def stages_of(rank: int, ranks: int, stages: int) -> list[int]:
+    """The stages pipeline rank `rank` runs."""
+    return [s for s in range(stages) if holder(s, ranks) == rank]
+
+
+def stage_bounds(model: nn.Module, stages: int, given: str) -> list[tuple[int, int]]:
+    """[first block, end) of each stage (`split_points`)."""
+    cuts = split_points(model, stages, given) if stages > 1 else []
+    return list(zip([0, *cuts], [*cuts, len(transformer_blocks(model))], strict=True))
+
+
 # ----------------------------------------------------------------------------------------------
 # Building the stages
 
@@ -274,8 +295,7 @@ class StageLayout:
     """The residual stream's dtype between stages."""
 
     def holder(self, stage: int) -> int:
-        """The pipeline rank that runs `stage` (virtual stages loop: stage s on rank s mod ranks)."""
-        return stage % self.ranks
+        return holder(stage, self.ranks)
 
 
 def build_schedule(prepared: PipelinePrepared, microbatches: int, size: int, width: int, device):
@@ -357,13 +377,11 @@ def prepare(model: nn.Module, runtime, parallel, device_mesh, apply_data: Callab
             dtype) -> PipelinePrepared:
     """Split `model` into this rank's stage(s), wrap each in the data axis (`apply_data`, None: no data axis)."""
     pp_mesh = device_mesh["pp"]
-    virtual = parallel.pipeline_schedule in VIRTUAL_SCHEDULES
-    lay = StageLayout(pp_mesh.size() * (2 if virtual else 1), pp_mesh.size(), pp_mesh.get_local_rank(),
+    lay = StageLayout(stage_count(parallel, pp_mesh.size()), pp_mesh.size(), pp_mesh.get_local_rank(),
                       pp_mesh.get_group(), parallel.pipeline_schedule, *_sizes(model), dtype)
     fam = FAMILIES[family_of(model)]
-    cuts = split_points(model, lay.stages, parallel.pipeline_split)
-    bounds = list(zip([0, *cuts], [*cuts, len(transformer_blocks(model))], strict=True))
-    mine = [s for s in range(lay.stages) if lay.holder(s) == lay.rank]
+    bounds = stage_bounds(model, lay.stages, parallel.pipeline_split)
+    mine = stages_of(lay.rank, lay.ranks, lay.stages)
     first, last = 0 in mine, lay.stages - 1 in mine
     ties = tie_groups(model)
     parts = [(s, StagePart(model, fam, bounds[s], s == 0, s == lay.stages - 1)) for s in mine]

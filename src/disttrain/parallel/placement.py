@@ -17,7 +17,7 @@ from torch import nn
 
 from disttrain.parallel import pipeline, tensor
 from disttrain.parallel.activation_checkpoint import transformer_blocks
-from disttrain.parallel.mesh import VIRTUAL_SCHEDULES, MeshLayout
+from disttrain.parallel.mesh import MeshLayout
 
 if TYPE_CHECKING:
     from disttrain.config import ParallelConfig
@@ -25,21 +25,9 @@ if TYPE_CHECKING:
 Shape = tuple[int, ...]
 
 
-def virtual_stages(parallel: ParallelConfig) -> int:
-    """Stages per pipeline rank: 2 for the interleaved schedules, else 1."""
-    return 2 if parallel.pipeline_schedule in VIRTUAL_SCHEDULES else 1
-
-
-def stage_bounds(model: nn.Module, stages: int, given: str) -> list[tuple[int, int]]:
-    """[first block, end) of each stage, as the pipeline splits the model."""
-    cuts = pipeline.split_points(model, stages, given) if stages > 1 else []
-    return list(zip([0, *cuts], [*cuts, len(transformer_blocks(model))], strict=True))
-
-
 def rank_stages(layout: MeshLayout, parallel: ParallelConfig, pipeline_rank: int) -> list[int]:
-    """The stages a pipeline rank runs (virtual stages loop: stage s on rank s mod ranks)."""
-    stages = layout.pipeline * virtual_stages(parallel)
-    return [s for s in range(stages) if s % layout.pipeline == pipeline_rank]
+    """The stages a pipeline rank runs, as the pipeline places them."""
+    return pipeline.stages_of(pipeline_rank, layout.pipeline, pipeline.stage_count(parallel, layout.pipeline))
 
 
 def stage_parameters(model: nn.Module, layout: MeshLayout, parallel: ParallelConfig,
@@ -48,8 +36,8 @@ def stage_parameters(model: nn.Module, layout: MeshLayout, parallel: ParallelCon
     if layout.pipeline == 1:
         return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     fam = pipeline.FAMILIES[pipeline.family_of(model)]
-    stages = layout.pipeline * virtual_stages(parallel)
-    bounds = stage_bounds(model, stages, parallel.pipeline_split)
+    stages = pipeline.stage_count(parallel, layout.pipeline)
+    bounds = pipeline.stage_bounds(model, stages, parallel.pipeline_split)
     blocks = transformer_blocks(model)
     mine = rank_stages(layout, parallel, pipeline_rank)
     modules = [blocks[i] for s in mine for i in range(*bounds[s])]
