@@ -180,15 +180,18 @@ def test_labels_longer_than_inputs_are_refused_before_anything_starts(tmp_path):
 
 def test_two_ranks_with_workers_resume_on_one_rank_with_the_same_stream(tmp_path, small_gpt):
     """torchrun, 2 ranks x 2 workers, killed after step 3 (stop_at) and resumed on 1 rank: the same sample stream
-    as a straight 1-rank run (within float tolerance: the reduction order differs across world sizes)."""
+    as a straight 1-rank run (within float tolerance: the reduction order differs across world sizes). The runs sit
+    deep in the file system: the sockets through which the workers pass batches are named after the workers' temp
+    folder, which stays the caller's (a run folder's would be longer than AF_UNIX allows)."""
     from conftest import read_metrics, run_cli
 
-    common = [*small_gpt, "--set", f"run.out_dir={tmp_path}", "--set", "train.steps=6", "--set", "train.eval_every=0",
+    out = tmp_path / ("nested-folder-" * 5)
+    common = [*small_gpt, "--set", f"run.out_dir={out}", "--set", "train.steps=6", "--set", "train.eval_every=0",
               "--set", "data.global_batch_size=8", "--set", "data.micro_batch_size=2", "--set", "checkpoint.every=3"]
     for name, nproc, extra in (("straight", 1, []), ("elastic", 2, ["--set", "train.stop_at=3"]), ("elastic", 1, [])):
         result = run_cli(["train", "--nproc", str(nproc), "--set", f"run.name={name}", "--set", "data.num_workers=2",
                           *common, *extra], tmp_path)
         assert result.returncode == 0, result.stderr
-    straight, elastic = (read_metrics(tmp_path / name) for name in ("straight", "elastic"))
+    straight, elastic = (read_metrics(out / name) for name in ("straight", "elastic"))
     assert [m["step"] for m in elastic] == list(range(1, 7))
     assert [m["loss"] for m in elastic] == pytest.approx([m["loss"] for m in straight], abs=1e-5)

@@ -26,7 +26,7 @@ from torch import nn
 from disttrain.batches import ModelCall, batch_size, to_device
 from disttrain.config import DistConfig, ParallelConfig
 from disttrain.errors import UserError
-from disttrain.losses import default_loss
+from disttrain.losses import default_loss, takes_split_logits
 from disttrain.models.hf import is_hf_model
 from disttrain.models.meta import has_meta_parameters, materialize
 from disttrain.optim import OptimizerFactory
@@ -90,7 +90,15 @@ class TrainingBackend:
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss, item count) of `outputs` for `batch`, whichever form the loss function returns."""
         batch = to_device(batch, self.runtime.device)
-        result = (loss_fn or self.loss_fn)(outputs, batch)
+        loss_fn = loss_fn or self.loss_fn
+        split = self.prepared.split_logits
+        if split is None:
+            result = loss_fn(outputs, batch)
+        else:  # logits split by vocabulary: disttrain's own losses take them so, any other gets them whole
+            from disttrain.parallel.tensor import whole
+
+            with split:
+                result = loss_fn(outputs if takes_split_logits(loss_fn) else whole(outputs), batch)
         if isinstance(result, tuple):
             loss_sum, count = result
             return loss_sum, torch.as_tensor(count, dtype=torch.float64, device=self.runtime.device)
@@ -241,7 +249,12 @@ class TrainingBackend:
         module.eval()
         try:
             with self.precision.autocast(self.runtime.device.type):
-                return self.model_call(to_device(batch, self.runtime.device, self.precision.param_dtype))(module)
+                outputs = self.model_call(to_device(batch, self.runtime.device, self.precision.param_dtype))(module)
+            if self.prepared.split_logits is None:
+                return outputs
+            from disttrain.parallel.tensor import whole
+
+            return whole(outputs)  # (loss parallel's logits split by vocabulary, gathered)
         finally:
             module.train(was_training)
 

@@ -185,6 +185,11 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """parallel.tensor > 1: also split the layer norms' and dropouts' activations along the sequence across the
     tensor-parallel ranks (less activation memory; the same numbers)."""
+    loss_parallel: bool = True
+    """parallel.tensor > 1 (without a pipeline): disttrain's own cross-entropy runs on the head's logits as they
+    come, split by vocabulary across the tensor-parallel ranks (torch's `loss_parallel`), so no rank gathers or
+    keeps the micro-batch x seq_len x vocabulary logits for training; a `loss_fn` of your own, evaluation and
+    `forward()` get them whole. false: logits are always gathered. The same numbers either way."""
     pipeline: int = 1
     """Pipeline stages: the model's blocks are split into this many consecutive stages, one per rank of a
     pipeline group (`torch.distributed.pipelining`); 1 = not split."""

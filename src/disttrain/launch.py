@@ -12,7 +12,6 @@ checkpoint), then the job ends with a summary of every rank.
 from __future__ import annotations
 
 import logging
-import os
 import shlex
 import sys
 import uuid
@@ -75,16 +74,14 @@ def launch(plan: LaunchPlan | int, entry: list[str], run_dir: Path, module: bool
     tmp.mkdir(parents=True, exist_ok=True)
     import tempfile
 
-    saved = os.environ.get("TMPDIR"), tempfile.tempdir
-    os.environ["TMPDIR"] = tempfile.tempdir = str(tmp)  # torchrun's per-run folders land in the run
+    # torchrun's per-run folders land in the run (it makes them here, in this process); the workers keep the
+    # caller's TMPDIR: a run folder deep in a file system would make the sockets multiprocessing names after it
+    # (data loader workers pass batches through them) longer than AF_UNIX allows
+    saved, tempfile.tempdir = tempfile.tempdir, str(tmp)
     try:
         return _run_torchrun(plan, entry, run_dir, module)
     finally:  # called in-process (tests, notebooks): leave the caller's temp folder as it was
-        if saved[0] is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = saved[0]
-        tempfile.tempdir = saved[1]
+        tempfile.tempdir = saved
 
 
 def _run_torchrun(plan: LaunchPlan, entry: list[str], run_dir: Path, module: bool) -> int:

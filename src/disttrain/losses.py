@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from disttrain.data import IGNORE_INDEX
 from disttrain.errors import ConfigError
@@ -43,6 +44,8 @@ def _token_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor
                           f"{list(logits.shape[:-1])} tokens); give one label per input token, -100 for padding")
     loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
+    if isinstance(loss, DTensor):  # logits split by vocabulary (loss parallel): every rank has the whole sum
+        loss = loss.to_local()
     return loss, (labels != IGNORE_INDEX).sum()
 
 
@@ -57,6 +60,12 @@ def causal_lm_loss(outputs: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.
     if labels.shape != logits.shape[:-1]:
         return _token_sum(logits, labels)  # the one-line error
     return _token_sum(logits[:, :-1], labels[:, 1:])
+
+
+def takes_split_logits(loss_fn) -> bool:
+    """Whether `loss_fn` takes logits split by vocabulary across tensor-parallel ranks (a DTensor, under torch's
+    loss_parallel: parallel/tensor.py): disttrain's own losses do; any other is given whole logits."""
+    return loss_fn in (lm_loss, causal_lm_loss)
 
 
 def default_loss(model: nn.Module):

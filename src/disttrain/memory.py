@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from disttrain.config import Config, ModelConfig
-from disttrain.parallel import pipeline, placement, registry
+from disttrain.parallel import pipeline, placement, registry, tensor
 from disttrain.parallel.layout import replicated
 from disttrain.parallel.mesh import MeshLayout, layout_for
 
@@ -67,6 +67,7 @@ def param_shapes(model_cfg: ModelConfig) -> list[torch.Size]:
 
 def gpt_activation_bytes(m: ModelConfig, micro_batch: int, checkpointing: bool, precision: str = "fp32",
                          linears: str = "autocast", *, tensor: int = 1, sequence_parallel: bool = False,
+                         split_logits: bool = False,
                          blocks: int | None = None, embeds: bool = True, head: bool = True, ids: bool = True) -> int:
     """Bytes autograd keeps for backward after the forward of one micro-batch of the reference GPT (or of a
     pipeline stage of it: `blocks` blocks, with the embedding if `embeds` and ln_f, the head and the loss if
@@ -90,7 +91,8 @@ def gpt_activation_bytes(m: ModelConfig, micro_batch: int, checkpointing: bool, 
 
     Tensor parallelism over `tensor` ranks (measured exact in fp32 on CPU) splits what the column-wise linears
     make: q, k, v, the attention output and its logsumexp (heads), the MLP hidden before and after GELU; the norms'
-    inputs, statistics and outputs, the log-softmax (the head's logits are gathered) and the ids stay whole. With
+    inputs, statistics and outputs, the log-softmax (unless `split_logits`: loss parallel keeps each rank's
+    part of the vocabulary) and the ids stay whole. With
     `sequence_parallel` the norms' inputs and statistics (and a checkpointed block's input) are split along the
     sequence too, but their outputs are not: the linears save the all-gathered input.
     """
@@ -113,7 +115,7 @@ def gpt_activation_bytes(m: ModelConfig, micro_batch: int, checkpointing: bool, 
     if embeds:  # the token ids and the positions the embeddings save
         total += (8 * b * t if ids else 0) + 8 * t
     if head:  # ln_f, the float32 log-softmax, the int64 targets, the loss's total weight (fp16: and its scale)
-        total += b * t // sp * (res * d + 2 * res) + b * t * (ln_out * d + 4 * v + 8) + 4
+        total += b * t // sp * (res * d + 2 * res) + b * t * (ln_out * d + 4 * v // (tp if split_logits else 1) + 8) + 4
         total += 4 if precision == "fp16-mixed" else 0
     weights = ((0 if checkpointing else n * 12 * d * d) + (v * d if head else 0)) * copies // tp
     return total + weights
@@ -234,6 +236,7 @@ def _gpt_split_activations(cfg: Config, linears: str, mesh: MeshLayout, model: n
     for ac in (False, True):
         total = sum(gpt_activation_bytes(m, micro, ac, p.precision, linears, tensor=mesh.tensor,
                                          sequence_parallel=p.sequence_parallel,
+                                         split_logits=tensor.splits_logits(p, mesh),
                                          blocks=bounds[stages[c]][1] - bounds[stages[c]][0],
                                          embeds=stages[c] == 0, head=stages[c] == last, ids=mesh.pipeline == 1)
                     for c in chunks)

@@ -5,7 +5,8 @@ A job whose model is not split (parallel.pipeline = parallel.tensor = 1) goes to
 over all ranks. Otherwise the ranks form one DeviceMesh (parallel/mesh.py: pp x dp_replicate x dp_shard x tp) and
 the axes are applied innermost first, as torchtitan does:
 
-    tensor     parallel/tensor.py splits each block over the `tp` axis (parameters become DTensors)
+    tensor     parallel/tensor.py splits each block over the `tp` axis (parameters become DTensors) and, without
+               a pipeline, leaves the logits split by vocabulary for the loss (`Prepared.split_logits`)
     data       the strategy over the data axes only (`mesh=`: DDP on the dp_replicate group, FSDP2 on dp_shard
                or dp_replicate x dp_shard); skipped when the data-parallel degree is 1
     pipeline   parallel/pipeline.py splits the (tensor-parallel) model into stages; the data axis wraps each stage
@@ -32,10 +33,13 @@ def prepare(spec: StrategySpec, model: nn.Module, runtime, parallel) -> Prepared
     if not layout.model_parallel:
         return spec.apply(model, runtime, parallel)
     device_mesh = layouts.device_mesh(layout, runtime.device.type)
+    split_logits = None  # loss parallel's context, where the head's logits stay split by vocabulary
     if layout.tensor > 1:
         from disttrain.parallel import tensor
 
-        tensor.parallelize(model, device_mesh["tp"], parallel.sequence_parallel)
+        split = tensor.splits_logits(parallel, layout)
+        tensor.parallelize(model, device_mesh["tp"], parallel.sequence_parallel, split)
+        split_logits = tensor.LossParallel() if split else None
     if layout.pipeline > 1:
         from disttrain.parallel import pipeline
 
@@ -51,4 +55,5 @@ def prepare(spec: StrategySpec, model: nn.Module, runtime, parallel) -> Prepared
                             **full_state_dict_fns(model, sharded=True))
     prepared.data_parallel = (layout.data, layout.data_rank(runtime.rank))
     prepared.counts_loss = layout.counts_loss(runtime.rank)
+    prepared.split_logits = split_logits
     return prepared

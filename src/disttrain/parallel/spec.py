@@ -117,6 +117,9 @@ class Prepared:
     counts_loss: bool = True
     """Whether this rank's loss and item count join the step's global totals: one rank per data shard does (the
     others compute the same loss, or none)."""
+    split_logits: Any = None
+    """Tensor parallelism's loss parallel (parallel/tensor.py): the context in which forward, disttrain's own loss
+    and backward run on logits split by vocabulary. None: the model's logits are whole tensors."""
     norm_group: Any = None
     """A process group whose ranks hold different parameters that no DTensor spans (pipeline stages): the squared
     gradient norm is summed over it. None: the norm is complete on each rank."""
@@ -153,7 +156,7 @@ class Prepared:
         `on_loss(loss_sum, count)` (the backend's bookkeeping, before backward so that its all-reduce overlaps
         it; it returns the tensor to back-propagate, e.g. the loss times fp16's scale), then backward.
         `sync=False`: under `no_sync` (gradients stay local until the step's last micro-batch)."""
-        with contextlib.nullcontext() if sync else self.no_sync():
+        with contextlib.nullcontext() if sync else self.no_sync(), self.split_logits or contextlib.nullcontext():
             with autocast:
                 loss_sum, count = loss_terms(inputs(self.module))
             self.backward(on_loss(loss_sum, count), sync)

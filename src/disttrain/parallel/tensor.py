@@ -8,8 +8,13 @@ The numbers are the same either way (fp32: to rounding).
 
 The plans are written against module names: the reference GPT (models/gpt.py) and Hugging Face Llama-family
 models (LlamaForCausalLM and the families that share its module names: Mistral, Qwen2, Qwen3, ...). The token
-embedding is split by vocabulary rows and the LM head by vocabulary columns; tied weights stay tied. The head's
-logits are gathered in full on every rank (the loss function is the user's, so loss parallelism is not used).
+embedding is split by vocabulary rows and the LM head by vocabulary columns; tied weights stay tied.
+
+Loss parallel (`parallel.loss_parallel`, on by default without a pipeline): the head's logits stay split by
+vocabulary, and disttrain's own cross-entropy (losses.py) runs on them under torch's `loss_parallel()`: each rank
+computes its part of the log-softmax, with two small all-reduces per micro-batch (max and sum of exponentials, one
+value per token), instead of gathering micro-batch x seq_len x vocabulary logits and keeping them for backward.
+Anything that expects whole logits (a user's loss function, `forward()`, evaluation) gets them gathered (`whole`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
@@ -65,8 +71,15 @@ def check_divisible(model: nn.Module, kind: str, degree: int) -> None:
                               f"tensor degree that divides {value}")
 
 
-def parallelize(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
-    """Split `model`'s blocks, embedding and head across `tp_mesh` in place (parameters become DTensors)."""
+def splits_logits(parallel, layout) -> bool:
+    """Whether the head's logits stay split by vocabulary (loss parallel): a tensor-parallel layout without a
+    pipeline (a pipeline's last stage hands its output to the schedule, which wants plain tensors)."""
+    return parallel.loss_parallel and layout.tensor > 1 and layout.pipeline == 1
+
+
+def parallelize(model: nn.Module, tp_mesh, sequence_parallel: bool, split_logits: bool = False) -> None:
+    """Split `model`'s blocks, embedding and head across `tp_mesh` in place (parameters become DTensors); with
+    `split_logits` the head returns its logits as a DTensor split by vocabulary (loss parallel)."""
     kind = family(model)
     check_divisible(model, kind, tp_mesh.size())
     plan = FAMILIES[kind]
@@ -84,7 +97,7 @@ def parallelize(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
     blocks = transformer_blocks(model)
     for block in blocks:
         parallelize_module(block, tp_mesh, block_plan)
-    parallelize_module(model, tp_mesh, _outer_plan(model, kind, sequence_parallel, blocks))
+    parallelize_module(model, tp_mesh, _outer_plan(model, kind, sequence_parallel, blocks, split_logits))
     _retie(model, ties)
     whole = [m for m in model.modules() if any(not isinstance(p, DTensor) for p in m.parameters(recurse=False))]
     for module in whole:  # positions, and the norms when the sequence is not split
@@ -107,14 +120,17 @@ class Replicated(ParallelStyle):
         return distribute_module(module, device_mesh, None, input_fn=inputs, output_fn=outputs)
 
 
-def _outer_plan(model: nn.Module, kind: str, sequence_parallel: bool, blocks: list[nn.Module]) -> dict:
+def _outer_plan(model: nn.Module, kind: str, sequence_parallel: bool, blocks: list[nn.Module],
+                split_logits: bool) -> dict:
     """Embedding (vocabulary rows), the sequence split before the first block, the final norm and the head."""
     names = {module: name for name, module in model.named_modules()}
     embedding = names[model.get_input_embeddings()] if hasattr(model, "get_input_embeddings") else "tok_emb"
     head = "lm_head"
     seq = Shard(1)
     plan = {embedding: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            head: ColwiseParallel(input_layouts=seq if sequence_parallel else Replicate(), output_layouts=Replicate())}
+            head: ColwiseParallel(input_layouts=seq if sequence_parallel else Replicate(),
+                                  output_layouts=Shard(-1) if split_logits else Replicate(),
+                                  use_local_output=not split_logits)}
     if sequence_parallel:
         # the stream is split along the sequence where the blocks start (the GPT adds positions first; a Llama's
         # rotary embedding and mask are computed from the full sequence before its first layer)
@@ -137,3 +153,39 @@ def _retie(model: nn.Module, ties: list[list[str]]) -> None:
         for name in group[1:]:
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner), attr, first)
+
+
+class LossParallel:
+    """torch's `loss_parallel()` (cross-entropy on logits split by vocabulary), as a context entered once however
+    deeply it is nested: the backward needs it as much as the forward, so the step enters it around forward, loss
+    and backward, and the loss enters it again on its own (torch's context cannot nest: leaving the inner one would
+    switch it off for the backward)."""
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self._context = None
+
+    def __enter__(self) -> None:
+        if self._depth == 0:
+            self._context = loss_parallel()
+            self._context.__enter__()
+        self._depth += 1
+
+    def __exit__(self, *exc) -> bool:
+        self._depth -= 1
+        if self._depth == 0:  # (torch's context has no finally: leave it normally even after an error)
+            self._context.__exit__(None, None, None)
+        return False
+
+
+def whole(outputs):
+    """Model outputs with split logits gathered (a tensor, or the `logits` of an HF output / dict, or a tuple's
+    first item): what a user's loss function and a caller of `forward()` expect."""
+    if isinstance(outputs, DTensor):
+        return outputs.full_tensor()
+    if isinstance(outputs, dict) and isinstance(outputs.get("logits"), DTensor):  # HF ModelOutput is a dict too
+        outputs["logits"] = outputs["logits"].full_tensor()
+        return outputs
+    if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], DTensor):
+        return type(outputs)([outputs[0].full_tensor(), *outputs[1:]])
+    return outputs
