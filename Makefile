@@ -5,9 +5,6 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 ARGS ?=
-# test files run on 2 pytest workers (a file's tests stay on one, so its shared launches run once): most tests
-# wait on processes they start, and one worker leaves a core idle about a third of the time
-TEST_WORKERS ?= 2
 
 .PHONY: run test bench lint clean venv
 
@@ -24,7 +21,7 @@ run: venv
 	$(VENV)/bin/disttrain train $(ARGS)
 
 test: venv
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	$(PY) -m pytest -q $(ARGS)
 
 bench: venv
 	$(VENV)/bin/disttrain bench overhead $(ARGS)

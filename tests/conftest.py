@@ -15,17 +15,6 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 DISTTRAIN = [sys.executable, "-m", "disttrain"]
 
-# The files whose shared launches take longest (a minute or more here), run first: `make test` gives each pytest
-# worker whole files (--dist loadfile), and a long file started last would leave the other worker idle at the end
-SLOW_FIRST = ("test_checkpoint_resume.py", "test_parallel_model.py", "test_hf.py", "test_launch.py",
-              "test_parallel_fsdp.py", "test_service_ray.py", "test_cli.py", "test_parallel_deepspeed.py",
-              "test_memory.py", "test_service.py")
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: the rest keep their order
-
 
 def cli_env(tmp_path: Path) -> dict[str, str]:
     env = dict(os.environ)

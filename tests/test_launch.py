@@ -81,6 +81,32 @@ def test_a_hung_rank_is_named_within_timeout(tmp_path):
     assert processes_mentioning(str(tmp_path / "hang")) == []
 
 
+def test_workers_end_when_their_launcher_is_killed(tmp_path):
+    """SIGKILL of the launcher (kill -9, the OOM killer): torchrun starts each worker in a session of its own, so
+    nothing signals them, and a rank blocked outside a collective (asleep in its forward here; rank 0 waits in a
+    collective with a 10-minute timeout) would live on. Each rank's heartbeat sees its parent gone and ends it."""
+    run_dir = tmp_path / "orphans"
+    proc = subprocess.Popen(DISTTRAIN + _job(tmp_path, "orphans", 20, "--set", "dist.timeout_s=600"), cwd=tmp_path,
+                            env={**cli_env(tmp_path), "FAULT": "sleep", "FAULT_RANK": "1", "FAULT_STEP": "3"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        workers = processes_mentioning(str(run_dir))
+        assert len(workers) >= 2
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 20
+        while processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert processes_mentioning(str(run_dir)) == []
+    finally:
+        for pid in processes_mentioning(str(run_dir)):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_sigkill_with_restarts_resumes_and_finishes_like_an_uninterrupted_run(tmp_path, reference):
     kill_after = random.Random().randint(6, 14)
     args = _job(tmp_path, "killed", 20, "--set", "checkpoint.every=5", "--set", "dist.timeout_s=15") + [

@@ -1,5 +1,5 @@
 """Models split across ranks (parallel/mesh.py, compose.py, tensor.py): every layout gives the single-process
-losses, gradient norms, evaluation and final parameters of the same job (fp32, 20 steps, within 1e-5), and a
+losses, gradient norms, evaluation and final parameters of the same job (fp32, 12 steps, within 1e-5), and a
 checkpoint saved under one layout resumes under another. One launch per world size trains all the variants
 (start-up is shared); the layouts are checked as arithmetic, in one line, before anything starts."""
 
@@ -25,12 +25,13 @@ TWO = ["ddp+tp2", "ddp+tp2+sp", "ddp+tp2+gathered", "fsdp+tp2", "ddp+pp2+gpipe",
 MIXED = ["ddp+tp2+bf16", "ddp+pp2+bf16"]  # bf16-mixed: against one process in bf16-mixed, to bf16's rounding
 # 4 ranks: tp2 x fsdp2, tp2 (sequence parallel) x replicate2, hsdp 2 x 2, pp2 x replicate2, pp2 x fsdp2, pp2 x tp2
 FOUR = ["fsdp+tp2", "ddp+tp2+sp", "hsdp:2", "ddp+pp2", "fsdp+pp2", "ddp+pp2+tp2"]
-# checkpoints across layouts: A>B trains A to step 10, saves, and B resumes it to step 20
+# checkpoints across layouts: A>B trains A to step 6, saves, and B resumes it to step 12
 RESUMES = ["ddp+tp2>fsdp", "fsdp>ddp+tp2+sp", "ddp+tp2>ddp+tp2", "ddp+pp2+1f1b>fsdp", "fsdp>ddp+pp2+gpipe",
            "ddp+pp2>ddp+pp2", "ddp+pp2>ddp+tp2"]
 # ... on 4 ranks, between 2-D layouts: pp2 x fsdp2 -> tp2 x dp2 (sequence parallel), tp2 x fsdp2 -> pp2 x dp2
 RESUMES_FOUR = ["fsdp+pp2>ddp+tp2+sp", "fsdp+tp2>ddp+pp2"]
-# ... and into one process: the step-10 checkpoints of these 2-rank runs, resumed by `single`
+# ... and into one process: the step-6 checkpoints of these 2-rank runs, resumed by `single`
+STEPS = ["train.steps=12", "train.eval_every=6"]  # (>= 10 steps: the issue's bar; each launch trains ~20 jobs)
 INTO_ONE = {"tp": "ddp+tp2>fsdp", "pp": "ddp+pp2+1f1b>fsdp"}
 
 
@@ -52,19 +53,19 @@ def run_dir(variant: str) -> str:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("layouts")
     script = str(SCRIPTS / "strategy_parity.py")
-    single = subprocess.run([sys.executable, script, str(tmp), "single", "single+layers4", "single+bf16"], cwd=tmp,
-                            env=cli_env(tmp), capture_output=True, text=True, timeout=180)
+    single = subprocess.run([sys.executable, script, str(tmp), *STEPS, "single", "single+layers4", "single+bf16"],
+                            cwd=tmp, env=cli_env(tmp), capture_output=True, text=True, timeout=180)
     assert single.returncode == 0, single.stderr[-3000:]
     for world, variants in ((2, TWO + MIXED + RESUMES), (4, FOUR + RESUMES_FOUR)):
         launched = run_cli(["launch", "--nproc", str(world), "--run-dir", str(tmp / f"launch{world}"), script,
-                            str(tmp), *variants], tmp, timeout=400)
+                            str(tmp), *STEPS, *variants], tmp, timeout=400)
         assert launched.returncode == 0, launched.stderr[-3000:]
     one = {}
     for label, source in INTO_ONE.items():
         out = tmp / f"into_one_{label}"
         out.mkdir()
-        resume = f"checkpoint.resume={tmp / run_dir(source) / 'checkpoints' / 'step_10'}"
-        resumed = subprocess.run([sys.executable, script, str(out), f"single@{label}", resume], cwd=tmp,
+        resume = f"checkpoint.resume={tmp / run_dir(source) / 'checkpoints' / 'step_6'}"
+        resumed = subprocess.run([sys.executable, script, str(out), *STEPS, f"single@{label}", resume], cwd=tmp,
                                  env=cli_env(tmp), capture_output=True, text=True, timeout=180)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         one[label] = load(out, 1)[f"single@{label}"]
@@ -90,7 +91,7 @@ def assert_same_training(got: dict, reference: dict, steps=slice(None)) -> None:
 def test_layout_matches_single_process(runs, world, variant):
     references, multi, _ = runs
     got = multi[world][variant]
-    assert len(got["losses"]) == 20 and got["eval"].keys() == {"10", "20"}
+    assert len(got["losses"]) == 12 and got["eval"].keys() == {"6", "12"}
     assert_same_training(got, reference_of(references, variant))
 
 
@@ -114,19 +115,19 @@ def test_single_process_learns(runs):
 
 @pytest.mark.parametrize("world, variant", [(2, v) for v in RESUMES] + [(4, v) for v in RESUMES_FOUR])
 def test_checkpoint_resumes_across_layouts(runs, world, variant):
-    """Steps 11-20 after resuming (a sharded DCP checkpoint, resharded to the new layout) are the single-process
-    run's steps 11-20."""
+    """Steps 7-12 after resuming (a sharded DCP checkpoint, resharded to the new layout) are the single-process
+    run's steps 7-12."""
     references, multi, _ = runs
     got = multi[world][variant]
-    assert len(got["losses"]) == 10
-    assert_same_training(got, references["single"], slice(10, 20))
+    assert len(got["losses"]) == 6
+    assert_same_training(got, references["single"], slice(6, 12))
 
 
 @pytest.mark.parametrize("label", INTO_ONE)
 def test_layout_checkpoint_resumes_in_one_process(runs, label):
     references, _, one = runs
-    assert len(one[label]["losses"]) == 10
-    assert_same_training(one[label], references["single"], slice(10, 20))
+    assert len(one[label]["losses"]) == 6
+    assert_same_training(one[label], references["single"], slice(6, 12))
 
 
 def test_mesh_coordinates():

@@ -35,6 +35,10 @@ class RankStatus:
     """This rank's status file. `phase()` is cheap (a dict update); a thread writes the file."""
 
     def __init__(self, run_dir: Path, rank: int, node: int, interval_s: float = 1.0):
+        # a torchrun worker runs in a session of its own: if its launcher dies (SIGKILL, the OOM killer) nothing
+        # would end it, and a rank blocked outside a collective (a data loader, a sleep) would outlive the job.
+        # The heartbeat notices the parent change and ends the rank.
+        self._launcher = os.getppid() if os.environ.get("TORCHELASTIC_RUN_ID") else None
         self.path = status_dir(run_dir) / f"rank{rank}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         now = time.time()
@@ -70,10 +74,21 @@ class RankStatus:
 
     def _beat(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
+            if self._launcher is not None and os.getppid() != self._launcher:
+                self._orphaned()
             try:
                 self.write()
             except OSError:
                 pass  # a full disk must not kill training; the next beat tries again
+
+    def _orphaned(self) -> None:
+        print(f"disttrain: rank {self.state['rank']}: its launcher (pid {self._launcher}) is gone; exiting",
+              file=sys.stderr, flush=True)
+        self.phase("launcher gone")
+        try:
+            self.write()
+        finally:
+            os._exit(1)  # (the main thread may be blocked anywhere: no clean-up can be waited for)
 
     def close(self, phase: str | None = "done") -> None:
         """Stop the heartbeat; `phase=None` keeps the phase the rank was in (where it failed)."""

@@ -11,8 +11,8 @@ A variant is `strategy[+flag...][:hsdp_shard_size]`, flags: `ac` (activation che
 `ppN` (parallel.pipeline=N), `gpipe` / `1f1b` / `i1f1b` / `zb` (parallel.pipeline_schedule), `layersN`
 (model.n_layer=N).
 An argument with `=` is a setting for every variant (e.g. `model.name=hf:DIR` trains a Hugging Face model).
-`A>B` trains A to step 10 with a checkpoint there, then resumes it under B to step 20 (its losses are
-steps 11-20). `variant@label` runs the variant under another name (e.g. twice, with different settings).
+`A>B` trains A to half of train.steps (step 10 of 20) with a checkpoint there, then resumes it under B to the end
+(its losses are steps 11-20). `variant@label` runs the variant under another name (e.g. twice, with different settings).
 The strategy `plain` (1 process only) is not disttrain but the plain-torch loop of
 plain_reference.py on the same job. Rank 0 writes OUT/<world>.json: {variant: {"losses": [...],
 "grad_norms": [...], "eval": {...}}} and each variant's final parameters to OUT/<world>/<variant>.safetensors
@@ -90,8 +90,9 @@ def main() -> None:
         first, _, then = variant.split("@")[0].partition(">")
         name = variant.replace(":", "_").replace(">", "_to_").replace("@", "_")
         if then:  # the second run resumes the first's checkpoint (same run dir, checkpoint.resume = auto)
-            train(out, runtime, name, first, ["checkpoint.every=10", "train.stop_at=10"])
-            results[variant], params = train(out, runtime, name, then, ["checkpoint.every=10"])
+            half = load_config(None, [*JOB, *SETTINGS]).train.steps // 2
+            train(out, runtime, name, first, [f"checkpoint.every={half}", f"train.stop_at={half}"])
+            results[variant], params = train(out, runtime, name, then, [f"checkpoint.every={half}"])
         else:
             results[variant], params = train(out, runtime, name, first, [])
         folder = out / str(runtime.world_size)
