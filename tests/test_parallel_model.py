@@ -18,15 +18,14 @@ from disttrain.parallel.mesh import MeshLayout, layout_for
 
 # 2 ranks: tensor parallel over both (data degree 1: no data axis); a pipeline of 2 stages under each schedule
 # (interleaved and zero-bubble put 2 virtual stages on each rank: a 4-block model, `layers4`)
-# (tensor parallel runs its loss on logits split by vocabulary, loss parallel; `gathered` gathers them first;
-# +ac: activation checkpointing composes)
-TWO = ["ddp+tp2", "ddp+tp2+sp", "ddp+tp2+gathered", "fsdp+tp2", "ddp+pp2+gpipe", "ddp+pp2+1f1b",
+# (+lp: the loss on logits split by vocabulary, loss parallel; +ac: activation checkpointing composes)
+TWO = ["ddp+tp2", "ddp+tp2+sp", "ddp+tp2+lp", "fsdp+tp2", "ddp+pp2+gpipe", "ddp+pp2+1f1b",
        "ddp+pp2+i1f1b+layers4", "ddp+pp2+zb+layers4", "ddp+tp2+ac", "ddp+pp2+ac"]
-MIXED = ["ddp+tp2+bf16", "ddp+pp2+bf16"]  # bf16-mixed: against one process in bf16-mixed, to bf16's rounding
+MIXED = ["ddp+tp2+bf16+lp", "ddp+pp2+bf16"]  # bf16-mixed: against one process in bf16-mixed, to bf16's rounding
 # 4 ranks: tp2 x fsdp2, tp2 (sequence parallel) x replicate2, hsdp 2 x 2, pp2 x replicate2, pp2 x fsdp2, pp2 x tp2
-FOUR = ["fsdp+tp2", "ddp+tp2+sp", "hsdp:2", "ddp+pp2", "fsdp+pp2", "ddp+pp2+tp2"]
+FOUR = ["fsdp+tp2+lp", "ddp+tp2+sp", "hsdp:2", "ddp+pp2", "fsdp+pp2", "ddp+pp2+tp2"]
 # checkpoints across layouts: A>B trains A to step 6, saves, and B resumes it to step 12
-RESUMES = ["ddp+tp2>fsdp", "fsdp>ddp+tp2+sp", "ddp+tp2>ddp+tp2", "ddp+pp2+1f1b>fsdp", "fsdp>ddp+pp2+gpipe",
+RESUMES = ["ddp+tp2>fsdp", "fsdp>ddp+tp2+sp+lp", "ddp+tp2>ddp+tp2", "ddp+pp2+1f1b>fsdp", "fsdp>ddp+pp2+gpipe",
            "ddp+pp2>ddp+pp2", "ddp+pp2>ddp+tp2"]
 # ... on 4 ranks, between 2-D layouts: pp2 x fsdp2 -> tp2 x dp2 (sequence parallel), tp2 x fsdp2 -> pp2 x dp2
 RESUMES_FOUR = ["fsdp+pp2>ddp+tp2+sp", "fsdp+tp2>ddp+pp2"]

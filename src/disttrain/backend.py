@@ -318,7 +318,7 @@ def create_backend(model: nn.Module, optimizer_factory: OptimizerFactory, parall
     else:
         model = model.to(runtime.device, dtype=policy.param_dtype)
     prepared = compose.prepare(spec, model, runtime, parallel)  # pipeline x data x tensor (parallel/mesh.py)
-    if deferred:
+    if deferred and has_meta_parameters(model):  # (a pipeline stage has made its part real already)
         materialize(model, runtime.device, prepared.partition_module)
     scaler = policy.grad_scaler(runtime.device.type, distributed=runtime.distributed)
     optimizer = prepared.build_optimizer(optimizer_factory, grad_clip, scaler)

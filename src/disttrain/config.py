@@ -185,11 +185,13 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """parallel.tensor > 1: also split the layer norms' and dropouts' activations along the sequence across the
     tensor-parallel ranks (less activation memory; the same numbers)."""
-    loss_parallel: bool = True
-    """parallel.tensor > 1 (without a pipeline): disttrain's own cross-entropy runs on the head's logits as they
-    come, split by vocabulary across the tensor-parallel ranks (torch's `loss_parallel`), so no rank gathers or
-    keeps the micro-batch x seq_len x vocabulary logits for training; a `loss_fn` of your own, evaluation and
-    `forward()` get them whole. false: logits are always gathered. The same numbers either way."""
+    loss_parallel: str = "auto"
+    """parallel.tensor > 1 (without a pipeline): `true` runs disttrain's own cross-entropy on the head's logits as
+    they come, split by vocabulary across the tensor-parallel ranks (torch's `loss_parallel`), so no rank gathers or
+    keeps the micro-batch x seq_len x vocabulary logits for training (a `loss_fn` of your own, evaluation and
+    `forward()` still get them whole); `false` always gathers them; `auto` splits them for vocabularies of 8192
+    tokens and more, where the logits are the largest activation (on a toy vocabulary the split loss's fixed cost
+    per micro-batch is more than the gather it saves). The same numbers either way."""
     pipeline: int = 1
     """Pipeline stages: the model's blocks are split into this many consecutive stages, one per rank of a
     pipeline group (`torch.distributed.pipelining`); 1 = not split."""
@@ -307,6 +309,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.on_nonfinite": ("stop", "skip"),
     "parallel.grad_compression": ("none", "fp16", "bf16", "powersgd"),
     "parallel.pipeline_schedule": ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"),
+    "parallel.loss_parallel": ("auto", "true", "false"),
 }
 
 
@@ -334,6 +337,8 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
     elif typ is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
+        if isinstance(value, bool) and "true" in CHOICES.get(key, ()):  # auto | true | false settings
+            return str(value).lower()
     raise ConfigError(f"{key} = {value!r}: expected {typ.__name__}; fix the value in the config or --set")
 
 

@@ -236,7 +236,7 @@ def _gpt_split_activations(cfg: Config, linears: str, mesh: MeshLayout, model: n
     for ac in (False, True):
         total = sum(gpt_activation_bytes(m, micro, ac, p.precision, linears, tensor=mesh.tensor,
                                          sequence_parallel=p.sequence_parallel,
-                                         split_logits=tensor.splits_logits(p, mesh),
+                                         split_logits=tensor.splits_logits(p, mesh, m.vocab_size),
                                          blocks=bounds[stages[c]][1] - bounds[stages[c]][0],
                                          embeds=stages[c] == 0, head=stages[c] == last, ids=mesh.pipeline == 1)
                     for c in chunks)

@@ -7,7 +7,7 @@ A variant is `strategy[+flag...][:hsdp_shard_size]`, flags: `ac` (activation che
 (cpu_offload), `prefetchN` (fsdp_prefetch=N), `stageN` (deepspeed_stage=N), `bf16` (bf16-mixed), `fp16` (fp16-mixed),
 `sgd` (optim.name=sgd), `noclip` (optim.grad_clip=0), `gcfp16` / `gcbf16` / `powersgd` (parallel.grad_compression),
 `tinybuckets` (parallel.bucket_cap_mb=0.01: many DDP buckets), `tpN` (parallel.tensor=N), `sp` (sequence parallel),
-`gathered` (parallel.loss_parallel=false: the head's logits gathered before the loss),
+`lp` (parallel.loss_parallel=true: the loss on logits split by vocabulary),
 `ppN` (parallel.pipeline=N), `gpipe` / `1f1b` / `i1f1b` / `zb` (parallel.pipeline_schedule), `layersN`
 (model.n_layer=N).
 An argument with `=` is a setting for every variant (e.g. `model.name=hf:DIR` trains a Hugging Face model).
@@ -41,7 +41,7 @@ FLAGS = {"ac": "parallel.activation_checkpointing=true", "offload": "parallel.cp
          "noclip": "optim.grad_clip=0", "gcfp": "parallel.grad_compression=fp{}",
          "gcbf": "parallel.grad_compression=bf{}", "powersgd": "parallel.grad_compression=powersgd",
          "tinybuckets": "parallel.bucket_cap_mb=0.01", "tp": "parallel.tensor={}",
-         "sp": "parallel.sequence_parallel=true", "gathered": "parallel.loss_parallel=false",
+         "sp": "parallel.sequence_parallel=true", "lp": "parallel.loss_parallel=true",
          "pp": "parallel.pipeline={}",
          "gpipe": "parallel.pipeline_schedule=gpipe", "1f1b": "parallel.pipeline_schedule=1f1b",
          "i1f1b": "parallel.pipeline_schedule=interleaved-1f1b", "zb": "parallel.pipeline_schedule=zero-bubble",

@@ -1,6 +1,6 @@
 """Benchmark: peak host memory per rank while a Hugging Face model starts (built, sharded, loaded), per strategy.
 
-    disttrain bench startup [--model hf:DIR] [--nproc 2] [--strategies fsdp,deepspeed:3,ddp] [--out bench_results]
+    disttrain bench startup [--model hf:DIR] [--nproc 2] [--strategies fsdp,deepspeed:3,ddp,ddp+pp2] [--out DIR]
 
 Without `--model` it first writes a Llama-family model of about 110 M parameters (random weights, fp32
 safetensors, 8 layers x 1024 wide, vocabulary 8192) into `<out>/startup_model`. Each strategy is one launch; every
@@ -9,7 +9,8 @@ runs `create_backend` (meta build, strategy, materialisation, weights), and repo
 set (VmHWM) over the baseline once the model is materialised and sharded (when the optimizer factory is called),
 against the full model's fp32 bytes, and after `create_backend` returns (DeepSpeed builds its ZeRO optimizer's
 buffers there; torch optimizers allocate their state at the first step). Under fsdp a rank should hold its shards
-plus one tensor at a time (target <= 0.6 at 2 ranks); ddp, which keeps a full replica, is the comparison.
+plus one tensor at a time (target <= 0.6 at 2 ranks); ddp, which keeps a full replica, is the comparison. A
+strategy may carry a layout, `+ppN` (pipeline stages: a rank reads and holds its own stages) and `+tpN`.
 Results: `<out>/startup.json` and `<out>/startup.md`. Linux only (reads /proc).
 """
 
@@ -27,7 +28,7 @@ def _args(argv):
     p.add_argument("--model", default="", help="hf:DIR of the model to start (default: write a ~110M Llama)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--strategies", default="fsdp,deepspeed:3,ddp",
-                   help="comma-separated; deepspeed:N is DeepSpeed at ZeRO stage N")
+                   help="comma-separated; deepspeed:N is DeepSpeed at ZeRO stage N; +ppN / +tpN add a layout")
     p.add_argument("--strategy", default="", help=argparse.SUPPRESS)  # a worker's one strategy
     p.add_argument("--out", default="bench_results")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -71,6 +72,10 @@ def _local_numel(p) -> int:
     return p.numel()
 
 
+def _file_name(strategy: str) -> str:
+    return strategy.replace(":", "_").replace("+", "_")
+
+
 def _worker(args) -> None:
     import torch
 
@@ -80,9 +85,12 @@ def _worker(args) -> None:
     from disttrain.optim import optimizer_factory
     from disttrain.runtime import exit_process, init_runtime, shutdown
 
-    strategy, _, stage = args.strategy.partition(":")
+    name, *layout = args.strategy.split("+")
+    strategy, _, stage = name.partition(":")
+    axes = {"pp": "parallel.pipeline", "tp": "parallel.tensor"}
     cfg = load_config(None, [f"model.name={args.model}", f"parallel.strategy={strategy}", "dist.threads_per_rank=1",
-                             *([f"parallel.deepspeed_stage={stage}"] if stage else [])])
+                             *([f"parallel.deepspeed_stage={stage}"] if stage else []),
+                             *(f"{axes[flag[:2]]}={flag[2:]}" for flag in layout)])
     runtime = init_runtime(cfg.dist, always_form_group=True)
     import transformers
 
@@ -107,7 +115,7 @@ def _worker(args) -> None:
            "peak_rise_bytes": (at_model[0] - baseline) * 1024, "with_optimizer_bytes": (peak - baseline) * 1024,
            "parameter_bytes_held": held,
            "weight_bytes_read": model.disttrain_weights.bytes_read}
-    (Path(args.out) / f"startup_{args.strategy.replace(':', '_')}_rank{runtime.rank}.json").write_text(json.dumps(row))
+    (Path(args.out) / f"startup_{_file_name(args.strategy)}_rank{runtime.rank}.json").write_text(json.dumps(row))
     shutdown(runtime)
     exit_process(0)
 
@@ -120,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     from disttrain.bench import worker_entry
     from disttrain.launch import launch
 
+    for strategy in args.strategies.split(","):
+        for flag in strategy.split("+")[1:]:
+            if flag[:2] not in ("pp", "tp") or not flag[2:].isdigit():
+                print(f"disttrain: error: --strategies: {strategy!r}: a layout is +ppN or +tpN (e.g. ddp+pp2), "
+                      f"not +{flag}", file=sys.stderr)
+                return 2
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if not args.model:
@@ -134,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         code = launch(args.nproc, worker_entry("disttrain.bench.startup", args), out / "startup_run")
         if code:
             return code
-        for path in sorted(out.glob(f"startup_{strategy.replace(':', '_')}_rank*.json")):
+        for path in sorted(out.glob(f"startup_{_file_name(strategy)}_rank*.json")):
             rows.append(json.loads(path.read_text()))
             path.unlink()
     lines = [f"# Start-up peak memory per rank: {args.model}, {args.nproc} ranks, CPU\n",

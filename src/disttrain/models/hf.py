@@ -125,15 +125,14 @@ class SafetensorsReader:
         else:
             target.copy_(self.read_rows(key, start, stop))
 
-    def load_into(self, model: nn.Module) -> None:
-        """Fill each parameter (tied ones once) and each persistent buffer the files hold."""
+    def load_into(self, model: nn.Module, aliases: list[list[str]] = ()) -> None:
+        """Fill each parameter (tied ones once) and each persistent buffer the files hold (`aliases`: meta.py)."""
         seen: set[int] = set()
         for name, param in model.named_parameters(remove_duplicate=False):
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            key = self._key(name, model)
-            self._fill(param, key)
+            self._fill(param, self._key(name, model, aliases))
         for name, buffer in model.named_buffers():
             if name in self.entries:
                 self._fill(buffer, name)
@@ -142,11 +141,12 @@ class SafetensorsReader:
         """Fill one full parameter of `model` (tied names resolve to the tensor the files hold)."""
         self._fill(tensor, self._key(name, model))
 
-    def _key(self, name: str, model: nn.Module) -> str:
+    def _key(self, name: str, model: nn.Module, aliases: list[list[str]] = ()) -> str:
         if name in self.entries:
             return name
         tied = [n for n, p in model.named_parameters(remove_duplicate=False)
                 if p is model.get_parameter(name) and n in self.entries]
+        tied += [n for group in aliases if name in group for n in group if n in self.entries]
         if tied:
             return tied[0]
         raise ConfigError(f"the weights have no tensor '{name}' for {type(model).__name__}; give a directory that "

@@ -22,8 +22,10 @@ from disttrain.parallel.state import parameter_names, tie_groups
 
 
 class WeightsSource(Protocol):
-    def load_into(self, model: nn.Module) -> None:
-        """Fill every parameter (full tensors, or this rank's shards of DTensors) and persistent buffer."""
+    def load_into(self, model: nn.Module, aliases: list[list[str]] = ()) -> None:
+        """Fill every parameter (full tensors, or this rank's shards of DTensors) and persistent buffer; `aliases`:
+        groups of names of one tied weight in the unpruned model (a pipeline stage may hold it under a name the
+        files do not have)."""
 
     def load_tensor(self, model: nn.Module, name: str, tensor: torch.Tensor) -> None:
         """Fill one full parameter, `name` as in `model.named_parameters()`."""
@@ -77,7 +79,7 @@ def _source(model: nn.Module) -> WeightsSource:
 
 
 def materialize(model: nn.Module, device: torch.device,
-                after_module: Callable[[nn.Module], None] | None = None) -> None:
+                after_module: Callable[[nn.Module], None] | None = None, aliases: list[list[str]] = ()) -> None:
     """Allocate the meta parameters on `device` (each rank's shards, if a strategy has sharded them), keep the
     real buffers and the ties between shared parameters, and fill the parameters from the registered source.
 
@@ -99,7 +101,7 @@ def materialize(model: nn.Module, device: torch.device,
         owner, _, leaf = name.rpartition(".")
         (model.get_submodule(owner) if owner else model)._buffers[leaf] = buffer.to(device)
     with torch.no_grad():
-        source.load_into(model)
+        source.load_into(model, aliases)
 
 
 def _materialize_by_module(model: nn.Module, device: torch.device, source: WeightsSource,

@@ -37,7 +37,7 @@ def prepare(spec: StrategySpec, model: nn.Module, runtime, parallel) -> Prepared
     if layout.tensor > 1:
         from disttrain.parallel import tensor
 
-        split = tensor.splits_logits(parallel, layout)
+        split = tensor.splits_logits(parallel, layout, tensor.vocabulary(model))
         tensor.parallelize(model, device_mesh["tp"], parallel.sequence_parallel, split)
         split_logits = tensor.LossParallel() if split else None
     if layout.pipeline > 1:

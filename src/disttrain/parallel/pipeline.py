@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from disttrain.errors import ConfigError
+from disttrain.models.meta import has_meta_parameters, materialize
 from disttrain.parallel.activation_checkpoint import transformer_blocks
 from disttrain.parallel.mesh import VIRTUAL_SCHEDULES
 from disttrain.parallel.spec import Prepared
@@ -386,6 +387,8 @@ def prepare(model: nn.Module, runtime, parallel, device_mesh, apply_data: Callab
     ties = tie_groups(model)
     parts = [(s, StagePart(model, fam, bounds[s], s == 0, s == lay.stages - 1)) for s in mine]
     prune(model, fam, [bounds[s] for s in mine], first, last)
+    if has_meta_parameters(model):  # a sharded start: this rank allocates and reads its own stage(s) only, in full
+        materialize(model, runtime.device, aliases=ties)  # (a tied head reads the embedding's tensor)
     wrapped = [(s, apply_data(part) if apply_data else None) for s, part in parts]
     prepared = PipelinePrepared(module=model, model=model, layout=lay)
     if apply_data is not None:

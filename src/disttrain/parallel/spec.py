@@ -72,8 +72,8 @@ class StrategySpec:
         return not self.max_world or world <= self.max_world
 
     def starts_sharded(self, parallel) -> bool:
-        if getattr(parallel, "pipeline", 1) > 1:  # a stage reads its weights in full (tied weights change names)
-            return False
+        if getattr(parallel, "pipeline", 1) > 1:  # a stage reads its own weights (parallel/pipeline.py)
+            return True
         return self.sharded_start(parallel) if self.sharded_start else self.shards_parameters
 
 

@@ -10,7 +10,8 @@ The plans are written against module names: the reference GPT (models/gpt.py) an
 models (LlamaForCausalLM and the families that share its module names: Mistral, Qwen2, Qwen3, ...). The token
 embedding is split by vocabulary rows and the LM head by vocabulary columns; tied weights stay tied.
 
-Loss parallel (`parallel.loss_parallel`, on by default without a pipeline): the head's logits stay split by
+Loss parallel (`parallel.loss_parallel`; `auto`: for vocabularies of `SPLIT_LOGITS_FROM` tokens and more, without a
+pipeline): the head's logits stay split by
 vocabulary, and disttrain's own cross-entropy (losses.py) runs on them under torch's `loss_parallel()`: each rank
 computes its part of the log-softmax, with two small all-reduces per micro-batch (max and sum of exponentials, one
 value per token), instead of gathering micro-batch x seq_len x vocabulary logits and keeping them for backward.
@@ -60,21 +61,32 @@ def family(model: nn.Module) -> str:
                       "set parallel.tensor = 1 and use fsdp to shard it")
 
 
+def vocabulary(model: nn.Module) -> int:
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.tok_emb
+    return embedding.num_embeddings
+
+
 def check_divisible(model: nn.Module, kind: str, degree: int) -> None:
     """Heads and vocabulary split evenly across `degree` ranks, or a one-line error naming the model's size."""
     config = getattr(model, "config", None) or getattr(model, "cfg", None)
     heads = getattr(config, FAMILIES[kind]["heads"], None) or getattr(config, "num_attention_heads", None)
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.tok_emb
-    for what, value in (("attention heads", heads), ("vocabulary size", embedding.num_embeddings)):
+    for what, value in (("attention heads", heads), ("vocabulary size", vocabulary(model))):
         if value is not None and value % degree:
             raise ConfigError(f"parallel.tensor = {degree} does not divide the model's {what} ({value}); choose a "
                               f"tensor degree that divides {value}")
 
 
-def splits_logits(parallel, layout) -> bool:
+SPLIT_LOGITS_FROM = 8192
+"""`parallel.loss_parallel = auto` splits the logits of vocabularies this large and larger."""
+
+
+def splits_logits(parallel, layout, vocab: int) -> bool:
     """Whether the head's logits stay split by vocabulary (loss parallel): a tensor-parallel layout without a
-    pipeline (a pipeline's last stage hands its output to the schedule, which wants plain tensors)."""
-    return parallel.loss_parallel and layout.tensor > 1 and layout.pipeline == 1
+    pipeline (a pipeline's last stage hands its output to the schedule, which wants plain tensors), when asked
+    for or, under `auto`, for a vocabulary of `SPLIT_LOGITS_FROM` or more."""
+    if layout.tensor == 1 or layout.pipeline > 1 or parallel.loss_parallel == "false":
+        return False
+    return parallel.loss_parallel == "true" or vocab >= SPLIT_LOGITS_FROM
 
 
 def parallelize(model: nn.Module, tp_mesh, sequence_parallel: bool, split_logits: bool = False) -> None:
