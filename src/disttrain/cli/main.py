@@ -9,7 +9,7 @@
     disttrain deepspeed-config [CONFIG] [--set ...] [--nproc N] -o ds.json   the DeepSpeed JSON of a config
     disttrain env                              versions, devices, backends, detected launcher
     disttrain plot RUN_DIR [RUN_DIR ...] [--out DIR]   loss, lr, tokens/s, MFU, memory, communication as PNG
-    disttrain bench overhead|scaling|comm|predict|pipeline|checkpoint|memory|service|startup|data|gpu
+    disttrain bench overhead|scaling|comm|predict|pipeline|loss-parallel|checkpoint|memory|service|startup|data|gpu
                                                figures (see --help)
 """
 
@@ -95,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print and save their figures")
     bench.add_argument("name", choices=["overhead", "checkpoint", "memory", "service", "startup", "data", "gpu",
-                                        "scaling", "comm", "predict", "pipeline"])
+                                        "scaling", "comm", "predict", "pipeline", "loss-parallel"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (see its --help)")
     return parser
 
@@ -242,7 +242,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    return importlib.import_module(f"disttrain.bench.{args.name}").main(args.args)
+    return importlib.import_module(f"disttrain.bench.{args.name.replace('-', '_')}").main(args.args)
 
 
 COMMANDS = {"train": cmd_train, "ckpt": cmd_ckpt, "launch": cmd_launch, "config": cmd_config, "env": cmd_env,
