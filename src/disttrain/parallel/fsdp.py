@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from typing import TYPE_CHECKING
 
 from disttrain.errors import ConfigError
 from disttrain.parallel import comm, layout
@@ -28,11 +25,18 @@ from disttrain.parallel.spec import Prepared, StrategySpec
 from disttrain.parallel.state import dtensor_targets, full_state_dict_fns
 from disttrain.precision import get_precision
 
+if TYPE_CHECKING:  # FSDP2 (and DTensor under it) is imported when a strategy applies, not by the launcher's
+    from torch import nn  # validation of the settings (~0.7 s of every `disttrain train --nproc N`)
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
 
 def _shard(model: nn.Module, runtime, cfg, reshard_after_forward: bool,
            mesh_shape: tuple[int, ...] | None = None, mesh=None) -> Prepared:
     """FSDP2 over `mesh` (the data axes of a composed layout, parallel/compose.py), else over a mesh of all ranks
     (`mesh_shape`: replicate x shard)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
     device_type = runtime.device.type
     if mesh is not None:
         pass
@@ -63,6 +67,8 @@ def _shard(model: nn.Module, runtime, cfg, reshard_after_forward: bool,
 
 def _mixed_precision(cfg) -> MixedPrecisionPolicy:
     """The precision's policy, with gradients reduced in `parallel.grad_compression`'s dtype when one is set."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     policy = get_precision(cfg.precision).fsdp_policy() or MixedPrecisionPolicy()
     wire = comm.reduce_dtype(cfg.grad_compression)
     return policy if wire is None else dataclasses.replace(policy, reduce_dtype=wire)

@@ -7,16 +7,20 @@ consolidated on rank 0 and renamed from ZeRO's parameter indices to parameter na
 
 from __future__ import annotations
 
-from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-from torch.distributed.optim import ZeroRedundancyOptimizer
+from typing import TYPE_CHECKING
 
 from disttrain.parallel import ddp as ddp_strategy
 from disttrain.parallel import layout
 from disttrain.parallel.spec import Prepared, StrategySpec, optimizer_kwargs
 
+if TYPE_CHECKING:
+    from torch import nn
+
 
 def apply(model: nn.Module, runtime, cfg) -> Prepared:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
     prepared = ddp_strategy.apply(model, runtime, cfg)
     names = {param: name for name, param in model.named_parameters()}
     order: list = []  # ZeRO's global parameter order (its state_dict keys are indices into it)
