@@ -317,7 +317,8 @@ def create_backend(model: nn.Module, optimizer_factory: OptimizerFactory, parall
         model = model.to(dtype=policy.param_dtype)  # still on meta: only the dtype the shards are allocated in
     else:
         model = model.to(runtime.device, dtype=policy.param_dtype)
-    prepared = compose.prepare(spec, model, runtime, parallel)  # pipeline x data x tensor (parallel/mesh.py)
+    stage = (lambda part, ties: materialize(part, runtime.device, aliases=ties)) if deferred else None
+    prepared = compose.prepare(spec, model, runtime, parallel, stage)  # pipeline x data x tensor (parallel/mesh.py)
     if deferred and has_meta_parameters(model):  # (a pipeline stage has made its part real already)
         materialize(model, runtime.device, prepared.partition_module)
     scaler = policy.grad_scaler(runtime.device.type, distributed=runtime.distributed)

@@ -28,7 +28,9 @@ if TYPE_CHECKING:
     from torch import nn
 
 
-def prepare(spec: StrategySpec, model: nn.Module, runtime, parallel) -> Prepared:
+def prepare(spec: StrategySpec, model: nn.Module, runtime, parallel, materialize=None) -> Prepared:
+    """`materialize(model, tie_groups)`: given for a model on the meta device; a pipeline calls it on this rank's
+    stages once it has pruned the rest (other layouts leave the model to the caller, sharded)."""
     layout = layouts.layout_for(parallel, runtime.world_size, spec)
     if not layout.model_parallel:
         return spec.apply(model, runtime, parallel)
@@ -47,7 +49,7 @@ def prepare(spec: StrategySpec, model: nn.Module, runtime, parallel) -> Prepared
         # the stream between stages: the parameters' dtype, or FSDP2's compute dtype under mixed precision
         compute = get_precision(parallel.precision).compute_dtype
         stream = compute if compute is not None and data is not None else next(model.parameters()).dtype
-        prepared = pipeline.prepare(model, runtime, parallel, device_mesh, data, stream)
+        prepared = pipeline.prepare(model, runtime, parallel, device_mesh, data, stream, materialize)
     elif layout.data > 1:
         prepared = spec.apply(model, runtime, parallel, mesh=device_mesh)
     else:

@@ -28,7 +28,6 @@ import torch.distributed as dist
 from torch import nn
 
 from disttrain.errors import ConfigError
-from disttrain.models.meta import has_meta_parameters, materialize
 from disttrain.parallel.activation_checkpoint import transformer_blocks
 from disttrain.parallel.mesh import VIRTUAL_SCHEDULES
 from disttrain.parallel.spec import Prepared
@@ -375,8 +374,10 @@ def _sizes(model: nn.Module) -> tuple[int, int]:
 
 
 def prepare(model: nn.Module, runtime, parallel, device_mesh, apply_data: Callable[[nn.Module], Prepared] | None,
-            dtype) -> PipelinePrepared:
-    """Split `model` into this rank's stage(s), wrap each in the data axis (`apply_data`, None: no data axis)."""
+            dtype, materialize: Callable[[nn.Module, list[list[str]]], None] | None = None) -> PipelinePrepared:
+    """Split `model` into this rank's stage(s), wrap each in the data axis (`apply_data`, None: no data axis).
+    `materialize(model, tie_groups)`: for a model on the meta device (a sharded start), makes the stages this rank
+    kept real and reads their weights, once the others are pruned (the tie groups name a tied head's tensor)."""
     pp_mesh = device_mesh["pp"]
     lay = StageLayout(stage_count(parallel, pp_mesh.size()), pp_mesh.size(), pp_mesh.get_local_rank(),
                       pp_mesh.get_group(), parallel.pipeline_schedule, *_sizes(model), dtype)
@@ -387,8 +388,8 @@ def prepare(model: nn.Module, runtime, parallel, device_mesh, apply_data: Callab
     ties = tie_groups(model)
     parts = [(s, StagePart(model, fam, bounds[s], s == 0, s == lay.stages - 1)) for s in mine]
     prune(model, fam, [bounds[s] for s in mine], first, last)
-    if has_meta_parameters(model):  # a sharded start: this rank allocates and reads its own stage(s) only, in full
-        materialize(model, runtime.device, aliases=ties)  # (a tied head reads the embedding's tensor)
+    if materialize is not None:  # a sharded start: this rank allocates and reads its own stage(s) only, in full
+        materialize(model, ties)
     wrapped = [(s, apply_data(part) if apply_data else None) for s, part in parts]
     prepared = PipelinePrepared(module=model, model=model, layout=lay)
     if apply_data is not None:
