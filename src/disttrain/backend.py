@@ -95,10 +95,8 @@ class TrainingBackend:
         if split is None:
             result = loss_fn(outputs, batch)
         else:  # logits split by vocabulary: disttrain's own losses take them so, any other gets them whole
-            from disttrain.parallel.tensor import whole
-
             with split:
-                result = loss_fn(outputs if takes_split_logits(loss_fn) else whole(outputs), batch)
+                result = loss_fn(outputs if takes_split_logits(loss_fn) else split.whole(outputs), batch)
         if isinstance(result, tuple):
             loss_sum, count = result
             return loss_sum, torch.as_tensor(count, dtype=torch.float64, device=self.runtime.device)
@@ -250,11 +248,8 @@ class TrainingBackend:
         try:
             with self.precision.autocast(self.runtime.device.type):
                 outputs = self.model_call(to_device(batch, self.runtime.device, self.precision.param_dtype))(module)
-            if self.prepared.split_logits is None:
-                return outputs
-            from disttrain.parallel.tensor import whole
-
-            return whole(outputs)  # (loss parallel's logits split by vocabulary, gathered)
+            split = self.prepared.split_logits  # (loss parallel's logits split by vocabulary: gathered)
+            return outputs if split is None else split.whole(outputs)
         finally:
             module.train(was_training)
 

@@ -189,6 +189,10 @@ class LossParallel:
             self._context.__exit__(None, None, None)
         return False
 
+    @staticmethod
+    def whole(outputs):
+        return whole(outputs)
+
 
 def whole(outputs):
     """Model outputs with split logits gathered (a tensor, or the `logits` of an HF output / dict, or a tuple's
