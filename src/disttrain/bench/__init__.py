@@ -14,6 +14,15 @@ def worker_entry(module: str, args: argparse.Namespace) -> list[str]:
     return [module, "--worker", *[f"--{k.replace('_', '-')}={v}" for k, v in values.items() if k != "worker"]]
 
 
+def launch_workers(args: argparse.Namespace, name: str) -> tuple[int, Path]:
+    """Rerun benchmark `disttrain.bench.<name>` as a worker on `args.nproc` ranks (torchrun, run folder
+    `<out>/<name>_run`): (its exit code, the absolute output folder)."""
+    from disttrain.launch import launch
+
+    out = Path(args.out).resolve()
+    return launch(args.nproc, worker_entry(f"disttrain.bench.{name}", args), out / f"{name}_run"), out
+
+
 def busy_seconds() -> float:
     """CPU seconds the whole machine has been busy, all cores (Linux: /proc/stat; idle and iowait aside)."""
     ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]

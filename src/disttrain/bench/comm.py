@@ -115,11 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         _worker(args)
         return 0
     check(args)
-    from disttrain.bench import worker_entry
-    from disttrain.launch import launch
+    from disttrain.bench import launch_workers
 
-    out = Path(args.out).resolve()
-    code = launch(args.nproc, worker_entry("disttrain.bench.comm", args), out / "comm_run")
+    code, out = launch_workers(args, "comm")
     if code == 0:
         report(json.loads((out / "comm_raw.json").read_text()), out)
         print((out / "comm.md").read_text())

@@ -49,12 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _worker(args)
         return 0
-    from disttrain.bench import worker_entry
-    from disttrain.launch import launch
+    from disttrain.bench import launch_workers
 
     _vocabs(args)
-    out = Path(args.out).resolve()
-    code = launch(args.nproc, worker_entry("disttrain.bench.loss_parallel", args), out / "loss_parallel_run")
+    code, out = launch_workers(args, "loss_parallel")
     if code == 0:
         print((out / "loss_parallel.md").read_text())
     return code

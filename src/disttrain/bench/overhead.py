@@ -52,12 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _worker(args)
         return 0
-    from disttrain.bench import worker_entry
-    from disttrain.launch import launch
+    from disttrain.bench import launch_workers
 
     check_strategies(args)
-    out = Path(args.out).resolve()
-    code = launch(args.nproc, worker_entry("disttrain.bench.overhead", args), out / "overhead_run")
+    code, out = launch_workers(args, "overhead")
     if code == 0:
         print((out / "overhead.md").read_text())
     return code

@@ -88,12 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _worker(args)
         return 0
-    from disttrain.bench import worker_entry
-    from disttrain.launch import launch
+    from disttrain.bench import launch_workers
 
     plan(args)
-    out = Path(args.out).resolve()
-    code = launch(args.nproc, worker_entry("disttrain.bench.pipeline", args), out / "pipeline_run")
+    code, out = launch_workers(args, "pipeline")
     if code == 0:
         print((out / "pipeline.md").read_text())
     return code
