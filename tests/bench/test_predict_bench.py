@@ -1,5 +1,5 @@
 """`disttrain bench predict`: the forecast table, the validation against a measured CSV and the published cases,
-the measuring mode (a smoke run on 1 and 2 ranks), and bad input (one line, exit 2)."""
+the measuring mode (one sitting on 1 and 2 ranks: step times, links, the check), and bad input (one line, exit 2)."""
 
 import csv
 import json
@@ -7,6 +7,7 @@ import json
 import pytest
 
 from conftest import run_cli
+from disttrain.bench import predict_measure
 from disttrain.bench import scale_model as sm
 from disttrain.bench.published_scaling import PUBLISHED
 from disttrain.cli.main import main as cli
@@ -47,18 +48,34 @@ def test_validate_against_a_minimal_csv_and_the_published_cases(tmp_path):
     assert "| yes |" in (tmp_path / "predict.md").read_text()
 
 
-def test_measure_then_validate(tmp_path):
-    result = run_cli(["bench", "predict", "--measure", "--world-sizes", "1,2", "--strategies", "ddp", "--steps", "2",
-                      "--warmup", "1", "--micro-batch", "2", *TINY, "--out", str(tmp_path / "m")], tmp_path,
-                     timeout=120)
+def test_one_sitting_measures_steps_and_links_then_validates(tmp_path):
+    result = run_cli(["bench", "predict", "--measure", "--validate", "--rounds", "1", "--world-sizes", "1,2",
+                      "--strategies", "fsdp", "--steps", "2", "--warmup", "1", "--micro-batch", "2", *TINY,
+                      "--out", str(tmp_path / "s")], tmp_path, timeout=180)
     assert result.returncode == 0, result.stderr
-    rows = list(csv.DictReader(open(tmp_path / "m" / "scaling.csv")))
-    assert [(r["strategy"], r["world_size"], r["global_batch"]) for r in rows] == [("ddp", "1", "2"), ("ddp", "2", "4")]
+    rows = list(csv.DictReader(open(tmp_path / "s" / "scaling.csv")))
+    assert [(r["strategy"], r["world_size"], r["global_batch"]) for r in rows] == [("fsdp", "1", "2"),
+                                                                                  ("fsdp", "2", "4")]
     assert all(float(r["step_time_s"]) > 0 and r["params"] == str(sm.gpt_shape(2, 64, 32, 256).params) for r in rows)
-    (tmp_path / "comm_fit.json").write_text(json.dumps(FIT))
-    assert cli(["bench", "predict", "--validate", *TINY, "--measured", str(tmp_path / "m" / "scaling.csv"),
-                "--interconnect", f"measured:{tmp_path / 'comm_fit.json'}", "--out", str(tmp_path / "v")]) == 0
-    assert "| ddp weak | 2 |" in (tmp_path / "v" / "predict.md").read_text()
+    fit = json.loads((tmp_path / "s" / "comm" / "comm_fit.json").read_text())
+    assert set(fit["collectives"]) == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert {tuple(f["sizes_bytes"]) for f in fit["collectives"].values()} == {(2**16, 2**24)}  # the step's sizes
+    checked = [r for r in csv.DictReader(open(tmp_path / "s" / "predict.csv")) if r["check"] == "measured"]
+    work = sm.Workload(sm.gpt_shape(2, 64, 32, 256), float(rows[0]["step_time_s"]), 1.0, "fp32", cpu_cores=2)
+    fsdp2 = sm.step_time("fsdp", 2, work, sm.interconnect_from_fit(fit))
+    assert float(checked[1]["predicted"]) == pytest.approx(fsdp2.step_s, rel=1e-9)  # from the pooled links
+
+
+def test_rounds_of_comm_runs_pool_their_calls():
+    def raw(times, other):
+        return {"world_size": 2, "other_cpu": other, "date": str(other),
+                "rows": [{"collective": "all_gather", "bytes": b, "iterations": len(times), "times_s": times}
+                         for b in (1024, 4096)]}
+
+    pooled = predict_measure.pool([raw([1.0, 2.0], 0.1), raw([3.0], 0.3)])
+    assert [(r["bytes"], r["iterations"], r["times_s"]) for r in pooled["rows"]] == [
+        (1024, 3, [1.0, 2.0, 3.0]), (4096, 3, [1.0, 2.0, 3.0])]
+    assert pooled["other_cpu"] == 0.3 and pooled["date"] == "0.3"  # the busiest neighbours, the last date
 
 
 @pytest.mark.parametrize("args, message", [
@@ -71,6 +88,7 @@ def test_measure_then_validate(tmp_path):
     (["--model", "resnet50"], "the FLOPs of resnet50 are not modelled; give --compute-s"),
     (["--validate", "--measured", "x.csv"], "--validate --measured needs --interconnect measured:"),
     (["--measure", "--world-sizes", "1,two"], "--world-sizes '1,two': give counts"),
+    (["--measure", "--validate", "--rounds", "0"], "--rounds 0: give 1 or more"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path):
     assert cli(["bench", "predict", *args, "--out", str(tmp_path)]) == 2

@@ -7,6 +7,7 @@ this machine does not have, from one device's compute time and an alpha-beta mod
     disttrain bench predict --validate [CONFIG] [--set ...] [--measured DIR/scaling.csv
         --interconnect measured:DIR/comm_fit.json]
     disttrain bench predict --measure [CONFIG] [--set ...] [--world-sizes 1,2,3] [--strategies ddp,fsdp]
+    disttrain bench predict --measure --validate [CONFIG] [--set ...] [--rounds 3] [--world-sizes 1,2,3]
 
 The model (scale_model.py, docs/architecture.md "The scale model"): compute of one step on one device, measured
 (`--compute-s`) or FLOPs / (peak x MFU) with FLOPs per token = 6 x params + 12 x layers x d_model x seq; plus each
@@ -18,7 +19,9 @@ minimal one with the columns strategy, world_size, step_time_s) and a comm_fit.j
 the same machine (on a CPU machine whose cores all run ranks, `--busy 1`: gloo's threads share the cores with
 compute): every N-rank step time predicted from the 1-rank one (error %, target <= 10%); (ii) published
 scaling (torchtitan's Llama 3 8B FSDP, the PyTorch DDP paper's weak scaling): predicted vs published efficiency.
-`--measure` writes `<out>/scaling.csv` from this machine (predict_measure.py).
+`--measure` writes `<out>/scaling.csv` from this machine (predict_measure.py). `--measure --validate` does (i) in one
+sitting: `--rounds` rounds of the step times and a busy `bench comm` fit over the sizes the step sends, pooled, then
+checked (predict_measure.sitting): the way to take figure (i).
 """
 
 from __future__ import annotations
@@ -83,6 +86,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--strategies", default="ddp,fsdp", help="--measure: strategies")
     p.add_argument("--steps", type=int, default=10, help="--measure: timed steps per strategy and world size")
     p.add_argument("--warmup", type=int, default=3, help="--measure: untimed steps first")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="--measure --validate: rounds of step times and a busy comm fit, pooled")
     p.add_argument("--out", default="bench_results")
     return p.parse_args(argv)
 
@@ -149,13 +154,18 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if args.measure:
-        from disttrain.bench.predict_measure import measure
+        from disttrain.bench.predict_measure import measure, sitting
 
         args.world_sizes = _counts(args.world_sizes, "--world-sizes")
         for s in args.strategies.split(","):
             canonical_strategy(s)
-        print(f"disttrain: wrote {measure(args, out)}")
-        return 0
+        if not args.validate:
+            print(f"disttrain: wrote {measure(args, out)}")
+            return 0
+        if args.rounds < 1:
+            raise ConfigError(f"--rounds {args.rounds}: give 1 or more (3 steadies the busy links)")
+        measured, fit_path = sitting(args, out)  # one sitting: step times and links measured together, then checked
+        args.measured, args.interconnect = str(measured), f"measured:{fit_path}"
     strategies = list(dict.fromkeys(canonical_strategy(s) for s in args.strategy.split(",") if s.strip()))
     gpus = _counts(args.gpus, "--gpus")
     net, fit = interconnect(args.interconnect)

@@ -49,11 +49,60 @@ def measure(args: argparse.Namespace, out: Path) -> Path:
             raise SystemExit(code)
     rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
     path = out / "scaling.csv"
+    _write(path, rows)
+    return path
+
+
+FIT_SIZES = ("64K", "16M")
+"""Message sizes of the sitting's comm fit: the validated GPT's collectives (0.3-13 MB: an FSDP root or block, DDP's
+bucket) with a factor of 4 either side. gloo's time is not affine over 1 KiB..256 MiB (its bandwidth peaks at a few
+MiB and falls once buffers leave the caches), so a line fitted there misses the sizes the step sends."""
+
+
+def sitting(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
+    """`--measure --validate`: `--rounds` R rounds, each the step times of every world size (`measure`)
+    and then a busy comm fit on 2 ranks (`disttrain bench comm --busy 1`), so that the step times and the links are
+    measured in the same sitting, under the same neighbours. Returns (scaling.csv of every round's rows, comm_fit.json
+    of every round's calls pooled: per size, the median of all rounds' calls). A busy collective's time is bimodal
+    on a machine whose cores all run ranks (a gloo thread that must wait for the scheduler costs several ms more), so
+    the median of one run of 20 calls lands on either mode; pooling rounds steadies it."""
+    from disttrain.bench import comm
+
+    raws, rows = [], []
+    for k in range(args.rounds):
+        here = out / f"round{k + 1}"
+        here.mkdir(parents=True, exist_ok=True)
+        with open(measure(args, here), newline="") as f:
+            rows += list(csv.DictReader(f))
+        code = comm.main(["--busy", "1", "--collectives", "all_reduce,all_gather,reduce_scatter", "--nproc", "2",
+                          "--min-size", FIT_SIZES[0], "--max-size", FIT_SIZES[1], "--out", str(here / "comm")])
+        if code:
+            raise SystemExit(code)
+        raws.append(json.loads((here / "comm" / "comm_raw.json").read_text()))
+    (out / "comm").mkdir(exist_ok=True)
+    comm.report(pool(raws), out / "comm")
+    path = out / "scaling.csv"
+    _write(path, rows)
+    return path, out / "comm" / "comm_fit.json"
+
+
+def pool(raws: list[dict]) -> dict:
+    """One `comm_raw.json` of several runs of `disttrain bench comm` with the same sizes: each size's calls of every
+    run together (the fit then takes their median)."""
+    pooled = {**raws[-1], "other_cpu": max(r["other_cpu"] for r in raws), "rows": []}
+    for row in raws[0]["rows"]:
+        same = [r for raw in raws for r in raw["rows"] if (r["collective"], r["bytes"]) == (row["collective"],
+                                                                                             row["bytes"])]
+        pooled["rows"].append({**row, "iterations": sum(r["iterations"] for r in same),
+                               "times_s": [t for r in same for t in r["times_s"]]})
+    return pooled
+
+
+def _write(path: Path, rows: list[dict]) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    return path
 
 
 def _worker_args(argv: list[str] | None) -> argparse.Namespace:
