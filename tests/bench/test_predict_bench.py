@@ -48,10 +48,22 @@ def test_validate_against_a_minimal_csv_and_the_published_cases(tmp_path):
     assert "| yes |" in (tmp_path / "predict.md").read_text()
 
 
+def test_rows_measured_next_to_busy_neighbours_are_left_out(tmp_path):
+    (tmp_path / "comm_fit.json").write_text(json.dumps(FIT))
+    (tmp_path / "scaling.csv").write_text("strategy,world_size,step_time_s,other_cpu\nddp,1,0.1,0.0\nddp,2,0.12,0.05\n"
+                                          "ddp,2,9.0,0.9\n")
+    assert cli(["bench", "predict", "--validate", *TINY, "--measured", str(tmp_path / "scaling.csv"),
+                "--interconnect", f"measured:{tmp_path}", "--cpu-cores", "2", "--out", str(tmp_path)]) == 0
+    two = [r for r in csv.DictReader(open(tmp_path / "predict.csv")) if r["check"] == "measured" and r["gpus"] == "2"]
+    assert float(two[0]["reference"]) == 0.12  # not the median with the 9 s row
+    assert "Left out: 1 rows measured while other processes kept more than 0.1 cores busy" in \
+        (tmp_path / "predict.md").read_text()
+
+
 def test_one_sitting_measures_steps_and_links_then_validates(tmp_path):
     result = run_cli(["bench", "predict", "--measure", "--validate", "--rounds", "1", "--world-sizes", "1,2",
                       "--strategies", "fsdp", "--steps", "2", "--warmup", "1", "--micro-batch", "2", *TINY,
-                      "--out", str(tmp_path / "s")], tmp_path, timeout=180)
+                      "--max-other-cpu", "4", "--out", str(tmp_path / "s")], tmp_path, timeout=180)  # under pytest
     assert result.returncode == 0, result.stderr
     rows = list(csv.DictReader(open(tmp_path / "s" / "scaling.csv")))
     assert [(r["strategy"], r["world_size"], r["global_batch"]) for r in rows] == [("fsdp", "1", "2"),
@@ -89,8 +101,13 @@ def test_rounds_of_comm_runs_pool_their_calls():
     (["--validate", "--measured", "x.csv"], "--validate --measured needs --interconnect measured:"),
     (["--measure", "--world-sizes", "1,two"], "--world-sizes '1,two': give counts"),
     (["--measure", "--validate", "--rounds", "0"], "--rounds 0: give 1 or more"),
+    (["--validate", "--measured", "busy.csv", "--interconnect", "measured:fit.json"], "--measured busy.csv: every row "
+     "was measured while other processes kept more than 0.1 cores busy"),
 ])
-def test_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path):
+def test_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "fit.json").write_text(json.dumps(FIT))
+    (tmp_path / "busy.csv").write_text("strategy,world_size,step_time_s,other_cpu\nddp,1,0.1,0.5\n")
     assert cli(["bench", "predict", *args, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("disttrain: error: " + message) and "\n" not in err, err

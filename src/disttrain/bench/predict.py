@@ -86,6 +86,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--strategies", default="ddp,fsdp", help="--measure: strategies")
     p.add_argument("--steps", type=int, default=10, help="--measure: timed steps per strategy and world size")
     p.add_argument("--warmup", type=int, default=3, help="--measure: untimed steps first")
+    p.add_argument("--max-other-cpu", type=float, default=0.1,
+                   help="--validate: leave out measured rows while other processes kept more cores busy than this")
     p.add_argument("--rounds", type=int, default=3,
                    help="--measure --validate: rounds of step times and a busy comm fit, pooled")
     p.add_argument("--out", default="bench_results")
@@ -226,9 +228,13 @@ SERIES_KEYS = ("strategy", "mode", "loop", "sweep_key", "sweep_value")
 """Columns that tell one measured series from another (`bench scaling` adds the loop and a swept setting)."""
 
 
-def read_measured(path: Path, params: float) -> dict[str, tuple[str, dict[int, dict]]]:
-    """label -> (strategy, world size -> {step_time_s, local: samples per rank per step (0 if unknown),
-    micro_steps}) for every series of a modelled strategy."""
+Measured = dict[str, tuple[str, dict[int, dict]]]
+
+
+def read_measured(path: Path, params: float, max_other_cpu: float) -> tuple[Measured, int]:
+    """(label -> (strategy, world size -> {step_time_s, local: samples per rank per step (0 if unknown),
+    micro_steps}) for every series of a modelled strategy, rows left out). A row whose `other_cpu` (where the CSV has
+    one) is above `max_other_cpu` measured its neighbours too and is left out."""
     try:
         with open(path, newline="") as f:
             table = list(csv.DictReader(f))
@@ -243,9 +249,14 @@ def read_measured(path: Path, params: float) -> dict[str, tuple[str, dict[int, d
     if wrong:
         raise ConfigError(f"--measured {path} was measured on a model of {', '.join(sorted(wrong))} parameters, the "
                           f"model given here has {params:.0f}: pass the same CONFIG / --set as the measurement")
+    noisy = [r for r in table if float(r.get("other_cpu") or 0.0) > max_other_cpu]
+    if table and len(noisy) == len(table):
+        raise ConfigError(f"--measured {path}: every row was measured while other processes kept more than "
+                          f"{max_other_cpu:g} cores busy (other_cpu); measure on a quiet machine, or raise "
+                          "--max-other-cpu")
     series: dict[str, tuple[str, dict[int, list[dict]]]] = {}
     for row in table:
-        if row["strategy"] in STRATEGIES:
+        if row["strategy"] in STRATEGIES and row not in noisy:
             label = " ".join(row[k] for k in SERIES_KEYS if row.get(k))
             series.setdefault(label, (row["strategy"], {}))[1].setdefault(int(row["world_size"]), []).append(row)
     result = {}
@@ -257,7 +268,7 @@ def read_measured(path: Path, params: float) -> dict[str, tuple[str, dict[int, d
             by_world[world] = {"step_time_s": statistics.median(float(r["step_time_s"]) for r in rows),
                                "local": local, "micro_steps": max(1, round(local / micro)) if micro else 1}
         result[label] = (strategy, by_world)
-    return result
+    return result, len(noisy)
 
 
 def validate(args, shape, precision, net, fit) -> tuple[str, list[dict]]:
@@ -266,7 +277,7 @@ def validate(args, shape, precision, net, fit) -> tuple[str, list[dict]]:
         if fit is None:
             raise ConfigError("--validate --measured needs --interconnect measured:PATH/comm_fit.json from "
                               "`disttrain bench comm` on the machine the CSV was measured on")
-        measured = read_measured(Path(args.measured), shape.params)
+        measured, dropped = read_measured(Path(args.measured), shape.params, args.max_other_cpu)
         worlds = [w for _, by_world in measured.values() for w in by_world]
         net = with_gpus_per_node(net, args.gpus_per_node or max(worlds))  # every rank on this one machine
         cores = _cores(args, fit)
@@ -292,6 +303,9 @@ def validate(args, shape, precision, net, fit) -> tuple[str, list[dict]]:
                              f"{s.comm_s:.4f} |")
         if skipped:
             lines += ["", f"Not predicted (no 1-rank row to start from): {', '.join(skipped)}."]
+        if dropped:
+            lines += ["", f"Left out: {dropped} rows measured while other processes kept more than "
+                      f"{args.max_other_cpu:g} cores busy (their `other_cpu`)."]
         lines.append("")
     lines += ["## (ii) Published scaling", "",
               "| case | GPUs | published efficiency | predicted | difference | tolerance | within |",

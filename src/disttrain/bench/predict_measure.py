@@ -80,7 +80,8 @@ def sitting(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
             raise SystemExit(code)
         raws.append(json.loads((here / "comm" / "comm_raw.json").read_text()))
     (out / "comm").mkdir(exist_ok=True)
-    comm.report(pool(raws), out / "comm")
+    quiet = [raw for raw in raws if raw["other_cpu"] <= args.max_other_cpu] or raws  # as read_measured does rows
+    comm.report(pool(quiet), out / "comm")
     path = out / "scaling.csv"
     _write(path, rows)
     return path, out / "comm" / "comm_fit.json"
