@@ -30,13 +30,18 @@ def test_forecast_writes_the_table(tmp_path, capsys):
     assert "| fsdp | 64 |" in (tmp_path / "predict.md").read_text() and "| fsdp | 64 |" in capsys.readouterr().out
 
 
-def test_validate_against_a_minimal_csv_and_the_published_cases(tmp_path):
+def validate(tmp_path, measured_csv: str) -> list[dict]:
+    """`bench predict --validate` of the tiny GPT against `measured_csv` and FIT: the rows of predict.csv."""
     (tmp_path / "comm_fit.json").write_text(json.dumps(FIT))
-    (tmp_path / "scaling.csv").write_text("strategy,world_size,step_time_s\nddp,1,0.1\nddp,2,0.12\nfsdp,1,0.1\n"
-                                          "fsdp,2,0.2\nsingle,1,0.1\n")
+    (tmp_path / "scaling.csv").write_text(measured_csv)
     assert cli(["bench", "predict", "--validate", *TINY, "--measured", str(tmp_path / "scaling.csv"),
                 "--interconnect", f"measured:{tmp_path}", "--cpu-cores", "2", "--out", str(tmp_path)]) == 0
-    rows = list(csv.DictReader(open(tmp_path / "predict.csv")))
+    return list(csv.DictReader(open(tmp_path / "predict.csv")))
+
+
+def test_validate_against_a_minimal_csv_and_the_published_cases(tmp_path):
+    rows = validate(tmp_path, "strategy,world_size,step_time_s\nddp,1,0.1\nddp,2,0.12\nfsdp,1,0.1\nfsdp,2,0.2\n"
+                              "single,1,0.1\n")
     measured = [r for r in rows if r["check"] == "measured"]
     assert [(r["case"], r["gpus"]) for r in measured] == [("ddp", "1"), ("ddp", "2"), ("fsdp", "1"), ("fsdp", "2")]
     work = sm.Workload(sm.gpt_shape(2, 64, 32, 256), 0.1, 1.0, "fp32", cpu_cores=2)
@@ -49,12 +54,9 @@ def test_validate_against_a_minimal_csv_and_the_published_cases(tmp_path):
 
 
 def test_rows_measured_next_to_busy_neighbours_are_left_out(tmp_path):
-    (tmp_path / "comm_fit.json").write_text(json.dumps(FIT))
-    (tmp_path / "scaling.csv").write_text("strategy,world_size,step_time_s,other_cpu\nddp,1,0.1,0.0\nddp,2,0.12,0.05\n"
-                                          "ddp,2,9.0,0.9\n")
-    assert cli(["bench", "predict", "--validate", *TINY, "--measured", str(tmp_path / "scaling.csv"),
-                "--interconnect", f"measured:{tmp_path}", "--cpu-cores", "2", "--out", str(tmp_path)]) == 0
-    two = [r for r in csv.DictReader(open(tmp_path / "predict.csv")) if r["check"] == "measured" and r["gpus"] == "2"]
+    rows = validate(tmp_path, "strategy,world_size,step_time_s,other_cpu\nddp,1,0.1,0.0\nddp,2,0.12,0.05\n"
+                              "ddp,2,9.0,0.9\n")
+    two = [r for r in rows if r["check"] == "measured" and r["gpus"] == "2"]
     assert float(two[0]["reference"]) == 0.12  # not the median with the 9 s row
     assert "Left out: 1 rows measured while other processes kept more than 0.1 cores busy" in \
         (tmp_path / "predict.md").read_text()
