@@ -5,10 +5,12 @@ Two tiers: `worker.py` + `group.py` (spawn workers, send them commands; usable o
 message format (JSON + safetensors; never pickle).
 """
 
+from disttrain.service.callers import AnyioService, BlockingService
 from disttrain.service.group import RemoteError, WorkerFailure, WorkerGroup
 from disttrain.service.local_launcher import LocalLauncher
 from disttrain.service.service import ServiceOptions, TrainingService, WorkersRestarted
 from disttrain.service.wire import split_batch
 
-__all__ = ["LocalLauncher", "RemoteError", "ServiceOptions", "TrainingService", "WorkerFailure", "WorkerGroup",
+__all__ = ["AnyioService", "BlockingService", "LocalLauncher", "RemoteError", "ServiceOptions", "TrainingService",
+           "WorkerFailure", "WorkerGroup",
            "WorkersRestarted", "split_batch"]

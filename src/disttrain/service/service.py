@@ -142,8 +142,23 @@ class ServiceOptions:
         return service
 
 
+    def as_blocking_service(self, *args: Any, **kwargs: Any):
+        """`as_service` for a plain script: returns a `BlockingService` (callers.py) whose methods block until their
+        call returns; same arguments."""
+        from disttrain.service.callers import BlockingService
+
+        return BlockingService._start(self, args, kwargs).result()
+
+    async def as_anyio_service(self, *args: Any, **kwargs: Any):
+        """`as_service` for trio or any anyio event loop: returns an `AnyioService` (callers.py); same arguments."""
+        from disttrain.service.callers import AnyioService, await_future
+
+        return await await_future(AnyioService._start(self, args, kwargs))
+
+
 class TrainingService:
-    """See the module docstring. Create with `await TrainingService.options(...).as_service(...)`."""
+    """See the module docstring. Create with `await TrainingService.options(...).as_service(...)`, or
+    `as_blocking_service` / `await ...as_anyio_service` (callers.py) for a plain script or trio."""
 
     @staticmethod
     def options(**options: Any) -> ServiceOptions:
