@@ -9,7 +9,7 @@
     disttrain deepspeed-config [CONFIG] [--set ...] [--nproc N] -o ds.json   the DeepSpeed JSON of a config
     disttrain env                              versions, devices, backends, detected launcher
     disttrain plot RUN_DIR [RUN_DIR ...] [--out DIR]   loss, lr, tokens/s, MFU, memory, communication as PNG
-    disttrain bench overhead|scaling|comm|predict|pipeline|loss-parallel|checkpoint|memory|service|startup|data|gpu
+    disttrain bench overhead|scaling|comm|predict|pipeline|loss-parallel|checkpoint|memory|service|wire|startup|data|gpu
                                                figures (see --help)
 """
 
@@ -94,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     add_arguments(sub.add_parser("verify", help="the same job under several strategies vs 1 process"))
 
     bench = sub.add_parser("bench", help="benchmarks that print and save their figures")
-    bench.add_argument("name", choices=["overhead", "checkpoint", "memory", "service", "startup", "data", "gpu",
+    bench.add_argument("name", choices=["overhead", "checkpoint", "memory", "service", "wire", "startup", "data", "gpu",
                                         "scaling", "comm", "predict", "pipeline", "loss-parallel"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (see its --help)")
     return parser
