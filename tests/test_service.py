@@ -11,8 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from safetensors.torch import load as safetensors_load
 
 from disttrain.errors import ConfigError
 from disttrain.service import RemoteError, TrainingService, WorkerFailure, WorkersRestarted, split_batch
@@ -72,15 +74,23 @@ def assert_close(got, want, tol=1e-5):
 
 def test_wire_round_trip_and_refusals():
     tensors = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.tensor([1, 2], dtype=torch.int64)}
-    prefix, body, payload = encode({"op": "x", "n": 1}, tensors)
+    prefix, body, *chunks = encode({"op": "x", "n": 1}, tensors)
+    payload = b"".join(bytes(c) for c in chunks)
     assert parse_prefix(prefix) == (len(body), len(payload))
     message, back = decode(body, payload)
     assert message == {"op": "x", "n": 1}
     assert torch.equal(back["a"], tensors["a"]) and torch.equal(back["b"], tensors["b"])
-    # slices of one tensor share memory (safetensors refuses that): the encoder copies them
+    assert torch.equal(safetensors_load(payload)["a"], tensors["a"])  # an ordinary safetensors buffer
+    # slices of one batch are sent as views of it, no copy (a copy would live elsewhere in memory)
     rows = torch.arange(8.0).reshape(4, 2)
-    _, body, payload = encode({}, {"x": rows[1:3], "y": rows[3:]})
-    assert torch.equal(decode(body, payload)[1]["x"], rows[1:3])
+    _, body, *chunks = encode({}, {"x": rows[1:3], "y": rows[3:]})
+    addresses = {np.frombuffer(c, dtype=np.uint8).ctypes.data for c in chunks[2:]}
+    assert addresses == {rows[1:3].data_ptr(), rows[3:].data_ptr()}
+    buffer = torch.frombuffer(bytearray(b"".join(bytes(c) for c in chunks)), dtype=torch.uint8)
+    back = decode(body, buffer)[1]
+    assert torch.equal(back["x"], rows[1:3]) and back["x"].data_ptr() > buffer.data_ptr()  # a view of the buffer
+    with pytest.raises(WireError, match="outside"):  # offsets beyond the buffer are refused
+        decode(body, buffer[:-8])
     evil = pickle.dumps({"op": "setup"})
     with pytest.raises(WireError, match="pickle"):
         parse_prefix(evil[:16])
@@ -131,7 +141,7 @@ def test_worker_rejects_a_pickle_and_tensors_that_are_not_safetensors(tmp_path):
                 assert reply["op"] == "rejected" and "pickle" in reply["error"]
                 assert proc.wait(timeout=30) == 2
             else:  # a well-formed prefix and header whose tensor payload is a pickle: rejected too
-                prefix, body, _ = encode({"op": "ping", "id": 1})
+                prefix, body = encode({"op": "ping", "id": 1})
                 sock.sendall(prefix[:8] + len(evil).to_bytes(8, "big") + body + evil)
                 reply, _ = conn.recv()
                 assert reply["op"] == "rejected" and "safetensors" in reply["error"]

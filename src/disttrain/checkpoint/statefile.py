@@ -140,9 +140,10 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> FileInfo:
-    """A safetensors file written from zero-copy views of the tensors (largest element size first, so every
-    tensor stays aligned when loaded as a view)."""
+def safetensors_chunks(tensors: dict[str, torch.Tensor]) -> list[bytes | memoryview]:
+    """The safetensors layout of `tensors` as chunks to write in order: the header's length and the header, then a
+    zero-copy view of each tensor (largest element size first, so that every tensor stays aligned when loaded as a
+    view). The views keep their tensors alive."""
     items = sorted(((k, t.detach().cpu().contiguous()) for k, t in tensors.items()),
                    key=lambda kv: -kv[1].element_size())
     header, views, offset = {}, [], 0
@@ -155,7 +156,12 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> FileInfo:
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data section starts 8-byte aligned
-    return write_chunks(path, [struct.pack("<Q", len(head)), head, *views])
+    return [struct.pack("<Q", len(head)), head, *views]
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> FileInfo:
+    """A safetensors file written from zero-copy views of the tensors."""
+    return write_chunks(path, safetensors_chunks(tensors))
 
 
 def load_safetensors(buf: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -169,6 +175,8 @@ def load_safetensors(buf: torch.Tensor) -> dict[str, torch.Tensor]:
             continue
         dtype, shape = DTYPES_BY_NAME[info["dtype"]], info["shape"]
         begin, end = info["data_offsets"]
+        if not 0 <= begin <= end <= len(buf) - base:
+            raise ValueError(f"tensor {name!r}: data offsets {begin}..{end} outside the {len(buf) - base}-byte data")
         if end == begin:
             tensors[name] = torch.empty(shape, dtype=dtype)
             continue

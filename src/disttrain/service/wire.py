@@ -20,10 +20,8 @@ import threading
 from typing import Any
 
 import torch
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
-from disttrain.checkpoint.statefile import flatten, unflatten
+from disttrain.checkpoint.statefile import flatten, load_safetensors, safetensors_chunks, unflatten
 
 MAGIC = b"DTW1"
 PREFIX = struct.Struct("!4sIQ")
@@ -35,22 +33,16 @@ class WireError(ValueError):
     """A frame that is not a well-formed disttrain message (wrong magic, bad JSON, bad tensor buffer)."""
 
 
-def encode(message: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> list[bytes]:
-    """The frame for `message` and `tensors`, as chunks to write in order."""
+def encode(message: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> list[bytes | memoryview]:
+    """The frame for `message` and `tensors`, as chunks to write in order. The tensors' bytes are views of the
+    tensors themselves (`statefile.safetensors_chunks`): nothing is copied before the socket takes them, slices of
+    one batch included."""
     body = json.dumps(message, separators=(",", ":")).encode()
     if len(body) > MAX_JSON_BYTES:  # the peer would reject it: say so here, where the cause is
         raise ValueError(f"a message with {len(body)} bytes of JSON (limit {MAX_JSON_BYTES}): send large "
                          "values as tensors, not as lists of numbers")
-    payload = b""
-    if tensors:
-        payload = save_safetensors({k: _own_storage(t) for k, t in tensors.items()})
-    return [PREFIX.pack(MAGIC, len(body), len(payload)), body, payload]
-
-
-def _own_storage(t: torch.Tensor) -> torch.Tensor:
-    """safetensors refuses tensors that share memory (e.g. slices of one batch): copy those only."""
-    t = t.detach().cpu().contiguous()
-    return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
+    payload = safetensors_chunks(tensors) if tensors else []
+    return [PREFIX.pack(MAGIC, len(body), sum(memoryview(c).nbytes for c in payload)), body, *payload]
 
 
 def parse_prefix(prefix: bytes) -> tuple[int, int]:
@@ -65,18 +57,22 @@ def parse_prefix(prefix: bytes) -> tuple[int, int]:
     return json_len, payload_len
 
 
-def decode(body: bytes, payload: bytes) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def decode(body: bytes, payload: torch.Tensor | bytes) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The message and its tensors; `payload` (the safetensors buffer, best a uint8 tensor the frame was read into)
+    is not copied: the tensors are views of it."""
     try:
         message = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise WireError(f"rejected a message whose header is not JSON ({exc})") from None
     if not isinstance(message, dict):
         raise WireError("rejected a message whose JSON header is not an object")
-    if not payload:
+    if not len(payload):
         return message, {}
+    if not isinstance(payload, torch.Tensor):
+        payload = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     try:
         return message, load_safetensors(payload)
-    except Exception as exc:  # safetensors raises its own error types for malformed buffers
+    except Exception as exc:  # struct, JSON, dtype, offset or shape errors of a malformed buffer
         raise WireError(f"rejected a message whose tensors are not a safetensors buffer ({exc})") from None
 
 
@@ -145,9 +141,18 @@ class Connection:
                 self.sock.sendall(chunk)
 
     def recv(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """The next message; EOFError when the peer closed the connection."""
+        """The next message; EOFError when the peer closed the connection. The tensors are read straight into
+        one buffer they then view (one copy, from the socket)."""
         json_len, payload_len = parse_prefix(self._read(PREFIX.size))
-        return decode(self._read(json_len), self._read(payload_len))
+        body = self._read(json_len)
+        payload = torch.empty(payload_len, dtype=torch.uint8)
+        view, got = memoryview(payload.numpy()), 0
+        while got < payload_len:
+            n = self._file.readinto(view[got:])
+            if not n:
+                raise EOFError("connection closed")
+            got += n
+        return decode(body, payload)
 
     def _read(self, n: int) -> bytes:
         data = self._file.read(n)
@@ -173,10 +178,12 @@ async def read_frame(reader: asyncio.StreamReader, on_progress=None, max_json: i
     if json_len > max_json or (max_payload is not None and payload_len > max_payload):
         raise WireError(f"rejected a frame of {json_len} + {payload_len} bytes (limits {max_json} + {max_payload})")
     body = await reader.readexactly(json_len)
-    chunks, left = [], payload_len
-    while left:
-        chunks.append(await reader.readexactly(min(left, 8 << 20)))
-        left -= len(chunks[-1])
+    payload = torch.empty(payload_len, dtype=torch.uint8)
+    view, got = memoryview(payload.numpy()), 0
+    while got < payload_len:
+        chunk = await reader.readexactly(min(payload_len - got, 8 << 20))
+        view[got:got + len(chunk)] = chunk  # into the one buffer the tensors will view
+        got += len(chunk)
         if on_progress is not None:
             on_progress()
-    return decode(body, b"".join(chunks) if len(chunks) != 1 else chunks[0])
+    return decode(body, payload)
