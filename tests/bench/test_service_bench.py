@@ -1,8 +1,8 @@
-"""Smoke test of the service benchmark (its figures are reported, never asserted)."""
+"""Smoke tests of the service and wire benchmarks (their figures are reported, never asserted)."""
 
 import json
 
-from disttrain.bench import service
+from disttrain.bench import service, wire
 
 
 def test_service_benchmark_runs_and_saves_its_figures(tmp_path):
@@ -10,3 +10,10 @@ def test_service_benchmark_runs_and_saves_its_figures(tmp_path):
     figures = json.loads((tmp_path / "service.json").read_text())
     assert len(figures["train_ms"]) == len(figures["service_ms"]) == 1 and figures["median_ratio"] > 0
     assert "median ratio" in (tmp_path / "service.md").read_text()
+
+
+def test_wire_benchmark_sends_every_byte_of_the_batch(tmp_path):
+    assert wire.main(["--nproc", "2", "--mib", "2", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    figures = json.loads((tmp_path / "wire.json").read_text())
+    assert figures["bytes"] == 2 * 2**20 and figures["MB_per_s"] > 0  # the workers' slices add up to the batch
+    assert "MB/s" in (tmp_path / "wire.md").read_text()
