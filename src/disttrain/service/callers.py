@@ -72,10 +72,12 @@ class _OnALoop:
     def _submit(self, name: str, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
         return self._loop.submit(getattr(self.service, name)(*args, **kwargs))
 
-    def _shutdown(self) -> concurrent.futures.Future:
-        future = self._submit("shutdown")
-        future.add_done_callback(lambda _: self._loop.close())
-        return future
+    def _shutdown(self) -> None:
+        """Shut the service down and end the loop's thread (blocking: the caller's thread, or anyio's)."""
+        try:
+            self._submit("shutdown").result()
+        finally:
+            self._loop.close()
 
 
 class BlockingService(_OnALoop):
@@ -106,7 +108,7 @@ class BlockingService(_OnALoop):
         return self._submit("status").result()
 
     def shutdown(self) -> None:
-        self._shutdown().result()
+        self._shutdown()
 
     def __enter__(self) -> BlockingService:
         return self
@@ -151,7 +153,9 @@ class AnyioService(_OnALoop):
         return await await_future(self._submit("status"))
 
     async def shutdown(self) -> None:
-        await await_future(self._shutdown())
+        import anyio
+
+        await anyio.to_thread.run_sync(self._shutdown)
 
     async def __aenter__(self) -> AnyioService:
         return self

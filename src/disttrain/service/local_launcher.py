@@ -46,7 +46,7 @@ class LocalLauncher:
                    "--rank", str(rank), "--world", str(procs), "--heartbeat", str(heartbeat_s),
                    "--parent", str(os.getpid())]
             # Own session: Ctrl-C in the terminal reaches the driver only (which stops the workers, or
-            # dies and takes them along: see worker.die_with_parent), not every worker mid-step.
+            # dies and takes them along: see fork.die_with_parent), not every worker mid-step.
             self.procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                                                start_new_session=True))
 
@@ -69,8 +69,43 @@ class LocalLauncher:
         for proc in self.procs:
             if proc.poll() is None:
                 proc.kill()
-        for proc in self.procs:
-            await asyncio.to_thread(proc.wait)
+        for proc in self.procs:  # (polled, not waited for in a thread: a later fork needs a thread-free driver)
+            while proc.poll() is None:
+                await asyncio.sleep(0.01)
         for out in self._logs:
             out.close()
         self._logs.clear()
+
+
+class ForkLauncher(LocalLauncher):
+    """Workers forked from the driver (fork.py), inheriting `live` (the model, optimizer, loss function objects
+    the service was given); each connects back and serves like a spawned worker."""
+
+    name = "fork"
+
+    def __init__(self, live: dict[str, Any], env: dict[str, str] | None = None, log_dir: str | None = None):
+        super().__init__(env, log_dir)
+        self.live = live
+
+    async def spawn(self, host: str, port: int, token: str, procs: int, heartbeat_s: float) -> None:
+        from disttrain.service.fork import INHERITED, Child, fork_process
+
+        INHERITED.clear()
+        INHERITED.update(self.live)  # what the children will see; later forks of another service replace it
+        for rank in range(procs):
+            log = os.path.join(self.log_dir, f"worker{rank}.log") if self.log_dir else None
+            pid = fork_process(_serve_forked, host, port, token, rank, procs, heartbeat_s, self.env, log)
+            self.procs.append(Child(pid))
+
+
+def _serve_forked(host: str, port: int, token: str, rank: int, world: int, heartbeat_s: float,
+                  env: dict[str, str], log: str | None) -> int:
+    from disttrain.service.worker import serve
+
+    os.environ.update(env)
+    if log:
+        os.makedirs(os.path.dirname(log), exist_ok=True)
+        with open(log, "ab") as out:
+            os.dup2(out.fileno(), 1)
+            os.dup2(out.fileno(), 2)
+    return serve(host, port, token, rank, world, heartbeat_s)

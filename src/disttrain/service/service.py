@@ -30,13 +30,15 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from disttrain.errors import ConfigError
 from disttrain.service.group import RemoteError, WorkerFailure, WorkerGroup
-from disttrain.service.local_launcher import LocalLauncher
+from disttrain.service.local_launcher import ForkLauncher, LocalLauncher
 from disttrain.service.wire import concat, pack, rows, split_batch, unpack
 
 log = logging.getLogger(__name__)
@@ -108,21 +110,38 @@ class ServiceOptions:
         if self.placement not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
             raise ConfigError(f"placement = {self.placement!r}: choose PACK, SPREAD, STRICT_PACK or STRICT_SPREAD")
 
-    async def as_service(self, model_fn: str, optimizer_fn: str | None = None, loss_fn: str | None = None, *,
-                         strategy: str = "auto", precision: str = "fp32", model_args: dict | None = None,
-                         optimizer: dict | None = None, optimizer_args: dict | None = None,
-                         parallel: dict | None = None, seed: int = 0, grad_clip: float | None = None,
-                         total_steps: int = 0, on_nonfinite: str = "stop") -> TrainingService:
+    async def as_service(self, model_fn: str | None = None, optimizer_fn: str | None = None,
+                         loss_fn: str | Callable | None = None, *, model: Any = None, strategy: str = "auto",
+                         precision: str = "fp32", model_args: dict | None = None, optimizer: Any = None,
+                         optimizer_args: dict | None = None, parallel: dict | None = None, seed: int = 0,
+                         grad_clip: float | None = None, total_steps: int = 0,
+                         on_nonfinite: str = "stop") -> TrainingService:
         """Start the workers and build the model in each.
 
-        model_fn:     "pkg.mod:factory" called as factory(**model_args), "gpt" (model_args = ModelConfig), or
-                      "hf:DIR", a local Hugging Face model directory (sharded strategies start it sharded).
-        optimizer_fn: "pkg.mod:factory" called as factory(model, **optimizer_args); default: disttrain's
-                      AdamW/SGD from `optimizer` (OptimConfig fields), with the warmup-cosine schedule
-                      when `total_steps` > 0.
-        loss_fn:      "pkg.mod:fn"(outputs, batch) -> (sum, count) or a mean; default: token cross-entropy (HF's
-                      label convention for a transformers model, losses.py).
+        model:        a live `nn.Module` built in this process (or a factory called as factory(**model_args)):
+                      the local launcher then forks its workers, which inherit it (fork.py; no serialisation).
+        model_fn:     or an import path: "pkg.mod:factory" called as factory(**model_args), "gpt" (model_args =
+                      ModelConfig), or "hf:DIR", a local Hugging Face model directory (sharded strategies start it
+                      sharded). Import paths work with every launcher (Ray, spawned processes).
+        optimizer:    a dict of OptimConfig fields (disttrain's AdamW/SGD, with the warmup-cosine schedule when
+                      `total_steps` > 0); or a live `torch.optim.Optimizer` over `model`'s parameters (each worker
+                      rebuilds it with the same class and parameter groups over its wrapped or sharded model; its
+                      state is not carried) or a factory(model), both forked like `model`.
+        optimizer_fn: or an import path "pkg.mod:factory" called as factory(model, **optimizer_args).
+        loss_fn:      "pkg.mod:fn" or a live function (forked), (outputs, batch) -> (sum, count) or a mean;
+                      default: token cross-entropy (HF's label convention for a transformers model, losses.py).
         """
+        live = {name: value for name, value in (("model", model), ("optimizer", optimizer), ("loss_fn", loss_fn))
+                if value is not None and not isinstance(value, (str, dict))}
+        if model_fn is None and model is None:
+            raise ConfigError("as_service: give model= (a live nn.Module) or model_fn= (an import path, 'gpt' or "
+                              "'hf:DIR')")
+        if live:
+            self._check_fork(live)
+            model_fn = "live:model" if "model" in live else model_fn
+            optimizer_fn = "live:optimizer" if "optimizer" in live else optimizer_fn
+            loss_fn = "live:loss_fn" if "loss_fn" in live else loss_fn
+            optimizer = None if "optimizer" in live else optimizer
         self.validate()
         setup = {"op": "setup", "model_fn": model_fn, "model_args": model_args or {}, "optimizer_fn": optimizer_fn,
                  "optimizer_args": optimizer_args or {}, "optimizer": optimizer or {}, "loss_fn": loss_fn,
@@ -136,11 +155,23 @@ class ServiceOptions:
 
         # pipeline / tensor degrees checked as arithmetic before any worker starts
         layout = layout_for(ParallelConfig(strategy=strategy, precision=precision, **(parallel or {})), self.nproc)
-        service = TrainingService(self, setup, layout)
+        service = TrainingService(self, setup, layout, live)
         await service._start()
         service._started = True
         return service
 
+    def _check_fork(self, live: dict[str, Any]) -> None:
+        """Live objects reach workers only by forking: refuse, in one line, where that cannot happen."""
+        from disttrain.service.fork import ForkUnsafe, fork_problem
+
+        given = ", ".join(f"{k}=" for k in live)
+        if self.launcher != "local":
+            raise ConfigError(f"as_service({given}...): objects reach workers by forking the driver, which the "
+                              f"{self.launcher!r} launcher cannot do; pass import paths (model_fn='pkg.mod:factory')")
+        problem = fork_problem()
+        if problem:
+            raise ForkUnsafe(f"as_service({given}...): cannot fork workers: {problem}; pass import paths "
+                             "(model_fn='pkg.mod:factory', optimizer_fn=..., loss_fn='pkg.mod:fn') instead")
 
     def as_blocking_service(self, *args: Any, **kwargs: Any):
         """`as_service` for a plain script: returns a `BlockingService` (callers.py) whose methods block until their
@@ -164,10 +195,12 @@ class TrainingService:
     def options(**options: Any) -> ServiceOptions:
         return ServiceOptions(**options)
 
-    def __init__(self, options: ServiceOptions, setup: dict[str, Any], layout=None):
+    def __init__(self, options: ServiceOptions, setup: dict[str, Any], layout=None,
+                 live: dict[str, Any] | None = None):
         from disttrain.parallel.mesh import MeshLayout
 
         self.options, self._setup = options, setup
+        self._live = live or {}  # objects forked workers inherit (as_service(model=...))
         self.layout = layout or MeshLayout(replicate=options.nproc)
         """How the ranks split the model (parallel/mesh.py): ranks of one data shard get the same slice of a batch,
         and one of them reports its loss and outputs."""
@@ -195,6 +228,8 @@ class TrainingService:
             from disttrain.service.ray_launcher import RayLauncher
 
             return RayLauncher(self.options)
+        if self._live:
+            return ForkLauncher(self._live, self.options.env, self.options.log_dir)
         return LocalLauncher(self.options.env, self.options.log_dir)
 
     async def _start(self) -> None:

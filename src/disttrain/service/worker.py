@@ -39,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from disttrain.service.fork import die_with_parent
 from disttrain.service.wire import TOKEN_ENV, Connection, WireError, pack, split_batch, unpack
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ def import_object(path: str, setting: str) -> Any:
     return getattr(module, attr)
 
 
-class Worker:
+class RankServer:
     """One rank's state and command handlers (see the module docstring)."""
 
     def __init__(self, conn: Connection, rank: int, world: int, heartbeat_s: float):
@@ -152,7 +153,9 @@ class Worker:
         torch.manual_seed(int(msg.get("seed", 0)))
         model = self._build_model(msg)
         optim = OptimConfig(**msg.get("optimizer", {}))
-        if msg.get("optimizer_fn"):
+        if msg.get("optimizer_fn") == "live:optimizer":
+            make_optimizer = _inherited_optimizer(model)
+        elif msg.get("optimizer_fn"):
             factory = import_object(msg["optimizer_fn"], "optimizer_fn")
             opt_args = msg.get("optimizer_args", {})
             make_optimizer = (lambda m: factory(m, **opt_args))
@@ -171,7 +174,12 @@ class Worker:
         from torch import nn
 
         name, args = msg["model_fn"], msg.get("model_args", {})
-        if name == "gpt":
+        if name == "live:model":  # forked from the driver, which built it (fork.py)
+            from disttrain.service.fork import inherited
+
+            model = inherited("model")
+            model = model if isinstance(model, nn.Module) else model(**args)
+        elif name == "gpt":
             from disttrain.config import ModelConfig
             from disttrain.models.gpt import GPT
 
@@ -189,6 +197,10 @@ class Worker:
     def _loss_fn(self, path: str | None):
         if not path:
             return None
+        if path == "live:loss_fn":
+            from disttrain.service.fork import inherited
+
+            return inherited("loss_fn")
         if path not in self._loss_fns:
             self._loss_fns[path] = import_object(path, "loss_fn")
         return self._loss_fns[path]
@@ -265,6 +277,32 @@ class Worker:
         return {}, None
 
 
+def _inherited_optimizer(model) -> Callable:
+    """The optimizer factory of a forked worker given the driver's live optimizer (or factory): the same class and
+    parameter groups (hyperparameters, which parameters by name) over the model as the strategy wrapped or sharded
+    it; the driver's optimizer state is not carried over."""
+    import torch
+
+    from disttrain.service.fork import inherited
+
+    given = inherited("optimizer")
+    if not isinstance(given, torch.optim.Optimizer):
+        return given  # a factory(model)
+    names = {id(p): n for n, p in model.named_parameters()}  # the driver's parameters, before the strategy
+    unknown = [p for g in given.param_groups for p in g["params"] if id(p) not in names]
+    if unknown:
+        raise ValueError(f"optimizer: {len(unknown)} of its parameters are not the model's (build it over the model "
+                         "given to the service, or pass a factory: optimizer=lambda model: AdamW(model.parameters()))")
+    groups = [[names[id(p)] for p in g["params"]] for g in given.param_groups]
+
+    def rebuild(wrapped) -> torch.optim.Optimizer:
+        now = dict(wrapped.named_parameters())
+        return type(given)([{**{k: v for k, v in g.items() if k != "params"}, "params": [now[n] for n in names_]}
+                            for g, names_ in zip(given.param_groups, groups, strict=True)])
+
+    return rebuild
+
+
 def serve(host: str, port: int, token: str, rank: int, world: int, heartbeat_s: float = 0.5) -> int:
     """Connect to the driver at host:port and serve commands until shutdown; returns an exit code."""
     sock = socket.create_connection((host, port), timeout=60)
@@ -274,24 +312,9 @@ def serve(host: str, port: int, token: str, rank: int, world: int, heartbeat_s: 
     conn.send({"op": "hello", "rank": rank, "world": world, "token": token, "pid": os.getpid(),
                "host": socket.gethostname()})
     try:
-        return Worker(conn, rank, world, heartbeat_s).serve()
+        return RankServer(conn, rank, world, heartbeat_s).serve()
     finally:
         conn.close()
-
-
-def die_with_parent(parent: int) -> None:
-    """Linux: the kernel SIGKILLs this process when its parent (the driver) exits, however it exits (even
-    SIGKILL), so a dead driver never leaves workers behind; elsewhere a closed connection ends the worker."""
-    import ctypes
-    import signal
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the driver died before the request took effect
-        os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,173 @@
+"""The worker tier in the open: forked processes that inherit the driver's objects.
+
+    worker = Worker(work_fn)                 # fork; the child runs work_fn(conn) and exits
+    worker.send({"cmd": "train"}, {"x": t})  # JSON + safetensors frames (wire.py), never pickle
+    reply, tensors = worker.recv()
+    workers = spawn_training_workers(4, work_fn)   # children run work_fn(conn, rank, world)
+
+`os.fork()` + `socket.socketpair()`: the child starts with a copy of the parent's memory, so a model, optimizer or
+loss function built in the driver reaches it without serialisation (copy-on-write pages, nothing pickled), and the
+two talk over the socketpair in the service's frames. The TrainingService's local backend forks its workers this
+way when it is given live objects (`as_service(model=..., optimizer=..., loss_fn=...)`, `ForkLauncher`); they then
+connect back over TCP like spawned workers, so the service speaks one wire whatever started its workers.
+
+Forking is refused (`ForkUnsafe`, one line) where it is unsafe: other threads in the driver (a child gets a copy of
+every lock they held, and none of the threads to release them) and CUDA initialised in the driver (a forked child
+cannot use it). The fix is the import-path form (`model_fn="pkg.mod:factory"`), whose workers start fresh.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from disttrain.errors import ConfigError
+from disttrain.service.wire import Connection
+
+INHERITED: dict[str, Any] = {}
+"""The live objects of the service being forked (`ForkLauncher` sets them just before forking); a forked worker
+reads them with `inherited`."""
+
+
+class ForkUnsafe(ConfigError):
+    """This process cannot fork workers safely (see the module docstring)."""
+
+
+def fork_problem() -> str | None:
+    """Why forking this process now would be unsafe, or None."""
+    others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+    if others:
+        return f"{len(others)} other thread(s) run in this process ({', '.join(others[:3])})"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "CUDA is already initialised in this process"
+    return None
+
+
+def fork_process(fn: Callable[..., int | None], *args: Any, keep: tuple[int, ...] = ()) -> int:
+    """Fork a child that runs `fn(*args)` and exits with its return value (1 if it raised, its traceback on
+    stderr); returns the child's pid. The child dies with this process (`PR_SET_PDEATHSIG`) and closes the sockets
+    it inherited but `keep`, so that it holds none of the driver's connections (a connection the driver closes
+    must reach its peer's end of file)."""
+    problem = fork_problem()
+    if problem:
+        raise ForkUnsafe(f"cannot fork workers: {problem}; pass import paths instead (model_fn='pkg.mod:factory', "
+                         "optimizer_fn=..., loss_fn='pkg.mod:fn'), whose workers start as fresh processes")
+    parent = os.getpid()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        die_with_parent(parent)
+        _close_sockets(keep)
+        code = fn(*args) or 0
+    except BaseException:  # the child never returns into the parent's code
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _close_sockets(keep: tuple[int, ...]) -> None:
+    for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []:
+        fd = int(name)
+        try:
+            if fd > 2 and fd not in keep and stat.S_ISSOCK(os.fstat(fd).st_mode):
+                os.close(fd)
+        except OSError:  # the listing's own descriptor, already gone
+            pass
+
+
+def die_with_parent(parent: int) -> None:
+    """Linux: the kernel SIGKILLs this process when its parent (the driver) exits, however it exits (even
+    SIGKILL), so a dead driver never leaves workers behind; elsewhere a closed connection ends the worker."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the driver died before the request took effect
+        os._exit(1)
+
+
+class Child:
+    """A forked process, seen through `subprocess.Popen`'s calls (`poll`, `wait`, `kill`)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        """The exit code (negative: killed by that signal), or None while it runs."""
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+class Worker(Child):
+    """One forked process running `work_fn(conn, *args)`, with `conn` its end of a socketpair to this one."""
+
+    def __init__(self, work_fn: Callable[..., int | None], *args: Any):
+        mine, theirs = socket.socketpair()
+        fd = theirs.detach()
+        try:
+            super().__init__(fork_process(_run, work_fn, fd, args, keep=(fd,)))
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            os.close(fd)  # the child's end, in this process
+        self.conn = Connection(mine)
+
+    def send(self, message: dict[str, Any], tensors: dict | None = None) -> None:
+        self.conn.send(message, tensors)
+
+    def recv(self) -> tuple[dict[str, Any], dict]:
+        """The child's next message; EOFError once it has closed its end (exited)."""
+        return self.conn.recv()
+
+    def close(self) -> None:
+        """Kill the child if it still runs, reap it, close the connection."""
+        self.kill()
+        self.wait()
+        self.conn.close()
+
+
+def _run(work_fn: Callable[..., int | None], fd: int, args: tuple) -> int | None:
+    return work_fn(Connection(socket.socket(fileno=fd)), *args)
+
+
+def spawn_training_workers(n: int, work_fn: Callable[..., int | None]) -> list[Worker]:
+    """`n` forked workers, the r-th running `work_fn(conn, r, n)` (a rank and the world size, to form a process
+    group with, e.g. through `disttrain.runtime`)."""
+    return [Worker(work_fn, rank, n) for rank in range(n)]
+
+
+def inherited(name: str) -> Any:
+    """A live object the driver passed to the service (`model`, `optimizer`, `loss_fn`), in a forked worker."""
+    if name not in INHERITED:
+        raise ValueError(f"{name}: no such object was given to the service (only forked workers inherit them)")
+    return INHERITED[name]
