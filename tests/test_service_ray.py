@@ -38,7 +38,8 @@ def ray_env():
 @pytest.fixture(scope="module")
 def local_ray(ray_env):
     # one logical GPU (no device behind it): enough to test placement with fractional GPUs
-    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, _temp_dir=ray_env, configure_logging=False)
+    ray.init(num_cpus=2, num_gpus=1, resources={"inference": 1}, include_dashboard=False, _temp_dir=ray_env,
+             configure_logging=False)
     yield
     ray.shutdown()
 
@@ -72,6 +73,31 @@ def test_ray_fractional_gpus_share_one_device(local_ray, reference):
             assert [w["gpus"] for w in (await service.status())["workers"]] == [["0"], ["0"]]
         finally:
             await service.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_heterogeneous_services_share_one_cluster_and_the_impossible_is_one_line(local_ray, reference):
+    """A training group (2 x 0.375 GPU) and a rollout group (1 x 0.25 GPU + a custom `inference` resource) at once,
+    each its own placement group on the one logical GPU; a request the cluster can never hold fails at once."""
+    from disttrain.errors import ConfigError
+
+    async def scenario():
+        training, rollout = await asyncio.gather(
+            start("ddp", gpus_per_worker=0.375, cpus_per_worker=0.5, device="cpu"),
+            TrainingService.options(nproc=1, launcher="ray", gpus_per_worker=0.25, cpus_per_worker=0.5,
+                                    resources_per_worker={"inference": 1}, device="cpu").as_service(
+                "gpt", model_args=job.MODEL, seed=job.SEED))
+        try:
+            assert_close(await train(training, 0, 3), reference[:3])
+            out = await rollout.forward(next(job.batches(1)))
+            assert out.shape[0] == job.GLOBAL_BATCH
+            groups = [(await s.status())["workers"] for s in (training, rollout)]
+            assert [[w["gpus"] for w in g] for g in groups] == [[["0"], ["0"]], [["0"]]]
+            with pytest.raises(ConfigError, match=r"need GPU 2 and the cluster has GPU 1 in all"):
+                await TrainingService.options(nproc=2, launcher="ray", gpus_per_worker=1.0).as_service("gpt")
+        finally:
+            await asyncio.gather(training.shutdown(), rollout.shutdown())
 
     asyncio.run(scenario())
 

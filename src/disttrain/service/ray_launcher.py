@@ -54,6 +54,20 @@ class _Actor:
         return {"node_id": context.get_node_id(), "pid": os.getpid(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
 
 
+def _check_feasible(total: dict[str, float], bundle: dict[str, float], procs: int) -> None:
+    """Refuse at once, in one line, what the whole cluster could never place (Ray would wait for it for ever; what
+    is only busy now, e.g. held by another service, is waited for up to `startup_timeout_s`)."""
+    from disttrain.config import ConfigError
+
+    short = {k: v * procs for k, v in bundle.items() if v and v * procs > total.get(k, 0.0) + 1e-9}
+    if short:
+        asked = ", ".join(f"{k} {v:g}" for k, v in short.items())
+        has = ", ".join(f"{k} {total.get(k, 0.0):g}" for k in short)
+        raise ConfigError(f"Ray cannot place {procs} workers of {bundle}: they need {asked} and the cluster has {has} "
+                          "in all; ask for less (cpus_per_worker, gpus_per_worker, resources_per_worker, nproc) or "
+                          "add nodes")
+
+
 class RayLauncher:
     """Starts `procs` actors, one per placement-group bundle; `exit_status` reports a dead actor."""
 
@@ -81,6 +95,7 @@ class RayLauncher:
                      configure_logging=False)
         bundle = {"CPU": o.cpus_per_worker, **({"GPU": o.gpus_per_worker} if o.gpus_per_worker else {}),
                   **o.resources_per_worker}
+        _check_feasible(ray.cluster_resources(), bundle, procs)
         self.group = placement_group([dict(bundle) for _ in range(procs)], strategy=o.placement)
         ready = await asyncio.to_thread(ray.wait, [self.group.ready()], timeout=o.startup_timeout_s)
         if not ready[0]:
