@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from tqdm.auto import tqdm
 
 from disttrain.config import ModelConfig, OptimConfig
 from disttrain.losses import lm_loss
 from disttrain.models.gpt import GPT
 from disttrain.optim import optimizer_factory
 from disttrain.service import ForkUnsafe, TrainingService, Worker, spawn_training_workers
+from disttrain.service.fork import fork_problem
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import service_job as job  # noqa: E402
@@ -28,7 +30,7 @@ def no_other_threads():
     """Forking needs a driver without other threads: let those of earlier tests end (trio's and anyio's worker
     threads idle for some seconds before they exit)."""
     for _ in range(300):
-        if threading.active_count() == 1:
+        if fork_problem() is None:
             return
         threading.Event().wait(0.1)
     pytest.fail(f"threads of earlier tests still run: {[t.name for t in threading.enumerate()]}")
@@ -41,6 +43,7 @@ def test_forked_workers_inherit_objects_and_talk_in_frames():
         message, tensors = conn.recv()
         conn.send({"rank": rank, "world": world, "echo": message["n"]}, {"y": tensors["x"] * 2 + weights})
 
+    list(tqdm(range(2), disable=False))  # a progress bar's monitor thread (transformers' loading) does not block it
     workers = spawn_training_workers(2, work)
     for w in workers:
         w.send({"n": 7}, {"x": torch.ones(6)})

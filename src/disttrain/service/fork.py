@@ -41,7 +41,13 @@ class ForkUnsafe(ConfigError):
 
 
 def fork_problem() -> str | None:
-    """Why forking this process now would be unsafe, or None."""
+    """Why forking this process now would be unsafe, or None. tqdm's monitor thread, which any progress bar starts
+    (transformers' loading among them) and which would otherwise block every fork, is stopped first: tqdm starts it
+    again when a bar next needs it."""
+    monitor = getattr(sys.modules.get("tqdm._monitor"), "TMonitor", None)
+    for thread in threading.enumerate():
+        if monitor is not None and isinstance(thread, monitor):
+            thread.exit()
     others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
     if others:
         return f"{len(others)} other thread(s) run in this process ({', '.join(others[:3])})"
