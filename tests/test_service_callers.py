@@ -5,6 +5,7 @@ service raises them; nothing is left running after shutdown. asyncio's own calle
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,11 @@ def test_a_plain_script_gets_the_reference_losses_and_errors_as_raised(reference
         with pytest.raises(RemoteError, match="no_such_function"):
             service.call("tests_do_not_have:no_such_function")
         assert service.status()["step"] == STEPS  # still usable after the error
+        service.shutdown()  # (and again on leaving the with block: a no-op)
+        with pytest.raises(RuntimeError, match="status: this service was shut down"):
+            service.status()
     assert not processes_mentioning("disttrain.service.worker --connect")
+    assert not [t for t in threading.enumerate() if t.name == "disttrain-service"]  # the loop's thread ended
 
 
 def test_trio_caller_gets_the_reference_losses_and_sees_a_killed_worker(reference):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import os
 import struct
@@ -39,7 +40,7 @@ SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.complex64: "C64",
 }
 DTYPES_BY_NAME = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
@@ -148,6 +149,9 @@ def safetensors_chunks(tensors: dict[str, torch.Tensor]) -> list[bytes | memoryv
                    key=lambda kv: -kv[1].element_size())
     header, views, offset = {}, [], 0
     for name, t in items:
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name!r}: dtype {t.dtype} cannot be stored (safetensors has no name for it); "
+                             "convert it, e.g. to float32")
         nbytes = t.numel() * t.element_size()
         header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
                         "data_offsets": [offset, offset + nbytes]}
@@ -165,25 +169,34 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> FileInfo:
 
 
 def load_safetensors(buf: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Tensors of a safetensors file held in the uint8 tensor `buf`, as views of it (no copy when aligned)."""
+    """Tensors of a safetensors file held in the uint8 tensor `buf`, as views of it (no copy when aligned). A header
+    that does not describe its data exactly (a header or a range outside the buffer, a range whose size is not its
+    shape's, overlapping ranges, an unknown dtype) is a ValueError."""
     raw_bytes = buf.numpy()
     (n,) = struct.unpack_from("<Q", raw_bytes, 0)
+    if 8 + n > len(buf):
+        raise ValueError(f"a {n}-byte header in a {len(buf)}-byte buffer")
     header = json.loads(raw_bytes[8:8 + n].tobytes())
-    base, tensors = 8 + n, {}
+    base, size, tensors, ranges = 8 + n, len(buf) - 8 - n, {}, []
     for name, info in header.items():
         if name == "__metadata__":
             continue
+        if info["dtype"] not in DTYPES_BY_NAME:
+            raise ValueError(f"tensor {name!r}: dtype {info['dtype']!r} is not supported")
         dtype, shape = DTYPES_BY_NAME[info["dtype"]], info["shape"]
         begin, end = info["data_offsets"]
-        if not 0 <= begin <= end <= len(buf) - base:
-            raise ValueError(f"tensor {name!r}: data offsets {begin}..{end} outside the {len(buf) - base}-byte data")
-        if end == begin:
-            tensors[name] = torch.empty(shape, dtype=dtype)
-            continue
+        if not 0 <= begin <= end <= size:
+            raise ValueError(f"tensor {name!r}: data offsets {begin}..{end} outside the {size}-byte data")
+        if math.prod(shape) * torch.empty((), dtype=dtype).element_size() != end - begin:
+            raise ValueError(f"tensor {name!r}: {end - begin} bytes for shape {shape} of {info['dtype']}")
+        ranges.append((begin, end))
         raw = buf[base + begin:base + end]
         if (base + begin) % raw.new_empty((), dtype=dtype).element_size():
             raw = raw.clone()  # misaligned (a file from another writer): copy once
         tensors[name] = raw.view(dtype).reshape(shape)
+    ranges.sort()
+    if any(b < a_end for (_, a_end), (b, b_end) in zip(ranges, ranges[1:], strict=False) if b != b_end):
+        raise ValueError("tensors with overlapping data ranges")
     return tensors
 
 

@@ -41,31 +41,44 @@ class ForkUnsafe(ConfigError):
 
 
 def fork_problem() -> str | None:
-    """Why forking this process now would be unsafe, or None. tqdm's monitor thread, which any progress bar starts
-    (transformers' loading among them) and which would otherwise block every fork, is stopped first: tqdm starts it
-    again when a bar next needs it."""
+    """Why forking this process now would be unsafe, or None. Counted: Python threads and native ones (GNU OpenMP,
+    torch's intra-op pool on CPU, is not fork-safe: once a parallel operation ran here with more than one thread, a
+    forked child that runs one hangs). tqdm's monitor thread, which any progress bar starts (transformers' loading
+    among them), is stopped first: tqdm starts it again when a bar next needs it."""
     monitor = getattr(sys.modules.get("tqdm._monitor"), "TMonitor", None)
     for thread in threading.enumerate():
         if monitor is not None and isinstance(thread, monitor):
             thread.exit()
+            thread.join()
     others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
     if others:
-        return f"{len(others)} other thread(s) run in this process ({', '.join(others[:3])})"
+        return f"{len(others)} other Python thread(s) run in this process ({', '.join(others[:3])})"
+    native = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
+    if native > 1:
+        return (f"{native - 1} native thread(s) run in this process (torch's CPU thread pool starts with its first "
+                "parallel operation; call torch.set_num_threads(1) before building the model, the workers set their "
+                "own)")
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "CUDA is already initialised in this process"
     return None
 
 
-def fork_process(fn: Callable[..., int | None], *args: Any, keep: tuple[int, ...] = ()) -> int:
-    """Fork a child that runs `fn(*args)` and exits with its return value (1 if it raised, its traceback on
-    stderr); returns the child's pid. The child dies with this process (`PR_SET_PDEATHSIG`) and closes the sockets
-    it inherited but `keep`, so that it holds none of the driver's connections (a connection the driver closes
-    must reach its peer's end of file)."""
+def check_fork(what: str = "cannot fork workers") -> None:
+    """ForkUnsafe (one line, naming the fix) where `fork_problem` finds one."""
     problem = fork_problem()
     if problem:
-        raise ForkUnsafe(f"cannot fork workers: {problem}; pass import paths instead (model_fn='pkg.mod:factory', "
+        raise ForkUnsafe(f"{what}: {problem}; or pass import paths instead (model_fn='pkg.mod:factory', "
                          "optimizer_fn=..., loss_fn='pkg.mod:fn'), whose workers start as fresh processes")
+
+
+def fork_process(fn: Callable[..., int | None], *args: Any, keep: tuple[int, ...] = ()) -> int:
+    """Fork a child that runs `fn(*args)` and exits with its return value (0 unless an int; 1 if it raised, its
+    traceback on stderr); returns the child's pid. The child starts a session of its own (Ctrl-C in the terminal
+    reaches the driver, not every worker, as for spawned workers), dies with this process (`PR_SET_PDEATHSIG`), and
+    leaves the sockets it inherited but `keep` (it holds none of the driver's connections: one the driver closes
+    must reach its peer's end of file)."""
+    check_fork()
     parent = os.getpid()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -74,25 +87,39 @@ def fork_process(fn: Callable[..., int | None], *args: Any, keep: tuple[int, ...
         return pid
     code = 1
     try:
+        os.setsid()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if "asyncio" in sys.modules:  # the driver's running loop is not the child's: asyncio.run works there
+            sys.modules["asyncio"]._set_running_loop(None)
         die_with_parent(parent)
         _close_sockets(keep)
-        code = fn(*args) or 0
+        result = fn(*args)
+        code = result if isinstance(result, int) else 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # the child never returns into the parent's code
         traceback.print_exc()
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except BaseException:  # a closed pipe: nothing more to say
+                pass
         os._exit(code)
 
 
 def _close_sockets(keep: tuple[int, ...]) -> None:
+    """Point every inherited socket but `keep` at /dev/null (`dup2`, not `close`: a Python socket object of the
+    driver's may still close its number later, which must not hit a descriptor this child opened since)."""
+    null = os.open(os.devnull, os.O_RDWR)
     for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []:
         fd = int(name)
         try:
-            if fd > 2 and fd not in keep and stat.S_ISSOCK(os.fstat(fd).st_mode):
-                os.close(fd)
+            if fd > 2 and fd != null and fd not in keep and stat.S_ISSOCK(os.fstat(fd).st_mode):
+                os.dup2(null, fd)
         except OSError:  # the listing's own descriptor, already gone
             pass
+    os.close(null)
 
 
 def die_with_parent(parent: int) -> None:
@@ -168,8 +195,16 @@ def _run(work_fn: Callable[..., int | None], fd: int, args: tuple) -> int | None
 
 def spawn_training_workers(n: int, work_fn: Callable[..., int | None]) -> list[Worker]:
     """`n` forked workers, the r-th running `work_fn(conn, r, n)` (a rank and the world size, to form a process
-    group with, e.g. through `disttrain.runtime`)."""
-    return [Worker(work_fn, rank, n) for rank in range(n)]
+    group with, e.g. through `disttrain.runtime`). If one cannot be forked, those already forked are ended."""
+    workers: list[Worker] = []
+    try:
+        for rank in range(n):
+            workers.append(Worker(work_fn, rank, n))
+    except BaseException:
+        for worker in workers:
+            worker.close()
+        raise
+    return workers
 
 
 def inherited(name: str) -> Any:

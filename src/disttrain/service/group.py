@@ -104,14 +104,16 @@ class WorkerGroup:
 
     async def _start(self) -> None:
         self._server = await asyncio.start_server(self._accept, self.host, 0)
-        # The rendezvous store of the workers' torch process group (they connect as clients). TCPStore
-        # binds to every interface when it opens its own port, so it gets a socket bound to `host`.
+        # before the store: its server thread must not exist yet when a ForkLauncher forks this process
+        await self.launcher.spawn(self.host, self.port, self._token, self.procs, self.heartbeat_s)
+        # The rendezvous store of the workers' torch process group (they connect as clients, when `setup` tells
+        # them its port). TCPStore binds to every interface when it opens its own port, so it gets a socket bound
+        # to `host`.
         listener = socket.create_server((self.host, 0), backlog=128)
         self.store = torch.distributed.TCPStore(self.host, listener.getsockname()[1], self.procs,
                                                 is_master=True, timeout=timedelta(seconds=self.startup_timeout_s),
                                                 wait_for_workers=False, master_listen_fd=listener.fileno())
         listener.detach()  # the store owns the descriptor now (and closes it)
-        await self.launcher.spawn(self.host, self.port, self._token, self.procs, self.heartbeat_s)
         deadline = time.monotonic() + self.startup_timeout_s
         while not self._all_connected.is_set():
             for rank in range(self.procs):

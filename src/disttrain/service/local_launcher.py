@@ -90,12 +90,14 @@ class ForkLauncher(LocalLauncher):
     async def spawn(self, host: str, port: int, token: str, procs: int, heartbeat_s: float) -> None:
         from disttrain.service.fork import INHERITED, Child, fork_process
 
-        INHERITED.clear()
-        INHERITED.update(self.live)  # what the children will see; later forks of another service replace it
-        for rank in range(procs):
-            log = os.path.join(self.log_dir, f"worker{rank}.log") if self.log_dir else None
-            pid = fork_process(_serve_forked, host, port, token, rank, procs, heartbeat_s, self.env, log)
-            self.procs.append(Child(pid))
+        INHERITED.update(self.live)  # what the children will see (and only they keep: cleared below)
+        try:
+            for rank in range(procs):
+                log = os.path.join(self.log_dir, f"worker{rank}.log") if self.log_dir else None
+                pid = fork_process(_serve_forked, host, port, token, rank, procs, heartbeat_s, self.env, log)
+                self.procs.append(Child(pid))
+        finally:
+            INHERITED.clear()
 
 
 def _serve_forked(host: str, port: int, token: str, rank: int, world: int, heartbeat_s: float,

@@ -133,9 +133,15 @@ class ServiceOptions:
         """
         live = {name: value for name, value in (("model", model), ("optimizer", optimizer), ("loss_fn", loss_fn))
                 if value is not None and not isinstance(value, (str, dict))}
-        if model_fn is None and model is None:
-            raise ConfigError("as_service: give model= (a live nn.Module) or model_fn= (an import path, 'gpt' or "
-                              "'hf:DIR')")
+        if (model_fn is None) == (model is None) or isinstance(model, str):
+            raise ConfigError("as_service: give either model= (a live nn.Module or factory) or model_fn= (an import "
+                              "path, 'gpt' or 'hf:DIR')")
+        if "optimizer" in live and optimizer_fn is not None:
+            raise ConfigError("as_service: give either optimizer= (a live optimizer or factory) or optimizer_fn= "
+                              "(an import path)")
+        if not all(isinstance(v, str | None) for v in (model_fn, optimizer_fn)):
+            raise ConfigError("as_service: model_fn and optimizer_fn are import paths ('pkg.mod:factory'); pass "
+                              "objects as model= and optimizer=")
         if live:
             self._check_fork(live)
             model_fn = "live:model" if "model" in live else model_fn
@@ -162,29 +168,26 @@ class ServiceOptions:
 
     def _check_fork(self, live: dict[str, Any]) -> None:
         """Live objects reach workers only by forking: refuse, in one line, where that cannot happen."""
-        from disttrain.service.fork import ForkUnsafe, fork_problem
+        from disttrain.service.fork import check_fork
 
         given = ", ".join(f"{k}=" for k in live)
         if self.launcher != "local":
             raise ConfigError(f"as_service({given}...): objects reach workers by forking the driver, which the "
                               f"{self.launcher!r} launcher cannot do; pass import paths (model_fn='pkg.mod:factory')")
-        problem = fork_problem()
-        if problem:
-            raise ForkUnsafe(f"as_service({given}...): cannot fork workers: {problem}; pass import paths "
-                             "(model_fn='pkg.mod:factory', optimizer_fn=..., loss_fn='pkg.mod:fn') instead")
+        check_fork(f"as_service({given}...): cannot fork workers")
 
     def as_blocking_service(self, *args: Any, **kwargs: Any):
         """`as_service` for a plain script: returns a `BlockingService` (callers.py) whose methods block until their
         call returns; same arguments."""
         from disttrain.service.callers import BlockingService
 
-        return BlockingService._start(self, args, kwargs).result()
+        return BlockingService.start(self, args, kwargs)
 
     async def as_anyio_service(self, *args: Any, **kwargs: Any):
         """`as_service` for trio or any anyio event loop: returns an `AnyioService` (callers.py); same arguments."""
-        from disttrain.service.callers import AnyioService, await_future
+        from disttrain.service.callers import AnyioService
 
-        return await await_future(AnyioService._start(self, args, kwargs))
+        return await AnyioService.start(self, args, kwargs)
 
 
 class TrainingService:

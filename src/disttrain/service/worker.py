@@ -283,6 +283,7 @@ def _inherited_optimizer(model) -> Callable:
     it; the driver's optimizer state is not carried over."""
     import torch
 
+    from disttrain.parallel.spec import optimizer_kwargs
     from disttrain.service.fork import inherited
 
     given = inherited("optimizer")
@@ -296,9 +297,10 @@ def _inherited_optimizer(model) -> Callable:
     groups = [[names[id(p)] for p in g["params"]] for g in given.param_groups]
 
     def rebuild(wrapped) -> torch.optim.Optimizer:
-        now = dict(wrapped.named_parameters())
-        return type(given)([{**{k: v for k, v in g.items() if k != "params"}, "params": [now[n] for n in names_]}
-                            for g, names_ in zip(given.param_groups, groups, strict=True)])
+        now = dict(wrapped.named_parameters())  # a pipeline stage holds some of them only
+        mine = [{**{k: v for k, v in g.items() if k != "params"}, "params": [now[n] for n in names_ if n in now]}
+                for g, names_ in zip(given.param_groups, groups, strict=True)]
+        return type(given)([g for g in mine if g["params"]], **optimizer_kwargs(given))
 
     return rebuild
 
