@@ -94,8 +94,10 @@ def test_heterogeneous_services_share_one_cluster_and_the_impossible_is_one_line
             assert out.shape[0] == job.GLOBAL_BATCH
             groups = [(await s.status())["workers"] for s in (training, rollout)]
             assert [[w["gpus"] for w in g] for g in groups] == [[["0"], ["0"]], [["0"]]]
-            with pytest.raises(ConfigError, match=r"need GPU 2 and the cluster has GPU 1 in all"):
+            with pytest.raises(ConfigError, match=r"2 workers need GPU 2 and the cluster has GPU 1 in all"):
                 await TrainingService.options(nproc=2, launcher="ray", gpus_per_worker=1.0).as_service("gpt")
+            with pytest.raises(ConfigError, match=r"one worker needs CPU 3 and the cluster has CPU 2 on its largest"):
+                await TrainingService.options(nproc=1, launcher="ray", cpus_per_worker=3.0).as_service("gpt")
         finally:
             await asyncio.gather(training.shutdown(), rollout.shutdown())
 

@@ -54,18 +54,24 @@ class _Actor:
         return {"node_id": context.get_node_id(), "pid": os.getpid(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
 
 
-def _check_feasible(total: dict[str, float], bundle: dict[str, float], procs: int) -> None:
-    """Refuse at once, in one line, what the whole cluster could never place (Ray would wait for it for ever; what
-    is only busy now, e.g. held by another service, is waited for up to `startup_timeout_s`)."""
-    from disttrain.config import ConfigError
+def _check_feasible(nodes: list[dict[str, float]], bundle: dict[str, float], procs: int) -> None:
+    """Refuse at once, in one line, what the cluster's nodes (their total resources) could never place: a worker
+    larger than every node, or more workers than all of them hold. Ray would wait for such a placement group for
+    ever; what is only busy now (held by another service) is waited for up to `startup_timeout_s`."""
+    from disttrain.errors import ConfigError
 
-    short = {k: v * procs for k, v in bundle.items() if v and v * procs > total.get(k, 0.0) + 1e-9}
-    if short:
-        asked = ", ".join(f"{k} {v:g}" for k, v in short.items())
-        has = ", ".join(f"{k} {total.get(k, 0.0):g}" for k in short)
-        raise ConfigError(f"Ray cannot place {procs} workers of {bundle}: they need {asked} and the cluster has {has} "
-                          "in all; ask for less (cpus_per_worker, gpus_per_worker, resources_per_worker, nproc) or "
-                          "add nodes")
+    largest = {k: max((node.get(k, 0.0) for node in nodes), default=0.0) for k in bundle}
+    total = {k: sum(node.get(k, 0.0) for node in nodes) for k in bundle}
+    too_big = {k: v for k, v in bundle.items() if v > largest[k] + 1e-9}
+    short = {k: v * procs for k, v in bundle.items() if v * procs > total[k] + 1e-9}
+    if too_big or short:
+        need = too_big or short
+        what = "one worker needs" if too_big else f"{procs} workers need"
+        has = ", ".join(f"{k} {(largest if too_big else total)[k]:g}" for k in need)
+        raise ConfigError(f"Ray cannot place {procs} workers of {bundle}: {what} "
+                          f"{', '.join(f'{k} {v:g}' for k, v in need.items())} and the cluster has {has} "
+                          f"{'on its largest node' if too_big else 'in all'}; ask for less (cpus_per_worker, "
+                          "gpus_per_worker, resources_per_worker, nproc) or add nodes")
 
 
 class RayLauncher:
@@ -95,7 +101,7 @@ class RayLauncher:
                      configure_logging=False)
         bundle = {"CPU": o.cpus_per_worker, **({"GPU": o.gpus_per_worker} if o.gpus_per_worker else {}),
                   **o.resources_per_worker}
-        _check_feasible(ray.cluster_resources(), bundle, procs)
+        _check_feasible([n["Resources"] for n in ray.nodes() if n.get("Alive")], bundle, procs)
         self.group = placement_group([dict(bundle) for _ in range(procs)], strategy=o.placement)
         ready = await asyncio.to_thread(ray.wait, [self.group.ready()], timeout=o.startup_timeout_s)
         if not ready[0]:
