@@ -56,6 +56,45 @@ def processes_mentioning(marker: str) -> list[int]:
     return found
 
 
+@pytest.fixture(scope="session")
+def gpt_parity(tmp_path_factory) -> tuple[dict, dict]:
+    """The small GPT job of scripts/strategy_parity.py trained once for the session: the one-process variants
+    (references) in one process and the others in one 2-rank launch, for test_parallel_fsdp.py and, where
+    DeepSpeed is installed, test_parallel_deepspeed.py (which name them: `ONE_PROCESS`, `LAUNCHED`). The files
+    share one torch start-up per rank, and DeepSpeed's. Returns ({variant: run} on 1 process, ... on 2 ranks),
+    each run with its final `params` and, on 2 ranks, its `metrics` lines."""
+    import importlib.util
+
+    from safetensors.torch import load_file
+
+    import test_parallel_fsdp
+
+    files = [test_parallel_fsdp]
+    if importlib.util.find_spec("deepspeed"):
+        import test_parallel_deepspeed
+
+        files.append(test_parallel_deepspeed)
+    one_process = list(dict.fromkeys(v for f in files for v in f.ONE_PROCESS))
+    launched = list(dict.fromkeys(v for f in files for v in f.LAUNCHED))
+    tmp = tmp_path_factory.mktemp("strategies")
+    script = str(SCRIPTS / "strategy_parity.py")
+    single = subprocess.run([sys.executable, script, str(tmp), *one_process], cwd=tmp, env=cli_env(tmp),
+                            capture_output=True, text=True, timeout=180)
+    assert single.returncode == 0, single.stderr
+    multi = run_cli(["launch", "--nproc", "2", "--run-dir", str(tmp / "launch"), script, str(tmp), *launched], tmp,
+                    timeout=500)
+    assert multi.returncode == 0, multi.stderr[-3000:]
+    # no native op is compiled: the client optimizer is torch's, and the strategy skips DeepSpeed's shm_comm
+    assert "shm_comm_op built" not in multi.stdout + multi.stderr  # no ~50 s compile on a machine's first run
+    one, two = json.loads((tmp / "1.json").read_text()), json.loads((tmp / "2.json").read_text())
+    for world, runs in ((1, one), (2, two)):
+        for variant, run in runs.items():
+            run["params"] = load_file(tmp / str(world) / f"{variant}.safetensors")
+    for variant, run in two.items():
+        run["metrics"] = read_metrics(tmp / variant.replace(":", "_").replace(">", "_to_").replace("@", "_"))
+    return one, two
+
+
 @pytest.fixture
 def small_gpt() -> list[str]:
     """Overrides for a GPT small enough for fast multi-process tests."""
