@@ -7,13 +7,16 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 DISTTRAIN = [sys.executable, "-m", "disttrain"]
+T = TypeVar("T")
 
 
 def cli_env(tmp_path: Path) -> dict[str, str]:
@@ -38,6 +41,23 @@ def run_cli(args: list[str], tmp_path: Path, timeout: float = 120, env: dict | N
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def run_alongside(command: list[str], cwd: Path, launch: Callable[[], T], timeout: float = 180
+                  ) -> tuple[subprocess.CompletedProcess, T]:
+    """Run `command` (a one-process job, e.g. the reference) while `launch()` runs (a multi-rank launch), and return
+    both results: the one process uses the core time the launch leaves idle (its launcher's start-up, the
+    rendezvous, ranks waiting in collectives) instead of a stretch of its own."""
+    proc = subprocess.Popen(command, cwd=cwd, env=cli_env(cwd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        launched = launch()
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(command, proc.returncode, out, err), launched
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -54,6 +74,45 @@ def processes_mentioning(marker: str) -> list[int]:
         if marker in cmdline and int(pid) != os.getpid() and "State:\tZ" not in status:
             found.append(int(pid))
     return found
+
+
+@pytest.fixture(scope="session")
+def gpt_parity(tmp_path_factory) -> tuple[dict, dict]:
+    """The small GPT job of scripts/strategy_parity.py trained once for the session: the one-process variants
+    (references) in one process and the others in one 2-rank launch, for test_parallel_fsdp.py and, where
+    DeepSpeed is installed, test_parallel_deepspeed.py (which name them: `ONE_PROCESS`, `LAUNCHED`). The files
+    share one torch start-up per rank, and DeepSpeed's. Returns ({variant: run} on 1 process, ... on 2 ranks),
+    each run with its final `params` and, on 2 ranks, its `metrics` lines."""
+    import importlib.util
+
+    from safetensors.torch import load_file
+
+    import test_parallel_fsdp
+
+    files = [test_parallel_fsdp]
+    if importlib.util.find_spec("deepspeed"):
+        import test_parallel_deepspeed
+
+        files.append(test_parallel_deepspeed)
+    one_process = list(dict.fromkeys(v for f in files for v in f.ONE_PROCESS))
+    launched = list(dict.fromkeys(v for f in files for v in f.LAUNCHED))
+    tmp = tmp_path_factory.mktemp("strategies")
+    script = str(SCRIPTS / "strategy_parity.py")
+    single, multi = run_alongside(
+        [sys.executable, script, str(tmp), *one_process], tmp,
+        lambda: run_cli(["launch", "--nproc", "2", "--run-dir", str(tmp / "launch"), script, str(tmp), *launched],
+                        tmp, timeout=500))
+    assert single.returncode == 0, single.stderr
+    assert multi.returncode == 0, multi.stderr[-3000:]
+    # no native op is compiled: the client optimizer is torch's, and the strategy skips DeepSpeed's shm_comm
+    assert "shm_comm_op built" not in multi.stdout + multi.stderr  # no ~50 s compile on a machine's first run
+    one, two = json.loads((tmp / "1.json").read_text()), json.loads((tmp / "2.json").read_text())
+    for world, runs in ((1, one), (2, two)):
+        for variant, run in runs.items():
+            run["params"] = load_file(tmp / str(world) / f"{variant}.safetensors")
+    for variant, run in two.items():
+        run["metrics"] = read_metrics(tmp / variant.replace(":", "_").replace(">", "_to_").replace("@", "_"))
+    return one, two
 
 
 @pytest.fixture

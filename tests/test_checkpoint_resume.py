@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -34,12 +35,19 @@ def _losses(run_dir):
 def runs(tmp_path_factory):
     """Straight 0->60 runs and interrupted 0->30 (+ rerun to 60) runs, on 1 process and on 2 ranks."""
     tmp = tmp_path_factory.mktemp("resume")
-    for name, nproc in (("single", 1), ("ddp", 2)):
+
+    def straight_and_resumed(name, nproc):
         _train(tmp, f"{name}_straight", nproc)
         _train(tmp, f"{name}_resumed", nproc, "--set", "train.stop_at=30")
         shutil.copytree(tmp / f"{name}_resumed", tmp / f"{name}_at30")  # for the elastic resumes below
         result = _train(tmp, f"{name}_resumed", nproc)
         assert "resumed from checkpoint step 30" in result.stderr
+
+    # the one-process runs go side by side with the 2-rank ones, in the core time those leave idle
+    with ThreadPoolExecutor(1) as pool:
+        single = pool.submit(straight_and_resumed, "single", 1)
+        straight_and_resumed("ddp", 2)
+        single.result()
     _train(tmp, "fsdp_at30", 2, "--set", "train.stop_at=30", "--set", "parallel.strategy=fsdp")
     _train(tmp, "zero1_at30", 2, "--set", "train.stop_at=30", "--set", "parallel.strategy=zero1")
     async_save = ["--set", "checkpoint.async_save=true"]

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import SCRIPTS, cli_env, run_cli
+from conftest import SCRIPTS, cli_env, run_alongside, run_cli
 from disttrain.checkpoint import CheckpointManager
 from disttrain.cli import main
 
@@ -29,11 +29,11 @@ def offline(monkeypatch):
 def trained(tmp_path_factory):
     """Both models trained 2 steps with a checkpoint at step 2: in one process and as fsdp on 2 ranks."""
     tmp = tmp_path_factory.mktemp("hf_runs")
-    one = subprocess.run([sys.executable, str(SCRIPTS / "hf_llama_job.py"), str(tmp / "one")], cwd=tmp,
-                         env=cli_env(tmp), capture_output=True, text=True, timeout=180)
+    one, two = run_alongside(
+        [sys.executable, str(SCRIPTS / "hf_llama_job.py"), str(tmp / "one")], tmp,
+        lambda: run_cli(["launch", "--nproc", "2", "--run-dir", str(tmp / "launch"), str(SCRIPTS / "hf_llama_job.py"),
+                         str(tmp / "fsdp"), "--set", "parallel.strategy=fsdp"], tmp, timeout=240))
     assert one.returncode == 0, one.stderr[-3000:]
-    two = run_cli(["launch", "--nproc", "2", "--run-dir", str(tmp / "launch"), str(SCRIPTS / "hf_llama_job.py"),
-                   str(tmp / "fsdp"), "--set", "parallel.strategy=fsdp"], tmp, timeout=240)
     assert two.returncode == 0, two.stderr[-3000:]
     return tmp
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import SCRIPTS, cli_env, run_cli
+from conftest import SCRIPTS, run_alongside, run_cli
 from disttrain.backend import create_backend
 from disttrain.config import ConfigError, ParallelConfig, load_config
 from disttrain.data import GlobalSampler, build_datasets
@@ -149,13 +149,16 @@ PARITY_FOUR = ["fsdp+tp2", "ddp+pp2", "fsdp+pp2+gpipe", "hsdp:2"]
 def parity(llama_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf_parity")
     script, settings = str(SCRIPTS / "strategy_parity.py"), [f"model.name=hf:{llama_dir}", "train.steps=10"]
-    single = subprocess.run([sys.executable, script, str(tmp), *settings, "single"], cwd=tmp, env=cli_env(tmp),
-                            capture_output=True, text=True, timeout=180)
-    assert single.returncode == 0, single.stderr
-    for world, variants in ((2, PARITY), (4, PARITY_FOUR)):
-        multi = run_cli(["launch", "--nproc", str(world), "--run-dir", str(tmp / f"launch{world}"), script, str(tmp),
+
+    def launches() -> list[subprocess.CompletedProcess]:
+        return [run_cli(["launch", "--nproc", str(world), "--run-dir", str(tmp / f"launch{world}"), script, str(tmp),
                          *settings, *variants], tmp, timeout=400)
-        assert multi.returncode == 0, multi.stderr[-3000:]
+                for world, variants in ((2, PARITY), (4, PARITY_FOUR))]
+
+    single, multi = run_alongside([sys.executable, script, str(tmp), *settings, "single"], tmp, launches)
+    assert single.returncode == 0, single.stderr
+    for launched in multi:
+        assert launched.returncode == 0, launched.stderr[-3000:]
     loaded = {}
     for world in (1, 2, 4):
         loaded[world] = json.loads((tmp / f"{world}.json").read_text())

@@ -3,13 +3,11 @@ single-process reference: ZeRO stages 0-3, ZeRO-Offload, and checkpoints that re
 One launch trains every variant (DeepSpeed's start-up is shared), and `deepspeed-config` writes its JSON."""
 
 import json
-import subprocess
 import sys
 
 import pytest
-from safetensors.torch import load_file
 
-from conftest import SCRIPTS, cli_env, run_cli
+from conftest import SCRIPTS, run_cli
 from disttrain.config import ConfigError, load_config
 from disttrain.parallel.deepspeed.config import DeepSpeedConfig
 
@@ -26,25 +24,16 @@ FP16 = ["ddp+fp16", "deepspeed+stage0+fp16", "deepspeed+stage1+fp16", "deepspeed
         "deepspeed+stage3+fp16", "deepspeed+stage2+offload+fp16"]
 
 
+ONE_PROCESS = ["single", "plain", "plain+sgd+noclip"]
+LAUNCHED = [*STAGES, *UNCLIPPED, *RESUMES, BF16, *FP16]
+"""Trained by conftest's `gpt_parity`, in the same two processes as test_parallel_fsdp.py's variants."""
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(gpt_parity):
     pytest.importorskip("deepspeed")
-    tmp = tmp_path_factory.mktemp("deepspeed")
-    script = str(SCRIPTS / "strategy_parity.py")
-    single = subprocess.run([sys.executable, script, str(tmp), "single", "plain", "plain+sgd+noclip"], cwd=tmp,
-                            env=cli_env(tmp),
-                            capture_output=True, text=True, timeout=120)
-    assert single.returncode == 0, single.stderr
-    # no native op is compiled: the client optimizer is torch's, and the strategy skips DeepSpeed's shm_comm
-    multi = run_cli(["launch", "--nproc", "2", "--run-dir", str(tmp / "launch"), script, str(tmp), *STAGES,
-                     *UNCLIPPED, *RESUMES, BF16, *FP16], tmp, timeout=400)
-    assert multi.returncode == 0, multi.stderr[-3000:]
-    assert "shm_comm_op built" not in multi.stdout + multi.stderr  # no ~50 s compile on a machine's first run
-    one, two = json.loads((tmp / "1.json").read_text()), json.loads((tmp / "2.json").read_text())
-    for world, runs in ((1, one), (2, two)):
-        for variant, run in runs.items():
-            run["params"] = load_file(tmp / str(world) / f"{variant}.safetensors")
-    two["plain"], two["plain+sgd+noclip"] = one["plain"], one["plain+sgd+noclip"]
+    one, two = gpt_parity
+    two = {**two, "plain": one["plain"], "plain+sgd+noclip": one["plain+sgd+noclip"]}
     return one["single"], two
 
 

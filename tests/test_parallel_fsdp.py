@@ -4,14 +4,11 @@ under AdamW with clipping, AdamW without clipping and SGD without clipping (wher
 cannot hide behind the clip or Adam's scale invariance). One launch trains all variants in one process
 group (start-up is shared)."""
 
-import json
-import subprocess
 import sys
 
 import pytest
-from safetensors.torch import load_file
 
-from conftest import SCRIPTS, cli_env, read_metrics, run_cli
+from conftest import SCRIPTS
 
 sys.path.insert(0, str(SCRIPTS))
 from plain_reference import Reference, compare  # noqa: E402
@@ -37,25 +34,14 @@ def with_ac(variant: str) -> str:
     return f"{strategy}+ac{colon}{shard}"
 
 
+ONE_PROCESS = ["single", "single+ac", *(f"single{o}" for o in OPTIMIZERS[1:]), *(f"plain{o}" for o in OPTIMIZERS)]
+LAUNCHED = VARIANTS + [with_ac(v) for v in VARIANTS] + OPTIONS + UNCLIPPED + COMPRESSED
+"""Trained by conftest's `gpt_parity`, in the same two processes as test_parallel_deepspeed.py's variants."""
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("strategies")
-    script = str(SCRIPTS / "strategy_parity.py")
-    one_process = ["single", "single+ac", *(f"single{o}" for o in OPTIMIZERS[1:]), *(f"plain{o}" for o in OPTIMIZERS)]
-    single = subprocess.run([sys.executable, script, str(tmp), *one_process], cwd=tmp, env=cli_env(tmp),
-                            capture_output=True, text=True, timeout=180)
-    assert single.returncode == 0, single.stderr
-    variants = VARIANTS + [with_ac(v) for v in VARIANTS] + OPTIONS + UNCLIPPED + COMPRESSED
-    multi = run_cli(["launch", "--nproc", "2", "--run-dir", str(tmp / "launch"), script, str(tmp), *variants], tmp,
-                    timeout=400)
-    assert multi.returncode == 0, multi.stderr
-    one, two = json.loads((tmp / "1.json").read_text()), json.loads((tmp / "2.json").read_text())
-    for world, runs in ((1, one), (2, two)):
-        for variant, run in runs.items():
-            run["params"] = load_file(tmp / str(world) / f"{variant}.safetensors")
-    for variant, run in two.items():
-        run["metrics"] = read_metrics(tmp / variant.replace(":", "_"))
-    return one, two
+def results(gpt_parity):
+    return gpt_parity
 
 
 def assert_matches_plain(run: dict, plain: dict) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SCRIPTS, cli_env, run_cli
+from conftest import SCRIPTS, cli_env, run_alongside, run_cli
 from disttrain.config import ConfigError, load_config, validate
 from disttrain.parallel.mesh import MeshLayout, layout_for
 
@@ -52,22 +52,36 @@ def run_dir(variant: str) -> str:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("layouts")
     script = str(SCRIPTS / "strategy_parity.py")
-    single = subprocess.run([sys.executable, script, str(tmp), *STEPS, "single", "single+layers4", "single+bf16"],
-                            cwd=tmp, env=cli_env(tmp), capture_output=True, text=True, timeout=180)
+
+    def launches() -> list[subprocess.CompletedProcess]:
+        return [run_cli(["launch", "--nproc", str(world), "--run-dir", str(tmp / f"launch{world}"), script, str(tmp),
+                         *STEPS, *variants], tmp, timeout=400)
+                for world, variants in ((2, TWO + MIXED + RESUMES), (4, FOUR + RESUMES_FOUR))]
+
+    single, multi = run_alongside([sys.executable, script, str(tmp), *STEPS, "single", "single+layers4",
+                                   "single+bf16"], tmp, launches)
     assert single.returncode == 0, single.stderr[-3000:]
-    for world, variants in ((2, TWO + MIXED + RESUMES), (4, FOUR + RESUMES_FOUR)):
-        launched = run_cli(["launch", "--nproc", str(world), "--run-dir", str(tmp / f"launch{world}"), script,
-                            str(tmp), *STEPS, *variants], tmp, timeout=400)
+    for launched in multi:
         assert launched.returncode == 0, launched.stderr[-3000:]
-    one = {}
+    resumes = {}  # one process each, side by side (one core each)
     for label, source in INTO_ONE.items():
         out = tmp / f"into_one_{label}"
         out.mkdir()
         resume = f"checkpoint.resume={tmp / run_dir(source) / 'checkpoints' / 'step_6'}"
-        resumed = subprocess.run([sys.executable, script, str(out), *STEPS, f"single@{label}", resume], cwd=tmp,
-                                 env=cli_env(tmp), capture_output=True, text=True, timeout=180)
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
-        one[label] = load(out, 1)[f"single@{label}"]
+        resumes[label] = subprocess.Popen([sys.executable, script, str(out), *STEPS, f"single@{label}", resume],
+                                          cwd=tmp, env=cli_env(tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True)
+    one = {}
+    try:
+        for label, proc in resumes.items():
+            _, err = proc.communicate(timeout=180)
+            assert proc.returncode == 0, err[-3000:]
+            one[label] = load(tmp / f"into_one_{label}", 1)[f"single@{label}"]
+    finally:
+        for proc in resumes.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     references = load(tmp, 1)
     return references, {2: load(tmp, 2), 4: load(tmp, 4)}, one
 

@@ -1,12 +1,11 @@
 """The Python API: your own model, datasets and loss, on 1 and 2 ranks."""
 
 import json
-import subprocess
 import sys
 
 import pytest
 
-from conftest import SCRIPTS, cli_env, run_cli
+from conftest import SCRIPTS, run_alongside, run_cli
 from disttrain.config import load_config
 from disttrain.trainer import Trainer
 
@@ -14,11 +13,10 @@ from disttrain.trainer import Trainer
 @pytest.fixture(scope="module")
 def mlp_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mlp")
-    one = subprocess.run([sys.executable, str(SCRIPTS / "mlp_job.py"), str(tmp / "one")], cwd=tmp,
-                         env=cli_env(tmp), capture_output=True, text=True, timeout=120)
+    one, two = run_alongside([sys.executable, str(SCRIPTS / "mlp_job.py"), str(tmp / "one")], tmp,
+                             lambda: run_cli(["launch", "--nproc", "2", "--run-dir", str(tmp / "launch"),
+                                              str(SCRIPTS / "mlp_job.py"), str(tmp / "two")], tmp), timeout=120)
     assert one.returncode == 0, one.stderr
-    two = run_cli(["launch", "--nproc", "2", "--run-dir", str(tmp / "launch"),
-                   str(SCRIPTS / "mlp_job.py"), str(tmp / "two")], tmp)
     assert two.returncode == 0, two.stderr
     return [json.loads((tmp / name / "result.json").read_text()) for name in ("one", "two")]
 

@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 from disttrain._version import __version__
-from disttrain.checkpoint.dcp import load_sharded, save_sharded, tensor_metadata
 from disttrain.checkpoint.layout import (
     COMMIT,
     LATEST,
@@ -394,6 +393,8 @@ class CheckpointManager:
 def _read_sharded(path: Path, skeleton: Any, target) -> Any:
     """The state, each tensor read into `target(key, size, dtype)`; a target of None leaves that tensor unread (None
     in the state: a pipeline stage reads only its own parameters)."""
+    from disttrain.checkpoint.dcp import load_sharded, tensor_metadata  # DCP and DTensor only where a state is sharded
+
     meta = tensor_metadata(path)
     make = target or (lambda key, size, dtype: torch.empty(size, dtype=dtype))
     targets = {key: make(key, torch.Size(m["size"]), getattr(torch, m["dtype"])) for key, m in meta.items()}
@@ -430,6 +431,8 @@ def _is_sharded(state: Any) -> bool:
 def _write_sharded(path: Path, state: Any, rank: int, group=None, skeleton=None) -> dict[str, FileInfo]:
     """DCP layout: the skeleton as `state.json` (rank 0; `skeleton`: every rank's, merged), the tensors as DCP
     shards with JSON metadata."""
+    from disttrain.checkpoint.dcp import save_sharded  # DCP and DTensor only where a state is sharded
+
     own, tensors = flatten(state)
     skeleton = own if skeleton is None else skeleton
     files = {}
