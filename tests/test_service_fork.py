@@ -55,9 +55,8 @@ def test_python_threads_ray_and_the_thread_hosted_callers_are_refused_in_one_lin
     other = threading.Thread(target=release.wait, name="busy")
     other.start()
     try:
-        # other tests may leave idle threads behind (trio's thread cache): count them in
-        others = len([t for t in threading.enumerate() if t is not threading.current_thread()])
-        with pytest.raises(ForkUnsafe, match=f"{others} other Python thread.*busy.*pass import paths instead"):
+        # (other tests may leave idle threads behind, e.g. trio's thread cache: the count varies)
+        with pytest.raises(ForkUnsafe, match=r"\d+ other Python thread.*busy.*pass import paths instead"):
             Worker(lambda conn: 0)
     finally:
         release.set()

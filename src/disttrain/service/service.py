@@ -440,6 +440,16 @@ class TrainingService:
 
         return await self._run(action)
 
+    async def weight_sync(self, consumers: int = 1, *, dtype: str | None = None, bucket_mb: float = 64,
+                          timeout_s: float = 60.0, delta: bool = True, host: str | None = None):
+        """Open a weight sync to `consumers` inference engines (weights.py): every rank listens on `host` (default
+        the service's, loopback); hand `sync.endpoint` to each engine's `WeightReceiver`, then `await sync.push()`.
+        `dtype` ("bfloat16", "float16", "float32"; None: the model's) is what travels; `delta` keeps a copy of what
+        was sent so that `push(delta=True)` sends only the changed elements."""
+        from disttrain.service.weights import WeightSync
+
+        return await WeightSync.open(self, consumers, dtype, bucket_mb, timeout_s, delta, host or self.options.host)
+
     async def status(self) -> dict[str, Any]:
         """Health of every worker, restarts, failures, and the step (never raises for a failed group)."""
         state = "failed" if self._failed else ("restarting" if self._restarting else (

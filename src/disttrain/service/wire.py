@@ -41,7 +41,11 @@ def encode(message: dict[str, Any], tensors: dict[str, torch.Tensor] | None = No
     if len(body) > MAX_JSON_BYTES:  # the peer would reject it: say so here, where the cause is
         raise ValueError(f"a message with {len(body)} bytes of JSON (limit {MAX_JSON_BYTES}): send large "
                          "values as tensors, not as lists of numbers")
-    payload = safetensors_chunks(tensors) if tensors else []
+    return frame(body, safetensors_chunks(tensors) if tensors else [])
+
+
+def frame(body: bytes, payload: list[bytes | memoryview]) -> list[bytes | memoryview]:
+    """A frame's chunks from its JSON body and its payload's chunks (e.g. `safetensors_chunks`, checksummed first)."""
     return [PREFIX.pack(MAGIC, len(body), sum(memoryview(c).nbytes for c in payload)), body, *payload]
 
 
@@ -143,6 +147,10 @@ class Connection:
     def recv(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """The next message; EOFError when the peer closed the connection. The tensors are read straight into
         one buffer they then view (one copy, from the socket)."""
+        return decode(*self.recv_raw())
+
+    def recv_raw(self) -> tuple[bytes, torch.Tensor]:
+        """The next frame's JSON body and payload buffer, undecoded (to checksum the payload before trusting it)."""
         json_len, payload_len = parse_prefix(self._read(PREFIX.size))
         body = self._read(json_len)
         payload = torch.empty(payload_len, dtype=torch.uint8)
@@ -152,7 +160,7 @@ class Connection:
             if not n:
                 raise EOFError("connection closed")
             got += n
-        return decode(body, payload)
+        return body, payload
 
     def _read(self, n: int) -> bytes:
         data = self._file.read(n)

@@ -11,6 +11,7 @@ A worker connects to the driver, says hello (rank, pid, host, token), then serve
                      `disttrain.collectives`) -> its result
     save / load      CheckpointManager save / load of the backend state (every rank takes part)
     state_dict       full model weights (rank 0 replies with them)
+    weights_*        open / push / close a weight sync to inference engines (weights.py)
     shutdown         leave the process group and exit
 
 Every reply carries the command's id; an exception becomes an error reply with its traceback, and the
@@ -70,6 +71,7 @@ class RankServer:
         self.running = True
         self._stop = threading.Event()
         self._loss_fns: dict[str, Callable] = {}
+        self.publisher = None  # a weight sync's sending side (weights.py)
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -264,6 +266,34 @@ class RankServer:
             return {"keys": []}, None  # (one rank per stage sends its part)
         return {"keys": list(weights)}, {k: v.detach().clone() for k, v in weights.items()}
 
+    def op_weights_open(self, msg: dict, tensors: dict) -> tuple[dict, None]:
+        """Listen for weight-sync consumers (weights.py); replies with this rank's address."""
+        from disttrain.service.weights import Publisher
+
+        if self.publisher is not None:
+            self.publisher.close()
+        self.publisher = Publisher(msg.get("host", "127.0.0.1"), msg["token"], bool(msg.get("delta", False)))
+        return {"address": self.publisher.address}, None
+
+    def op_weights_push(self, msg: dict, tensors: dict) -> tuple[dict, None]:
+        """Send this rank's pieces of the weights to every consumer (weights.py); a report, never a failure for a
+        consumer's sake."""
+        from disttrain.service.weights import local_pieces, parse_dtype
+
+        if self.publisher is None:
+            raise RuntimeError("weights_push before weights_open")
+        pieces = local_pieces(self.backend.model, self.layout, self.rank)
+        report = self.publisher.push(pieces, int(msg["version"]), parse_dtype(msg.get("dtype")),
+                                     int(msg.get("bucket_bytes", 64 << 20)), bool(msg.get("delta", False)),
+                                     int(msg.get("wait_for", 1)), float(msg.get("timeout_s", 60.0)))
+        return {"report": {**report, "rank": self.rank}}, None
+
+    def op_weights_close(self, msg: dict, tensors: dict) -> tuple[dict, None]:
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
+        return {}, None
+
     def op_ping(self, msg: dict, tensors: dict) -> tuple[dict, None]:
         return {"step": self.backend.step, "pid": os.getpid()}, None
 
@@ -271,6 +301,8 @@ class RankServer:
         from disttrain.runtime import shutdown
 
         self.running = False
+        if self.publisher is not None:
+            self.publisher.close()
         if self.runtime is not None:
             self.backend = None
             shutdown(self.runtime, drain=bool(msg.get("drain", True)))
