@@ -18,6 +18,7 @@ from safetensors.torch import load as safetensors_load
 
 from disttrain.errors import ConfigError
 from disttrain.service import RemoteError, TrainingService, WorkerFailure, WorkersRestarted, split_batch
+from disttrain.service.weights import WeightReceiver
 from disttrain.service.wire import TOKEN_ENV, Connection, WireError, decode, encode, parse_prefix
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -276,6 +277,15 @@ def test_service_with_the_model_split_matches_reference(tmp_path, reference, pla
             with torch.no_grad():
                 expected = one.eval()(batch["input_ids"])
             assert torch.allclose(await service.forward(batch), expected, atol=1e-5)
+            # a weight sync assembles the same full tensors from the stages' or tensor shards' pieces
+            sync = await service.weight_sync(bucket_mb=0.05)
+            receiver = WeightReceiver(sync.endpoint, "engine")
+            version, report = await asyncio.gather(asyncio.to_thread(receiver.receive, 30), sync.push())
+            assert version == report["version"] == 1 and all(r["full_bytes"] for r in report["ranks"])
+            weights = await service.state_dict()
+            assert receiver.weights.keys() == weights.keys()
+            assert all(torch.equal(receiver.weights[k], v) for k, v in weights.items())
+            receiver.close()
             assert await service.load(tmp_path / "ckpt") == 10
             assert await train(service, 10, STEPS) == second
         finally:
