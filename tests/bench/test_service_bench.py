@@ -17,3 +17,16 @@ def test_wire_benchmark_sends_every_byte_of_the_batch(tmp_path):
     figures = json.loads((tmp_path / "wire.json").read_text())
     assert figures["bytes"] == 2 * 2**20 and figures["MB_per_s"] > 0  # the workers' slices add up to the batch
     assert "MB/s" in (tmp_path / "wire.md").read_text()
+
+
+def test_weight_sync_benchmark_sends_the_model_to_each_engine(tmp_path):
+    from disttrain.bench import weight_sync
+
+    assert weight_sync.main(["--layers", "1", "--d-model", "64", "--repeats", "1", "--dtype", "float32",
+                             "--out", str(tmp_path)]) == 0
+    figures = json.loads((tmp_path / "weight_sync.json").read_text())
+    # the model's float32 bytes (and a safetensors header per bucket) reach the engines once per version
+    params = figures["model_bytes"] / 4
+    assert 60_000 < params < 70_000, params
+    assert figures["ratio"] > 0 and 0 < figures["delta_bytes"]
+    assert "delta after one optimizer step" in (tmp_path / "weight_sync.md").read_text()

@@ -58,7 +58,7 @@ def main() -> None:
             with torch.no_grad():
                 answer = {"logits": model(torch.tensor(command["ids"])).tolist()}
         else:
-            save_file(receiver.weights, command["path"])
+            save_file({k: v.clone() for k, v in receiver.weights.items()}, command["path"])  # (tied: one tensor)
             answer = {"saved": command["path"]}
         print(json.dumps(answer), flush=True)
 

@@ -9,7 +9,7 @@
     disttrain deepspeed-config [CONFIG] [--set ...] [--nproc N] -o ds.json   the DeepSpeed JSON of a config
     disttrain env                              versions, devices, backends, detected launcher
     disttrain plot RUN_DIR [RUN_DIR ...] [--out DIR]   loss, lr, tokens/s, MFU, memory, communication as PNG
-    disttrain bench overhead|scaling|comm|predict|pipeline|loss-parallel|checkpoint|memory|service|wire|startup|data|gpu
+    disttrain bench overhead|scaling|comm|predict|pipeline|loss-parallel|checkpoint|memory|service|wire|weight-sync|startup|data|gpu
                                                figures (see --help)
 """
 
@@ -95,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print and save their figures")
     bench.add_argument("name", choices=["overhead", "checkpoint", "memory", "service", "wire", "startup", "data", "gpu",
-                                        "scaling", "comm", "predict", "pipeline", "loss-parallel"])
+                                        "scaling", "comm", "predict", "pipeline", "loss-parallel", "weight-sync"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (see its --help)")
     return parser
 

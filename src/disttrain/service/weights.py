@@ -75,7 +75,8 @@ class Piece:
     name: str
     shape: list[int]
     offset: list[int]
-    local: torch.Tensor
+    local: torch.Tensor | None
+    alias: str | None = None  # a tied weight: the name sent for it (sent once, named twice)
 
 
 def _chosen(name: str, size: int) -> int:
@@ -93,10 +94,16 @@ def local_pieces(model: torch.nn.Module, layout, rank: int) -> list[Piece]:
 
     mine = layout.coords(rank)
     stage = [r for r in range(layout.world) if layout.coords(r)["pp"] == mine["pp"]]  # ranks holding this stage
-    pieces = []
+    pieces, first_name = [], {}
     for name, tensor in get_model_state_dict(model).items():
         if not isinstance(tensor, torch.Tensor):
             continue
+        held = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        same = (held.untyped_storage().data_ptr(), held.storage_offset(), tuple(held.shape), tuple(tensor.shape))
+        if held.numel() and same in first_name:  # tied to an earlier name: sent once, both names point at it
+            pieces.append(Piece(name, list(tensor.shape), [], None, alias=first_name[same]))
+            continue
+        first_name[same] = name
         if isinstance(tensor, DTensor):
             mesh, placements = tensor.device_mesh, tensor.placements
             coordinate = mesh.get_coordinate()
@@ -200,8 +207,10 @@ class Publisher:
         if missing:
             return {"version": version, "errors": [missing], "bytes": 0, "seconds": time.monotonic() - start}
         current = {(p.name, tuple(p.offset)): p for p in pieces}
-        values = {key: p.local.detach().to("cpu", dtype or p.local.dtype).contiguous() for key, p in current.items()}
+        values = {key: p.local.detach().to("cpu", dtype or p.local.dtype).contiguous() for key, p in current.items()
+                  if p.alias is None}
         full = _frames(current, values, version, 0, bucket_bytes, None)
+        prepared = time.monotonic()
         base = self.version
         with self._arrived:
             consumers = list(self.consumers)
@@ -232,6 +241,7 @@ class Publisher:
         if self.keep_for_delta:
             self._sent = values
         return {"version": version, "errors": errors, "seconds": time.monotonic() - start,
+                "prepare_seconds": prepared - start,
                 "bytes": sum(sent_bytes.values()), "full_bytes": full[1],
                 "delta_bytes": partial[1] if partial else None,
                 "consumers": [c.name for c in consumers if results.get(id(c)) is None]}
@@ -255,6 +265,9 @@ def _frames(current: dict, values: dict, version: int, base: int, bucket_bytes: 
     consumer holds at `base`), a tensor sends only its changed elements where that is smaller."""
     buckets, bucket = [], _Bucket()
     for i, (key, piece) in enumerate(current.items()):
+        if piece.alias is not None:
+            bucket.meta.append({"name": piece.name, "alias": piece.alias})
+            continue
         value = values[key]
         meta = {"name": piece.name, "shape": piece.shape, "offset": piece.offset, "local": list(value.shape),
                 "dtype": str(value.dtype).removeprefix("torch.")}
@@ -343,7 +356,9 @@ class WeightReceiver:
 
     `receive()` blocks until the next version is complete and checked (returns its number; the weights are in
     `weights`, by the model's parameter names, in the dtype the sync sends), or raises `WeightSyncError` having
-    refused it (a bucket's checksum failed, a tensor incomplete, a rank gone) and kept the previous weights."""
+    refused it (a bucket's checksum failed, a tensor incomplete, a rank gone) and kept the previous weights.
+    Two sets of tensors alternate (the next version is written into the one before the current): copy what you
+    keep (`load_into` does) rather than holding `weights` across two versions."""
 
     def __init__(self, endpoint_: str, name: str = "engine", connect_timeout_s: float = 60.0):
         if not endpoint_.startswith(SCHEME) or "#" not in endpoint_:
@@ -352,6 +367,7 @@ class WeightReceiver:
         addresses, _, token = endpoint_.removeprefix(SCHEME).partition("#")
         self.name, self.version = name, 0
         self.weights: dict[str, torch.Tensor] = {}
+        self._spare: dict[str, torch.Tensor] = {}  # the version before: the next version is written into it
         self.conns: list[Connection] = []
         self._frames: queue.Queue = queue.Queue()
         for rank, address in enumerate(addresses.split(",")):
@@ -370,9 +386,10 @@ class WeightReceiver:
             try:
                 body, payload = conn.recv_raw()
             except (OSError, EOFError, WireError) as exc:
-                self._frames.put((rank, None, exc))
+                self._frames.put((rank, None, exc, 0))
                 return
-            self._frames.put((rank, body, payload))
+            # checksummed here, beside the other ranks' readers and the assembly (zlib releases the GIL)
+            self._frames.put((rank, body, payload, zlib.crc32(payload.numpy()) if len(payload) else 0))
 
     def receive(self, timeout_s: float | None = None, on_bucket=None) -> int:
         """The next version (see the class docstring); `on_bucket(rank, index)` is called as buckets arrive."""
@@ -381,11 +398,12 @@ class WeightReceiver:
         begun: dict[int, dict] = {}
         staging: dict[str, torch.Tensor] | None = None
         covered: dict[str, dict[tuple, int]] = {}
+        aliases: dict[str, str] = {}
         version, problem = None, None
         while len(ended) < len(self.conns):
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             try:
-                rank, body, payload = self._frames.get(timeout=left)
+                rank, body, payload, crc = self._frames.get(timeout=left)
             except queue.Empty:
                 raise WeightSyncError(f"{self.name}: no complete version within {timeout_s:g} s "
                                       f"(ranks done: {sorted(ended)} of {len(self.conns)})") from None
@@ -405,15 +423,14 @@ class WeightReceiver:
                     base = int(message.get("base", 0))
                     if base and base != self.version:
                         problem = problem or f"a delta on version {base}, but this consumer holds {self.version}"
-                    staging = {k: v.clone() for k, v in self.weights.items()} if base else {}
+                    staging = {k: _reuse(self._spare, k, v).copy_(v) for k, v in self.weights.items()} if base else {}
             elif op == "bucket":
-                crc = zlib.crc32(payload.numpy()) if len(payload) else 0
                 if crc != message.get("crc32"):
                     problem = problem or (f"bucket {message.get('index')} from rank {rank} failed its checksum "
                                           f"(crc32 {crc:#010x}, sent {message.get('crc32', 0):#010x})")
                 elif problem is None and staging is not None:
                     try:
-                        _assemble(staging, covered, message["pieces"], tensors)
+                        _assemble(staging, covered, message["pieces"], tensors, self._spare, aliases)
                     except (KeyError, RuntimeError, ValueError) as exc:
                         problem = f"bucket {message.get('index')} from rank {rank} does not fit ({exc})"
                 if on_bucket is not None:
@@ -422,13 +439,16 @@ class WeightReceiver:
                 ended[rank] = int(message.get("buckets", 0))
         if problem is None:
             missing = [n for n, t in (staging or {}).items() if n in covered and sum(covered[n].values()) != t.numel()]
+            missing += [n for n, target in aliases.items() if target not in covered]
             if missing or not staging:
                 problem = f"tensors not fully covered: {', '.join(missing[:5]) or 'none sent'}"
+            for name, target in aliases.items():
+                staging[name] = staging.get(target)
         if problem is not None:
             for conn in self.conns:
                 conn.send({"op": "nack", "version": version, "error": problem})
             raise WeightSyncError(f"{self.name}: refused version {version}: {problem}; kept version {self.version}")
-        self.weights, self.version = staging, int(version)
+        self._spare, self.weights, self.version = self.weights, staging, int(version)
         for conn in self.conns:
             conn.send({"op": "ack", "version": self.version})
         return self.version
@@ -448,15 +468,27 @@ class WeightReceiver:
             conn.close()
 
 
-def _assemble(staging: dict[str, torch.Tensor], covered: dict, pieces: list[dict], tensors: dict) -> None:
+def _reuse(spare: dict[str, torch.Tensor], name: str, like: torch.Tensor) -> torch.Tensor:
+    """The spare tensor of `name` if it has `like`'s shape and dtype (no allocation, no page faults), else new."""
+    old = spare.get(name)
+    if old is not None and old.shape == like.shape and old.dtype == like.dtype:
+        return old
+    return torch.empty(like.shape, dtype=like.dtype)
+
+
+def _assemble(staging: dict[str, torch.Tensor], covered: dict, pieces: list[dict], tensors: dict,
+              spare: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
     for meta in pieces:
+        if "alias" in meta:
+            aliases[meta["name"]] = meta["alias"]
+            continue
         name, shape, key = meta["name"], meta["shape"], meta["key"]
         dtype = DTYPES.get(meta["dtype"]) or getattr(torch, meta["dtype"])
         whole = staging.get(name)
         if whole is None or list(whole.shape) != shape or whole.dtype != dtype:
             if meta.get("sparse"):
                 raise ValueError(f"a delta for {name}, which this consumer does not hold")
-            whole = staging[name] = torch.empty(shape, dtype=dtype)
+            whole = staging[name] = _reuse(spare, name, torch.empty(shape, dtype=dtype, device="meta"))
         region = whole
         for dim, (start, length) in enumerate(zip(meta["offset"], meta["local"], strict=True)):
             region = region.narrow(dim, start, length)
