@@ -121,8 +121,9 @@ async def sync_figures(args) -> dict:
             received = [json.loads(engine.stdout.readline()) for _ in range(args.repeats + 1)]
             print(engine.args[-2], "receive seconds", [round(r["seconds"], 3) for r in received])
         for r in full + [delta]:
-            print("push", round(r["seconds"], 3), "prepare per rank", [round(x["prepare_seconds"], 3) for x in r["ranks"]],
-                  "rank seconds", [round(x["seconds"], 3) for x in r["ranks"]])
+            print(f"push {r['seconds']:.3f} s; per rank: prepare",
+                  [round(x["prepare_seconds"], 3) for x in r["ranks"]],
+                  "all", [round(x["seconds"], 3) for x in r["ranks"]])
     finally:
         for engine in engines:
             if engine.poll() is None:

@@ -9,7 +9,8 @@
     disttrain deepspeed-config [CONFIG] [--set ...] [--nproc N] -o ds.json   the DeepSpeed JSON of a config
     disttrain env                              versions, devices, backends, detected launcher
     disttrain plot RUN_DIR [RUN_DIR ...] [--out DIR]   loss, lr, tokens/s, MFU, memory, communication as PNG
-    disttrain bench overhead|scaling|comm|predict|pipeline|loss-parallel|checkpoint|memory|service|wire|weight-sync|startup|data|gpu
+    disttrain bench overhead|scaling|comm|predict|pipeline|loss-parallel|checkpoint|memory|service|wire|
+                    weight-sync|startup|data|gpu
                                                figures (see --help)
 """
 
