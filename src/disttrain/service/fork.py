@@ -18,10 +18,12 @@ cannot use it). The fix is the import-path form (`model_fn="pkg.mod:factory"`), 
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
 import stat
+import subprocess
 import sys
 import threading
 import traceback
@@ -30,6 +32,25 @@ from typing import Any
 
 from disttrain.errors import ConfigError
 from disttrain.service.wire import Connection
+
+
+def _native_threads() -> int:
+    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
+
+
+@functools.cache
+def _after_import() -> int:
+    """Native threads a fresh interpreter has after `import torch`, with this environment: the main thread and
+    numpy's OpenBLAS pool, which starts with numpy and is fork-safe (it stops its threads around a fork with
+    pthread_atfork). More than that here means threads started since: torch's OpenMP pool starts with the first
+    parallel operation, and GNU OpenMP is not fork-safe. Asked once, of a child interpreter (about a second)."""
+    code = "import os, torch; print(len(os.listdir('/proc/self/task')))"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+        return int(out.stdout.split()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return 1
+
 
 INHERITED: dict[str, Any] = {}
 """The live objects of the service being forked (`ForkLauncher` sets them just before forking); a forked worker
@@ -53,9 +74,10 @@ def fork_problem() -> str | None:
     others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
     if others:
         return f"{len(others)} other Python thread(s) run in this process ({', '.join(others[:3])})"
-    native = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
-    if native > 1:
-        return (f"{native - 1} native thread(s) run in this process (torch's CPU thread pool starts with its first "
+    native = _native_threads()
+    native -= _after_import() if native > 1 else 1  # (only asked when there is more than the main thread)
+    if native > 0:
+        return (f"{native} native thread(s) run in this process (torch's CPU thread pool starts with its first "
                 "parallel operation; call torch.set_num_threads(1) before building the model, the workers set their "
                 "own)")
     torch = sys.modules.get("torch")
