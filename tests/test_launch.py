@@ -3,10 +3,12 @@ Slurm-style start, and rank agreement. Real processes, real signals, bounded wai
 
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -209,3 +211,35 @@ def test_ranks_with_different_configs_are_refused_naming_the_difference(tmp_path
     results = _slurm_ranks(tmp_path, [base + ["--set", "optim.lr=0.05"], base + ["--set", "optim.lr=0.01"]])
     assert all(code == 2 for code, _ in results)
     assert any("rank(s) 1 run a different config than rank 0" in err for _, err in results)
+
+
+def test_ray_launcher_trains_like_torchrun_and_summarises_a_failure_the_same_way(tmp_path, reference, request):
+    """`disttrain train --launcher ray`: the ranks as Ray actors (a local cluster the command starts) give the
+    torchrun run's losses and checkpoints; a rank that raises ends each attempt with the same summary, and
+    `--max-restarts 1` starts a second attempt that resumes from the checkpoint."""
+    pytest.importorskip("ray")
+    short = tempfile.mkdtemp(prefix="dtr", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
+    request.addfinalizer(lambda: shutil.rmtree(short, ignore_errors=True))
+    ray_env = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": short}
+    result = run_cli(_job(tmp_path, "ray", 20, "--set", "checkpoint.every=5", "--launcher", "ray"), tmp_path,
+                     timeout=180, env={**ray_env, "FAULT_STEP": "0"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "as Ray actors" in result.stderr
+    assert [m["loss"] for m in read_metrics(tmp_path / "ray")] == pytest.approx(reference, abs=1e-6)
+    assert run_cli(["ckpt", "verify", str(tmp_path / "ray")], tmp_path).returncode == 0
+
+    result = run_cli(_job(tmp_path, "ray_fails", 20, "--set", "checkpoint.every=5", "--launcher", "ray")
+                     + ["--max-restarts", "1"], tmp_path, timeout=180,
+                     env={**ray_env, "FAULT": "raise", "FAULT_RANK": "1", "FAULT_STEP": "7"})
+    err = result.stderr
+    assert result.returncode == 1 and err.count("job failed") == 2, err[-3000:]
+    assert "rank 1 raised ValueError at step 7" in err and "injected failure at step 7" in err
+    assert "resumed from checkpoint step 5" in err and "rank 0 (node 0" in err
+
+
+def test_ray_launcher_refuses_nodes_and_bad_resources_in_one_line(tmp_path):
+    for extra, says in ((["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1"], "Ray places the ranks on its nodes"),
+                        (["--set", "dist.ray_resources=gpu_a"], "'gpu_a' is not NAME=AMOUNT")):
+        result = run_cli(_job(tmp_path, "refused", 2, "--launcher", "ray", *extra), tmp_path)
+        assert result.returncode == 2 and says in result.stderr and "Traceback" not in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1

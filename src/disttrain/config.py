@@ -252,6 +252,20 @@ class DistConfig:
     signal that arrives during a step's last backward is acted on after the next step: allow for two steps)."""
     threads_per_rank: int = 0
     """torch intra-op threads per rank; 0 = cores / processes on this node (at least 1)."""
+    launcher: str = "torchrun"
+    """How `disttrain train --nproc N` starts its ranks: `torchrun` (this node's processes) or `ray` (Ray actors in
+    a placement group, on any node of a Ray cluster; `pip install 'disttrain[ray]'`)."""
+    ray_address: str = ""
+    """`launcher = "ray"`: the cluster to join (`auto`, `ray://HOST:PORT`, HOST:PORT); empty = RAY_ADDRESS, a cluster
+    `ray start` left on this machine, or a new local one."""
+    ray_cpus_per_worker: float = 1.0
+    """`launcher = "ray"`: CPUs reserved for each rank."""
+    ray_gpus_per_worker: float = 0.0
+    """`launcher = "ray"`: GPUs for each rank (1 for nccl: a rank needs a device of its own)."""
+    ray_resources: str = ""
+    """`launcher = "ray"`: custom resources for each rank, `name=amount,name=amount`."""
+    ray_placement: str = "PACK"
+    """`launcher = "ray"`: placement-group strategy: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD."""
 
 
 @dataclass
@@ -304,6 +318,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.schedule": ("auto", "cosine", "constant", "none"),
     "dist.backend": ("auto", "nccl", "gloo"),
     "dist.device": ("auto", "cpu", "cuda"),
+    "dist.launcher": ("torchrun", "ray"),
+    "dist.ray_placement": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
     "checkpoint.best_mode": ("min", "max"),
     "checkpoint.on_error": ("abort", "continue"),
     "train.on_nonfinite": ("stop", "skip"),
@@ -657,12 +673,32 @@ def _validate_checkpoint(cfg: Config) -> None:
                "step_<N> folder, or 'auto' / 'never'")
 
 
+def ray_resources(text: str) -> dict[str, float]:
+    """`dist.ray_resources` ("name=amount,name=amount") as a dict; a ConfigError names a malformed entry."""
+    out = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, amount = item.partition("=")
+        try:
+            out[name.strip()] = float(amount)
+        except ValueError:
+            raise ConfigError(f"dist.ray_resources = {text!r}: {item!r} is not NAME=AMOUNT, e.g. "
+                              "'accelerator_type_a100=1,rollout=0.5'") from None
+        _check(bool(name.strip()) and out[name.strip()] >= 0,
+               f"dist.ray_resources = {text!r}: {item!r} needs a name and an amount >= 0")
+    return out
+
+
 def _validate_dist(cfg: Config, gpu_count: int, world: int) -> None:
     dc = cfg.dist
     _check(dc.nproc >= 1, f"dist.nproc = {dc.nproc}: must be >= 1 (--nproc)")
     for key in ("timeout_s", "startup_timeout_s", "shutdown_grace_s"):
         _check(getattr(dc, key) > 0, f"dist.{key} = {getattr(dc, key)}: must be > 0 seconds")
     _check(dc.threads_per_rank >= 0, f"dist.threads_per_rank = {dc.threads_per_rank}: must be >= 0")
+    if dc.launcher == "ray":
+        _check(dc.ray_cpus_per_worker >= 0 and dc.ray_gpus_per_worker >= 0,
+               "dist.ray_cpus_per_worker and dist.ray_gpus_per_worker must be >= 0")
+        ray_resources(dc.ray_resources)
+        return  # the ranks' devices are on the cluster's nodes, not this one: Ray's placement checks them
     if dc.device == "cuda":
         _check(gpu_count > 0, "dist.device = 'cuda' but no CUDA GPU is visible; set dist.device = 'cpu'")
     cuda = uses_cuda(cfg, gpu_count)

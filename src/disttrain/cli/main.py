@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a config (default: the built-in GPT job)")
     train.add_argument("config", nargs="?", help="TOML config file")
     train.add_argument("--nproc", type=int, help="processes on this node (sets dist.nproc)")
+    train.add_argument("--launcher", choices=["torchrun", "ray"],
+                       help="torchrun (this node's processes, default) or ray (Ray actors; sets dist.launcher)")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override one setting, e.g. --set optim.lr=1e-3 (repeatable)")
     train.add_argument("--resume", help="auto (default: newest committed checkpoint), never, or a checkpoint folder "
@@ -106,6 +108,8 @@ def _prepare_train(args: argparse.Namespace):
     cfg = load_config(args.config, args.overrides)
     if args.nproc is not None:
         cfg.dist.nproc = args.nproc
+    if args.launcher is not None:
+        cfg.dist.launcher = args.launcher
     if args.resume is not None:
         cfg.checkpoint.resume = args.resume
     import torch
@@ -117,6 +121,9 @@ def _prepare_train(args: argparse.Namespace):
                       rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts, timeout_s=cfg.dist.timeout_s,
                       startup_timeout_s=cfg.dist.startup_timeout_s, shutdown_grace_s=cfg.dist.shutdown_grace_s)
     plan.check()
+    if cfg.dist.launcher == "ray" and not plan.single_node:
+        raise ConfigError(f"--nnodes {plan.nnodes} with --launcher ray: Ray places the ranks on its nodes itself; "
+                          "drop --nnodes and --rdzv-endpoint (choose nodes with dist.ray_placement or resources)")
     low, _, high = plan.nnodes.partition(":")
     for nodes in range(int(low), int(high or low) + 1):  # elastic: every membership must be valid
         validate(cfg, gpu_count=torch.cuda.device_count(), world=cfg.dist.nproc * nodes)
@@ -140,6 +147,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg, plan = _prepare_train(args)
     config_path = cfg.run_dir / "config.toml"
     save_config(cfg, config_path)
+    if cfg.dist.launcher == "ray":
+        from disttrain.launch_ray import launch_ray
+
+        return launch_ray(cfg, config_path, plan.max_restarts)
     if plan.nproc == 1 and plan.single_node and plan.max_restarts == 0:
         from disttrain.trainer import Trainer
 

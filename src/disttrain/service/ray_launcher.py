@@ -37,6 +37,32 @@ def _running_local_cluster() -> bool:
     return os.path.exists(os.path.join(tempfile.gettempdir(), "ray", "ray_current_cluster"))
 
 
+def connect(address: str | None):
+    """Join the Ray cluster at `address` (None: RAY_ADDRESS, a cluster `ray start` left here, or a new local one,
+    with token auth on and the token kept in this process's environment, never in ~/.ray); returns `ray`."""
+    ray = _import_ray()
+    if not ray.is_initialized():
+        if address is None and "RAY_ADDRESS" not in os.environ and not _running_local_cluster():
+            os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+        ray.init(address=address, include_dashboard=False, log_to_driver=True, configure_logging=False)
+    return ray
+
+
+def place(ray, bundle: dict[str, float], procs: int, strategy: str, timeout_s: float):
+    """A placement group of `procs` bundles, ready; refused at once (one line) if the cluster could never hold
+    it, a WorkerFailure if it is not placed within `timeout_s`."""
+    from ray.util.placement_group import placement_group
+
+    _check_feasible([n["Resources"] for n in ray.nodes() if n.get("Alive")], bundle, procs)
+    group = placement_group([dict(bundle) for _ in range(procs)], strategy=strategy)
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        ray.util.remove_placement_group(group)
+        raise WorkerFailure(f"Ray could not place {procs} workers with {bundle} each ({strategy}) within "
+                            f"{timeout_s:g} s; cluster resources: {ray.cluster_resources()}")
+    return group
+
+
 class _Actor:
     """The body of each Ray actor (made a Ray class lazily, so importing this module never needs Ray)."""
 
@@ -88,27 +114,13 @@ class RayLauncher:
         self.group = None
 
     async def spawn(self, host: str, port: int, token: str, procs: int, heartbeat_s: float) -> None:
-        ray = _import_ray()
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         o = self.options
-        if not ray.is_initialized():
-            if o.ray_address is None and "RAY_ADDRESS" not in os.environ and not _running_local_cluster():
-                # a new local cluster: keep token auth on without writing ~/.ray/auth_token
-                os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
-            ray.init(address=o.ray_address, include_dashboard=False, log_to_driver=True,
-                     configure_logging=False)
+        ray = connect(o.ray_address)
         bundle = {"CPU": o.cpus_per_worker, **({"GPU": o.gpus_per_worker} if o.gpus_per_worker else {}),
                   **o.resources_per_worker}
-        _check_feasible([n["Resources"] for n in ray.nodes() if n.get("Alive")], bundle, procs)
-        self.group = placement_group([dict(bundle) for _ in range(procs)], strategy=o.placement)
-        ready = await asyncio.to_thread(ray.wait, [self.group.ready()], timeout=o.startup_timeout_s)
-        if not ready[0]:
-            ray.util.remove_placement_group(self.group)
-            self.group = None
-            raise WorkerFailure(f"Ray could not place {procs} workers with {bundle} each ({o.placement}) within "
-                                f"{o.startup_timeout_s:g} s; cluster resources: {ray.cluster_resources()}")
+        self.group = await asyncio.to_thread(place, ray, bundle, procs, o.placement, o.startup_timeout_s)
         actor_cls = ray.remote(_Actor)
         env = {**o.env, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
         for rank in range(procs):

@@ -1,0 +1,117 @@
+"""`disttrain train --launcher ray --nproc N`: the same Trainer on N Ray actors (optional extra `ray`).
+
+Where torchrun starts this node's processes, Ray places the ranks anywhere in its cluster: one placement group of
+N bundles (`dist.ray_cpus_per_worker`, `dist.ray_gpus_per_worker`, `dist.ray_resources`, `dist.ray_placement`),
+one actor per bundle. This process hosts the rendezvous store (as torchrun's agent does), gives each actor the
+environment torchrun would (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR/PORT), and
+each actor runs `disttrain.run.main` on the saved config: the same Trainer, data order, checkpoints and status files,
+hence the same losses as under torchrun. The watchdog and the failure summary are the launcher's own
+(`monitor.py`): a rank that dies or raises ends the attempt (the other actors are killed, as torchrun stops the
+group), a hung rank is named; `--max-restarts K` starts new actors up to K times, each resuming from the newest
+committed checkpoint. On several nodes, `run.out_dir` must be storage every node sees (checkpoints, status files).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from disttrain.config import Config, ray_resources
+from disttrain.service.ray_launcher import connect, place
+
+
+class _TrainActor:
+    """The body of each rank's actor (made a Ray class lazily, so importing this module never needs Ray)."""
+
+    def where(self) -> dict:
+        import ray
+
+        context = ray.get_runtime_context()
+        return {"node": context.get_node_id(), "pid": os.getpid(), "host": socket.gethostname(),
+                "ip": ray.util.get_node_ip_address(), "gpus": [str(g) for g in ray.get_gpu_ids()]}
+
+    def run(self, config_path: str, env: dict[str, str]) -> int:
+        os.environ.update(env)
+        from disttrain.run import main
+
+        return main([config_path])
+
+
+def launch_ray(cfg: Config, config_path: Path, max_restarts: int = 0) -> int:
+    """Run the job on Ray actors; the job's exit code (0, 2 for a user error, or the first failed rank's)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    d, procs, run_dir = cfg.dist, cfg.dist.nproc, cfg.run_dir
+    ray = connect(d.ray_address or None)
+    bundle = {"CPU": d.ray_cpus_per_worker, **({"GPU": d.ray_gpus_per_worker} if d.ray_gpus_per_worker else {}),
+              **ray_resources(d.ray_resources)}
+    group = place(ray, bundle, procs, d.ray_placement, d.startup_timeout_s)
+    actor_cls = ray.remote(_TrainActor)
+    print(f"disttrain: launching {procs} ranks as Ray actors ({d.ray_placement}, {bundle} each); run dir {run_dir}",
+          file=sys.stderr, flush=True)
+    try:
+        for attempt in range(max_restarts + 1):
+            actors = [actor_cls.options(
+                num_cpus=d.ray_cpus_per_worker, num_gpus=d.ray_gpus_per_worker,
+                resources=ray_resources(d.ray_resources) or None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank)).remote()
+                for rank in range(procs)]
+            code = _attempt(ray, actors, cfg, config_path, attempt)
+            for actor in actors:
+                ray.kill(actor, no_restart=True)
+            if code == 0 or code == 2 or attempt == max_restarts:
+                return code
+            print(f"disttrain: restarting the group (restart {attempt + 1} of {max_restarts}); each rank resumes "
+                  "from the newest committed checkpoint", file=sys.stderr, flush=True)
+    finally:
+        ray.util.remove_placement_group(group)
+    return 1
+
+
+def _attempt(ray, actors, cfg: Config, config_path: Path, attempt: int) -> int:
+    """One generation of actors running the job; its exit code, after printing the summary if it failed."""
+    import torch.distributed as dist
+
+    from disttrain.monitor import Watchdog, clear_statuses, summary
+
+    d, procs, run_dir = cfg.dist, cfg.dist.nproc, cfg.run_dir
+    places = ray.get([a.where.remote() for a in actors], timeout=d.startup_timeout_s)
+    nodes = list(dict.fromkeys(p["node"] for p in places))
+    here = len(nodes) == 1 and places[0]["host"] == socket.gethostname()
+    host = "127.0.0.1" if here else ray.util.get_node_ip_address()  # loopback unless ranks run elsewhere
+    store = dist.TCPStore(host, 0, procs, is_master=True, wait_for_workers=False)
+    clear_statuses(run_dir)
+    refs = []
+    for rank, (actor, where) in enumerate(zip(actors, places, strict=True)):
+        same_node = [r for r, p in enumerate(places) if p["node"] == where["node"]]
+        env = {"RANK": str(rank), "WORLD_SIZE": str(procs), "GROUP_RANK": str(nodes.index(where["node"])),
+               "LOCAL_RANK": "0" if where["gpus"] else str(same_node.index(rank)),
+               "LOCAL_WORLD_SIZE": str(len(same_node)), "MASTER_ADDR": host, "MASTER_PORT": str(store.port),
+               "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": str(attempt),
+               "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+        refs.append(actor.run.remote(str(config_path), env))
+    failures: dict[int, str] = {}
+    codes: dict[int, int] = {}
+    with Watchdog(run_dir, d.timeout_s, d.startup_timeout_s) as watchdog:
+        pending = list(refs)
+        while pending and not failures:
+            done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
+            for ref in done:
+                rank = refs.index(ref)
+                try:
+                    codes[rank] = ray.get(ref)
+                    if codes[rank]:
+                        failures[rank] = f"exited with code {codes[rank]}"
+                except Exception as exc:  # ActorDiedError: killed (a signal, the watchdog, the OOM killer) or exited
+                    failures[rank] = f"its Ray actor died ({type(exc).__name__})"
+        if failures:
+            time.sleep(1.0)  # the others' status files settle (a rank that raised writes its error)
+    del store
+    if not failures:
+        return 0
+    print(summary(run_dir, failures, watchdog.stuck), file=sys.stderr, flush=True)
+    own = [codes[r] for r in sorted(codes) if codes[r] > 0]
+    return 2 if 2 in own else (own[0] if own else 1)
