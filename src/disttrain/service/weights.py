@@ -206,29 +206,28 @@ class Publisher:
         missing = self._wait_for(wait_for, deadline)
         if missing:
             return {"version": version, "errors": [missing], "bytes": 0, "seconds": time.monotonic() - start}
-        current = {(p.name, tuple(p.offset)): p for p in pieces}
-        values = {key: p.local.detach().to("cpu", dtype or p.local.dtype).contiguous() for key, p in current.items()
-                  if p.alias is None}
-        full = _frames(current, values, version, 0, bucket_bytes, None)
-        prepared = time.monotonic()
         base = self.version
         with self._arrived:
             consumers = list(self.consumers)
-        wants_delta = [c for c in consumers if delta and c.version == base and base and self._sent]
-        partial = _frames(current, values, version, base, bucket_bytes, self._sent) if wants_delta else None
+        deltas = [c for c in consumers if delta and base and self._sent and c.version == base]
+        streams = {}  # one per kind of version the consumers need, built once, sent to each of them
+        if deltas:
+            streams["delta"] = _Stream(pieces, dtype, version, base, bucket_bytes, self._sent)
+        if len(deltas) < len(consumers) or not consumers:
+            streams["full"] = _Stream(pieces, dtype, version, 0, bucket_bytes, None)
         results: dict[int, str | None] = {}
-        sent_bytes: dict[int, int] = {}
 
         def send(consumer: _Consumer) -> None:
-            frames, nbytes = partial if consumer in wants_delta else full
-            sent_bytes[id(consumer)] = nbytes
-            results[id(consumer)] = _deliver(consumer, frames, version, deadline)
+            results[id(consumer)] = _deliver(consumer, streams["delta" if consumer in deltas else "full"], version,
+                                             deadline)
 
         threads = [threading.Thread(target=send, args=(c,), daemon=True) for c in consumers]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        for stream in streams.values():
+            stream.wait()
         errors = []
         for consumer in consumers:
             error = results.get(id(consumer))
@@ -239,11 +238,13 @@ class Publisher:
                 self._drop(consumer)
         self.version = version
         if self.keep_for_delta:
-            self._sent = values
-        return {"version": version, "errors": errors, "seconds": time.monotonic() - start,
-                "prepare_seconds": prepared - start,
-                "bytes": sum(sent_bytes.values()), "full_bytes": full[1],
-                "delta_bytes": partial[1] if partial else None,
+            self._sent = next(iter(streams.values())).values
+        totals = {kind: stream.total for kind, stream in streams.items()}
+        sent = sum(totals["delta" if c in deltas else "full"] for c in consumers)
+        return {"version": version, "errors": errors, "seconds": time.monotonic() - start, "bytes": sent,
+                "full_bytes": totals.get("full", sum(int(v.numel() * v.element_size())
+                                                     for v in next(iter(streams.values())).values.values())),
+                "delta_bytes": totals.get("delta"),
                 "consumers": [c.name for c in consumers if results.get(id(c)) is None]}
 
     def _drop(self, consumer: _Consumer) -> None:
@@ -259,55 +260,104 @@ class Publisher:
             self._drop(consumer)
 
 
-def _frames(current: dict, values: dict, version: int, base: int, bucket_bytes: int,
-            previous: dict | None) -> tuple[list[list], int]:
-    """The frames of one version (begin, buckets, end) and their payload bytes; with `previous` (the values the
-    consumer holds at `base`), a tensor sends only its changed elements where that is smaller."""
-    buckets, bucket = [], _Bucket()
-    for i, (key, piece) in enumerate(current.items()):
-        if piece.alias is not None:
-            bucket.meta.append({"name": piece.name, "alias": piece.alias})
-            continue
-        value = values[key]
-        meta = {"name": piece.name, "shape": piece.shape, "offset": piece.offset, "local": list(value.shape),
-                "dtype": str(value.dtype).removeprefix("torch.")}
-        tensors = {f"{i}": value}
-        old = previous.get(key) if previous is not None else None
-        if old is not None and old.shape == value.shape and old.dtype == value.dtype:
-            mask = (_bits(old) != _bits(value)).view(-1)
-            changed = mask.nonzero()[:, 0]
-            n, k, size = value.numel(), changed.numel(), value.element_size()
-            # the smallest of: every element; the changed ones' indices and values; a bit per element and values
-            costs = {"dense": n * size, "index": k * (4 + size), "mask": (n + 7) // 8 + k * size}
-            kind = min(costs, key=costs.get)
-            if kind == "index":
-                tensors = {f"{i}.i": changed.to(torch.int32), f"{i}.v": value.view(-1)[changed]}
-            elif kind == "mask":
-                tensors = {f"{i}.m": torch.from_numpy(numpy.packbits(mask.numpy())), f"{i}.v": value.view(-1)[changed]}
-            if kind != "dense":
-                meta["sparse"] = kind
-        size = sum(t.numel() * t.element_size() for t in tensors.values())
-        if bucket.meta and bucket.nbytes + size > bucket_bytes:
-            buckets.append(bucket)
-            bucket = _Bucket()
-        meta["key"] = i
-        bucket.meta.append(meta)
-        bucket.tensors.update(tensors)
-        bucket.nbytes += size
-    if bucket.meta:
-        buckets.append(bucket)
-    frames, total = [_message({"op": "begin", "version": version, "base": base, "buckets": len(buckets)})], 0
-    for index, b in enumerate(buckets):
-        payload = safetensors_chunks(b.tensors)
+class _Stream:
+    """One version's frames (begin, buckets, end), built once and sent by every consumer thread that takes this kind
+    (full or delta). With cores to spare a thread builds them bucket by bucket - the next bucket is cast and
+    checksummed while the one before is on the wire; on a small machine they are built before sending. `values`
+    fills as the buckets are built (what the consumers will hold)."""
+
+    def __init__(self, pieces: list[Piece], dtype: torch.dtype | None, version: int, base: int, bucket_bytes: int,
+                 previous: dict | None):
+        self.frames: list[list] = []
+        self.values: dict[tuple, torch.Tensor] = {}
+        self.total = 0  # payload bytes
+        self.done = False
+        self.error: BaseException | None = None
+        self._ready = threading.Condition()
+        args = (pieces, dtype, version, base, bucket_bytes, previous)
+        if (os.cpu_count() or 1) > 4:  # cores to spare: build beside the sending
+            threading.Thread(target=self._produce, args=args, name="disttrain-weights-build", daemon=True).start()
+        else:  # measured on 2 cores: a builder thread beside the senders and engines slows the whole sync down
+            self._produce(*args)
+
+    def _produce(self, *args) -> None:
+        try:
+            for chunks in self._build(*args):
+                with self._ready:
+                    self.frames.append(chunks)
+                    self._ready.notify_all()
+        except BaseException as exc:  # reported to every sender
+            self.error = exc
+        finally:
+            with self._ready:
+                self.done = True
+                self._ready.notify_all()
+
+    def get(self, index: int, deadline: float) -> list | None:
+        """Frame `index` once built; None after the last one."""
+        with self._ready:
+            while index >= len(self.frames) and not self.done:
+                if not self._ready.wait(max(deadline - time.monotonic(), 0.0)) and time.monotonic() > deadline:
+                    raise TimeoutError
+            if self.error is not None:
+                raise RuntimeError(f"building the weights' buckets failed: {self.error}")
+            return self.frames[index] if index < len(self.frames) else None
+
+    def wait(self) -> None:
+        with self._ready:
+            while not self.done:
+                self._ready.wait()
+
+    def _build(self, pieces: list[Piece], dtype, version: int, base: int, bucket_bytes: int, previous: dict | None):
+        """With `previous` (the values the consumers hold at `base`), a tensor sends only its changed elements where
+        that is smaller."""
+        yield _message({"op": "begin", "version": version, "base": base})
+        index, bucket = 0, _Bucket()
+        for i, piece in enumerate(pieces):
+            if piece.alias is not None:
+                bucket.meta.append({"name": piece.name, "alias": piece.alias})
+                continue
+            key = (piece.name, tuple(piece.offset))
+            value = self.values[key] = piece.local.detach().to("cpu", dtype or piece.local.dtype).contiguous()
+            meta = {"name": piece.name, "shape": piece.shape, "offset": piece.offset, "local": list(value.shape),
+                    "dtype": str(value.dtype).removeprefix("torch."), "key": i}
+            tensors = {f"{i}": value}
+            old = previous.get(key) if previous is not None else None
+            if old is not None and old.shape == value.shape and old.dtype == value.dtype:
+                mask = (_bits(old) != _bits(value)).view(-1)
+                changed = mask.nonzero()[:, 0]
+                n, k, size = value.numel(), changed.numel(), value.element_size()
+                # the smallest of: every element; the changed ones' indices and values; a bit per element and values
+                costs = {"dense": n * size, "index": k * (4 + size), "mask": (n + 7) // 8 + k * size}
+                kind = min(costs, key=costs.get)
+                if kind == "index":
+                    tensors = {f"{i}.i": changed.to(torch.int32), f"{i}.v": value.view(-1)[changed]}
+                elif kind == "mask":
+                    tensors = {f"{i}.m": torch.from_numpy(numpy.packbits(mask.numpy())),
+                               f"{i}.v": value.view(-1)[changed]}
+                if kind != "dense":
+                    meta["sparse"] = kind
+            size = sum(t.numel() * t.element_size() for t in tensors.values())
+            if bucket.tensors and bucket.nbytes + size > bucket_bytes:
+                yield self._bucket_frame(bucket, version, index)
+                index, bucket = index + 1, _Bucket()
+            bucket.meta.append(meta)
+            bucket.tensors.update(tensors)
+            bucket.nbytes += size
+        if bucket.meta:
+            yield self._bucket_frame(bucket, version, index)
+            index += 1
+        yield _message({"op": "end", "version": version, "buckets": index})
+
+    def _bucket_frame(self, bucket: _Bucket, version: int, index: int) -> list:
+        payload = safetensors_chunks(bucket.tensors) if bucket.tensors else []
         crc = 0
         for chunk in payload:
             crc = zlib.crc32(chunk, crc)
-        total += sum(memoryview(c).nbytes for c in payload)
-        body = json.dumps({"op": "bucket", "version": version, "index": index, "crc32": crc, "pieces": b.meta},
+        self.total += sum(memoryview(c).nbytes for c in payload)
+        body = json.dumps({"op": "bucket", "version": version, "index": index, "crc32": crc, "pieces": bucket.meta},
                           separators=(",", ":")).encode()
-        frames.append(frame(body, payload))
-    frames.append(_message({"op": "end", "version": version, "buckets": len(buckets)}))
-    return frames, total
+        return frame(body, payload)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -319,11 +369,14 @@ def _message(message: dict) -> list:
     return frame(json.dumps(message, separators=(",", ":")).encode(), [])
 
 
-def _deliver(consumer: _Consumer, frames: list[list], version: int, deadline: float) -> str | None:
-    """Send the frames and wait for the consumer's answer, all before `deadline`; None or what went wrong."""
+def _deliver(consumer: _Consumer, stream: _Stream, version: int, deadline: float) -> str | None:
+    """Send the stream's frames as they are built and wait for the consumer's answer, all before `deadline`; None
+    or what went wrong."""
     sock = consumer.conn.sock
     try:
-        for chunks in frames:
+        index = 0
+        while (chunks := stream.get(index, deadline)) is not None:
+            index += 1
             for chunk in chunks:
                 left = deadline - time.monotonic()
                 if left <= 0:
