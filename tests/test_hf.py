@@ -20,13 +20,14 @@ from disttrain.config import ConfigError, ParallelConfig, load_config
 from disttrain.data import GlobalSampler, build_datasets
 from disttrain.models.hf import load_pretrained
 
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    """A tiny Llama (tied embeddings, rotary buffers) saved with save_pretrained."""
+    """A tiny Llama (tied embeddings, rotary buffers; 4 layers: 2 ranks x 2 virtual pipeline stages) saved with
+    save_pretrained."""
     directory = tmp_path_factory.mktemp("llama")
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(directory)
@@ -140,7 +141,8 @@ PARITY = ["ddp", "ddp+ac", "zero1", "zero1+ac", "zero2", "zero2+ac", "fsdp", "fs
           "deepspeed+stage2", "deepspeed+stage2+ac", "deepspeed+stage3", "deepspeed+stage3+ac",
           # tensor parallel (parallel/tensor.py: the Llama plan), with sequence parallel and the loss on split logits
           "ddp+tp2", "ddp+tp2+sp+lp",
-          "ddp+pp2+1f1b", "ddp+pp2+gpipe"]  # two pipeline stages (parallel/pipeline.py)
+          # two pipeline stages (parallel/pipeline.py); interleaved and zero-bubble: two virtual stages per rank
+          "ddp+pp2+1f1b", "ddp+pp2+gpipe", "ddp+pp2+i1f1b", "ddp+pp2+zb"]
 # 4 ranks: tp2 x fsdp2 (the sharded start), pp2 x dp2, pp2 x fsdp2, hsdp 2 x 2
 PARITY_FOUR = ["fsdp+tp2", "ddp+pp2", "fsdp+pp2+gpipe", "hsdp:2"]
 
