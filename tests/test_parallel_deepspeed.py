@@ -16,7 +16,7 @@ sys.path.insert(0, str(SCRIPTS))
 STAGES = ["deepspeed+stage0", "deepspeed+stage1", "deepspeed+stage2", "deepspeed+stage3",
           "deepspeed+stage2+offload", "deepspeed+stage3+offload"]
 UNCLIPPED = ["deepspeed+stage0+sgd+noclip", "deepspeed+stage2+sgd+noclip", "deepspeed+stage3+sgd+noclip"]
-RESUMES = ["deepspeed+stage2>ddp", "ddp>deepspeed+stage3"]  # trained to step 10 under A, resumed under B
+RESUMES = ["deepspeed+stage2>ddp", "ddp>deepspeed+stage3"]  # trained to step 6 under A, resumed under B
 BF16 = "deepspeed+stage2+bf16"  # autocast around the engine, fp32 weights: within bf16-mixed's tolerance
 # fp16-mixed: autocast, fp32 weights, disttrain's dynamic loss scale driving the engine's: the same numbers as
 # ddp under fp16-mixed (torch's GradScaler), skipped steps included
@@ -52,7 +52,7 @@ def test_zero_stage_matches_plain_torch(results, variant):
 @pytest.mark.parametrize("variant", STAGES)
 def test_zero_stage_matches_single_process(results, variant):
     reference, two = results
-    assert len(two[variant]["losses"]) == 20
+    assert len(two[variant]["losses"]) == 12
     assert two[variant]["losses"] == pytest.approx(reference["losses"], abs=1e-5)
     for step in reference["eval"]:
         assert two[variant]["eval"][step] == pytest.approx(reference["eval"][step], abs=1e-5)
@@ -63,7 +63,7 @@ def test_bf16_mixed_trains_within_tolerance_of_fp32(results):
     assert two[BF16]["losses"][-1] < two[BF16]["losses"][0] - 1.0
     assert two[BF16]["losses"] == pytest.approx(reference["losses"], abs=0.05)
     assert max(abs(a - b) for a, b in zip(two[BF16]["losses"], reference["losses"], strict=True)) > 1e-4  # bf16 ran
-    assert two[BF16]["eval"]["20"] == pytest.approx(reference["eval"]["20"], abs=0.02)  # as test_precision
+    assert two[BF16]["eval"]["12"] == pytest.approx(reference["eval"]["12"], abs=0.02)  # as test_precision
 
 
 @pytest.mark.parametrize("variant", FP16[1:])
@@ -71,16 +71,16 @@ def test_fp16_mixed_matches_ddp_under_fp16_mixed(results, variant):
     _, two = results
     ddp = two[FP16[0]]
     assert ddp["losses"][1] > ddp["losses"][0] - 0.01  # the first steps overflow at scale 65536 and are skipped
-    assert ddp["losses"][-1] < ddp["losses"][0] - 1.0
+    assert ddp["losses"][-1] < ddp["losses"][0] - 0.3  # it learns, after the skipped steps
     assert two[variant]["losses"] == pytest.approx(ddp["losses"], abs=1e-3)
-    assert two[variant]["eval"]["20"] == pytest.approx(ddp["eval"]["20"], abs=1e-3)
+    assert two[variant]["eval"]["12"] == pytest.approx(ddp["eval"]["12"], abs=1e-3)
 
 
 @pytest.mark.parametrize("variant", RESUMES)
 def test_checkpoint_resumes_across_strategies(results, variant):
     reference, two = results
-    assert two[variant]["losses"] == pytest.approx(reference["losses"][10:], abs=1e-5)
-    assert two[variant]["eval"]["20"] == pytest.approx(reference["eval"]["20"], abs=1e-5)
+    assert two[variant]["losses"] == pytest.approx(reference["losses"][6:], abs=1e-5)
+    assert two[variant]["eval"]["12"] == pytest.approx(reference["eval"]["12"], abs=1e-5)
 
 
 def test_deepspeed_config_writes_the_engine_json(tmp_path):
