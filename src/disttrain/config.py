@@ -17,6 +17,7 @@ import math
 import os
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -392,18 +393,82 @@ def _parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults, then the TOML file (if any), then `--set section.key=value` overrides, in that order."""
+ENV_PREFIX = "DISTTRAIN_DIST_"
+"""`dist.<key>` from the environment: DISTTRAIN_DIST_NPROC=2, DISTTRAIN_DIST_BACKEND=gloo, ..."""
+
+
+def to_env(dist: DistConfig) -> dict[str, str]:
+    """The dist section as environment variables (`from_env` reads them back): for a subprocess or a job script."""
+    values = {f.name: getattr(dist, f.name) for f in dataclasses.fields(dist)}
+    return {ENV_PREFIX + k.upper(): v if isinstance(v, str) else _toml_value(v) for k, v in values.items()}
+
+
+def from_env(environ: Mapping[str, str] | None = None, dist: DistConfig | None = None) -> DistConfig:
+    """`dist` (default: the defaults) with every DISTTRAIN_DIST_* variable of `environ` applied; an unknown name
+    or a value of the wrong type is a one-line ConfigError."""
+    cfg = Config(dist=dist or DistConfig())
+    environ = os.environ if environ is None else environ
+    for name in sorted(k for k in environ if k.startswith(ENV_PREFIX)):
+        key = name[len(ENV_PREFIX):].lower()
+        if key not in _field_types(DistConfig):
+            raise ConfigError(f"environment variable {name}: no setting dist.{key}; "
+                              f"{_suggest(key, list(_field_types(DistConfig)))} (or unset it)")
+        try:
+            set_value(cfg, f"dist.{key}", _parse_override(f"dist.{key}={environ[name]}")[1])
+        except ConfigError as exc:
+            raise ConfigError(f"environment variable {name}={environ[name]!r}: {str(exc).split(': ', 1)[-1]}; "
+                              "fix or unset it") from None
+    return cfg.dist
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    """A config file's sections as a dict: TOML, YAML (.yaml/.yml, needs PyYAML) or JSON, by its suffix."""
+    suffix = path.suffix.lower()
+    text = path.read_text()
+    if suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ConfigError(f"config file '{path}' is YAML, which needs PyYAML: pip install 'disttrain[yaml]' "
+                              "(or write it as TOML or JSON)") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(f"config file '{path}' is not valid YAML ({where}{problem}); fix the syntax") from None
+        kind = "YAML"
+    elif suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file '{path}' is not valid JSON ({exc}); fix the syntax") from None
+        kind = "JSON"
+    else:
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file '{path}' is not valid TOML ({exc}); fix the syntax") from None
+        kind = "TOML"
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}': the top level of the {kind} must be a mapping of sections "
+                          "(run:, model:, ...), not a list or a value")
+    return data
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] = (),
+                environ: Mapping[str, str] | None = None) -> Config:
+    """Defaults, then the config file (TOML, YAML or JSON, if any), then DISTTRAIN_DIST_* environment variables
+    (`from_env`), then `--set section.key=value` overrides: `--set` > environment > file > defaults."""
     cfg = Config()
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file '{path}' does not exist; pass an existing TOML file")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file '{path}' is not valid TOML ({exc}); fix the syntax") from None
-        for section, values in data.items():
+            raise ConfigError(f"config file '{path}' does not exist; pass an existing TOML, YAML or JSON file")
+        for section, values in _read_file(path).items():
             if not isinstance(values, dict):
                 raise ConfigError(
                     f"'{section}' in {path}: settings belong in sections, e.g. [{section}]; "
@@ -411,6 +476,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
                 )
             for key, value in values.items():
                 set_value(cfg, f"{section}.{key}", value)
+    cfg.dist = from_env(environ, cfg.dist)
     for text in overrides:
         set_value(cfg, *_parse_override(text))
     return cfg

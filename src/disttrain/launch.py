@@ -63,6 +63,8 @@ def torchrun_argv(plan: LaunchPlan, entry: list[str], log_dir: Path, module: boo
             "--shutdown-timeout", str(int(plan.shutdown_grace_s + 10))]
     if plan.single_node:
         argv += ["--local-addr", "127.0.0.1"]
+    else:  # a node that never joins ends the rendezvous after the start-up limit, not torchrun's 600 s
+        argv += ["--rdzv-conf", f"join_timeout={int(plan.startup_timeout_s)}"]
     return argv + (["-m"] if module else []) + entry
 
 
@@ -87,6 +89,7 @@ def launch(plan: LaunchPlan | int, entry: list[str], run_dir: Path, module: bool
 def _run_torchrun(plan: LaunchPlan, entry: list[str], run_dir: Path, module: bool) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
     from disttrain.monitor import Watchdog, clear_statuses, summary
@@ -99,10 +102,15 @@ def _run_torchrun(plan: LaunchPlan, entry: list[str], run_dir: Path, module: boo
     args.training_script_args = entry[1:]
     if plan.node_rank == 0:
         clear_statuses(run_dir)
+    if not plan.single_node and plan.node_rank != 0:
+        _reach_rendezvous(plan)
     watchdog = Watchdog(run_dir, plan.timeout_s, plan.startup_timeout_s)
     try:
         with watchdog:
             run(args)
+    except RendezvousError as exc:
+        raise RendezvousFailed(_rendezvous_advice(plan, f"did not complete within {plan.startup_timeout_s:g} s "
+                                                        f"({type(exc).__name__})")) from None
     except ChildFailedError as exc:
         failures = {rank: _describe(f) for rank, f in exc.failures.items()}
         print(summary(run_dir, failures, watchdog.stuck), file=sys.stderr, flush=True)
@@ -112,6 +120,38 @@ def _run_torchrun(plan: LaunchPlan, entry: list[str], run_dir: Path, module: boo
               file=sys.stderr)
         return 128 + int(exc.sigval)
     return 0
+
+
+class RendezvousFailed(ConfigError):
+    """The nodes of a multi-node job did not meet (one line: the endpoint, the nodes, what to check)."""
+
+
+def _rendezvous_advice(plan: LaunchPlan, what: str) -> str:
+    nodes = plan.nnodes.split(":")[0]
+    return (f"the rendezvous at {plan.rdzv_endpoint} (job id {plan.rdzv_id or 'disttrain'}, {nodes} node(s) "
+            f"expected, this is node {plan.node_rank}) {what}; check that node 0 started with the same "
+            "--rdzv-endpoint and --rdzv-id, that every node started, the firewall, and NCCL_SOCKET_IFNAME / "
+            "GLOO_SOCKET_IFNAME on machines with several network interfaces (dist.startup_timeout_s sets the wait)")
+
+
+def _reach_rendezvous(plan: LaunchPlan) -> None:
+    """A node other than node 0 connects to the rendezvous endpoint before starting anything, retrying until
+    `startup_timeout_s` (node 0 may start later): an endpoint nobody listens on is named, not waited on."""
+    import socket
+    import time
+
+    host, _, port = plan.rdzv_endpoint.rpartition(":")
+    deadline = time.monotonic() + plan.startup_timeout_s
+    error: OSError | None = None
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, int(port)), timeout=max(1.0, min(5.0, deadline - time.monotonic()))):
+                return
+        except OSError as exc:
+            error = exc
+            time.sleep(0.5)
+    raise RendezvousFailed(_rendezvous_advice(plan, f"could not be reached within {plan.startup_timeout_s:g} s "
+                                                    f"({error.strerror or error})"))
 
 
 def _describe(failure) -> str:

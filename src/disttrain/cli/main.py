@@ -26,25 +26,83 @@ from disttrain.config import ConfigError, describe, dumps_toml, load_config, sav
 from disttrain.errors import exit_code
 
 
+def _launch_arguments(p: argparse.ArgumentParser, nproc_default: str | None) -> None:
+    """The launch flags `train` and `launch` share, with the spellings torchrun users type."""
+    p.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc", default=nproc_default,
+                   help="processes on this node: a number, or auto (GPUs if any, else 1), gpu (every GPU), cpu "
+                        "(every core)")
+    p.add_argument("--nnodes", default="1", help="nodes in the job, or MIN:MAX for elastic membership")
+    p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0,
+                   help="this node's rank (informational with c10d)")
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint",
+                   help="HOST:PORT of the rendezvous, the same on every node")
+    p.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id",
+                   help="the job's id at the rendezvous: give each multi-node job its own (default: 'disttrain'; "
+                        "one node: a fresh one)")
+    p.add_argument("--master-addr", "--master_addr", dest="master_addr",
+                   help="torch.distributed.launch's spelling: the rendezvous host (with --master-port)")
+    p.add_argument("--master-port", "--master_port", dest="master_port", type=int,
+                   help="the rendezvous port (default 29500 with --master-addr)")
+    p.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0,
+                   help="restart the whole group up to K times when a rank fails; each restart resumes from "
+                        "the newest committed checkpoint")
+
+
+def nproc_of(value: str | int) -> int:
+    """`--nproc`: a number, or auto / gpu / cpu (torchrun's words)."""
+    import os
+
+    text = str(value).strip().lower()
+    if text.lstrip("-").isdigit():
+        return int(text)  # (below 1: validation says so, naming dist.nproc)
+    if text in ("auto", "gpu"):
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if text == "gpu" and not gpus:
+            raise ConfigError("--nproc gpu: no CUDA GPU is visible on this node; use --nproc cpu or a number")
+        return gpus or 1
+    if text == "cpu":
+        return os.cpu_count() or 1
+    raise ConfigError(f"--nproc {value}: use a number of processes, or auto, gpu or cpu")
+
+
+def _plan(args: argparse.Namespace, nproc: int, cfg=None):
+    """The LaunchPlan of `train` / `launch` from their shared flags."""
+    from disttrain.launch import LaunchPlan
+
+    endpoint = args.rdzv_endpoint
+    if args.master_addr or args.master_port:
+        if endpoint:
+            raise ConfigError("give either --rdzv-endpoint HOST:PORT or --master-addr/--master-port, not both")
+        endpoint = f"{args.master_addr or '127.0.0.1'}:{args.master_port or 29500}"
+    timing = {} if cfg is None else {"timeout_s": cfg.dist.timeout_s, "startup_timeout_s": cfg.dist.startup_timeout_s,
+                                     "shutdown_grace_s": cfg.dist.shutdown_grace_s}
+    plan = LaunchPlan(nproc=nproc, nnodes=str(args.nnodes), node_rank=args.node_rank, rdzv_endpoint=endpoint,
+                      rdzv_id=args.rdzv_id, max_restarts=args.max_restarts, **timing)
+    plan.check()
+    return plan
+
+
 def _parser() -> argparse.ArgumentParser:
+    from disttrain._version import __version__
+
     parser = argparse.ArgumentParser(prog="disttrain", description="Distributed PyTorch training.")
+    parser.add_argument("--version", action="version", version=f"disttrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a config (default: the built-in GPT job)")
-    train.add_argument("config", nargs="?", help="TOML config file")
-    train.add_argument("--nproc", type=int, help="processes on this node (sets dist.nproc)")
+    train.add_argument("config", nargs="?", help="config file: TOML, YAML (.yaml/.yml) or JSON")
+    _launch_arguments(train, nproc_default=None)
     train.add_argument("--launcher", choices=["torchrun", "ray"],
                        help="torchrun (this node's processes, default) or ray (Ray actors; sets dist.launcher)")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override one setting, e.g. --set optim.lr=1e-3 (repeatable)")
     train.add_argument("--resume", help="auto (default: newest committed checkpoint), never, or a checkpoint folder "
                        "(sets checkpoint.resume)")
-    train.add_argument("--nnodes", default="1", help="nodes in the job, or MIN:MAX for elastic membership")
-    train.add_argument("--node-rank", type=int, default=0, help="this node's rank (informational with c10d)")
-    train.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous, the same on every node")
-    train.add_argument("--max-restarts", type=int, default=0,
-                       help="restart the whole group up to K times when a rank fails; each restart resumes from "
-                            "the newest committed checkpoint")
+    train.add_argument("--dry-run", action="store_true",
+                       help="validate and print the plan (world, layout, batch split, memory per rank, the torchrun "
+                            "command); start nothing")
 
     ckpt = sub.add_parser("ckpt", help="list, verify or export checkpoints")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
@@ -63,8 +121,9 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--force", action="store_true", help="replace an existing OUT")
 
     launch = sub.add_parser("launch", help="run your own training script on N processes through torchrun")
-    launch.add_argument("--nproc", type=int, default=1, help="processes on this node")
+    _launch_arguments(launch, nproc_default="1")
     launch.add_argument("--run-dir", default="runs/launch", help="where torchrun's logs go")
+    launch.add_argument("-m", dest="module", action="store_true", help="SCRIPT is a module name (python -m SCRIPT)")
     launch.add_argument("script")
     launch.add_argument("args", nargs=argparse.REMAINDER)
 
@@ -107,7 +166,7 @@ def _prepare_train(args: argparse.Namespace):
     """Load, override, validate and resolve the config; nothing has started yet when this raises."""
     cfg = load_config(args.config, args.overrides)
     if args.nproc is not None:
-        cfg.dist.nproc = args.nproc
+        cfg.dist.nproc = nproc_of(args.nproc)
     if args.launcher is not None:
         cfg.dist.launcher = args.launcher
     if args.resume is not None:
@@ -115,12 +174,8 @@ def _prepare_train(args: argparse.Namespace):
     import torch
 
     from disttrain.config import validate
-    from disttrain.launch import LaunchPlan
 
-    plan = LaunchPlan(nproc=cfg.dist.nproc, nnodes=str(args.nnodes), node_rank=args.node_rank,
-                      rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts, timeout_s=cfg.dist.timeout_s,
-                      startup_timeout_s=cfg.dist.startup_timeout_s, shutdown_grace_s=cfg.dist.shutdown_grace_s)
-    plan.check()
+    plan = _plan(args, cfg.dist.nproc, cfg)
     if cfg.dist.launcher == "ray" and not plan.single_node:
         raise ConfigError(f"--nnodes {plan.nnodes} with --launcher ray: Ray places the ranks on its nodes itself; "
                           "drop --nnodes and --rdzv-endpoint (choose nodes with dist.ray_placement or resources)")
@@ -145,6 +200,11 @@ def _prepare_train(args: argparse.Namespace):
 
 def cmd_train(args: argparse.Namespace) -> int:
     cfg, plan = _prepare_train(args)
+    if args.dry_run:
+        from disttrain.cli.plan import describe_plan
+
+        print(describe_plan(cfg, plan))
+        return 0
     config_path = cfg.run_dir / "config.toml"
     save_config(cfg, config_path)
     if cfg.dist.launcher == "ray":
@@ -172,13 +232,19 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    if args.nproc < 1:
+    nproc = nproc_of(args.nproc)
+    if nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: must be >= 1")
-    if not Path(args.script).is_file():
-        raise ConfigError(f"script '{args.script}' not found; pass the path of your training script")
+    if args.module:
+        import importlib.util
+
+        if importlib.util.find_spec(args.script) is None:
+            raise ConfigError(f"-m {args.script}: no such module; check the name and PYTHONPATH")
+    elif not Path(args.script).is_file():
+        raise ConfigError(f"script '{args.script}' not found; pass the path of your training script (or -m MODULE)")
     from disttrain.launch import launch
 
-    return launch(args.nproc, [args.script, *args.args], Path(args.run_dir), module=False)
+    return launch(_plan(args, nproc), [args.script, *args.args], Path(args.run_dir), module=args.module)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
