@@ -8,25 +8,31 @@ ARGS ?=
 
 .PHONY: run test bench lint clean venv
 
-venv: $(VENV)/.installed
+venv: $(VENV)/.installed-dev
 
-$(VENV)/.installed: pyproject.toml
+# `make run` installs what the default job needs (torch, numpy, safetensors); `make test` adds the dev extra
+# (pytest, and the optional integrations the suite runs for real: transformers, DeepSpeed, Ray, ...).
+$(VENV)/.installed-run: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed-run
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 
-run: venv
+run: $(VENV)/.installed-run
 	$(VENV)/bin/disttrain train $(ARGS)
 
-test: venv
+test: $(VENV)/.installed-dev
 	$(PY) -m pytest -q $(ARGS)
 
-bench: venv
+bench: $(VENV)/.installed-dev
 	$(VENV)/bin/disttrain bench overhead $(ARGS)
 
-lint: venv
+lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check src tests
 
 clean:

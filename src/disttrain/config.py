@@ -220,8 +220,9 @@ class CheckpointConfig:
     """Save a checkpoint every N steps; 0 disables saving."""
     keep_last: int = 3
     """Keep the newest N committed checkpoints."""
-    keep_best: int = 0
-    """Also keep the best K checkpoints by `best_metric`."""
+    keep_best: int = 1
+    """Also keep the best K checkpoints by `best_metric` (and one saved with `is_best=True`): rotation never deletes
+    the best checkpoint unless this is 0."""
     best_metric: str = "eval_loss"
     """Metric that ranks checkpoints for `keep_best` (a checkpoint without it, or with NaN, is never best)."""
     best_mode: str = "min"
@@ -232,6 +233,9 @@ class CheckpointConfig:
     """When a save fails (disk full, I/O error): `abort` the run, or `continue` training with a warning."""
     resume: str = "auto"
     """`auto` (newest committed checkpoint of this run, if any), `never`, or the path of a checkpoint folder."""
+    arrival_timeout_s: float = 60.0
+    """Saving and loading are collective: a rank that waits this long for the others (e.g. the manager called under
+    `if rank == 0`) stops with a message naming the missing ranks instead of hanging."""
 
 
 @dataclass
@@ -278,6 +282,14 @@ class LogConfig:
     peak_tflops: float = 0.0
     """Peak TFLOP/s of one device for `mfu` (model FLOPs utilisation); 0 = from the table of known accelerators
     (H100, H200, A100, ...; `mfu` is null on a CPU or an unknown device)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (`pip install 'disttrain[wandb]'`; `WANDB_MODE=offline` logs to files only)."""
+    wandb_project: str = "disttrain"
+    """The Weights & Biases project (the run is named after `run.name`)."""
+    mlflow: bool = False
+    """Also log to MLflow (`pip install 'disttrain[mlflow]'`)."""
+    mlflow_uri: str = ""
+    """MLflow tracking URI; empty = a local file store in RUN_DIR/mlruns."""
     profile_steps: str = ""
     """Write a torch.profiler trace of these steps, e.g. `"10-12"` or `"5"`, to `RUN_DIR/profile/rank<R>.json`
     (one per rank; open in Perfetto or chrome://tracing). Empty = no profiling."""
@@ -612,6 +624,12 @@ def _validate_log(cfg: Config) -> None:
     _check(span is None or span[0] <= cfg.train.steps, f"log.profile_steps = {cfg.log.profile_steps!r} starts after "
            f"the last step (train.steps = {cfg.train.steps}); choose steps within the run")
     _check(cfg.log.peak_tflops >= 0, f"log.peak_tflops = {cfg.log.peak_tflops}: must be >= 0 (0 = from the table)")
+    import importlib.util
+
+    for key, module, extra in (("wandb", "wandb", "wandb"), ("mlflow", "mlflow", "mlflow")):
+        _check(not getattr(cfg.log, key) or importlib.util.find_spec(module) is not None,
+               f"log.{key} = true but the {module} package is not installed; pip install 'disttrain[{extra}]' "
+               f"or set log.{key} = false")
 
 
 def _validate_run(cfg: Config) -> None:
@@ -734,6 +752,7 @@ def _validate_checkpoint(cfg: Config) -> None:
     _check(c.every >= 0, f"checkpoint.every = {c.every}: must be >= 0 (0 disables saving)")
     _check(c.keep_last >= 1, f"checkpoint.keep_last = {c.keep_last}: must be >= 1 (the newest is always kept)")
     _check(c.keep_best >= 0, f"checkpoint.keep_best = {c.keep_best}: must be >= 0")
+    _check(c.arrival_timeout_s > 0, f"checkpoint.arrival_timeout_s = {c.arrival_timeout_s}: must be > 0 seconds")
     if c.resume not in ("auto", "never"):
         _check(Path(c.resume).is_dir(), f"checkpoint.resume = {c.resume!r}: no such checkpoint folder; give a "
                "step_<N> folder, or 'auto' / 'never'")

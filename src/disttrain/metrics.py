@@ -66,7 +66,8 @@ class ProgressBar:
 class Metrics:
     """Rank 0's sinks. `log` takes a step and any scalar values; every call appends one JSON line."""
 
-    def __init__(self, run_dir: Path, cfg: LogConfig, total_steps: int, start_step: int = 0):
+    def __init__(self, run_dir: Path, cfg: LogConfig, total_steps: int, start_step: int = 0,
+                 params: dict[str, Any] | None = None):
         """`start_step > 0` (a resumed run): keep the lines up to that step, drop later ones (they belong
         to the interrupted run after its checkpoint), and append."""
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -86,6 +87,11 @@ class Metrics:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
+        self.trackers = []  # experiment trackers: log(step, scalars), close()
+        if cfg.wandb:
+            self.trackers.append(WandbSink(run_dir, cfg.wandb_project, params or {}, resumed=start_step > 0))
+        if cfg.mlflow:
+            self.trackers.append(MlflowSink(run_dir, cfg.mlflow_uri, params or {}))
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         record = {"step": step, **{k: _jsonable(v) for k, v in values.items()}}
@@ -93,15 +99,64 @@ class Metrics:
         self.file.flush()
         if self.progress is not None:
             self.progress.update(step, values)
+        scalars = {k: float(v) for k, v in values.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
         if self.tensorboard is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)):
-                    self.tensorboard.add_scalar(key, value, step)
+            for key, value in scalars.items():
+                self.tensorboard.add_scalar(key, value, step)
+        for tracker in self.trackers:
+            tracker.log(step, scalars)
 
     def close(self) -> None:
         self.file.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+        for tracker in self.trackers:
+            tracker.close()
+
+
+class WandbSink:
+    """Weights & Biases: one run per disttrain run (its name, the config as parameters), the scalars of every line."""
+
+    def __init__(self, run_dir: Path, project: str, params: dict[str, Any], resumed: bool):
+        import hashlib
+
+        import wandb
+
+        where = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]  # a resumed run continues its own
+        self.run = wandb.init(project=project, name=run_dir.name, dir=str(run_dir), config=params,
+                              id=f"{run_dir.name}-{where}", resume="allow" if resumed else None)
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowSink:
+    """MLflow: a run named after the disttrain run, in `uri` (default: a file store in RUN_DIR/mlruns)."""
+
+    def __init__(self, run_dir: Path, uri: str, params: dict[str, Any]):
+        import mlflow
+
+        self.mlflow = mlflow
+        if not uri:  # the local file store, which MLflow 3 keeps in maintenance mode behind this switch
+            import os
+
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        mlflow.set_tracking_uri(uri or (run_dir / "mlruns").resolve().as_uri())
+        mlflow.set_experiment("disttrain")
+        self.run = mlflow.start_run(run_name=run_dir.name)
+        flat = {k: v for k, v in params.items() if isinstance(v, (str, int, float, bool))}
+        for start in range(0, len(flat), 100):  # MLflow takes at most 100 parameters per call
+            mlflow.log_params(dict(list(flat.items())[start:start + 100]))
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.mlflow.log_metrics(scalars, step=step)
+
+    def close(self) -> None:
+        self.mlflow.end_run()
 
 
 def _jsonable(value: Any) -> Any:

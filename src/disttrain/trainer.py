@@ -160,8 +160,8 @@ class Trainer:
         d = cfg.data
         steps = StepBatches(sampler, cursor, max(0, (cfg.train.stop_at or cfg.train.steps) - start),
                             d.global_batch_size, d.micro_batch_size, *backend.data_parallel)
-        metrics = Metrics(cfg.run_dir, cfg.log, cfg.train.steps, start) if runtime.is_main_process() \
-            else NullMetrics()
+        metrics = Metrics(cfg.run_dir, cfg.log, cfg.train.stop_at or cfg.train.steps, start,
+                          params=_flat_config(cfg)) if runtime.is_main_process() else NullMetrics()
         if runtime.is_main_process():
             save_config(cfg, cfg.run_dir / "config.toml")
         try:
@@ -324,3 +324,8 @@ def check_resumable(saved: dict[str, dict[str, Any]], cfg: Config) -> None:
     if diffs:
         raise ConfigError("cannot resume: the checkpoint was saved with different settings (" + "; ".join(diffs)
                           + "); restore them, or start over with --resume never or another run.name")
+
+
+def _flat_config(cfg) -> dict:
+    """`section.key: value` for the experiment trackers' parameters."""
+    return {f"{section}.{key}": value for section, values in cfg.to_dict().items() for key, value in values.items()}

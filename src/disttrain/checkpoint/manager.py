@@ -103,6 +103,7 @@ class CheckpointManager:
         self._dcp_group = None  # async sharded saves: DCP's collectives on a gloo group of their own
         self._pending_error: BaseException | None = None
         self._copied: threading.Event | None = None  # set once an async save's snapshot is taken
+        self._calls = 0  # collective calls so far (save, load): every rank counts the same
 
     # -- facts -------------------------------------------------------------------------------------
 
@@ -149,6 +150,80 @@ class CheckpointManager:
                 scored.append((sign * value, step))
         return [step for _, step in sorted(scored)]
 
+    def _arrive(self, what: str) -> None:
+        """Every rank checks in before a collective save or load, through the process group's store; a rank whose
+        peers do not come within `arrival_timeout_s` raises, naming them, instead of hanging in a collective."""
+        self._calls += 1
+        if not self._distributed():
+            return
+        from datetime import timedelta
+
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        store = _get_default_store()
+        prefix = f"disttrain/ckpt_arrive/{self.dir.resolve()}/{self._calls}"
+        store.set(f"{prefix}/{self.rank}", what)
+        keys = [f"{prefix}/{r}" for r in range(self.world_size)]
+        try:
+            store.wait(keys, timedelta(seconds=self.cfg.arrival_timeout_s))
+        except Exception:  # DistStoreError (a timeout) in recent torch, RuntimeError in older ones
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            raise CheckpointError(
+                f"CheckpointManager.{what} is collective: rank {self.rank} waited {self.cfg.arrival_timeout_s:g} s "
+                f"for rank(s) {', '.join(map(str, missing))}, which did not call it; call it on every rank (not "
+                "under `if rank == 0`: rank 0 writes the manifest by itself)") from None
+
+    # -- the design's words (../shared/seeds/004): thin methods over save / load --------------------
+
+    def save_checkpoint(self, model: torch.nn.Module, step: int, optimizer=None, scheduler=None,
+                        metrics: dict[str, Any] | None = None, is_best: bool = False) -> Path:
+        """Save `model` (and `optimizer`, `scheduler`) as checkpoint `step`, on every rank; `is_best` marks it as
+        the best so far (`load_best_checkpoint`; rotation keeps it). A sharded model (FSDP) saves its shards."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        state: dict[str, Any] = {"model": get_model_state_dict(model)}
+        if optimizer is not None:
+            state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+        if scheduler is not None:
+            state["scheduler"] = scheduler.state_dict()
+        metrics = dict(metrics or {})
+        if is_best:
+            metrics["is_best"] = True
+        self.save(step, state, metrics)
+        self.wait()
+        return self.path(step)
+
+    def load_latest_checkpoint(self, model: torch.nn.Module, optimizer=None, scheduler=None
+                               ) -> dict[str, Any] | None:
+        """Load the newest committed checkpoint that verifies into `model` (and `optimizer`, `scheduler`); its
+        metadata (step, metrics, ...), or None when there is none. Every rank calls it."""
+        return self._load_into("latest", model, optimizer, scheduler)
+
+    def load_best_checkpoint(self, model: torch.nn.Module, optimizer=None, scheduler=None) -> dict[str, Any] | None:
+        """Load the best checkpoint (the newest saved with `is_best=True`, else the best by `best_metric`) into
+        `model`; its metadata, or None when there is none. Every rank calls it."""
+        flagged = [s for s in self.list() if self.manifest(s).get("metrics", {}).get("is_best")]
+        best = flagged[-1] if flagged else self.best()
+        return None if best is None else self._load_into(best, model, optimizer, scheduler)
+
+    def _load_into(self, step, model, optimizer, scheduler) -> dict[str, Any] | None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        if step == "latest" and self.latest() is None:
+            self._arrive("load")  # (collective even when there is nothing: every rank returns None together)
+            return None
+        from disttrain.parallel.state import dtensor_targets  # a sharded model: each rank reads its own shards
+
+        state = self.load(step, target=dtensor_targets(model))
+        set_model_state_dict(model, state["model"])
+        if optimizer is not None and "optimizer" in state:
+            set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        if scheduler is not None and "scheduler" in state:
+            scheduler.load_state_dict(state["scheduler"])
+        manifest = state.get("manifest", {})
+        return {"step": manifest.get("step"), "metrics": manifest.get("metrics", {}), "path": str(self.path(
+            int(manifest.get("step", step if step != "latest" else -1))))}
+
     # -- save --------------------------------------------------------------------------------------
 
     def save(self, step: int, state: dict[str, Any], metrics: dict[str, Any] | None = None,
@@ -163,6 +238,7 @@ class CheckpointManager:
         which read the parameters but do not write them (buffers they do write, e.g. BatchNorm
         statistics, must be copied by the caller first: the Trainer does)."""
         self.wait()  # the previous async save, and its error if it failed
+        self._arrive("save")
         rank_state = {"rng": _rng_state()} if rank_state is None else rank_state
         self._prepare_folder(step)
         sharded = _is_sharded(state) or bool(state.get("local_parts"))  # decided once: it walks the whole state
@@ -297,6 +373,8 @@ class CheckpointManager:
         keep_set = set(steps[-max(self.cfg.keep_last, 1):]) | {keep}
         if self.cfg.keep_best > 0:
             keep_set |= set(self._ranked_by_metric()[: self.cfg.keep_best])
+            flagged = [s for s in steps if self.manifest(s).get("metrics", {}).get("is_best")]
+            keep_set |= set(flagged[-1:])  # the newest saved with is_best=True
         for child in self.dir.iterdir():
             step = parse_step(child)
             if step is None or not child.is_dir():
@@ -341,6 +419,7 @@ class CheckpointManager:
         loaded into (a DTensor receives its shard); by default a full tensor on every rank.
         """
         self.wait()
+        self._arrive("load")
         below = None  # after a refused shard file: only checkpoints older than the refused one
         while True:
             chosen, files = self._choose(step, below) if self.rank == 0 else (-1, None)

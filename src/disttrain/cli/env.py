@@ -35,4 +35,37 @@ def env_report() -> dict[str, str]:
         "default backend": "nccl" if cuda else "gloo",
         "detected launcher": (f"{launch.launcher} (rank {launch.rank} of {launch.world_size})"
                               if launch.launcher != "single" else "none (single process)"),
+        "nccl": _nccl(torch),
+        "optional extras": ", ".join(f"{name} {_version(name)}" for name in EXTRAS),
+        "environment": ", ".join(f"{k}={os.environ[k]}" for k in sorted(os.environ)
+                                 if k in ENV_VARS or k.startswith("DISTTRAIN_DIST_")) or "none of the relevant ones",
     }
+
+
+EXTRAS = ("transformers", "tokenizers", "datasets", "deepspeed", "ray", "matplotlib", "PyYAML", "tensorboard",
+          "wandb", "mlflow", "anyio", "trio")
+"""Optional packages disttrain uses when present (their versions, read without importing them)."""
+
+ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+            "CUDA_VISIBLE_DEVICES", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_P2P_DISABLE", "GLOO_SOCKET_IFNAME",
+            "TORCH_DISTRIBUTED_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS", "RAY_ADDRESS")
+"""Environment variables that change how a distributed job starts or talks (shown when set)."""
+
+
+def _version(package: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "-"
+
+
+def _nccl(torch) -> str:
+    if not torch.distributed.is_nccl_available():
+        return "not in this torch build"
+    try:
+        version = torch.cuda.nccl.version()
+        return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+    except Exception as exc:  # a CUDA build without a usable driver
+        return f"built in, version unknown ({type(exc).__name__})"

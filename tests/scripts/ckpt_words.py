@@ -1,0 +1,73 @@
+"""The CheckpointManager in the words of ../shared/seeds/004 on 2 ranks under FSDP2 (run by `disttrain launch`):
+
+    python ckpt_words.py DIR OUT.json
+
+save_checkpoint with is_best, rotation that keeps the best, load_latest_checkpoint / load_best_checkpoint into a
+fresh sharded model and optimizer, and the manager called by rank 0 alone (it must fail fast, not hang)."""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+from disttrain.checkpoint import CheckpointError, CheckpointManager
+from disttrain.config import CheckpointConfig, DistConfig
+from disttrain.runtime import init_runtime
+
+
+def build():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    for layer in (model[0], model[2], model):
+        fully_shard(layer)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.05)
+
+
+def full(model) -> dict[str, list]:
+    return {n: p.full_tensor().flatten().tolist() for n, p in model.named_parameters()}
+
+
+def main() -> None:
+    folder, out = Path(sys.argv[1]), Path(sys.argv[2])
+    runtime = init_runtime(DistConfig(threads_per_rank=1), always_form_group=True)
+    manager = CheckpointManager(folder, CheckpointConfig(keep_last=2), runtime)
+    model, optimizer = build()
+    result = {"empty": manager.load_latest_checkpoint(model, optimizer)}
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(runtime.rank))
+    saved = {}
+    for step, eval_loss in enumerate([3.0, 1.0, 2.0, 2.5, 2.2], start=1):
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        manager.save_checkpoint(model, step, optimizer, metrics={"eval_loss": eval_loss}, is_best=step == 2)
+        saved[step] = full(model)
+    result["kept"] = manager.list()
+    fresh, fresh_opt = build()
+    latest = manager.load_latest_checkpoint(fresh, fresh_opt)
+    result["latest"] = {"step": latest["step"], "equal": full(fresh) == saved[5],
+                        "moments": len(fresh_opt.state) == len(list(fresh.parameters()))}
+    best = manager.load_best_checkpoint(fresh)
+    result["best"] = {"step": best["step"], "equal": full(fresh) == saved[2]}
+    # the manager called under `if rank == 0`: rank 0 stops with a message, rank 1 is never blocked
+    lonely = CheckpointManager(folder / "lonely", CheckpointConfig(arrival_timeout_s=3), runtime)
+    if runtime.rank == 0:
+        start = time.monotonic()
+        try:
+            lonely.save_checkpoint(model, 1)
+            result["lonely"] = "saved"
+        except CheckpointError as exc:
+            result["lonely"] = str(exc)
+        result["lonely_s"] = time.monotonic() - start
+    dist.barrier()
+    if runtime.rank == 0:
+        out.write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
