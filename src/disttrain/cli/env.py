@@ -36,7 +36,7 @@ def env_report() -> dict[str, str]:
         "detected launcher": (f"{launch.launcher} (rank {launch.rank} of {launch.world_size})"
                               if launch.launcher != "single" else "none (single process)"),
         "nccl": _nccl(torch),
-        "optional extras": ", ".join(f"{name} {_version(name)}" for name in EXTRAS),
+        "optional extras": ", ".join(f"{name} {_version(name)}" for name in EXTRAS),  # (mlflow: or mlflow-skinny)
         "environment": ", ".join(f"{k}={os.environ[k]}" for k in sorted(os.environ)
                                  if k in ENV_VARS or k.startswith("DISTTRAIN_DIST_")) or "none of the relevant ones",
     }
@@ -47,7 +47,8 @@ EXTRAS = ("transformers", "tokenizers", "datasets", "deepspeed", "ray", "matplot
 """Optional packages disttrain uses when present (their versions, read without importing them)."""
 
 ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-            "CUDA_VISIBLE_DEVICES", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_P2P_DISABLE", "GLOO_SOCKET_IFNAME",
+            "CUDA_VISIBLE_DEVICES", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_P2P_DISABLE",
+            "GLOO_SOCKET_IFNAME",
             "TORCH_DISTRIBUTED_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS", "RAY_ADDRESS")
 """Environment variables that change how a distributed job starts or talks (shown when set)."""
 
@@ -55,10 +56,12 @@ ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "L
 def _version(package: str) -> str:
     from importlib import metadata
 
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return "-"
+    for name in (package, f"{package}-skinny"):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return "-"
 
 
 def _nccl(torch) -> str:
