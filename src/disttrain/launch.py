@@ -12,6 +12,7 @@ checkpoint), then the job ends with a summary of every rank.
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 import sys
 import uuid
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from disttrain.config import ConfigError
+from disttrain.console import DRAWS_ENV, Console
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +61,7 @@ def torchrun_argv(plan: LaunchPlan, entry: list[str], log_dir: Path, module: boo
     argv = ["--nnodes", plan.nnodes, "--nproc-per-node", str(plan.nproc), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", plan.rdzv_endpoint or "127.0.0.1:0",
             "--rdzv-id", plan.rdzv_id or (uuid.uuid4().hex[:12] if plan.single_node else "disttrain"),
-            "--max-restarts", str(plan.max_restarts), "--log-dir", str(log_dir), "--tee", "3",
+            "--max-restarts", str(plan.max_restarts), "--log-dir", str(log_dir), "--redirects", "3",
             "--shutdown-timeout", str(int(plan.shutdown_grace_s + 10))]
     if plan.single_node:
         argv += ["--local-addr", "127.0.0.1"]
@@ -68,8 +70,11 @@ def torchrun_argv(plan: LaunchPlan, entry: list[str], log_dir: Path, module: boo
     return argv + (["-m"] if module else []) + entry
 
 
-def launch(plan: LaunchPlan | int, entry: list[str], run_dir: Path, module: bool = True) -> int:
-    """Run `entry` on this node's workers through torchrun; return the job's exit code."""
+def launch(plan: LaunchPlan | int, entry: list[str], run_dir: Path, module: bool = True, progress_total: int = 0
+           ) -> int:
+    """Run `entry` on this node's workers through torchrun; return the job's exit code. The workers' output reaches
+    this terminal line by line with its rank; `progress_total` > 0 (a `disttrain train` job): one progress bar drawn
+    from rank 0's `run_dir/metrics.jsonl` (console.py)."""
     plan = LaunchPlan(nproc=plan) if isinstance(plan, int) else plan
     plan.check()
     tmp = run_dir / "tmp"
@@ -81,12 +86,12 @@ def launch(plan: LaunchPlan | int, entry: list[str], run_dir: Path, module: bool
     # (data loader workers pass batches through them) longer than AF_UNIX allows
     saved, tempfile.tempdir = tempfile.tempdir, str(tmp)
     try:
-        return _run_torchrun(plan, entry, run_dir, module)
+        return _run_torchrun(plan, entry, run_dir, module, progress_total)
     finally:  # called in-process (tests, notebooks): leave the caller's temp folder as it was
         tempfile.tempdir = saved
 
 
-def _run_torchrun(plan: LaunchPlan, entry: list[str], run_dir: Path, module: bool) -> int:
+def _run_torchrun(plan: LaunchPlan, entry: list[str], run_dir: Path, module: bool, progress_total: int = 0) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -105,20 +110,33 @@ def _run_torchrun(plan: LaunchPlan, entry: list[str], run_dir: Path, module: boo
     if not plan.single_node and plan.node_rank != 0:
         _reach_rendezvous(plan)
     watchdog = Watchdog(run_dir, plan.timeout_s, plan.startup_timeout_s)
+    console = Console(run_dir / "logs", run_dir / "metrics.jsonl" if progress_total else None, progress_total)
+    drew = os.environ.get(DRAWS_ENV)
+    os.environ[DRAWS_ENV] = "1" if progress_total else "0"  # the workers inherit it: no bar of their own
+    console.start()
     try:
         with watchdog:
             run(args)
     except RendezvousError as exc:
+        console.stop()
         raise RendezvousFailed(_rendezvous_advice(plan, f"did not complete within {plan.startup_timeout_s:g} s "
                                                         f"({type(exc).__name__})")) from None
     except ChildFailedError as exc:
+        console.stop()
         failures = {rank: _describe(f) for rank, f in exc.failures.items()}
         print(summary(run_dir, failures, watchdog.stuck), file=sys.stderr, flush=True)
         return _exit_code(exc)
     except SignalException as exc:
+        console.stop()
         print(f"disttrain: stopped by {exc.sigval.name}; every rank finished its step and exited",
               file=sys.stderr)
         return 128 + int(exc.sigval)
+    finally:
+        console.stop()
+        if drew is None:
+            os.environ.pop(DRAWS_ENV, None)
+        else:
+            os.environ[DRAWS_ENV] = drew
     return 0
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ class NullMetrics:
 
 
 class ProgressBar:
-    """`[####......] 40/100 loss 2.310 | 51.2k tok/s | MFU 41% | comm 3% | eta 12s` redrawn in place on a terminal;
+    """`[####......] 40/100 loss 2.310 | 51.2k tok/s | MFU 41% | comm 3% | eta 0:00:12` redrawn in place on a terminal;
     on a pipe (CI, log files) the same text as a new line about 20 times per run. A rank slower than rank 0 by more
     than 20% is named (`slowest rank 3 1.4x`)."""
 
@@ -35,13 +36,16 @@ class ProgressBar:
         self.every = max(1, total // 20)
         self.start = time.perf_counter()
 
-    def update(self, step: int, values: dict[str, Any]) -> None:
-        if not self.tty and step % self.every and step != self.total:
-            return
-        done = int(30 * step / self.total)
+    def restart(self, start_step: int) -> None:
+        """Count the rate (and the ETA) from now, at `start_step`."""
+        self.start_step, self.start = start_step, time.perf_counter()
+
+    def render(self, step: int, values: dict[str, Any]) -> str:
+        """The bar's text at `step`."""
+        done = int(30 * min(step, self.total) / self.total)
         elapsed = time.perf_counter() - self.start
         done_here = step - self.start_step
-        eta = elapsed / done_here * (self.total - step) if done_here > 0 else 0.0
+        eta = elapsed / done_here * max(self.total - step, 0) if done_here > 0 else 0.0
         parts = [f"[{'#' * done}{'.' * (30 - done)}] {step}/{self.total}"]
         if "loss" in values:
             parts.append(f"loss {values['loss']:.4f}")
@@ -55,12 +59,23 @@ class ProgressBar:
             parts.append("slowest " + straggler(values))
         if "eval_loss" in values:
             parts.append(f"eval {values['eval_loss']:.4f}")
-        parts.append(f"eta {eta:.0f}s")
-        line = " | ".join(parts)
+        parts.append(f"eta {hms(eta)}")
+        return " | ".join(parts)
+
+    def update(self, step: int, values: dict[str, Any]) -> None:
+        if not self.tty and step % self.every and step != self.total:
+            return
+        line = self.render(step, values)
         self.stream.write(("\r" + line + "\x1b[K") if self.tty else line + "\n")
         if self.tty and step == self.total:
             self.stream.write("\n")
         self.stream.flush()
+
+
+def hms(seconds: float) -> str:
+    """h:mm:ss"""
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 class Metrics:
@@ -81,7 +96,8 @@ class Metrics:
             self.file = self.path.open("a")
         else:
             self.file = self.path.open("w")
-        self.progress = ProgressBar(total_steps, start_step=start_step) if cfg.progress else None
+        draws = os.environ.get("DISTTRAIN_LAUNCHER_DRAWS") == "1"  # the launcher draws it (console.py)
+        self.progress = ProgressBar(total_steps, start_step=start_step) if cfg.progress and not draws else None
         self.tensorboard = None
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter

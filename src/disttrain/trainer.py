@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import random
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,6 +177,7 @@ class Trainer:
         last = cfg.train.stop_at or cfg.train.steps
         d = cfg.data
         micro_per_step = -(-d.global_batch_size // backend.data_parallel[0] // d.micro_batch_size)
+        began = time.perf_counter()
         with StepProfiler(profile_range(cfg.log.profile_steps), cfg.run_dir, runtime.rank, runtime.device) as profiler:
             for step in range(start + 1, last + 1):
                 with profiler.step(step):
@@ -184,6 +186,8 @@ class Trainer:
                 self._after_step(step, last, values, result, backend, val, loaders, manager, metrics, status,
                                  runtime, cursor)
         self._checkpoint_guard(manager.wait)  # an async save's error surfaces at the latest here
+        if runtime.is_main_process() and last > start:
+            log.info("%s", run_summary(cfg, start, last, time.perf_counter() - began, result, manager))
         return result
 
     def _after_step(self, step, last, values, result, backend, val, loaders, manager, metrics, status, runtime,
@@ -329,3 +333,18 @@ def check_resumable(saved: dict[str, dict[str, Any]], cfg: Config) -> None:
 def _flat_config(cfg) -> dict:
     """`section.key: value` for the experiment trackers' parameters."""
     return {f"{section}.{key}": value for section, values in cfg.to_dict().items() for key, value in values.items()}
+
+
+def run_summary(cfg, start: int, last: int, seconds: float, result: TrainResult, manager: CheckpointManager) -> str:
+    """The end-of-run line: steps, tokens, wall time, tokens/s, best eval, last checkpoint."""
+    steps = last - start
+    tokens = steps * cfg.data.global_batch_size * cfg.model.seq_len
+    hours, rest = divmod(int(seconds), 3600)
+    parts = [f"done: steps {start + 1}-{last} ({steps}), {tokens:,} tokens in {hours}:{rest // 60:02d}:{rest % 60:02d} "
+             f"({tokens / max(seconds, 1e-9):,.0f} tokens/s)", f"final loss {result.losses[-1]:.4f}"]
+    if result.eval_losses:
+        step, best = min(result.eval_losses.items(), key=lambda kv: kv[1])
+        parts.append(f"best eval_loss {best:.4f} at step {step}")
+    latest = manager.latest() if cfg.checkpoint.every else None
+    parts.append(f"last checkpoint {manager.path(latest)}" if latest is not None else "no checkpoint")
+    return "; ".join(parts)

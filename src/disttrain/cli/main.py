@@ -219,7 +219,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     from disttrain.launch import launch
 
-    return launch(plan, ["disttrain.run", str(config_path)], cfg.run_dir)
+    total = (cfg.train.stop_at or cfg.train.steps) if cfg.log.progress else 0
+    return launch(plan, ["disttrain.run", str(config_path)], cfg.run_dir, progress_total=total)
 
 
 def cmd_ckpt(args: argparse.Namespace) -> int:

@@ -1,0 +1,50 @@
+"""The launcher's terminal under `--nproc 2`: one live progress bar, drawn in place from rank 0's progress, with the
+workers' lines printed above it (never torn), an h:mm:ss ETA and a total that honours `train.stop_at`; checked
+through a pseudo-terminal, as a user sees it."""
+
+import os
+import pty
+import re
+
+from conftest import DISTTRAIN, cli_env
+
+
+def run_in_terminal(args: list[str], cwd, env) -> tuple[int, str]:
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: disttrain with the pseudo-terminal as its terminal
+        os.chdir(cwd)
+        os.execvpe(DISTTRAIN[0], DISTTRAIN + args, env)
+    chunks = []
+    while True:
+        try:
+            data = os.read(fd, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    _, status = os.waitpid(pid, 0)
+    os.close(fd)
+    return os.waitstatus_to_exitcode(status), b"".join(chunks).decode(errors="replace")
+
+
+def test_one_live_bar_on_a_terminal_with_worker_lines_above_it(tmp_path):
+    code, out = run_in_terminal(
+        ["train", "--nproc", "2", "--set", f"run.out_dir={tmp_path}", "--set", "run.name=live", "--set",
+         "train.steps=40", "--set", "train.stop_at=24", "--set", "checkpoint.every=8", "--set", "model.n_layer=1",
+         "--set", "model.d_model=32", "--set", "model.n_head=2", "--set", "train.eval_every=8"], tmp_path,
+        cli_env(tmp_path))
+    assert code == 0, out[-3000:]
+    out = out.replace("\r\n", "\n")  # the terminal's newline
+    redraws = re.findall(r"\r\[[#.]{30}\] (\d+)/(\d+) ", out)
+    assert len(redraws) >= 3 and {total for _, total in redraws} == {"24"}  # the total honours stop_at
+    assert redraws[-1][0] == "24" and re.search(r"eta \d:\d\d:\d\d", out)
+    # the workers' lines arrive, each on a line of its own: after the bar is cleared, or at a line's start
+    assert "[rank 0] disttrain: checkpoint step 8 committed" in out and "[rank 0] disttrain: done: steps 1-24" in out
+    for match in re.finditer(r"\[rank \d\] ", out):
+        before = out[:match.start()]
+        assert before.endswith("\x1b[K") or before.endswith("\n") or not before, repr(before[-80:])
+    # one bar: the workers draw none, and the bar's text ends up on one terminal line, not twenty
+    assert not re.search(r"\[rank \d\] \[[#.]{30}\]", out)
+    finished = [line for line in out.split("\n") if re.search(r"\[[#.]{30}\] \d+/24", line.split("\r")[-1])]
+    assert len(finished) == 1, finished
