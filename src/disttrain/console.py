@@ -28,9 +28,11 @@ _RANK_DIR = re.compile(r"attempt_(\d+)[/\\](\d+)[/\\](stdout|stderr)\.log$")
 class Console(threading.Thread):
     """Tails the workers' log files under `log_dir` and draws the bar of `metrics` (if `total`)."""
 
-    def __init__(self, log_dir: Path, metrics: Path | None, total: int, out: TextIO = sys.stdout,
-                 err: TextIO = sys.stderr, poll_s: float = 0.2):
+    def __init__(self, log_dir: Path, metrics: Path | None, total: int, out: TextIO | None = None,
+                 err: TextIO | None = None, poll_s: float = 0.2):
         super().__init__(name="disttrain-console", daemon=True)
+        # the streams of now, not of import time (a caller such as pytest may have replaced them since)
+        out, err = out or sys.stdout, err or sys.stderr
         self.log_dir, self.metrics, self.out, self.err, self.poll_s = log_dir, metrics, out, err, poll_s
         self.bar = ProgressBar(total, stream=err) if metrics is not None and total > 0 else None
         self._offsets: dict[Path, int] = {}
