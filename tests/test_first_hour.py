@@ -115,3 +115,23 @@ def test_a_rendezvous_that_cannot_complete_is_named_within_the_startup_timeout(t
     assert result.returncode == 2 and endpoint in last and says in last and "Traceback" not in result.stderr, \
         result.stderr[-2000:]
     assert "node 0 started" in last and "GLOO_SOCKET_IFNAME" in last and f"this is node {node_rank}" in last
+
+
+def test_shell_completion_completes_commands_flags_and_choices(tmp_path):
+    import subprocess
+
+    from conftest import DISTTRAIN
+
+    probe = """source <({disttrain} completion bash)
+complete_words() {{ COMP_WORDS=("$@"); COMP_CWORD=$(( $# - 1 )); _disttrain; echo "${{COMPREPLY[*]}}"; }}
+complete_words disttrain tr
+complete_words disttrain train --nproc_
+complete_words disttrain bench weight
+complete_words disttrain launch --rdzv-i
+"""
+    result = subprocess.run(["bash", "-c", probe.format(disttrain=" ".join(DISTTRAIN))], capture_output=True,
+                            text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["train", "--nproc_per_node", "weight-sync", "--rdzv-id"]
+    zsh = subprocess.run([*DISTTRAIN, "completion", "zsh"], capture_output=True, text=True, timeout=60)
+    assert zsh.stdout.startswith("autoload -U +X bashcompinit") and "complete -o default -F _disttrain" in zsh.stdout

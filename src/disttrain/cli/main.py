@@ -8,6 +8,7 @@
     disttrain estimate-memory [CONFIG] --world-size N [--strategy S] [--budget-gib G]
     disttrain deepspeed-config [CONFIG] [--set ...] [--nproc N] -o ds.json   the DeepSpeed JSON of a config
     disttrain env                              versions, devices, backends, detected launcher
+    disttrain completion bash|zsh              a shell completion script (eval "$(disttrain completion bash)")
     disttrain plot RUN_DIR [RUN_DIR ...] [--out DIR]   loss, lr, tokens/s, MFU, memory, communication as PNG
     disttrain bench overhead|scaling|comm|predict|pipeline|loss-parallel|checkpoint|memory|service|wire|
                     weight-sync|startup|data|gpu
@@ -154,6 +155,9 @@ def _parser() -> argparse.ArgumentParser:
     from disttrain.cli.verify import add_arguments
 
     add_arguments(sub.add_parser("verify", help="the same job under several strategies vs 1 process"))
+
+    completion = sub.add_parser("completion", help="a shell completion script: eval \"$(disttrain completion bash)\"")
+    completion.add_argument("shell", choices=["bash", "zsh"])
 
     bench = sub.add_parser("bench", help="benchmarks that print and save their figures")
     bench.add_argument("name", choices=["overhead", "checkpoint", "memory", "service", "wire", "startup", "data", "gpu",
@@ -324,7 +328,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return importlib.import_module(f"disttrain.bench.{args.name.replace('-', '_')}").main(args.args)
 
 
-COMMANDS = {"train": cmd_train, "ckpt": cmd_ckpt, "launch": cmd_launch, "config": cmd_config, "env": cmd_env,
+def cmd_completion(args: argparse.Namespace) -> int:
+    from disttrain.cli.completion import script
+
+    print(script(_parser(), args.shell), end="")
+    return 0
+
+
+COMMANDS = {"completion": cmd_completion,
+            "train": cmd_train, "ckpt": cmd_ckpt, "launch": cmd_launch, "config": cmd_config, "env": cmd_env,
             "verify": cmd_verify, "estimate-memory": cmd_estimate_memory, "bench": cmd_bench,
             "deepspeed-config": cmd_deepspeed_config, "plot": cmd_plot}
 
