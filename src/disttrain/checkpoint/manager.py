@@ -91,6 +91,10 @@ def restore_rng(state: dict[str, Any]) -> None:
 class CheckpointManager:
     """save / load / list / latest / best over one checkpoint folder. See the module docstring."""
 
+    _arrivals: dict[str, int] = {}
+    """Collective calls (save, load) so far per folder, in this process: every rank counts the same, also across
+    the managers a caller creates for one folder (the TrainingService's workers make one per command)."""
+
     def __init__(self, directory: str | Path, cfg: CheckpointConfig | None = None, runtime: Runtime | None = None,
                  info: dict[str, Any] | None = None, timeout_s: float = 600.0):
         self.dir = Path(directory)
@@ -103,7 +107,6 @@ class CheckpointManager:
         self._dcp_group = None  # async sharded saves: DCP's collectives on a gloo group of their own
         self._pending_error: BaseException | None = None
         self._copied: threading.Event | None = None  # set once an async save's snapshot is taken
-        self._calls = 0  # collective calls so far (save, load): every rank counts the same
 
     # -- facts -------------------------------------------------------------------------------------
 
@@ -153,15 +156,16 @@ class CheckpointManager:
     def _arrive(self, what: str) -> None:
         """Every rank checks in before a collective save or load, through the process group's store; a rank whose
         peers do not come within `arrival_timeout_s` raises, naming them, instead of hanging in a collective."""
-        self._calls += 1
         if not self._distributed():
             return
+        folder = str(self.dir.resolve())
+        calls = CheckpointManager._arrivals[folder] = CheckpointManager._arrivals.get(folder, 0) + 1
         from datetime import timedelta
 
         from torch.distributed.distributed_c10d import _get_default_store
 
         store = _get_default_store()
-        prefix = f"disttrain/ckpt_arrive/{self.dir.resolve()}/{self._calls}"
+        prefix = f"disttrain/ckpt_arrive/{folder}/{calls}"
         store.set(f"{prefix}/{self.rank}", what)
         keys = [f"{prefix}/{r}" for r in range(self.world_size)]
         try:
