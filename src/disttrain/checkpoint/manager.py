@@ -224,9 +224,9 @@ class CheckpointManager:
             set_optimizer_state_dict(model, optimizer, state["optimizer"])
         if scheduler is not None and "scheduler" in state:
             scheduler.load_state_dict(state["scheduler"])
-        manifest = state.get("manifest", {})
-        return {"step": manifest.get("step"), "metrics": manifest.get("metrics", {}), "path": str(self.path(
-            int(manifest.get("step", step if step != "latest" else -1))))}
+        manifest = state["manifest"]
+        return {"step": manifest["step"], "metrics": manifest.get("metrics", {}),
+                "path": str(self.path(manifest["step"]))}
 
     # -- save --------------------------------------------------------------------------------------
 

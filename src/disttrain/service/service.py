@@ -318,6 +318,10 @@ class TrainingService:
             notice, self._notice = self._notice, None
             raise notice
 
+    async def _every_rank(self, message: dict[str, Any]) -> list[tuple[dict, dict]]:
+        """The same command (no tensors) on every rank; their replies in rank order."""
+        return await self.group.all([(message, None)] * self.nproc)
+
     def _split(self, batch: Any) -> list[Any]:
         """Each rank's slice of `batch`: one of `split_batch(batch, data-parallel degree)` (every rank its own unless
         pipeline stages or tensor shards share one)."""
@@ -366,7 +370,7 @@ class TrainingService:
         """Normalise, clip, step and zero the gradients on every rank; returns the step's metrics."""
 
         async def action():
-            replies = await self.group.all([({"op": "optim_step"}, None)] * self.nproc)
+            replies = await self._every_rank({"op": "optim_step"})
             metrics = replies[0][0]["metrics"]
             self.step, self._micro_batches = int(metrics["step"]), 0
             return metrics
@@ -406,7 +410,7 @@ class TrainingService:
                                    "gradients are not part of a checkpoint; call optim_step() first")
             message = {"op": "save", "path": folder, "keep_last": keep_last, "metrics": metrics,
                        "strategy": self._setup["strategy"], "timeout_s": self.options.timeout_s}
-            replies = await self.group.all([(message, None)] * self.nproc)
+            replies = await self._every_rank(message)
             self._checkpoint = (folder, self.step)
             return replies[0][0]["path"]
 
@@ -428,14 +432,14 @@ class TrainingService:
 
     async def _load(self, folder: str, step: int | str) -> int:
         message = {"op": "load", "path": folder, "step": step, "timeout_s": self.options.timeout_s}
-        replies = await self.group.all([(message, None)] * self.nproc)
+        replies = await self._every_rank(message)
         return int(replies[0][0]["step"])
 
     async def state_dict(self) -> dict[str, torch.Tensor]:
         """The full model weights (e.g. to sync a rollout policy)."""
 
         async def action():
-            replies = await self.group.all([({"op": "state_dict"}, None)] * self.nproc)
+            replies = await self._every_rank({"op": "state_dict"})
             return {k: v for _, tensors in replies for k, v in (tensors or {}).items()}  # (pipeline: each stage's)
 
         return await self._run(action)

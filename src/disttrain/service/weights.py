@@ -205,7 +205,8 @@ class Publisher:
         deadline = start + timeout_s
         missing = self._wait_for(wait_for, deadline)
         if missing:
-            return {"version": version, "errors": [missing], "bytes": 0, "seconds": time.monotonic() - start}
+            return {"version": version, "errors": [missing], "bytes": 0, "full_bytes": 0,
+                    "seconds": time.monotonic() - start}
         base = self.version
         with self._arrived:
             consumers = list(self.consumers)
@@ -242,8 +243,7 @@ class Publisher:
         totals = {kind: stream.total for kind, stream in streams.items()}
         sent = sum(totals["delta" if c in deltas else "full"] for c in consumers)
         return {"version": version, "errors": errors, "seconds": time.monotonic() - start, "bytes": sent,
-                "full_bytes": totals.get("full", sum(int(v.numel() * v.element_size())
-                                                     for v in next(iter(streams.values())).values.values())),
+                "full_bytes": totals["full"] if "full" in totals else streams["delta"].dense_bytes(),
                 "delta_bytes": totals.get("delta"),
                 "consumers": [c.name for c in consumers if results.get(id(c)) is None]}
 
@@ -302,6 +302,10 @@ class _Stream:
             if self.error is not None:
                 raise RuntimeError(f"building the weights' buckets failed: {self.error}")
             return self.frames[index] if index < len(self.frames) else None
+
+    def dense_bytes(self) -> int:
+        """The bytes of every value once (what a full version's tensors hold, headers aside)."""
+        return sum(v.numel() * v.element_size() for v in self.values.values())
 
     def wait(self) -> None:
         with self._ready:
@@ -590,7 +594,7 @@ class WeightSync:
             raise ConfigError(f"weight_sync: {exc}") from None
         token = secrets.token_hex(16)
         message = {"op": "weights_open", "host": host, "token": token, "delta": delta}
-        replies = await service._run(lambda: service.group.all([(message, None)] * service.nproc))
+        replies = await service._run(lambda: service._every_rank(message))
         return cls(service, [r["address"] for r, _ in replies], token, consumers, dtype, bucket_mb, timeout_s, delta)
 
     async def push(self, delta: bool | None = None, timeout_s: float | None = None) -> dict[str, Any]:
@@ -603,14 +607,13 @@ class WeightSync:
         version = self.version + 1
         message = {"op": "weights_push", "version": version, "dtype": self.dtype, "bucket_bytes": self.bucket_bytes,
                    "delta": delta, "wait_for": self.consumers, "timeout_s": timeout_s or self.timeout_s}
-        service = self.service
         start = time.perf_counter()
-        replies = await service._run(lambda: service.group.all([(message, None)] * service.nproc))
+        replies = await self.service._run(lambda: self.service._every_rank(message))
         self.version = version
         ranks = [r["report"] for r, _ in replies]
         errors = list(dict.fromkeys(e for r in ranks for e in r["errors"]))
         report = {"version": version, "seconds": time.perf_counter() - start, "bytes": sum(r["bytes"] for r in ranks),
-                  "full_bytes": sum(r["full_bytes"] for r in ranks if "full_bytes" in r),
+                  "full_bytes": sum(r["full_bytes"] for r in ranks),
                   "delta": delta, "ranks": ranks, "errors": errors}
         self.reports.append(report)
         if errors:
@@ -618,5 +621,4 @@ class WeightSync:
         return report
 
     async def close(self) -> None:
-        service = self.service
-        await service._run(lambda: service.group.all([({"op": "weights_close"}, None)] * service.nproc))
+        await self.service._run(lambda: self.service._every_rank({"op": "weights_close"}))
