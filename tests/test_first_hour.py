@@ -3,12 +3,14 @@ launch spellings torchrun users type, `train --dry-run`, `--version`, and a rend
 
 import json
 import os
+import signal
 import socket
+import subprocess
 import time
 
 import pytest
 
-from conftest import run_cli
+from conftest import DISTTRAIN, cli_env, run_cli
 from disttrain.cli import main
 from disttrain.config import ConfigError, DistConfig, from_env, load_config, to_env
 
@@ -115,6 +117,34 @@ def test_a_rendezvous_that_cannot_complete_is_named_within_the_startup_timeout(t
     assert result.returncode == 2 and endpoint in last and says in last and "Traceback" not in result.stderr, \
         result.stderr[-2000:]
     assert "node 0 started" in last and "GLOO_SOCKET_IFNAME" in last and f"this is node {node_rank}" in last
+
+
+def test_two_nodes_given_the_same_node_rank_are_named_before_training(tmp_path):
+    """c10d's rendezvous numbers nodes by arrival, so it completes; the workers then compare the ranks the nodes
+    were given and every node ends with exit 2 naming the duplicate and the missing rank."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    args = ["train", "--nproc", "1", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint, "--set",
+            "dist.startup_timeout_s=30", "--set", f"run.out_dir={tmp_path}", "--set", "log.progress=false",
+            "--set", "train.steps=2"]
+    nodes = [subprocess.Popen(DISTTRAIN + args, cwd=tmp_path, env=cli_env(tmp_path), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True) for _ in range(2)]
+    try:
+        results = [(node.wait(timeout=90), node.stderr.read()) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    for code, stderr in results:
+        assert code == 2 and "Traceback" not in stderr, stderr[-2000:]
+        assert ("--node-rank 0 was given to 2 nodes" in stderr and f"rendezvous at {endpoint}" in stderr
+                and "node ranks seen 0, 0, missing 1" in stderr), stderr[-2000:]
+    assert not (tmp_path / "default" / "metrics.jsonl").exists()
+
+
+def test_a_node_rank_outside_the_nodes_is_refused_in_one_line(tmp_path):
+    result = run_cli(["train", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:1"], tmp_path)
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "disttrain: error: --node-rank 2: must be from 0 to 1 with --nnodes 2; give each node its own rank")
 
 
 def test_shell_completion_completes_commands_flags_and_choices(tmp_path):

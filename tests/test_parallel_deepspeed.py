@@ -93,7 +93,8 @@ def test_deepspeed_config_writes_the_engine_json(tmp_path):
                       f"parallel.deepspeed_config={user}", "-o", str(out)], tmp_path)
     assert result.returncode == 0, result.stderr
     ds = json.loads(out.read_text())
-    assert ds["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu"}, "overlap_comm": False,
+    assert ds["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                       "offload_param": {"device": "cpu"}, "overlap_comm": False,
                                        "reduce_bucket_size": 1000}
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"],
             ds["gradient_clipping"]) == (32, 8, 2, 0.5)
@@ -131,8 +132,9 @@ def test_deepspeed_config_bad_values_exit_2_in_one_line(tmp_path, args, message)
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "disagrees with parallel.cpu_offload"),
     ({"train_micro_batch_size_per_gpu": 4}, "disagrees with data.micro_batch_size"),
     ({"optimizer": {"type": "Adam"}}, "has a 'optimizer' section; disttrain sets that through optim"),
-    ({"bf16": {"enabled": True}}, "sets that through parallel.precision"),
-    ({"torch_autocast": {"enabled": True}}, "sets that through parallel.precision"),  # would scale fp16 twice
+    ({"bf16": {"enabled": True}}, "'bf16' = .* disagrees with parallel.precision = 'fp32'"),
+    ({"torch_autocast": {"enabled": True}}, "sets precision through parallel.precision"),  # would scale twice
+    ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, "offload_param.device' = \"cpu\" disagrees"),
     ({"zero_optimization": {"compute_grad_norm": False}}, "'zero_optimization.compute_grad_norm' = false"),
 ])
 def test_user_json_that_disagrees_is_refused(tmp_path, user, message):
@@ -140,3 +142,31 @@ def test_user_json_that_disagrees_is_refused(tmp_path, user, message):
     path.write_text(json.dumps(user))
     with pytest.raises(ConfigError, match=message):
         DeepSpeedConfig.from_config(load_config(None, [f"parallel.deepspeed_config={path}"]), 2)
+
+
+SEED_004_JSON = {  # ../shared/seeds/004: ZeRO-3, both offloads to pinned host memory, bf16
+    "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2,
+    "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
+                          "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+    "bf16": {"enabled": True}}
+
+
+def test_the_design_documents_json_is_accepted_where_it_agrees(tmp_path):
+    """The seed's JSON states what stage 3 + cpu_offload + bf16-mixed are: accepted, its pin_memory kept, and
+    the bf16 section left to disttrain's autocast. The same JSON under settings that say otherwise: refused."""
+    path = tmp_path / "seed.json"
+    path.write_text(json.dumps(SEED_004_JSON))
+    agreeing = ["parallel.deepspeed_stage=3", "parallel.cpu_offload=true", "parallel.precision=bf16-mixed"]
+    ds = DeepSpeedConfig.from_config(load_config(None, [f"parallel.deepspeed_config={path}", *agreeing]), 2).to_dict()
+    assert ds["zero_optimization"]["offload_param"] == {"device": "cpu", "pin_memory": True}
+    assert ds["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert "bf16" not in ds and ds["train_batch_size"] == 32
+    for other, message in [("parallel.precision=fp16-mixed", "'bf16' = .* disagrees with parallel.precision"),
+                           ("parallel.cpu_offload=false", "offload_optimizer.device' = \"cpu\" disagrees"),
+                           ("parallel.deepspeed_stage=2", "'zero_optimization.stage' = 3 disagrees")]:
+        settings = [s for s in agreeing if s.split("=")[0] != other.split("=")[0]] + [other]
+        with pytest.raises(ConfigError, match=message):
+            DeepSpeedConfig.from_config(load_config(None, [f"parallel.deepspeed_config={path}", *settings]), 2)
+    path.write_text(json.dumps({**SEED_004_JSON, "bf16": {"enabled": True, "immediate_grad_update": True}}))
+    with pytest.raises(ConfigError, match="'bf16' = .* disagrees"):
+        DeepSpeedConfig.from_config(load_config(None, [f"parallel.deepspeed_config={path}", *agreeing]), 2)

@@ -177,8 +177,8 @@ class ParallelConfig:
     """`grad_compression = "powersgd"`: rank of the low-rank approximation (higher: more bytes, closer to exact)."""
     cpu_offload: bool = False
     """Keep parameters and optimizer state in host memory: FSDP2 CPUOffloadPolicy for the FSDP strategies,
-    ZeRO-Offload (`offload_optimizer` to cpu) for `deepspeed` stages 1-3. Saves GPU memory; on a CPU-only run
-    it changes nothing but the code path (useful for testing it)."""
+    ZeRO-Offload for `deepspeed` (`offload_optimizer` to cpu at stages 1-3, and `offload_param` too at stage 3).
+    Saves GPU memory; on a CPU-only run it changes nothing but the code path (useful for testing it)."""
     tensor: int = 1
     """Tensor-parallel degree: each transformer block's attention and MLP matrices are split across this many
     ranks (DTensor `parallelize_module`, column-wise then row-wise, Megatron style); 1 = not split. The world size
@@ -404,6 +404,10 @@ def _parse_override(text: str) -> tuple[str, Any]:
         value = raw  # bare words are strings: --set model.name=gpt
     return key, value
 
+
+NODE_CLAIM_ENV = "DISTTRAIN_NODE_CLAIM"
+"""Set by disttrain's launcher for its workers on a multi-node job: `NODE_RANK@RDZV_ENDPOINT`, the --node-rank this
+node was given (runtime.py checks that no two nodes were given the same one)."""
 
 ENV_PREFIX = "DISTTRAIN_DIST_"
 """`dist.<key>` from the environment: DISTTRAIN_DIST_NPROC=2, DISTTRAIN_DIST_BACKEND=gloo, ..."""

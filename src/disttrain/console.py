@@ -35,9 +35,12 @@ class Console(threading.Thread):
         out, err = out or sys.stdout, err or sys.stderr
         self.log_dir, self.metrics, self.out, self.err, self.poll_s = log_dir, metrics, out, err, poll_s
         self.bar = ProgressBar(total, stream=err) if metrics is not None and total > 0 else None
-        self._offsets: dict[Path, int] = {}
+        # a run folder used before keeps the earlier launches' logs and metrics: what is there now is not shown
+        self._offsets: dict[Path, int] = {p: p.stat().st_size for p in _logs(log_dir)}
         self._partial: dict[Path, str] = {}
         self._metrics_offset = 0
+        self._stale = _identity(metrics) if metrics is not None else None
+        """The metrics file as the previous run left it: ignored until rank 0 rewrites it."""
         self._last_step = 0
         self._drawn = ""  # the bar now on the terminal (tty only)
         self._halt = threading.Event()
@@ -75,9 +78,7 @@ class Console(threading.Thread):
 
     def _new_lines(self, final: bool) -> list[tuple[TextIO, str]]:
         out = []
-        if not self.log_dir.is_dir():
-            return out
-        for path in sorted(self.log_dir.rglob("*.log")):
+        for path in _logs(self.log_dir):
             match = _RANK_DIR.search(str(path))
             if match is None:
                 continue
@@ -103,6 +104,10 @@ class Console(threading.Thread):
     def _progress(self) -> None:
         if self.bar is None or not self.metrics.is_file():
             return
+        if self._stale is not None:
+            if _identity(self.metrics) == self._stale:
+                return
+            self._stale = None
         try:
             with self.metrics.open("rb") as f:
                 size = f.seek(0, 2)
@@ -138,3 +143,16 @@ class Console(threading.Thread):
         if self._drawn:
             self.err.write("\r" + self._drawn + "\x1b[K")
             self.err.flush()
+
+
+def _logs(log_dir: Path) -> list[Path]:
+    return sorted(log_dir.rglob("*.log")) if log_dir.is_dir() else []
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """(inode, size, modification time): changes when the file is rewritten, replaced or appended to."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns

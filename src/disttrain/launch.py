@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from disttrain.config import ConfigError
+from disttrain.config import NODE_CLAIM_ENV, ConfigError
 from disttrain.console import DRAWS_ENV, Console
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,9 @@ class LaunchPlan:
             raise ConfigError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node)")
         if self.rdzv_endpoint and ":" not in self.rdzv_endpoint:
             raise ConfigError(f"--rdzv-endpoint {self.rdzv_endpoint}: expected HOST:PORT, e.g. 10.0.0.1:29400")
+        if not 0 <= self.node_rank < int(parts[-1]):
+            raise ConfigError(f"--node-rank {self.node_rank}: must be from 0 to {int(parts[-1]) - 1} with --nnodes "
+                              f"{self.nnodes}; give each node its own rank")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts}: must be >= 0")
 
@@ -111,8 +114,11 @@ def _run_torchrun(plan: LaunchPlan, entry: list[str], run_dir: Path, module: boo
         _reach_rendezvous(plan)
     watchdog = Watchdog(run_dir, plan.timeout_s, plan.startup_timeout_s)
     console = Console(run_dir / "logs", run_dir / "metrics.jsonl" if progress_total else None, progress_total)
-    drew = os.environ.get(DRAWS_ENV)
-    os.environ[DRAWS_ENV] = "1" if progress_total else "0"  # the workers inherit it: no bar of their own
+    exported = {DRAWS_ENV: "1" if progress_total else "0"}  # the workers inherit it: no bar of their own
+    if not plan.single_node:  # the workers check that no other node was given this --node-rank (runtime.py)
+        exported[NODE_CLAIM_ENV] = f"{plan.node_rank}@{plan.rdzv_endpoint}"
+    saved = {name: os.environ.get(name) for name in exported}
+    os.environ.update(exported)
     console.start()
     try:
         with watchdog:
@@ -123,8 +129,9 @@ def _run_torchrun(plan: LaunchPlan, entry: list[str], run_dir: Path, module: boo
                                                         f"({type(exc).__name__})")) from None
     except ChildFailedError as exc:
         console.stop()
-        failures = {rank: _describe(f) for rank, f in exc.failures.items()}
-        print(summary(run_dir, failures, watchdog.stuck), file=sys.stderr, flush=True)
+        if {f.exitcode for f in exc.failures.values()} != {2}:  # exit 2 everywhere: each printed its one line
+            failures = {rank: _describe(f) for rank, f in exc.failures.items()}
+            print(summary(run_dir, failures, watchdog.stuck), file=sys.stderr, flush=True)
         return _exit_code(exc)
     except SignalException as exc:
         console.stop()
@@ -133,10 +140,11 @@ def _run_torchrun(plan: LaunchPlan, entry: list[str], run_dir: Path, module: boo
         return 128 + int(exc.sigval)
     finally:
         console.stop()
-        if drew is None:
-            os.environ.pop(DRAWS_ENV, None)
-        else:
-            os.environ[DRAWS_ENV] = drew
+        for name, value in saved.items():  # called in-process (tests, notebooks): leave the environment as it was
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return 0
 
 

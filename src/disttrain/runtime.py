@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from disttrain.config import DistConfig
-from disttrain.errors import UserError
+from disttrain.config import NODE_CLAIM_ENV, DistConfig
+from disttrain.errors import ConfigError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +143,7 @@ def init_runtime(cfg: DistConfig, environ: Mapping[str, str] | None = None, alwa
         )
     runtime = Runtime(info, device, dist.get_backend(), distributed=True)
     _check_world_agrees(runtime)
+    _check_node_ranks(runtime, os.environ if environ is None else environ)
     return runtime
 
 
@@ -180,6 +181,36 @@ def _check_world_agrees(runtime: Runtime) -> None:
             f"rank {runtime.rank}: launcher says world size {runtime.world_size}, the process group has "
             f"{pg_world}, other ranks say {seen[0].item()}..{-seen[1].item()}; relaunch all ranks with one command"
         )
+
+
+def _check_node_ranks(runtime: Runtime, env: Mapping[str, str]) -> None:
+    """Two nodes given the same --node-rank: named on every rank before anything trains (ConfigError, exit 2).
+
+    torchrun's c10d rendezvous numbers the nodes by arrival (GROUP_RANK), so a duplicate rank does not stop the
+    rendezvous; but it is a mistake in the commands (one node was meant to be another), and the --node-rank decides
+    which node clears the run's status files and which nodes wait for the endpoint. Every rank shares its node's
+    claim and host name in one all_gather of integers (no pickle)."""
+    claim, _, endpoint = env.get(NODE_CLAIM_ENV, "").partition("@")
+    nodes = int(env.get("GROUP_WORLD_SIZE", "1"))
+    if not claim or nodes <= 1:
+        return
+    import socket
+
+    host = socket.gethostname().encode()[:62]
+    mine = torch.tensor([int(claim), runtime.node_rank, len(host), *host, *[0] * (62 - len(host))],
+                        dtype=torch.int64, device=runtime.device)
+    rows = [torch.empty_like(mine) for _ in range(runtime.world_size)]
+    dist.all_gather(rows, mine)
+    by_node = {int(r[1]): (int(r[0]), bytes(r[3:3 + int(r[2])].tolist()).decode(errors="replace")) for r in rows}
+    claims = sorted(c for c, _ in by_node.values())
+    duplicates = sorted({c for c in claims if claims.count(c) > 1})
+    if duplicates:
+        twice = duplicates[0]
+        hosts = ", ".join(h for c, h in by_node.values() if c == twice)
+        missing = ", ".join(str(r) for r in range(nodes) if r not in claims) or "none"
+        raise ConfigError(f"--node-rank {twice} was given to {claims.count(twice)} nodes ({hosts}) of the rendezvous "
+                          f"at {endpoint}: node ranks seen {', '.join(map(str, claims))}, missing {missing}; give "
+                          f"each of the {nodes} nodes its own --node-rank from 0 to {nodes - 1}")
 
 
 def shutdown(runtime: Runtime, drain: bool = True) -> None:

@@ -1,10 +1,13 @@
 """The DeepSpeed JSON that the `deepspeed` strategy runs with, generated from the disttrain config.
 
-disttrain owns the keys that decide the numbers (batch, gradient clipping, ZeRO stage, optimizer offload,
-precision, optimizer and schedule); it also caps DeepSpeed's gradient bucket by the model's size (below);
-everything else in a user's JSON (`parallel.deepspeed_config`: bucket
-sizes, `overlap_comm`, stage-3 tuning, ...) is passed through unchanged. A user JSON that sets an owned key
-to a different value is an error naming both, rather than one silently winning. Pure: no torch, no deepspeed.
+disttrain owns the keys that decide the numbers (batch, gradient clipping, ZeRO stage, offload, precision,
+optimizer and schedule); it also caps DeepSpeed's gradient bucket by the model's size (below); everything else in
+a user's JSON (`parallel.deepspeed_config`: bucket sizes, `overlap_comm`, stage-3 tuning, ...) is passed through
+unchanged. A user JSON that sets an owned key to the value disttrain's settings give is accepted (the JSON of
+../shared/seeds/004: ZeRO-3 with `offload_optimizer` and `offload_param` to a pinned cpu, `"bf16": {"enabled":
+true}`, agrees with `parallel.deepspeed_stage = 3`, `parallel.cpu_offload = true`, `parallel.precision =
+"bf16-mixed"`); one that sets it to a different value is an error naming both, rather than one silently winning.
+Pure: no torch, no deepspeed.
 
     DeepSpeedConfig.from_config(cfg, world).save_config("ds.json")     # what `disttrain deepspeed-config` does
 """
@@ -31,11 +34,13 @@ if TYPE_CHECKING:
 DEFAULT_REDUCE_BUCKET = 500_000_000
 
 # Sections disttrain refuses in a user JSON: the optimizer and schedule are the user's torch ones (the
-# client optimizer: no native op to compile, the same numbers as every other strategy), and precision is
-# disttrain's policy (autocast and its loss scale around the engine, fp32 weights).
-REFUSED = {"optimizer": "optim.*", "scheduler": "optim.* (warmup_steps, min_lr_ratio)",
-           "fp16": "parallel.precision", "bf16": "parallel.precision", "torch_autocast": "parallel.precision"}
-PRECISION_SECTIONS = ("fp16", "bf16", "torch_autocast")  # refused only when enabled
+# client optimizer: no native op to compile, the same numbers as every other strategy).
+REFUSED = {"optimizer": "optim.*", "scheduler": "optim.* (warmup_steps, min_lr_ratio)"}
+# Precision is disttrain's policy (autocast and its loss scale around the engine, fp32 weights), so an enabled
+# precision section is accepted only as a statement of that policy: `{"enabled": true}` where parallel.precision
+# is the matching mixed precision. The section is then left out of the engine's JSON (autocast does it). Anything
+# else in it (DeepSpeed's own loss scale, bf16 weights in the engine) would change the numbers: refused.
+PRECISION_SECTIONS = {"bf16": "bf16-mixed", "fp16": "fp16-mixed", "torch_autocast": None}
 
 
 @dataclass
@@ -43,7 +48,10 @@ class DeepSpeedConfig:
     stage: int = 2
     """ZeRO stage 0-3 (`parallel.deepspeed_stage`)."""
     cpu_offload: bool = False
-    """ZeRO-Offload of the optimizer state and step to the host (`parallel.cpu_offload`)."""
+    """ZeRO-Offload of the optimizer state and step to the host (`parallel.cpu_offload`), and under ZeRO-3 of
+    the parameters too (`offload_param`), as FSDP's CPUOffloadPolicy does for the fsdp strategies."""
+    precision: str = "fp32"
+    """`parallel.precision`: which precision section of a user JSON agrees with it."""
     grad_clip: float = 0.0
     """`gradient_clipping` (`optim.grad_clip`): DeepSpeed clips inside its step, on the partitioned gradients."""
     micro_batch_size: int = 1
@@ -79,7 +87,7 @@ class DeepSpeedConfig:
         if p.cpu_offload and p.deepspeed_stage == 0:
             raise ConfigError("parallel.cpu_offload = true needs ZeRO stage 1, 2 or 3 under deepspeed; set "
                               "parallel.deepspeed_stage >= 1 or parallel.cpu_offload = false")
-        out = cls(stage=p.deepspeed_stage, cpu_offload=p.cpu_offload, grad_clip=grad_clip,
+        out = cls(stage=p.deepspeed_stage, cpu_offload=p.cpu_offload, precision=p.precision, grad_clip=grad_clip,
                   micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps, world_size=world,
                   user=_read_json(p.deepspeed_config) if p.deepspeed_config else {}, source=p.deepspeed_config,
                   model_numel=model_numel)
@@ -90,6 +98,8 @@ class DeepSpeedConfig:
         zero: dict[str, Any] = {"stage": self.stage}
         if self.cpu_offload:
             zero["offload_optimizer"] = {"device": "cpu"}
+            if self.stage == 3:
+                zero["offload_param"] = {"device": "cpu"}
         return {
             "train_batch_size": self.micro_batch_size * self.accumulation_steps * self.world_size,
             "train_micro_batch_size_per_gpu": self.micro_batch_size,
@@ -106,22 +116,32 @@ class DeepSpeedConfig:
         """The user's JSON with disttrain's keys merged in; ConfigError on a disagreement."""
         where = f"parallel.deepspeed_config ({self.source})"
         for key, setting in REFUSED.items():
-            if key in self.user and (key not in PRECISION_SECTIONS or self.user[key].get("enabled", False)):
+            if key in self.user:
                 raise ConfigError(f"{where} has a '{key}' section; disttrain sets that through {setting}: "
                                   f"remove '{key}' from the JSON")
         merged = json.loads(json.dumps(self.user))
+        for key, agrees in PRECISION_SECTIONS.items():
+            section = merged.pop(key, None)
+            if section is not None and _precision_section_disagrees(section, agrees, self.precision):
+                raise ConfigError(f"{where}: '{key}' = {json.dumps(section)} disagrees with parallel.precision = "
+                                  f"{self.precision!r}; disttrain sets precision through parallel.precision"
+                                  + (f" (\"{key}\": {{\"enabled\": true}} means {agrees!r})" if agrees else "")
+                                  + f": remove '{key}' from the JSON or change the setting")
+        zero = merged.setdefault("zero_optimization", {})
         # the backend reads the gradient norm, and DeepSpeed's overflow check (skipping a non-finite step) needs it
-        _agree(where, "zero_optimization.compute_grad_norm",
-               merged.get("zero_optimization", {}).get("compute_grad_norm", True), True)
-        offload = merged.get("zero_optimization", {}).get("offload_optimizer") or {}
-        if not self.cpu_offload and offload.get("device", "none") != "none":
-            _agree(where, "zero_optimization.offload_optimizer", offload, None)
+        _agree(where, "zero_optimization.compute_grad_norm", zero.get("compute_grad_norm", True), True)
         for key, value in self.owned().items():
             if key == "zero_optimization":
-                zero = merged.setdefault(key, {})
                 for zkey, zvalue in value.items():
-                    _agree(where, f"zero_optimization.{zkey}", zero.get(zkey, zvalue), zvalue)
-                    zero[zkey] = zvalue
+                    if not zkey.startswith("offload_"):
+                        _agree(where, f"zero_optimization.{zkey}", zero.get(zkey, zvalue), zvalue)
+                        zero[zkey] = zvalue
+                for zkey in ("offload_optimizer", "offload_param"):  # the device is owned; pin_memory etc. pass
+                    theirs, ours = zero.get(zkey) or {}, value.get(zkey, {"device": "none"})
+                    _agree(where, f"zero_optimization.{zkey}.device", theirs.get("device", ours["device"]),
+                           ours["device"])
+                    if zkey in value:
+                        zero[zkey] = {**theirs, **ours}
             elif key.startswith("train") or key == "gradient_accumulation_steps":
                 merged[key] = value  # checked against the real batch by check_batch (the CLI and validate)
             else:
@@ -148,12 +168,19 @@ class DeepSpeedConfig:
 
 
 SETTING_OF = {"gradient_clipping": "optim.grad_clip", "zero_optimization.stage": "parallel.deepspeed_stage",
-              "zero_optimization.offload_optimizer": "parallel.cpu_offload",
+              "zero_optimization.offload_optimizer.device": "parallel.cpu_offload",
+              "zero_optimization.offload_param.device": "parallel.cpu_offload (parameters offload under ZeRO-3 only)",
               "train_batch_size": "data.global_batch_size", "train_micro_batch_size_per_gpu": "data.micro_batch_size",
               "gradient_accumulation_steps": "data.global_batch_size / (micro_batch_size x world size)",
               "zero_allow_untested_optimizer": "the strategy (the user's torch optimizer runs under ZeRO)",
               "zero_optimization.compute_grad_norm": "the strategy (the gradient norm and the non-finite check)",
               "zero_force_ds_cpu_optimizer": "the strategy (the user's torch optimizer runs under ZeRO-Offload)"}
+
+
+def _precision_section_disagrees(section: Any, agrees: str | None, precision: str) -> bool:
+    if not isinstance(section, dict) or not section.get("enabled", False):
+        return False  # a disabled section says nothing
+    return agrees != precision or set(section) != {"enabled"}
 
 
 def _agree(where: str, key: str, theirs: Any, ours: Any) -> None:
