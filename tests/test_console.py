@@ -48,3 +48,32 @@ def test_one_live_bar_on_a_terminal_with_worker_lines_above_it(tmp_path):
     assert not re.search(r"\[rank \d\] \[[#.]{30}\]", out)
     finished = [line for line in out.split("\n") if re.search(r"\[[#.]{30}\] \d+/24", line.split("\r")[-1])]
     assert len(finished) == 1, finished
+
+
+def test_a_reused_run_folder_shows_only_this_launchs_lines_and_steps(tmp_path):
+    """The logs and metrics an earlier launch left in the run folder are not replayed: only what the workers of
+    this launch write (a new attempt folder; metrics.jsonl rewritten by rank 0)."""
+    import io
+    import json
+    import os
+
+    from disttrain.console import Console
+
+    old_log = tmp_path / "logs" / "old_run" / "attempt_0" / "0" / "stderr.log"
+    old_log.parent.mkdir(parents=True)
+    old_log.write_text("disttrain: done: the earlier run\n")
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in (1, 2, 3)))
+    out, err = io.StringIO(), io.StringIO()
+    console = Console(tmp_path / "logs", metrics, total=3, out=out, err=err)
+    console.pump()
+    assert out.getvalue() == err.getvalue() == ""
+    new_log = tmp_path / "logs" / "new_run" / "attempt_0" / "0" / "stderr.log"
+    new_log.parent.mkdir(parents=True)
+    new_log.write_text("this launch\n")
+    with metrics.open("w") as f:  # rank 0 starts the file again (a fresh run)
+        f.write(json.dumps({"step": 1, "loss": 5.5}) + "\n")
+    os.utime(metrics, ns=(0, 1))  # a rewrite within the clock's resolution still differs (size, mtime)
+    console.stop()
+    assert err.getvalue().splitlines()[0] == "[rank 0] this launch"
+    assert "earlier run" not in err.getvalue() and "loss 5.5" in err.getvalue() and "9.0" not in err.getvalue()
