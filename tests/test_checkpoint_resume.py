@@ -15,8 +15,8 @@ from conftest import DISTTRAIN, cli_env, processes_mentioning, read_metrics, run
 from disttrain.cli import main
 
 COMMON = ["--set", "model.n_layer=2", "--set", "model.d_model=64", "--set", "model.seq_len=32",
-          "--set", "data.global_batch_size=16", "--set", "data.micro_batch_size=4", "--set", "train.steps=60",
-          "--set", "train.eval_every=10", "--set", "train.eval_samples=32", "--set", "checkpoint.every=10",
+          "--set", "data.global_batch_size=16", "--set", "data.micro_batch_size=4", "--set", "train.steps=24",
+          "--set", "train.eval_every=4", "--set", "train.eval_samples=32", "--set", "checkpoint.every=4",
           "--set", "log.progress=false"]
 
 
@@ -33,35 +33,35 @@ def _losses(run_dir):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Straight 0->60 runs and interrupted 0->30 (+ rerun to 60) runs, on 1 process and on 2 ranks."""
+    """Straight 0->24 runs and interrupted 0->12 (+ rerun to 24) runs, on 1 process and on 2 ranks."""
     tmp = tmp_path_factory.mktemp("resume")
 
     def straight_and_resumed(name, nproc):
         _train(tmp, f"{name}_straight", nproc)
-        _train(tmp, f"{name}_resumed", nproc, "--set", "train.stop_at=30")
-        shutil.copytree(tmp / f"{name}_resumed", tmp / f"{name}_at30")  # for the elastic resumes below
+        _train(tmp, f"{name}_resumed", nproc, "--set", "train.stop_at=12")
+        shutil.copytree(tmp / f"{name}_resumed", tmp / f"{name}_at12")  # for the elastic resumes below
         result = _train(tmp, f"{name}_resumed", nproc)
-        assert "resumed from checkpoint step 30" in result.stderr
+        assert "resumed from checkpoint step 12" in result.stderr
 
     # the one-process runs go side by side with the 2-rank ones, in the core time those leave idle
     with ThreadPoolExecutor(1) as pool:
         single = pool.submit(straight_and_resumed, "single", 1)
         straight_and_resumed("ddp", 2)
         single.result()
-    _train(tmp, "fsdp_at30", 2, "--set", "train.stop_at=30", "--set", "parallel.strategy=fsdp")
-    _train(tmp, "zero1_at30", 2, "--set", "train.stop_at=30", "--set", "parallel.strategy=zero1")
+    _train(tmp, "fsdp_at12", 2, "--set", "train.stop_at=12", "--set", "parallel.strategy=fsdp")
+    _train(tmp, "zero1_at12", 2, "--set", "train.stop_at=12", "--set", "parallel.strategy=zero1")
     async_save = ["--set", "checkpoint.async_save=true"]
-    _train(tmp, "ddp_async", 2, "--set", "train.stop_at=30", *async_save)
-    assert "resumed from checkpoint step 30" in _train(tmp, "ddp_async", 2, *async_save).stderr
+    _train(tmp, "ddp_async", 2, "--set", "train.stop_at=12", *async_save)
+    assert "resumed from checkpoint step 12" in _train(tmp, "ddp_async", 2, *async_save).stderr
     fsdp_async = [*async_save, "--set", "parallel.strategy=fsdp"]
-    _train(tmp, "fsdp_async", 2, "--set", "train.stop_at=30", *fsdp_async)
-    assert "resumed from checkpoint step 30" in _train(tmp, "fsdp_async", 2, *fsdp_async).stderr
+    _train(tmp, "fsdp_async", 2, "--set", "train.stop_at=12", *fsdp_async)
+    assert "resumed from checkpoint step 12" in _train(tmp, "fsdp_async", 2, *fsdp_async).stderr
     return tmp
 
 
 def test_async_sharded_checkpoints_resume_like_an_uninterrupted_run(runs):
     """fsdp with async saves: DCP writes each rank's shards in the background on a gloo group of its own."""
-    manifest = json.loads((runs / "fsdp_async" / "checkpoints" / "step_60" / "manifest.json").read_text())
+    manifest = json.loads((runs / "fsdp_async" / "checkpoints" / "step_24" / "manifest.json").read_text())
     assert manifest["layout"] == "dcp" and manifest["world_size"] == 2
     assert _losses(runs / "fsdp_async") == pytest.approx(_losses(runs / "ddp_straight"), abs=1e-5)
 
@@ -70,44 +70,44 @@ def test_async_sharded_checkpoints_resume_like_an_uninterrupted_run(runs):
                                            ("ddp", "ddp_async")])
 def test_resume_is_bitwise_identical_to_an_uninterrupted_run(runs, name, resumed):
     straight, resumed = read_metrics(runs / f"{name}_straight"), read_metrics(runs / resumed)
-    assert [m["step"] for m in resumed] == list(range(1, 61))  # the interrupted run's lines are kept, once
+    assert [m["step"] for m in resumed] == list(range(1, 25))  # the interrupted run's lines are kept, once
     assert [m["loss"] for m in resumed] == [m["loss"] for m in straight]  # bitwise
     assert [m.get("eval_loss") for m in resumed] == [m.get("eval_loss") for m in straight]
 
 
 def test_async_checkpoint_taken_while_the_next_step_ran_resumes_exactly(runs):
-    """ddp_async's step_40 was copied in the background while step 41's forward and backward ran (the
-    optimizer step waits for the copy): resuming from it repeats steps 41..50 bitwise."""
-    name = "ddp_async_from40"
+    """ddp_async's step_16 was copied in the background while step 17's forward and backward ran (the
+    optimizer step waits for the copy): resuming from it repeats steps 17..20 bitwise."""
+    name = "ddp_async_from16"
     shutil.copytree(runs / "ddp_async", runs / name)
-    _train(runs, name, 2, "--resume", str(runs / name / "checkpoints" / "step_40"), "--set", "train.stop_at=50",
+    _train(runs, name, 2, "--resume", str(runs / name / "checkpoints" / "step_16"), "--set", "train.stop_at=20",
            "--set", "checkpoint.async_save=true")
     straight = read_metrics(runs / "ddp_straight")
-    assert [m["loss"] for m in read_metrics(runs / name)][40:50] == [m["loss"] for m in straight][40:50]
+    assert [m["loss"] for m in read_metrics(runs / name)][16:20] == [m["loss"] for m in straight][16:20]
 
 
-@pytest.mark.parametrize("saved, nproc, reference", [("ddp_at30", 1, "ddp_straight"),
-                                                     ("single_at30", 2, "single_straight")])
+@pytest.mark.parametrize("saved, nproc, reference", [("ddp_at12", 1, "ddp_straight"),
+                                                     ("single_at12", 2, "single_straight")])
 def test_resume_on_a_different_world_size_continues_the_same_stream(runs, saved, nproc, reference):
     name = f"{saved}_on{nproc}"
     shutil.copytree(runs / saved, runs / name)
     result = run_cli(["train", "--nproc", str(nproc), "--set", f"run.out_dir={runs}", "--set", f"run.name={name}",
                       *COMMON], runs)
     assert result.returncode == 0, result.stderr
-    assert "resumed from checkpoint step 30" in result.stderr
+    assert "resumed from checkpoint step 12" in result.stderr
     assert _losses(runs / name) == pytest.approx(_losses(runs / reference), abs=1e-5)
 
 
-@pytest.mark.parametrize("saved, nproc, strategy", [("fsdp_at30", 1, "fsdp"), ("ddp_at30", 2, "fsdp"),
-                                                    ("fsdp_at30", 1, "ddp"), ("zero1_at30", 1, "single"),
-                                                    ("fsdp_at30", 2, "zero1")])
+@pytest.mark.parametrize("saved, nproc, strategy", [("fsdp_at12", 1, "fsdp"), ("ddp_at12", 2, "fsdp"),
+                                                    ("fsdp_at12", 1, "ddp"), ("zero1_at12", 1, "single"),
+                                                    ("fsdp_at12", 2, "zero1")])
 def test_resume_under_another_strategy_and_world_size(runs, saved, nproc, strategy):
     """Checkpoints hold the full, strategy-independent state: fsdp@2 -> fsdp@1, ddp@2 -> fsdp@2, fsdp@2 -> ddp@1,
     zero1@2 -> single, fsdp@2 -> zero1@2."""
     name = f"{saved}_to_{strategy}{nproc}"
     shutil.copytree(runs / saved, runs / name)
     result = _train(runs, name, nproc, "--set", f"parallel.strategy={strategy}")
-    assert "resumed from checkpoint step 30" in result.stderr
+    assert "resumed from checkpoint step 12" in result.stderr
     assert _losses(runs / name) == pytest.approx(_losses(runs / "single_straight"), abs=1e-5)
 
 
@@ -176,11 +176,11 @@ def test_ckpt_list_and_export_for_inference(runs, capsys):
 
     assert main(["ckpt", "list", str(runs / "ddp_straight")]) == 0
     out = capsys.readouterr().out
-    assert "60  committed" in out and "(latest)" in out and "40  committed" in out and "step" in out
-    assert " 30  committed" not in out  # keep_last = 3: steps 40, 50, 60
+    assert "24  committed" in out and "(latest)" in out and "16  committed" in out and "step" in out
+    assert " 4  committed" not in out  # keep_last = 3: steps 16, 20, 24 (and the best eval's)
     weights = runs / "export" / "model.safetensors"
-    assert main(["ckpt", "export", str(runs / "ddp_straight" / "checkpoints" / "step_60"), str(weights)]) == 0
+    assert main(["ckpt", "export", str(runs / "ddp_straight" / "checkpoints" / "step_24"), str(weights)]) == 0
     model = build_model(load_config(runs / "ddp_straight" / "config.toml").model)
     model.load_state_dict(load_file(weights))  # strict: every name present, tied weights included
-    state = main(["ckpt", "verify", str(runs / "ddp_straight" / "checkpoints" / "step_60")])
+    state = main(["ckpt", "verify", str(runs / "ddp_straight" / "checkpoints" / "step_24")])
     assert state == 0 and isinstance(model.tok_emb.weight, torch.Tensor)

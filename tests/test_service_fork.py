@@ -43,6 +43,7 @@ def test_live_model_optimizer_and_loss_match_the_import_path_reference(tmp_path)
     out = fork_job(tmp_path, "live", str(STEPS))
     assert max(abs(a - b) for a, b in zip(out["losses"], reference, strict=True)) < 1e-5, (out["losses"], reference)
     assert all(not Path(f"/proc/{pid}").exists() for pid in out["pids"])  # forked, then reaped
+    assert out["families"] == ["AF_UNIX", "AF_UNIX"]  # each talks to the driver over its socketpair, not TCP
 
 
 def test_a_driver_whose_thread_pool_started_is_refused_in_one_line(tmp_path):

@@ -63,7 +63,9 @@ def live() -> dict:
             for batch in job.batches(steps):
                 await service.forward_backward(batch)
                 losses.append((await service.optim_step())["loss"])
-            return {"losses": losses, "pids": [w["pid"] for w in (await service.status())["workers"]]}
+            families = [h.writer.get_extra_info("socket").family.name for h in service.group.workers.values()]
+            return {"losses": losses, "pids": [w["pid"] for w in (await service.status())["workers"]],
+                    "families": families}
 
     return asyncio.run(main())
 

@@ -8,8 +8,9 @@
 `os.fork()` + `socket.socketpair()`: the child starts with a copy of the parent's memory, so a model, optimizer or
 loss function built in the driver reaches it without serialisation (copy-on-write pages, nothing pickled), and the
 two talk over the socketpair in the service's frames. The TrainingService's local backend forks its workers this
-way when it is given live objects (`as_service(model=..., optimizer=..., loss_fn=...)`, `ForkLauncher`); they then
-connect back over TCP like spawned workers, so the service speaks one wire whatever started its workers.
+way when it is given live objects (`as_service(model=..., optimizer=..., loss_fn=...)`, `ForkLauncher`); each then
+serves on its end of a socketpair in the same frames that spawned workers use over TCP, so the service speaks one
+wire whatever started its workers.
 
 Forking is refused (`ForkUnsafe`, one line) where it is unsafe: other threads in the driver (a child gets a copy of
 every lock they held, and none of the threads to release them) and CUDA initialised in the driver (a forked child

@@ -105,7 +105,10 @@ class WorkerGroup:
     async def _start(self) -> None:
         self._server = await asyncio.start_server(self._accept, self.host, 0)
         # before the store: its server thread must not exist yet when a ForkLauncher forks this process
-        await self.launcher.spawn(self.host, self.port, self._token, self.procs, self.heartbeat_s)
+        connected = await self.launcher.spawn(self.host, self.port, self._token, self.procs, self.heartbeat_s)
+        for sock in connected or ():  # forked workers: the driver's ends of their socketpairs
+            reader, writer = await asyncio.open_connection(sock=sock)
+            self._spawn_task(self._accept(reader, writer))
         # The rendezvous store of the workers' torch process group (they connect as clients, when `setup` tells
         # them its port). TCPStore binds to every interface when it opens its own port, so it gets a socket bound
         # to `host`.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,6 +35,8 @@ class LocalLauncher:
         self._logs: list[Any] = []
 
     async def spawn(self, host: str, port: int, token: str, procs: int, heartbeat_s: float) -> None:
+        """Start the workers; they connect to host:port (a launcher whose workers are connected already returns
+        the driver's ends of those connections instead)."""
         env = {**os.environ, **self.env, TOKEN_ENV: token}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH", "")]))
         for rank in range(procs):
@@ -79,7 +82,8 @@ class LocalLauncher:
 
 class ForkLauncher(LocalLauncher):
     """Workers forked from the driver (fork.py), inheriting `live` (the model, optimizer, loss function objects
-    the service was given); each connects back and serves like a spawned worker."""
+    the service was given); each gets its end of a socketpair and serves on it like a spawned worker on its TCP
+    connection (`spawn` returns the driver's ends: the group reads them as it reads accepted connections)."""
 
     name = "fork"
 
@@ -87,22 +91,38 @@ class ForkLauncher(LocalLauncher):
         super().__init__(env, log_dir)
         self.live = live
 
-    async def spawn(self, host: str, port: int, token: str, procs: int, heartbeat_s: float) -> None:
+    async def spawn(self, host: str, port: int, token: str, procs: int, heartbeat_s: float
+                    ) -> list[socket.socket]:
         from disttrain.service.fork import INHERITED, Child, fork_process
 
         INHERITED.update(self.live)  # what the children will see (and only they keep: cleared below)
+        ends: list[socket.socket] = []
         try:
             for rank in range(procs):
                 log = os.path.join(self.log_dir, f"worker{rank}.log") if self.log_dir else None
-                pid = fork_process(_serve_forked, host, port, token, rank, procs, heartbeat_s, self.env, log)
+                mine, theirs = socket.socketpair()
+                fd = theirs.detach()
+                try:  # the child keeps only its own end of every socket this process holds
+                    pid = fork_process(_serve_forked, fd, token, rank, procs, heartbeat_s, self.env, log, keep=(fd,))
+                except BaseException:
+                    mine.close()
+                    raise
+                finally:
+                    os.close(fd)
                 self.procs.append(Child(pid))
+                ends.append(mine)
+        except BaseException:
+            for end in ends:
+                end.close()
+            raise
         finally:
             INHERITED.clear()
+        return ends
 
 
-def _serve_forked(host: str, port: int, token: str, rank: int, world: int, heartbeat_s: float,
-                  env: dict[str, str], log: str | None) -> int:
-    from disttrain.service.worker import serve
+def _serve_forked(fd: int, token: str, rank: int, world: int, heartbeat_s: float, env: dict[str, str],
+                  log: str | None) -> int:
+    from disttrain.service.worker import serve_on
 
     os.environ.update(env)
     if log:
@@ -110,4 +130,4 @@ def _serve_forked(host: str, port: int, token: str, rank: int, world: int, heart
         with open(log, "ab") as out:
             os.dup2(out.fileno(), 1)
             os.dup2(out.fileno(), 2)
-    return serve(host, port, token, rank, world, heartbeat_s)
+    return serve_on(socket.socket(fileno=fd), token, rank, world, heartbeat_s)

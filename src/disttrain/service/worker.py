@@ -342,6 +342,11 @@ def serve(host: str, port: int, token: str, rank: int, world: int, heartbeat_s: 
     sock = socket.create_connection((host, port), timeout=60)
     sock.settimeout(None)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return serve_on(sock, token, rank, world, heartbeat_s)
+
+
+def serve_on(sock: socket.socket, token: str, rank: int, world: int, heartbeat_s: float = 0.5) -> int:
+    """Serve the driver on a connected socket (TCP, or a forked worker's end of a socketpair) until shutdown."""
     conn = Connection(sock)
     conn.send({"op": "hello", "rank": rank, "world": world, "token": token, "pid": os.getpid(),
                "host": socket.gethostname()})
