@@ -227,6 +227,28 @@ def test_ray_launcher_trains_like_torchrun_and_summarises_a_failure_the_same_way
     assert "as Ray actors" in result.stderr
     assert [m["loss"] for m in read_metrics(tmp_path / "ray")] == pytest.approx(reference, abs=1e-6)
     assert run_cli(["ckpt", "verify", str(tmp_path / "ray")], tmp_path).returncode == 0
+    # each rank's output in files of its own, as under torchrun, and on this terminal with its rank
+    assert "[rank 0] disttrain: done" in result.stderr
+    assert "disttrain: done" in (tmp_path / "ray" / "logs" / "ray" / "attempt_0" / "0" / "stderr.log").read_text()
+
+    # SIGTERM to the launcher reaches every rank: each finishes its step and checkpoints; the job exits 143
+    stopped = subprocess.Popen(DISTTRAIN + _job(tmp_path, "ray_stopped", 400, "--set", "checkpoint.every=1000",
+                                                "--launcher", "ray"),
+                               cwd=tmp_path, env={**cli_env(tmp_path), **ray_env, "FAULT_STEP": "0"},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    metrics, deadline = tmp_path / "ray_stopped" / "metrics.jsonl", time.monotonic() + 120
+    try:
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert stopped.poll() is None and time.monotonic() < deadline, stopped.stderr.read()[-3000:]
+            time.sleep(0.05)
+        stopped.send_signal(signal.SIGTERM)
+        err = stopped.communicate(timeout=90)[1]
+    finally:
+        if stopped.poll() is None:
+            os.killpg(stopped.pid, signal.SIGKILL)
+    assert stopped.returncode == 143 and "stopped by SIGTERM" in err, err[-3000:]
+    assert len(read_metrics(tmp_path / "ray_stopped")) < 400
+    assert "committed" in run_cli(["ckpt", "list", str(tmp_path / "ray_stopped")], tmp_path).stdout
 
     result = run_cli(_job(tmp_path, "ray_fails", 20, "--set", "checkpoint.every=5", "--launcher", "ray")
                      + ["--max-restarts", "1"], tmp_path, timeout=180,

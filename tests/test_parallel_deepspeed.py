@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from conftest import SCRIPTS, run_cli
+from conftest import SCRIPTS
+from disttrain.cli import main
 from disttrain.config import ConfigError, load_config
 from disttrain.parallel.deepspeed.config import DeepSpeedConfig
 
@@ -83,15 +84,22 @@ def test_checkpoint_resumes_across_strategies(results, variant):
     assert two[variant]["eval"]["12"] == pytest.approx(reference["eval"]["12"], abs=1e-5)
 
 
-def test_deepspeed_config_writes_the_engine_json(tmp_path):
+def deepspeed_config(args: list[str], tmp_path, monkeypatch, capsys) -> tuple[int, str]:
+    """`disttrain deepspeed-config ARGS` in this process (it starts nothing): (exit code, stderr)."""
+    monkeypatch.chdir(tmp_path)
+    code = main(["deepspeed-config", *args])
+    return code, capsys.readouterr().err
+
+
+def test_deepspeed_config_writes_the_engine_json(tmp_path, monkeypatch, capsys):
     user = tmp_path / "user.json"
     user.write_text(json.dumps({"zero_optimization": {"overlap_comm": False, "reduce_bucket_size": 1000},
                                 "train_batch_size": 32}))
     out = tmp_path / "ds.json"
-    result = run_cli(["deepspeed-config", "--nproc", "2", "--set", "parallel.deepspeed_stage=3", "--set",
-                      "parallel.cpu_offload=true", "--set", "optim.grad_clip=0.5", "--set",
-                      f"parallel.deepspeed_config={user}", "-o", str(out)], tmp_path)
-    assert result.returncode == 0, result.stderr
+    code, err = deepspeed_config(["--nproc", "2", "--set", "parallel.deepspeed_stage=3", "--set",
+                                  "parallel.cpu_offload=true", "--set", "optim.grad_clip=0.5", "--set",
+                                  f"parallel.deepspeed_config={user}", "-o", str(out)], tmp_path, monkeypatch, capsys)
+    assert code == 0, err
     ds = json.loads(out.read_text())
     assert ds["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu"},
                                        "offload_param": {"device": "cpu"}, "overlap_comm": False,
@@ -100,7 +108,7 @@ def test_deepspeed_config_writes_the_engine_json(tmp_path):
             ds["gradient_clipping"]) == (32, 8, 2, 0.5)
 
 
-def test_generated_json_caps_the_gradient_bucket_by_the_model_size(tmp_path):
+def test_generated_json_caps_the_gradient_bucket_by_the_model_size(tmp_path, monkeypatch, capsys):
     """ZeRO-1/2: one bucket of the model's size (DeepSpeed's default is 5e8 elements); ZeRO-3, which holds it
     all run: a rank's share."""
     from disttrain.models import build_model
@@ -108,9 +116,9 @@ def test_generated_json_caps_the_gradient_bucket_by_the_model_size(tmp_path):
     numel = sum(p.numel() for p in build_model(load_config(None, []).model).parameters())
     for stage, bucket in ((2, numel), (3, (numel + 1) // 2)):
         out = tmp_path / f"ds{stage}.json"
-        result = run_cli(["deepspeed-config", "--nproc", "2", "--set", f"parallel.deepspeed_stage={stage}", "-o",
-                          str(out)], tmp_path)
-        assert result.returncode == 0, result.stderr
+        code, err = deepspeed_config(["--nproc", "2", "--set", f"parallel.deepspeed_stage={stage}", "-o", str(out)],
+                                     tmp_path, monkeypatch, capsys)
+        assert code == 0, err
         assert json.loads(out.read_text())["zero_optimization"]["reduce_bucket_size"] == bucket < 500_000_000
 
 
@@ -119,11 +127,12 @@ def test_generated_json_caps_the_gradient_bucket_by_the_model_size(tmp_path):
     (["--nproc", "3"], "data.global_batch_size = 32 is not a positive multiple"),
     (["--set", "parallel.deepspeed_config=missing.json"], "file not found"),
 ])
-def test_deepspeed_config_bad_values_exit_2_in_one_line(tmp_path, args, message):
-    result = run_cli(["deepspeed-config", *args, "-o", str(tmp_path / "ds.json")], tmp_path)
-    assert result.returncode == 2
-    assert message in result.stderr and "Traceback" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+def test_deepspeed_config_bad_values_exit_2_in_one_line(tmp_path, monkeypatch, capsys, args, message):
+    code, err = deepspeed_config([*args, "-o", str(tmp_path / "ds.json")], tmp_path, monkeypatch, capsys)
+    assert code == 2
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "ds.json").exists()
 
 
 @pytest.mark.parametrize("user, message", [

@@ -41,6 +41,7 @@ def load(tmp, world: int) -> dict:
         run["params"] = {}
         for part in (tmp / str(world)).glob(f"{glob.escape(variant)}.*safetensors"):
             run["params"].update(load_file(part))
+        run["pieces"] = sorted((tmp / str(world) / "pieces").glob(f"{glob.escape(run_dir(variant))}.rank*"))
     return runs
 
 
@@ -98,6 +99,35 @@ def assert_same_training(got: dict, reference: dict, steps=slice(None)) -> None:
     assert got["params"].keys() == reference["params"].keys()
     for name, tensor in reference["params"].items():
         assert torch.allclose(got["params"][name], tensor, atol=1e-5), name
+
+
+@pytest.mark.parametrize("world, variant", [(2, "ddp+tp2+sp"), (4, "fsdp+tp2+lp"), (4, "ddp+pp2+tp2")])
+def test_weight_sync_pieces_tile_the_trained_weights(runs, world, variant):
+    """What each rank sends in a weight sync (service/weights.py `local_pieces`): under tp2 x fsdp2 FSDP shards the
+    tensor-parallel shards again (strided placements, gathered one tensor at a time). The ranks' pieces cover every
+    element of every weight exactly once, tied names point at a sent tensor, and they equal the trained weights."""
+    from safetensors import safe_open
+
+    _, multi, _ = runs
+    got = multi[world][variant]
+    assert len(got["pieces"]) == world
+    full, cover, aliases = {}, {}, {}
+    for path in got["pieces"]:
+        with safe_open(str(path), "pt") as f:
+            shapes, aliases_here = (json.loads(f.metadata()[k]) for k in ("shapes", "aliases"))
+            aliases.update(aliases_here)
+            for key in f.keys():
+                name, _, offset = key.partition("@")
+                piece, start = f.get_tensor(key), [int(o) for o in offset.split(",") if o]
+                full.setdefault(name, torch.zeros(shapes[name]))
+                cover.setdefault(name, torch.zeros(shapes[name], dtype=torch.int32))
+                where = tuple(slice(o, o + n) for o, n in zip(start, piece.shape, strict=True))
+                full[name][where] = piece
+                cover[name][where] += 1
+    assert set(full) | set(aliases) == set(got["params"]) and set(aliases.values()) <= set(full)
+    for name, tensor in full.items():
+        assert bool((cover[name] == 1).all()), f"{name}: elements sent {cover[name].unique().tolist()} times"
+        assert torch.equal(tensor, got["params"][name]), name
 
 
 @pytest.mark.parametrize("world, variant", [(2, v) for v in TWO] + [(4, v) for v in FOUR])

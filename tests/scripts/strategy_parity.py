@@ -16,7 +16,8 @@ An argument with `=` is a setting for every variant (e.g. `model.name=hf:DIR` tr
 The strategy `plain` (1 process only) is not disttrain but the plain-torch loop of
 plain_reference.py on the same job. Rank 0 writes OUT/<world>.json: {variant: {"losses": [...],
 "grad_norms": [...], "eval": {...}}} and each variant's final parameters to OUT/<world>/<variant>.safetensors
-(under a pipeline, rank 0's stage; the other ranks' in <variant>.rank<R>.safetensors).
+(under a pipeline, rank 0's stage; the other ranks' in <variant>.rank<R>.safetensors). Under tensor parallelism
+each rank also writes the pieces it would send in a weight sync to OUT/<world>/pieces/<run name>.rank<R>.safetensors.
 """
 
 import json
@@ -74,7 +75,25 @@ def train(out: Path, runtime, name: str, variant: str, extra: list[str]) -> tupl
     result = trainer.fit()
     # collectives under sharded strategies (the state dict, gathering its shards): every rank calls them
     params = {k: plain_tensor(v) for k, v in trainer.backend.state_dict()["model"].items()}
+    if "+tp" in variant and runtime.world_size > 1:  # tensor shards, and FSDP's strided shards of them
+        dump_pieces(out / str(runtime.world_size) / "pieces" / f"{name}.rank{runtime.rank}.safetensors", trainer, cfg,
+                    runtime)
     return {"losses": result.losses, "grad_norms": result.grad_norms, "eval": result.eval_losses}, params
+
+
+def dump_pieces(path: Path, trainer, cfg, runtime) -> None:
+    """What this rank sends in a weight sync (service/weights.py `local_pieces`), as `NAME@OFFSETS` tensors, with
+    the tied names (aliases) and full shapes in the file's metadata. Collective: every rank calls it."""
+    from disttrain.parallel import registry
+    from disttrain.parallel.mesh import layout_for
+    from disttrain.service.weights import local_pieces
+
+    layout = layout_for(cfg.parallel, runtime.world_size, registry.resolve(cfg.parallel.strategy, runtime.world_size))
+    pieces = local_pieces(trainer.backend.model, layout, runtime.rank)
+    tensors = {f"{p.name}@{','.join(map(str, p.offset))}": plain_tensor(p.local) for p in pieces if p.alias is None}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path, metadata={"aliases": json.dumps({p.name: p.alias for p in pieces if p.alias}),
+                                       "shapes": json.dumps({p.name: p.shape for p in pieces})})
 
 
 SETTINGS: list[str] = []
