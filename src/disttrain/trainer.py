@@ -256,6 +256,10 @@ class Trainer:
                      manifest["world_size"], runtime.world_size)
         if runtime.is_main_process():
             log.info("resumed from checkpoint step %d (%s)", state["step"], manager.path(state["step"]))
+            if self.cfg.parallel.grad_compression == "powersgd":
+                log.warning("parallel.grad_compression = 'powersgd': its error-feedback buffers are not in checkpoints "
+                            "(per rank, tied to DDP's bucket layout), so the resumed run is close to, not bitwise "
+                            "equal to, an uninterrupted one")
         return int(state["step"]), int(state["trainer"]["cursor"])
 
     def _train_step(self, backend: TrainingBackend, batches: Iterator[Any], micro_per_step: int) -> dict[str, Any]:
