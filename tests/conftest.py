@@ -58,6 +58,28 @@ def run_alongside(command: list[str], cwd: Path, launch: Callable[[], T], timeou
     return subprocess.CompletedProcess(command, proc.returncode, out, err), launched
 
 
+def free_port() -> int:
+    """A free loopback port for a server a test starts later, chosen outside the kernel's ephemeral range: a port
+    the kernel hands out (`bind(0)`, or a connection's source port) may be taken by another process between this
+    probe and the server's own bind, and a client would then talk to that process instead."""
+    import random
+    import socket
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(100):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -4,13 +4,12 @@ launch spellings torchrun users type, `train --dry-run`, `--version`, and a rend
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 
 import pytest
 
-from conftest import DISTTRAIN, cli_env, run_cli
+from conftest import DISTTRAIN, cli_env, free_port, run_cli
 from disttrain.cli import main
 from disttrain.config import ConfigError, DistConfig, from_env, load_config, to_env
 
@@ -97,17 +96,12 @@ def test_launch_runs_a_module_with_the_multi_node_flags(tmp_path):
     assert missing.returncode == 2 and "-m no_such_module_here: no such module" in missing.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.parametrize("node_rank, says", [(1, "could not be reached within 3 s"),
                                              (0, "did not complete within 3 s")])
 def test_a_rendezvous_that_cannot_complete_is_named_within_the_startup_timeout(tmp_path, node_rank, says):
     """Node 1 pointed at an endpoint nobody listens on; node 0 waiting for a node that never comes."""
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     start = time.monotonic()
     result = run_cli(["train", "--nproc", "1", "--nnodes", "2", "--node-rank", str(node_rank), "--rdzv-endpoint",
                       endpoint, "--set", "dist.startup_timeout_s=3", "--set", f"run.out_dir={tmp_path}",
@@ -119,26 +113,41 @@ def test_a_rendezvous_that_cannot_complete_is_named_within_the_startup_timeout(t
     assert "node 0 started" in last and "GLOO_SOCKET_IFNAME" in last and f"this is node {node_rank}" in last
 
 
-def test_two_nodes_given_the_same_node_rank_are_named_before_training(tmp_path):
-    """c10d's rendezvous numbers nodes by arrival, so it completes; the workers then compare the ranks the nodes
-    were given and every node ends with exit 2 naming the duplicate and the missing rank."""
-    endpoint = f"127.0.0.1:{_free_port()}"
-    args = ["train", "--nproc", "1", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint, "--set",
-            "dist.startup_timeout_s=30", "--set", f"run.out_dir={tmp_path}", "--set", "log.progress=false",
-            "--set", "train.steps=2"]
-    nodes = [subprocess.Popen(DISTTRAIN + args, cwd=tmp_path, env=cli_env(tmp_path), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True) for _ in range(2)]
+def _nodes(tmp_path, ranks: list[int], timeout_s: int) -> list[tuple[int, str]]:
+    """One `disttrain train` node (1 process) per entry of `ranks` on a loopback rendezvous: (exit code, stderr)."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    args = ["train", "--nproc", "1", "--nnodes", str(len(ranks)), "--rdzv-endpoint", endpoint, "--set",
+            f"dist.startup_timeout_s={timeout_s}", "--set", f"run.out_dir={tmp_path}", "--set", "log.progress=false",
+            "--set", "train.steps=2", "--set", "data.global_batch_size=48"]
+    nodes = [subprocess.Popen(DISTTRAIN + args + ["--node-rank", str(rank)], cwd=tmp_path, env=cli_env(tmp_path),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for rank in ranks]
     try:
-        results = [(node.wait(timeout=90), node.stderr.read()) for node in nodes]
+        return [(node.wait(timeout=90), node.stderr.read().replace(endpoint, "ENDPOINT")) for node in nodes]
     finally:
         for node in nodes:
             if node.poll() is None:
                 os.killpg(node.pid, signal.SIGKILL)
-    for code, stderr in results:
+
+
+def test_two_nodes_given_the_same_node_rank_are_named_before_training(tmp_path):
+    """Nodes 0, 1, 1: c10d numbers the nodes by arrival, so the rendezvous completes; the workers then compare
+    the ranks the nodes were given, and every node ends with exit 2 naming the duplicate and the missing rank."""
+    for code, stderr in _nodes(tmp_path, [0, 1, 1], 60):
         assert code == 2 and "Traceback" not in stderr, stderr[-2000:]
-        assert ("--node-rank 0 was given to 2 nodes" in stderr and f"rendezvous at {endpoint}" in stderr
-                and "node ranks seen 0, 0, missing 1" in stderr), stderr[-2000:]
+        assert ("--node-rank 1 was given to 2 nodes" in stderr and "rendezvous at ENDPOINT" in stderr
+                and "node ranks seen 0, 1, 1, missing 2" in stderr), stderr[-2000:]
     assert not (tmp_path / "default" / "metrics.jsonl").exists()
+
+
+def test_two_nodes_given_node_rank_0_are_named_by_the_one_that_cannot_host(tmp_path):
+    """Node 0 hosts the rendezvous store (`is_host`), so a second node 0 cannot open its port: named at once; the
+    first waits for the node that never comes until `dist.startup_timeout_s`."""
+    results = _nodes(tmp_path, [0, 0], 4)
+    assert [code for code, _ in results] == [2, 2], results
+    lines = [stderr.strip().splitlines()[-1] for _, stderr in results]
+    assert sum("node 0 could not host the rendezvous at ENDPOINT: its port is taken" in line for line in lines) == 1
+    assert sum("did not complete within 4 s" in line for line in lines) == 1, lines
 
 
 def test_a_node_rank_outside_the_nodes_is_refused_in_one_line(tmp_path):

@@ -5,7 +5,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import DISTTRAIN, cli_env, processes_mentioning, read_metrics, run_cli
+from conftest import DISTTRAIN, cli_env, free_port, processes_mentioning, read_metrics, run_cli
 
 JOB = ["--set", "model.name=tiny_models:faulty", "--set", "optim.lr=0.05", "--set", "data.global_batch_size=8",
        "--set", "data.micro_batch_size=4", "--set", "train.eval_every=0", "--set", "log.progress=false"]
@@ -23,11 +22,6 @@ def _job(tmp, name, steps=20, *extra):
     return ["train", "--nproc", "2", "--set", f"run.out_dir={tmp}", "--set", f"run.name={name}",
             "--set", f"train.steps={steps}", *JOB, *extra]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -163,25 +157,27 @@ def test_sigterm_checkpoints_exits_143_and_the_next_run_resumes(tmp_path, refere
 
 
 def test_two_nodes_on_loopback_match_one_node(tmp_path, reference):
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     nodes = [subprocess.Popen(DISTTRAIN + ["train", "--nproc", "1", "--nnodes", "2", "--node-rank", str(rank),
                                            "--rdzv-endpoint", endpoint, "--set", f"run.out_dir={tmp_path}",
                                            "--set", "run.name=multinode", "--set", "train.steps=20",
-                                           "--set", "checkpoint.every=5", *JOB],
+                                           "--set", "checkpoint.every=5", "--set", "dist.startup_timeout_s=60", *JOB],
                               cwd=tmp_path, env={**cli_env(tmp_path), "FAULT_STEP": "0"}, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, start_new_session=True) for rank in (0, 1)]
     try:
         codes = [node.wait(timeout=120) for node in nodes]
+    except subprocess.TimeoutExpired:
+        codes = None
     finally:
         for node in nodes:
             if node.poll() is None:
                 os.killpg(node.pid, signal.SIGKILL)
-    assert codes == [0, 0], [n.stderr.read()[-2000:] for n in nodes]
+    assert codes == [0, 0], [(n.returncode, n.stderr.read()[-2000:]) for n in nodes]
     assert [m["loss"] for m in read_metrics(tmp_path / "multinode")] == pytest.approx(reference, abs=1e-5)
 
 
 def _slurm_ranks(tmp_path, overrides_per_rank):
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank, overrides in enumerate(overrides_per_rank):
         env = {**cli_env(tmp_path), "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env
+from conftest import cli_env, free_port
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 TINY = """run:\n  out_dir: {out}\nmodel:\n  n_layer: 1\n  d_model: 32\n  n_head: 2\n  seq_len: 16\ndata:
@@ -20,13 +20,6 @@ def _env(tmp_path):
     bin_dir = str(Path(sys.executable).parent)
     return {**cli_env(tmp_path), "PYTHON": sys.executable, "PATH": bin_dir + os.pathsep + os.environ["PATH"]}
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(script, tmp_path, *args, name):
@@ -41,11 +34,11 @@ def _losses(run_dir: Path) -> list[float]:
 
 def test_each_script_trains_two_processes_with_the_same_losses(tmp_path):
     (tmp_path / "tiny.yaml").write_text(TINY.format(out=tmp_path))
-    single = [_run("train_dist_torchrun.sh", tmp_path, "--num_gpus", "2", "--master_port", str(_free_port()),
+    single = [_run("train_dist_torchrun.sh", tmp_path, "--num_gpus", "2", "--master_port", str(free_port()),
                    name="torchrun"),
-              _run("train_dist_launch.sh", tmp_path, "--num_gpus", "2", "--master_port", str(_free_port()),
+              _run("train_dist_launch.sh", tmp_path, "--num_gpus", "2", "--master_port", str(free_port()),
                    name="launch")]
-    port = str(_free_port())  # two nodes of one process each, on loopback; node 1 starts first
+    port = str(free_port())  # two nodes of one process each, on loopback; node 1 starts first
     nodes = [_run("train_multinode.sh", tmp_path, "--num_nodes", "2", "--node_rank", str(rank), "--master_port",
                   port, "--num_gpus", "1", name="multinode") for rank in (1, 0)]
     for proc in single + nodes:

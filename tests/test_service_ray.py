@@ -6,7 +6,6 @@ import asyncio
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,6 +14,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from conftest import free_port  # noqa: E402
 from disttrain.service import TrainingService, WorkersRestarted  # noqa: E402
 from test_service import STEPS, assert_close, job, train  # noqa: E402
 
@@ -123,11 +123,6 @@ def test_ray_actor_sigkill_restarts_from_the_checkpoint(local_ray, reference, tm
     asyncio.run(scenario())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_ray_spread_places_workers_on_two_nodes(ray_env, reference):
     """A head and a second node (`ray start`, loopback, one CPU each): SPREAD puts one worker on each."""
@@ -135,7 +130,7 @@ def test_ray_spread_places_workers_on_two_nodes(ray_env, reference):
         ray.shutdown()
     previous_mode = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "token"  # `ray start` leaves auth off unless told; the driver must agree
-    port = _free_port()
+    port = free_port()
     common = ["--num-cpus=1", "--node-ip-address=127.0.0.1", "--disable-usage-stats"]
     head = [RAY, "start", "--head", f"--port={port}", "--include-dashboard=false", f"--temp-dir={ray_env}"]
     try:

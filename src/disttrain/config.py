@@ -519,10 +519,11 @@ def dumps_toml(cfg: Config) -> str:
 
 
 def save_config(cfg: Config, path: str | os.PathLike) -> None:
-    """Write the fully resolved config atomically (temp file + rename)."""
+    """Write the fully resolved config atomically (temp file + rename). The temp file is this process's own: the
+    nodes of a multi-node job may write the same run folder (shared storage, or one machine) at the same moment."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(dumps_toml(cfg))
     os.replace(tmp, path)
 

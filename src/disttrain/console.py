@@ -36,7 +36,7 @@ class Console(threading.Thread):
         self.log_dir, self.metrics, self.out, self.err, self.poll_s = log_dir, metrics, out, err, poll_s
         self.bar = ProgressBar(total, stream=err) if metrics is not None and total > 0 else None
         # a run folder used before keeps the earlier launches' logs and metrics: what is there now is not shown
-        self._offsets: dict[Path, int] = {p: p.stat().st_size for p in _logs(log_dir)}
+        self._offsets: dict[Path, int] = {p: ident[1] for p in _logs(log_dir) if (ident := _identity(p))}
         self._partial: dict[Path, str] = {}
         self._metrics_offset = 0
         self._stale = _identity(metrics) if metrics is not None else None

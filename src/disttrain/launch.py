@@ -68,8 +68,11 @@ def torchrun_argv(plan: LaunchPlan, entry: list[str], log_dir: Path, module: boo
             "--shutdown-timeout", str(int(plan.shutdown_grace_s + 10))]
     if plan.single_node:
         argv += ["--local-addr", "127.0.0.1"]
-    else:  # a node that never joins ends the rendezvous after the start-up limit, not torchrun's 600 s
-        argv += ["--rdzv-conf", f"join_timeout={int(plan.startup_timeout_s)}"]
+    else:  # a node that never joins ends the rendezvous after the start-up limit, not torchrun's 600 s; node 0
+        # hosts the rendezvous store, the others are its clients (torchrun would guess from the host name, and
+        # on one machine every node matches it: two could each host a store and never meet)
+        host = str(plan.node_rank == 0).lower()
+        argv += ["--rdzv-conf", f"join_timeout={int(plan.startup_timeout_s)},is_host={host}"]
     return argv + (["-m"] if module else []) + entry
 
 
@@ -97,7 +100,7 @@ def launch(plan: LaunchPlan | int, entry: list[str], run_dir: Path, module: bool
 def _run_torchrun(plan: LaunchPlan, entry: list[str], run_dir: Path, module: bool, progress_total: int = 0) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousError
     from torch.distributed.run import get_args_parser, run
 
     from disttrain.monitor import Watchdog, clear_statuses, summary
@@ -123,6 +126,14 @@ def _run_torchrun(plan: LaunchPlan, entry: list[str], run_dir: Path, module: boo
     try:
         with watchdog:
             run(args)
+    except RendezvousConnectionError:
+        console.stop()
+        if plan.node_rank == 0:  # node 0 could not open the store's port
+            raise RendezvousFailed(
+                f"node 0 could not host the rendezvous at {plan.rdzv_endpoint}: its port is taken, by another node "
+                "also given --node-rank 0 or by another program; give each node its own --node-rank, or choose a "
+                "free port for --rdzv-endpoint") from None
+        raise RendezvousFailed(_rendezvous_advice(plan, "could not be reached")) from None
     except RendezvousError as exc:
         console.stop()
         raise RendezvousFailed(_rendezvous_advice(plan, f"did not complete within {plan.startup_timeout_s:g} s "
