@@ -21,12 +21,12 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
 
 from disttrain.config import Config, ray_resources
 from disttrain.console import DRAWS_ENV, Console
+from disttrain.runtime import install_stop_handler, restore_handlers
 from disttrain.service.ray_launcher import connect, place
 
 
@@ -71,9 +71,7 @@ class _Forward:
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> _Forward:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
+        self._previous = install_stop_handler(self._handle)
         return self
 
     def _handle(self, signum, frame) -> None:
@@ -81,8 +79,7 @@ class _Forward:
         self.count += 1
 
     def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        restore_handlers(self._previous)
 
 
 def launch_ray(cfg: Config, config_path: Path, max_restarts: int = 0) -> int:

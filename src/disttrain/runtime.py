@@ -260,6 +260,19 @@ class Preempted(UserError):
         return 128 + int(self.signum)
 
 
+def install_stop_handler(handler) -> dict[int, Any]:
+    """`handler` for SIGTERM and SIGINT, in the main thread only (elsewhere Python cannot install one: nothing is
+    changed); returns the handlers it replaced, for `restore_handlers`."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+def restore_handlers(previous: dict[int, Any]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
 class StopSignals:
     """SIGTERM/SIGINT ask for a graceful stop: `on_signal()` is called (the Trainer asks all ranks to stop
     after the current step and checkpoint), and if the process is still alive `grace_s` later (stuck in a
@@ -275,9 +288,7 @@ class StopSignals:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
+        self._previous = install_stop_handler(self._handle)
         return self
 
     def _handle(self, signum, frame) -> None:
@@ -290,8 +301,7 @@ class StopSignals:
         timer.start()
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        restore_handlers(self._previous)
         if isinstance(exc, Preempted) and self.signum is not None:
             exc.signum = self.signum
 
