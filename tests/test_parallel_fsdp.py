@@ -7,6 +7,7 @@ group (start-up is shared)."""
 import sys
 
 import pytest
+import torch
 
 from conftest import SCRIPTS
 
@@ -35,7 +36,9 @@ def with_ac(variant: str) -> str:
 
 
 ONE_PROCESS = ["single", "single+ac", *(f"single{o}" for o in OPTIMIZERS[1:]), *(f"plain{o}" for o in OPTIMIZERS)]
-LAUNCHED = VARIANTS + [with_ac(v) for v in VARIANTS] + OPTIONS + UNCLIPPED + COMPRESSED
+# communication metered as on CUDA (nccl's device timing; here gloo, which has none): the same numbers
+DEVICE_TIMED = ["ddp+devtimed", "ddp+gcbf16+devtimed", "fsdp+devtimed"]
+LAUNCHED = VARIANTS + [with_ac(v) for v in VARIANTS] + OPTIONS + UNCLIPPED + COMPRESSED + DEVICE_TIMED
 """Trained by conftest's `gpt_parity`, in the same two processes as test_parallel_deepspeed.py's variants."""
 
 
@@ -105,6 +108,19 @@ def test_compressed_gradients_train_close_to_exact(results, variant):
     tolerance = 0.2 if "powersgd" in variant else 0.02  # rank-1 PowerSGD of a 20-step run vs a half-precision wire
     assert got == pytest.approx(exact, abs=tolerance)
     assert got[-1] < got[0] - 1.0  # it learns (PowerSGD with many buckets on gloo would hang: it got one)
+
+
+@pytest.mark.parametrize("variant", DEVICE_TIMED)
+def test_device_timed_communication_changes_no_number(results, variant):
+    """On CUDA, DDP's all-reduce goes through comm.device_timed_hook and FSDP's collectives run asynchronously
+    (their Work kept for nccl's timing): the same training, bit for bit, and the same bytes counted."""
+    _, two = results
+    run, host_timed = two[variant], two[variant.replace("+devtimed", "")]
+    assert run["losses"] == host_timed["losses"] and run["grad_norms"] == host_timed["grad_norms"]
+    for name, tensor in host_timed["params"].items():
+        assert torch.equal(run["params"][name], tensor), name
+    assert [m["comm_bytes"] for m in run["metrics"]] == [m["comm_bytes"] for m in host_timed["metrics"]]
+    assert {m["comm_s"] for m in run["metrics"]} == {None}  # gloo times nothing on a device: not reported
 
 
 def test_in_run_cost_figures_are_recorded_per_step(results):

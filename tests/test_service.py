@@ -225,6 +225,7 @@ def test_service_ddp_matches_reference_saves_loads_and_runs_collectives(tmp_path
             assert set(weights) == set(job.GPT(job.ModelConfig(**job.MODEL)).state_dict())
             status = await service.status()
             assert status["state"] == "healthy" and [w["state"] for w in status["workers"]] == ["healthy"] * 2
+            assert status["devices"] == ["cpu", "cpu"]  # what each worker reported at setup
         finally:
             await service.shutdown()
 

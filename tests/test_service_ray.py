@@ -70,7 +70,8 @@ def test_ray_fractional_gpus_share_one_device(local_ray, reference):
         service = await start("ddp", gpus_per_worker=0.5, device="cpu")
         try:
             assert_close(await train(service, 0, 3), reference[:3])
-            assert [w["gpus"] for w in (await service.status())["workers"]] == [["0"], ["0"]]
+            status = await service.status()
+            assert [w["gpus"] for w in status["workers"]] == [["0"], ["0"]] and status["devices"] == ["cpu", "cpu"]
         finally:
             await service.shutdown()
 

@@ -4,9 +4,10 @@ slowest rank. The Trainer adds these to each `metrics.jsonl` line (docs/architec
     tflops          achieved model TFLOP/s per device: flops_per_token x tokens/s / world size
     mfu             tflops / the device's peak (`log.peak_tflops`, or the table below); null where the peak is unknown
     comm_s          seconds this rank's gradient/parameter collectives were in flight during the step (parallel/comm.py)
+                    (on CUDA: nccl's own device timing of each collective, summed)
     comm_exposed_s  the part of it the step waited for: on a CPU rank (one torch thread, gloo's own threads do the
                     communication) the time the training thread was blocked, wall time - its CPU time, capped at
-                    comm_s; the rest (comm_hidden_s) overlapped compute
+                    comm_s; the rest (comm_hidden_s) overlapped compute. Null on CUDA
     comm_bytes      bytes handed to those collectives (nccl-tests' sizes), in the dtype on the wire
     mem_peak_gib    this rank's peak memory since the previous line: CUDA max allocated, or the process's peak
                     resident set (Linux: VmHWM, reset after each reading)
@@ -135,7 +136,8 @@ class StepMeter:
             out.update(comm_s=None, comm_exposed_s=None, comm_bytes=None)
         else:
             comm_s, nbytes = self.comm.take()
-            exposed = min(comm_s, blocked) if self.device.type == "cpu" else None
+            host_timed = comm_s is not None and not self.comm.on_device  # its intervals lie on the host's clock
+            exposed = min(comm_s, blocked) if host_timed else None
             out.update(comm_s=comm_s, comm_exposed_s=exposed, comm_bytes=nbytes)
         return out
 

@@ -128,6 +128,8 @@ def init_runtime(cfg: DistConfig, environ: Mapping[str, str] | None = None, alwa
     # Collectives time out only after either watchdog limit (monitor.py): the launcher's watchdog names a
     # rank that stopped making progress, rather than racing a peer's collective timeout that names no one.
     timeout = timedelta(seconds=cfg.timeout_s + cfg.startup_timeout_s)
+    if backend == "nccl":  # nccl times each collective on the device, for comm_s (parallel/comm.py)
+        os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
     if info.world_size == 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     elif not dist.is_initialized():

@@ -57,7 +57,8 @@ def test_defaults_are_the_issues_sizes():
                                   "vocab_size": 50304}
     assert args.out == "docs/benchmarks/gpu.md" and args.compile and args.mfu_precision == "bf16-mixed"
     assert [name for name, _ in gpu.CHECKS] == ["nccl", "steps bf16-mixed", "steps fp16-mixed", "steps bf16-true",
-                                                "memory single", "memory fsdp", "cpu_offload", "mfu"]
+                                                "memory single", "memory fsdp", "comm none", "comm bf16",
+                                                "cpu_offload", "mfu"]
 
 
 @pytest.mark.parametrize("precision", ["fp16-mixed"])
@@ -68,3 +69,12 @@ def test_the_steps_check_trains_on_cpu(precision):
     [check] = gpu.run_checks([(precision, lambda a, c: gpu.check_steps(a, c, precision, size=TINY, micro=4))], args)
     assert check.passed, (check.reason, check.figures)
     assert 0 < int(check.figures["skipped steps"]) < 20 and float(check.figures["final loss scale"]) < 65536
+
+
+def test_a_rerun_keeps_the_notes_above_the_marker(tmp_path):
+    report = tmp_path / "gpu.md"
+    assert gpu.kept_notes(report) == ""  # no file yet
+    report.write_text("# old report\n| nccl | PASS |\n")
+    assert gpu.kept_notes(report) == ""  # no marker: the whole file is the report
+    report.write_text(f"# notes\nfound a bug\n{gpu.NOTES_END}\n\n# old report\n")
+    assert gpu.kept_notes(report) == f"# notes\nfound a bug\n{gpu.NOTES_END}\n\n"

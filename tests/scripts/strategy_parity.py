@@ -9,7 +9,8 @@ A variant is `strategy[+flag...][:hsdp_shard_size]`, flags: `ac` (activation che
 `tinybuckets` (parallel.bucket_cap_mb=0.01: many DDP buckets), `tpN` (parallel.tensor=N), `sp` (sequence parallel),
 `lp` (parallel.loss_parallel=true: the loss on logits split by vocabulary),
 `ppN` (parallel.pipeline=N), `gpipe` / `1f1b` / `i1f1b` / `zb` (parallel.pipeline_schedule), `layersN`
-(model.n_layer=N).
+(model.n_layer=N), `devtimed` (communication metered as on CUDA: parallel/comm.py's device-timed DDP hook and
+asynchronous FSDP collectives, here over gloo, which times nothing on a device).
 An argument with `=` is a setting for every variant (e.g. `model.name=hf:DIR` trains a Hugging Face model).
 `A>B` trains A to half of train.steps (step 10 of 20) with a checkpoint there, then resumes it under B to the end
 (its losses are steps 11-20). `variant@label` runs the variant under another name (e.g. twice, with different settings).
@@ -29,6 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from disttrain import Trainer, load_config
+from disttrain.parallel import comm
 from disttrain.runtime import exit_process, init_runtime, shutdown
 
 JOB = ["model.n_layer=2", "model.d_model=64", "model.seq_len=32", "data.global_batch_size=16",
@@ -53,7 +55,7 @@ def overrides(variant: str) -> list[str]:
     name, _, shard = variant.partition(":")
     strategy, *flags = name.split("+")
     out = [f"parallel.strategy={strategy}"]
-    for flag in flags:
+    for flag in (f for f in flags if f != "devtimed"):
         key = flag.rstrip("0123456789")
         out.append(FLAGS[key].format(flag[len(key):]))
     return out + ([f"parallel.hsdp_shard_size={shard}"] if shard else [])
@@ -71,6 +73,7 @@ def train(out: Path, runtime, name: str, variant: str, extra: list[str]) -> tupl
     if cfg.parallel.strategy == "plain":
         ref = plain_reference.from_config(cfg)
         return {"losses": ref.losses, "grad_norms": ref.grad_norms, "eval": {}}, ref.params
+    comm.meter_for = device_meter if "+devtimed" in variant else METER_FOR
     trainer = Trainer(cfg, runtime=runtime)
     result = trainer.fit()
     # collectives under sharded strategies (the state dict, gathering its shards): every rank calls them
@@ -97,6 +100,11 @@ def dump_pieces(path: Path, trainer, cfg, runtime) -> None:
 
 
 SETTINGS: list[str] = []
+METER_FOR = comm.meter_for
+
+
+def device_meter(device, compression: str = "none"):
+    return None if compression == "powersgd" else comm.CommMeter(on_device=True)
 
 
 def main() -> None:

@@ -14,15 +14,23 @@ the others still run:
     memory STRATEGY    single, fsdp (one-rank nccl group): `memory.estimate` against torch.cuda.max_memory_allocated of
                        a step of two micro-batches (gradients are held while the second one's activations are, the
                        sum the estimate counts), fp32, at a medium size; target: within 10%
+    comm COMPRESSION   ddp over a one-rank nccl group, compression none and bf16: comm_s from nccl's own timing of
+                       each all-reduce (parallel/comm.py) over 10 steps, comm_bytes against the gradients' size in the
+                       wire dtype (target: comm_s measured and positive, bytes equal)
     cpu_offload        fsdp with and without parallel.cpu_offload: the peak GPU memory of a step of each, and the saving
                        against the estimated model states (target: at least 75% of them)
-    mfu                the reference GPT at --n-layer x --d-model ... (1.3 B parameters by default), the largest
+    mfu [fsdp]         the reference GPT at --n-layer x --d-model ... (1.3 B parameters by default), the largest
                        power-of-two micro-batch whose estimate fits --memory-fraction of the device (or --micro),
                        torch.compile, flash attention forced through SDPA: tokens/s, TFLOP/s (perf.flops_per_token),
-                       MFU against perf.peak_tflops (or --peak-tflops); target >= 45%
+                       MFU against perf.peak_tflops (or --peak-tflops); target >= 45%; then the same under fsdp
+                       (a one-rank nccl group: FSDP2's wrapping and compile, no collective)
+    service ray        (SKIP without ray) two TrainingServices on a local Ray cluster sharing this GPU by fractions
+                       (training 1 x 0.5 GPU under fsdp, rollout 1 x 0.25): each rank's device, the GPU ids Ray gave,
+                       the training one's losses fall
 
-Writes the report (date, device, versions, every figure, PASS/FAIL per check) to --out and prints it; exits 1 when a
-check failed. Without a CUDA device it prints one line, writes nothing and exits 0.
+Writes the report (date, device, versions, every figure, PASS/FAIL per check) to --out, after each check (a run cut
+short keeps what it measured), and prints it; exits 1 when a check failed. Notes above the line `NOTES_END` in an
+existing --out file are kept. Without a CUDA device it prints one line, writes nothing and exits 0.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import argparse
 import datetime
 import gc
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -48,6 +57,11 @@ MEMORY_TOLERANCE = 0.10
 OFFLOAD_TARGET = 0.75
 MFU_TARGET = 0.45
 GIB = 2**30
+NOTES_END = "<!-- bench gpu: the report below is rewritten by each run -->"
+
+
+class Skipped(Exception):
+    """A check that cannot run here (an optional package is missing): reported SKIP, not FAIL."""
 
 
 @dataclass
@@ -58,7 +72,8 @@ class Check:
     passed: bool = False
     figures: dict[str, str] = field(default_factory=dict)
     reason: str = ""
-    """One line: the target, or why it failed."""
+    """One line: the target, or why it failed or was skipped."""
+    skipped: bool = False
     seconds: float = 0.0
 
 
@@ -117,16 +132,25 @@ def render(checks: list[Check], env: dict[str, str], command: str) -> str:
     lines = ["# GPU validation: the CUDA paths on one device", "", f"Command: `{command}`", "", "| | |", "|---|---|"]
     lines += [f"| {key} | {value} |" for key, value in env.items()]
     lines += ["", "| check | result | seconds | target / reason |", "|---|---|---|---|"]
-    lines += [f"| {c.name} | {'PASS' if c.passed else 'FAIL'} | {c.seconds:.1f} | {c.reason.replace('|', '/')} |"
-              for c in checks]
+    lines += [f"| {c.name} | {_result(c)} | {c.seconds:.1f} | {c.reason.replace('|', '/')} |" for c in checks]
     for c in checks:
-        lines += ["", f"## {c.name}: {'PASS' if c.passed else 'FAIL'}", ""]
+        lines += ["", f"## {c.name}: {_result(c)}", ""]
         lines += [f"- {key}: {value}" for key, value in c.figures.items()] or ["- (no figures)"]
         if c.reason:
             lines.append(f"- {'target' if c.passed else 'reason'}: {c.reason}")
-    passed = sum(c.passed for c in checks)
-    lines += ["", f"{passed} of {len(checks)} checks passed."]
+    passed, skipped = sum(c.passed for c in checks), sum(c.skipped for c in checks)
+    lines += ["", f"{passed} of {len(checks)} checks passed" + (f", {skipped} skipped." if skipped else ".")]
     return "\n".join(lines) + "\n"
+
+
+def _result(check: Check) -> str:
+    return "SKIP" if check.skipped else "PASS" if check.passed else "FAIL"
+
+
+def kept_notes(path: Path) -> str:
+    """What an existing report keeps: the notes written by hand above `NOTES_END` (and the marker), else ''."""
+    before, marker, _ = path.read_text().partition(NOTES_END) if path.is_file() else ("", "", "")
+    return before + marker + "\n\n" if marker else ""
 
 
 def one_line(exc: BaseException, limit: int = 300) -> str:
@@ -135,14 +159,18 @@ def one_line(exc: BaseException, limit: int = 300) -> str:
     return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
-def run_checks(checks: list[tuple[str, Callable]], args, release: Callable[[], None] = lambda: None) -> list[Check]:
-    """Run each `fn(args, check)` in turn; an exception makes that check FAIL with its one line, and the next runs."""
+def run_checks(checks: list[tuple[str, Callable]], args, release: Callable[[], None] = lambda: None,
+               after: Callable[[list[Check]], None] = lambda done: None) -> list[Check]:
+    """Run each `fn(args, check)` in turn; an exception makes that check FAIL with its one line, and the next runs.
+    `after(done)` is called after each check (the report is rewritten, so a run cut short keeps what it measured)."""
     done = []
     for name, fn in checks:
         check, start = Check(name), time.perf_counter()
         print(f"disttrain: bench gpu: {name} ...", file=sys.stderr, flush=True)
         try:
             fn(args, check)
+        except Skipped as exc:
+            check.skipped, check.reason = True, str(exc)
         except Exception as exc:  # every failure is a finding of the report
             check.passed, check.reason = False, one_line(exc)
         try:
@@ -151,6 +179,7 @@ def run_checks(checks: list[tuple[str, Callable]], args, release: Callable[[], N
             check.passed, check.reason = False, f"{check.reason}; then {one_line(exc)}".lstrip("; ")
         check.seconds = time.perf_counter() - start
         done.append(check)
+        after(done)
     return done
 
 
@@ -319,6 +348,38 @@ def check_memory(args, check: Check, strategy: str, size: dict[str, int] = MEDIU
                                                                               f": {ratio:.3f}")
 
 
+def check_comm(args, check: Check, compression: str, size: dict[str, int] = MEDIUM, micro: int = 4,
+               steps: int = 10) -> None:
+    """In-run communication figures on CUDA: the meter DDP's hook feeds, read as the Trainer reads it."""
+    cfg = config(size, micro, "ddp", "bf16-mixed", (f"parallel.grad_compression={compression}",))
+    backend = _backend(cfg, _runtime(args.device, group=True))
+    meter = backend.prepared.comm
+    if meter is None or not meter.on_device:
+        raise RuntimeError("ddp on CUDA made no device-timed communication meter")
+    windows = _windows(size["seq_len"])
+    _step(backend, windows, 0, micro)
+    _step(backend, windows, 1, micro)  # DDP rebuilds its buckets after the first step
+    meter.take()
+    seconds, times, nbytes = [], [], 0
+    for index in range(steps):
+        start = time.perf_counter()
+        _step(backend, windows, 2 + index, micro)
+        times.append(time.perf_counter() - start)
+        comm_s, nbytes = meter.take()
+        seconds.append(comm_s)
+    wire = 2 if compression in ("fp16", "bf16") else 4
+    expected = wire * sum(p.numel() for p in backend.model.parameters() if p.requires_grad)
+    measured = [s for s in seconds if s is not None]
+    check.figures.update({"model": _describe(size, micro) + f", bf16-mixed, ddp, grad_compression={compression}",
+                          "comm_s per step, median of 10": _ms(statistics.median(measured)) if measured else "None",
+                          "step time, median of 10": _ms(statistics.median(times)),
+                          "comm_bytes per step": f"{nbytes:,} (gradients in the wire dtype: {expected:,})",
+                          "TORCH_NCCL_ENABLE_TIMING": os.environ.get("TORCH_NCCL_ENABLE_TIMING", "unset")})
+    check.passed = len(measured) == steps and all(s > 0 for s in measured) and nbytes == expected
+    check.reason = "comm_s measured and positive every step, comm_bytes = the gradients' bytes on the wire" + (
+        "" if check.passed else f": comm_s {seconds}, bytes {nbytes} vs {expected}")
+
+
 def check_cpu_offload(args, check: Check, size: dict[str, int] = OFFLOAD, micro: int = 2) -> None:
     import torch
 
@@ -347,7 +408,7 @@ def check_cpu_offload(args, check: Check, size: dict[str, int] = OFFLOAD, micro:
         "" if check.passed else f": {saved / states:.0%}")
 
 
-def check_mfu(args, check: Check) -> None:
+def check_mfu(args, check: Check, strategy: str = "single") -> None:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -356,19 +417,22 @@ def check_mfu(args, check: Check) -> None:
 
     device, size, precision = args.device, mfu_size(args), args.mfu_precision
     budget = args.memory_fraction * torch.cuda.get_device_properties(device).total_memory
-    micro = args.micro or pick_micro_batch(size, precision, budget)
+    micro = args.micro or pick_micro_batch(size, precision, budget, strategy)
     if micro is None:
         raise RuntimeError(f"the model does not fit {_gib(budget)} (--memory-fraction {args.memory_fraction}) even "
                            "at micro-batch 1; pass a smaller --n-layer / --d-model / --seq-len")
-    cfg = config(size, micro, "single", precision)
-    backend = _backend(cfg, _runtime(device, group=False), grad_clip=1.0)  # the Trainer's clip
+    from disttrain.parallel import registry
+
+    cfg = config(size, micro, strategy, precision)
+    needs_group = registry.get(strategy).needs_group
+    backend = _backend(cfg, _runtime(device, group=needs_group), grad_clip=1.0)  # the Trainer's clip
     flops = flops_per_token(backend.model, args.seq_len)
     peak = args.peak_tflops or peak_tflops(device, precision)
-    check.figures.update({"model": _describe(size, micro) + f", {precision}, AdamW (fused), grad clip 1.0",
+    check.figures.update({"model": _describe(size, micro) + f", {strategy}, {precision}, AdamW, grad clip 1.0",
                           "parameters": f"{sum(p.numel() for p in backend.model.parameters()) / 1e9:.3f} B",
                           "training FLOPs per token": f"{flops / 1e9:.2f} GFLOP",
                           "torch.compile": str(args.compile), "attention": "SDPA, flash attention forced",
-                          "estimate total": _gib(estimate(cfg, 1, "single").total(False))})
+                          "estimate total": _gib(estimate(cfg, 1, strategy).total(False))})
     if args.compile:
         backend.model.compile()  # in place: the module keeps its class, names and forward signature
     gen = torch.Generator().manual_seed(0)
@@ -403,6 +467,62 @@ def check_mfu(args, check: Check) -> None:
     check.reason = f"MFU >= {MFU_TARGET:.0%}" + ("" if check.passed else f": {mfu:.1%}")
 
 
+def check_service(args, check: Check, size: dict[str, int] = SMALL, micro: int = 8, steps: int = 20) -> None:
+    """Two TrainingServices on Ray sharing this one GPU by fractions (training 0.5, rollout 0.25), each its own
+    placement group: the training one trains `steps` steps on the device Ray gave it; the rollout one is placed."""
+    import asyncio
+
+    try:
+        import ray
+    except ImportError:
+        raise Skipped("ray is not installed (disttrain[ray])") from None
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    with tempfile.TemporaryDirectory(prefix="dtray", dir="/tmp") as tmp:  # Ray's socket paths must be short
+        ray.init(num_cpus=4, include_dashboard=False, _temp_dir=tmp, configure_logging=False)
+        try:
+            check.figures["ray"] = f"{ray.__version__}, GPUs in the cluster: {ray.cluster_resources().get('GPU', 0):g}"
+            asyncio.run(_fractional_services(check, size, micro, steps))
+        finally:
+            ray.shutdown()
+
+
+async def _fractional_services(check: Check, size: dict[str, int], micro: int, steps: int) -> None:
+    from disttrain.service import TrainingService
+
+    def options(gpus: float):
+        return TrainingService.options(nproc=1, launcher="ray", gpus_per_worker=gpus)
+
+    model = dict(size)
+    training = await options(0.5).as_service("gpt", model_args=model, strategy="fsdp", precision="bf16-mixed",
+                                             optimizer={"lr": 1e-3, "warmup_steps": 0})
+    try:
+        rollout = await options(0.25).as_service("gpt", model_args=model)
+        try:
+            windows, losses = _windows(size["seq_len"]), []
+            start = time.perf_counter()
+            for index in range(steps):
+                await training.forward_backward(_batch(windows, index, micro))
+                losses.append((await training.optim_step())["loss"])
+            elapsed = time.perf_counter() - start
+            status = [await service.status() for service in (training, rollout)]
+        finally:
+            await rollout.shutdown()
+    finally:
+        await training.shutdown()
+    devices = [s["devices"] for s in status]
+    gpus = [[w.get("gpus") for w in s["workers"]] for s in status]
+    first, last = losses[0], statistics.mean(losses[-5:])
+    check.figures.update({"training service": f"1 x 0.5 GPU, fsdp, bf16-mixed, {_describe(size, micro)}",
+                          "rollout service": "1 x 0.25 GPU", "devices (training, rollout)": str(devices),
+                          "GPU ids Ray gave (training, rollout)": str(gpus),
+                          "losses": f"{first:.4f} -> {last:.4f} (mean of the last 5) over {steps} steps",
+                          "seconds per step (driver round trips included)": f"{elapsed / steps:.3f}"})
+    on_gpu = all(d.startswith("cuda") for group in devices for d in group)
+    check.passed = on_gpu and all(g == [["0"]] for g in gpus) and last < first - 0.5
+    check.reason = ("both services on the GPU Ray assigned (fractions of one device), the training one learns"
+                    if check.passed else f"devices {devices}, GPU ids {gpus}, losses {first:.4f} -> {last:.4f}")
+
+
 def _describe(size: dict[str, int], micro: int) -> str:
     return (f"GPT {size['n_layer']} x {size['d_model']} ({size['n_head']} heads), seq {size['seq_len']}, "
             f"vocab {size['vocab_size']}, micro-batch {micro}")
@@ -412,8 +532,11 @@ CHECKS: list[tuple[str, Callable]] = [
     ("nccl", check_nccl),
     *((f"steps {p}", partial(check_steps, precision=p)) for p in ("bf16-mixed", "fp16-mixed", "bf16-true")),
     *((f"memory {s}", partial(check_memory, strategy=s)) for s in ("single", "fsdp")),
+    *((f"comm {c}", partial(check_comm, compression=c)) for c in ("none", "bf16")),
     ("cpu_offload", check_cpu_offload),
     ("mfu", check_mfu),
+    ("mfu fsdp", partial(check_mfu, strategy="fsdp")),
+    ("service ray", check_service),
 ]
 
 
@@ -439,18 +562,21 @@ def main(argv: list[str] | None = None) -> int:
     args.device = torch.device("cuda", 0)
     torch.cuda.set_device(args.device)
     env = environment(args.device)  # before any check can leave the device broken
-    checks = run_checks(CHECKS, args, release=lambda: _release(args.device))
+    command = " ".join(["disttrain bench gpu", *(argv if argv is not None else sys.argv[1:])])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    kept = kept_notes(out)
+
+    def write(done: list[Check]) -> None:
+        out.write_text(kept + render(done, env, command))
+
+    checks = run_checks(CHECKS, args, release=lambda: _release(args.device), after=write)
     import torch.distributed as dist
 
     if dist.is_initialized():  # formed by the fsdp checks
         dist.destroy_process_group()
-    command = " ".join(["disttrain bench gpu", *(argv if argv is not None else sys.argv[1:])])
-    report = render(checks, env, command)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(report)
-    print(report)
-    return 0 if all(c.passed for c in checks) else 1
+    print(out.read_text())
+    return 0 if all(c.passed or c.skipped for c in checks) else 1
 
 
 if __name__ == "__main__":

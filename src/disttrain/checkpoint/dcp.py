@@ -75,8 +75,11 @@ def metadata_from_json(data: dict[str, Any]) -> Metadata:
 
 class JsonMetadataWriter(FileSystemWriter):
     def finish(self, metadata: Metadata, results) -> None:
-        super().finish(metadata, results)  # fills metadata.storage_data and writes the pickled .metadata
-        data = json.dumps(metadata_to_json(metadata)).encode()
+        super().finish(metadata, results)  # writes the pickled .metadata (removed below)
+        # where each item landed, from the write results themselves (torch's own finish fills
+        # metadata.storage_data in place in some releases and on a copy in others)
+        storage = {result.index: result.storage_data for per_rank in results for result in per_rank}
+        data = json.dumps(metadata_to_json(dataclasses.replace(metadata, storage_data=storage))).encode()
         path = Path(self.path)
         tmp = path / f".{METADATA}.tmp"
         with open(tmp, "wb") as f:

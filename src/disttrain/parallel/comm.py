@@ -13,8 +13,16 @@ synchronised for the measurement:
 overlapping buckets are not counted twice); `comm_bytes` is the size of the buffers handed to them, as nccl-tests
 counts sizes (all-reduce: the buffer; all-gather: the gathered output; reduce-scatter: the input), in the dtype on
 the wire. Which part the step waited for (`comm_exposed_s`) is worked out by the caller (perf.py). The step's own
-small all-reduce of the loss totals is not counted. On CUDA a collective's future completes when the work is
-queued, not done, so there `comm_s` is not reported (None): use `log.profile_steps` for a trace.
+small all-reduce of the loss totals is not counted.
+
+On CUDA a collective's future completes when the work is queued, not done, so host clocks cannot time it. There
+nccl times each collective itself with CUDA events on its own stream (`TORCH_NCCL_ENABLE_TIMING`, which
+`runtime.init_runtime` sets unless the user did): the meter keeps each collective's Work and, at `take()` (after the
+step has synchronised), sums their device durations (`Work._get_duration`). One process group's collectives run on
+one nccl stream, one after another, so the sum is the time it was busy. `comm_exposed_s` stays None on CUDA (a
+device-side overlap needs a trace: `log.profile_steps`). DDP's hooks are replaced there by `device_timed_hook`
+(the same all-reduce, with its Work in view); PowerSGD issues its all-reduces inside torch's hook, so under
+PowerSGD on CUDA comm_s is not reported (None).
 """
 
 from __future__ import annotations
@@ -37,16 +45,23 @@ class CommMeter:
     """Intervals and bytes of one rank's collectives since the last `take()`. Thread-safe: completions arrive on
     the communication library's threads."""
 
-    def __init__(self):
+    def __init__(self, on_device: bool = False):
+        self.on_device = on_device
+        """CUDA collectives: timed by nccl on the device (each one's Work kept until `take()`), not by host clocks."""
         self._lock = threading.Lock()
         self._intervals: list[tuple[float, float]] = []
+        self._works: list[Any] = []
         self._bytes = 0
 
     def timed(self, work: Any, nbytes: int, start: float) -> Any:
         """Record a collective started at `start`. `work`: a Future (returned chained: whoever waits on it wakes
-        only after the end was recorded), a Work, or None (it ran synchronously, and has ended)."""
+        only after the end was recorded), a Work, or None (it ran synchronously, and has ended). On the device,
+        a Work (kept for `take()`)."""
         with self._lock:
             self._bytes += nbytes
+            if self.on_device:
+                self._works.append(work)
+                return work
         if work is None:
             self._done(start)
             return work
@@ -67,14 +82,39 @@ class CommMeter:
     def take(self) -> tuple[float, int]:
         """(seconds with a collective in flight, bytes) since the previous call; resets both."""
         with self._lock:
-            intervals, nbytes = sorted(self._intervals), self._bytes
-            self._intervals, self._bytes = [], 0
+            intervals, works, nbytes = sorted(self._intervals), self._works, self._bytes
+            self._intervals, self._works, self._bytes = [], [], 0
+        if self.on_device:
+            return device_seconds(works), nbytes
         total, reach = 0.0, float("-inf")
         for start, end in intervals:
             if end > reach:
                 total += end - max(start, reach)
                 reach = end
         return total, nbytes
+
+
+def device_seconds(works: list[Any]) -> float | None:
+    """The summed device durations of nccl collectives (None where nccl did not time them: timing off, or a torch
+    without `Work._get_duration`)."""
+    if not works:
+        return 0.0
+    if torch.cuda.is_available() and not all(work.is_completed() for work in works):
+        torch.cuda.synchronize()  # the step has read its loss back, so this waits for little or nothing
+    try:
+        return sum(work._get_duration() for work in works) / 1e3  # milliseconds
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def meter_for(device: torch.device, compression: str = "none") -> CommMeter | None:
+    """The strategy's meter: host clocks on a CPU, nccl's own timing on CUDA (none under PowerSGD there, whose
+    all-reduces happen inside torch's hook), none on other devices."""
+    if device.type == "cpu":
+        return CommMeter()
+    if device.type == "cuda" and compression != "powersgd":
+        return CommMeter(on_device=True)
+    return None
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -126,6 +166,8 @@ def ddp_hook(compression: str, meter: CommMeter | None, powersgd_rank: int = 1):
             (lambda bucket: _nbytes(bucket.buffer()))
     if meter is None:
         return state, inner
+    if meter.on_device:
+        return None, device_timed_hook(meter, WIRE_DTYPES.get(compression))
 
     def timed_hook(state, bucket):  # no annotations: DDP compares them with the real classes (not strings)
         start = time.perf_counter()
@@ -133,6 +175,28 @@ def ddp_hook(compression: str, meter: CommMeter | None, powersgd_rank: int = 1):
         return meter.timed(inner(state, bucket), nbytes, start)
 
     return state, timed_hook
+
+
+def device_timed_hook(meter: CommMeter, wire: torch.dtype | None):
+    """torch's allreduce_hook (`wire` None) or its fp16/bf16 compression hook, with the all-reduce's Work handed to
+    `meter` (torch's hooks return only its future, which on CUDA completes before the collective does)."""
+    import torch.distributed as dist
+
+    def hook(group, bucket):
+        start = time.perf_counter()
+        group = group or dist.group.WORLD
+        buffer = bucket.buffer()
+        tensor = buffer if wire is None else buffer.to(wire)
+        tensor.div_(dist.get_world_size(group))
+        work = meter.timed(dist.all_reduce(tensor, group=group, async_op=True), _nbytes(tensor), start)
+
+        def unpack(future):
+            reduced = future.value()[0]
+            return reduced if wire is None else buffer.copy_(reduced)
+
+        return work.get_future().then(unpack)
+
+    return hook
 
 
 def single_bucket_mb(model: torch.nn.Module) -> float:
@@ -148,17 +212,25 @@ def fsdp_comms(meter: CommMeter):
     """FSDP2's default all-gather and reduce-scatter, each call recorded by `meter`."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
+    def timed(call, nbytes: int, async_op: bool):
+        # on the device, always asynchronous so that the Work is seen; waited here when the caller asked for a
+        # synchronous call (what torch does for one: the caller's stream waits for nccl's)
+        start = time.perf_counter()
+        work = meter.timed(call(async_op or meter.on_device), nbytes, start)
+        if meter.on_device and not async_op:
+            work.wait()
+            return None
+        return work
+
     class TimedAllGather(DefaultAllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            start = time.perf_counter()
-            work = super().__call__(output_tensor, input_tensor, group, async_op)
-            return meter.timed(work, _nbytes(output_tensor), start)
+            call = functools.partial(super().__call__, output_tensor, input_tensor, group)
+            return timed(call, _nbytes(output_tensor), async_op)
 
     class TimedReduceScatter(DefaultReduceScatter):
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            start = time.perf_counter()
-            work = super().__call__(output_tensor, input_tensor, group, op, async_op)
-            return meter.timed(work, _nbytes(input_tensor), start)
+            call = functools.partial(super().__call__, output_tensor, input_tensor, group, op)
+            return timed(call, _nbytes(input_tensor), async_op)
 
     return TimedAllGather(), TimedReduceScatter()
 

@@ -41,7 +41,7 @@ def apply(model, runtime, cfg, mesh=None) -> Prepared:
         static_graph=cfg.static_graph,
         find_unused_parameters=cfg.find_unused_parameters,
     )
-    meter = comm.CommMeter() if runtime.device.type == "cpu" else None
+    meter = comm.meter_for(runtime.device, cfg.grad_compression)
     if meter is not None or cfg.grad_compression != "none":
         ddp.register_comm_hook(*comm.ddp_hook(cfg.grad_compression, meter, cfg.powersgd_rank))
     return Prepared(module=ddp, model=model, no_sync=ddp.no_sync, grads_averaged_over=runtime.world_size,

@@ -54,7 +54,7 @@ def _shard(model: nn.Module, runtime, cfg, reshard_after_forward: bool,
     fully_shard(model, **kwargs)
     if cfg.fsdp_prefetch:
         _explicit_prefetch(blocks, cfg.fsdp_prefetch)
-    meter = comm.CommMeter() if device_type == "cpu" else None
+    meter = comm.meter_for(runtime.device)
     if meter is not None:
         all_gather, reduce_scatter = comm.fsdp_comms(meter)
         for module in [*blocks, model]:

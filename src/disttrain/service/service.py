@@ -208,6 +208,8 @@ class TrainingService:
         """How the ranks split the model (parallel/mesh.py): ranks of one data shard get the same slice of a batch,
         and one of them reports its loss and outputs."""
         self.group: WorkerGroup | None = None
+        self.devices: list[str] = []
+        """The device each rank trains on ("cpu", "cuda:0"), as its worker reported it at setup."""
         self.generation = 0
         self.restarts = 0
         self.step = 0
@@ -248,10 +250,11 @@ class TrainingService:
                       "generation": self.generation, "threads": threads, "local_rank": rank if local else 0,
                       "local_world_size": o.nproc if local else 1}, None) for rank in range(o.nproc)]
         try:
-            await group.all(messages)
+            replies = await group.all(messages)
         except BaseException:
             await group.close(graceful=False)
             raise
+        self.devices = [reply["device"] for reply, _ in replies]
 
     def _on_failure(self, failure: WorkerFailure) -> None:
         self.failures.append({"time": time.time(), "error": str(failure), "rank": failure.rank,
@@ -460,7 +463,7 @@ class TrainingService:
             "degraded" if self.group is not None and self.group.failure else "healthy"))
         return {"state": state, "launcher": self.options.launcher, "nproc": self.nproc, "step": self.step,
                 "generation": self.generation, "restarts": self.restarts, "failures": list(self.failures),
-                "workers": self.group.status() if self.group is not None else [],
+                "workers": self.group.status() if self.group is not None else [], "devices": self.devices,
                 "checkpoint": self._checkpoint[0] if self._checkpoint else None,
                 "options": {**asdict(self.options), "env": dict.fromkeys(self.options.env, "<set>")}}
 
