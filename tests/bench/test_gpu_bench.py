@@ -51,6 +51,16 @@ def test_a_failing_check_is_reported_and_the_others_still_run():
     assert "## b: PASS" in report and "- target: target" in report and "1 of 2 checks passed." in report
 
 
+def test_a_check_that_cannot_run_here_is_skipped_not_failed():
+    def needs_ray(args, check):
+        raise gpu.Skipped("ray is not installed (disttrain[ray])")
+
+    [check] = gpu.run_checks([("service ray", needs_ray)], None)
+    assert check.skipped and not check.passed and check.reason == "ray is not installed (disttrain[ray])"
+    report = gpu.render([check], {}, "disttrain bench gpu")
+    assert "| service ray | SKIP |" in report and "0 of 1 checks passed, 1 skipped." in report
+
+
 def test_defaults_are_the_issues_sizes():
     args = gpu._args([])
     assert gpu.mfu_size(args) == {"n_layer": 24, "d_model": 2048, "n_head": 16, "seq_len": 2048,
@@ -58,7 +68,7 @@ def test_defaults_are_the_issues_sizes():
     assert args.out == "docs/benchmarks/gpu.md" and args.compile and args.mfu_precision == "bf16-mixed"
     assert [name for name, _ in gpu.CHECKS] == ["nccl", "steps bf16-mixed", "steps fp16-mixed", "steps bf16-true",
                                                 "memory single", "memory fsdp", "comm none", "comm bf16",
-                                                "cpu_offload", "mfu"]
+                                                "cpu_offload", "mfu", "mfu fsdp", "service ray"]
 
 
 @pytest.mark.parametrize("precision", ["fp16-mixed"])
