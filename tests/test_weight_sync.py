@@ -78,7 +78,9 @@ def test_fsdp_ranks_stream_their_shards_to_two_engines_in_full_then_as_a_delta(t
         engines = []
         try:
             sync = await service.weight_sync(consumers=2, dtype="bfloat16", bucket_mb=0.02, timeout_s=60)
-            engines = [Engine(sync.endpoint, f"engine{i}") for i in range(2)]
+            # every bucket's receive buffer is recycled (a large model's are): a buffer reused before its bucket
+            # was copied out would show as wrong weights below, in the full version or the delta
+            engines = [Engine(sync.endpoint, f"engine{i}", "--recycle-from", "1") for i in range(2)]
             report = await push_while(sync, engines)
             trained = {k: v.to(torch.bfloat16) for k, v in (await service.state_dict()).items()}
             for engine in engines:

@@ -33,9 +33,10 @@ def main() -> None:
     parser.add_argument("endpoint")
     parser.add_argument("name")
     parser.add_argument("--die-at-bucket", type=int, default=0)
+    parser.add_argument("--recycle-from", type=int, default=1 << 20, help="receive buffers recycled from this size")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    receiver = WeightReceiver(args.endpoint, args.name)
+    receiver = WeightReceiver(args.endpoint, args.name, recycle_from=args.recycle_from)
     model = GPT(ModelConfig(**service_job.MODEL)).eval()
     arrived = 0
 

@@ -17,6 +17,7 @@ import json
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -149,11 +150,12 @@ class Connection:
         one buffer they then view (one copy, from the socket)."""
         return decode(*self.recv_raw())
 
-    def recv_raw(self) -> tuple[bytes, torch.Tensor]:
-        """The next frame's JSON body and payload buffer, undecoded (to checksum the payload before trusting it)."""
+    def recv_raw(self, buffer_for: Callable[[int], torch.Tensor] | None = None) -> tuple[bytes, torch.Tensor]:
+        """The next frame's JSON body and payload buffer, undecoded (to checksum the payload before trusting it).
+        `buffer_for(n)`: where the payload's n bytes go (a recycled buffer), instead of a new one."""
         json_len, payload_len = parse_prefix(self._read(PREFIX.size))
         body = self._read(json_len)
-        payload = torch.empty(payload_len, dtype=torch.uint8)
+        payload = buffer_for(payload_len) if buffer_for else torch.empty(payload_len, dtype=torch.uint8)
         view, got = memoryview(payload.numpy()), 0
         while got < payload_len:
             n = self._file.readinto(view[got:])
