@@ -67,7 +67,7 @@ def test_defaults_are_the_issues_sizes():
                                   "vocab_size": 50304}
     assert args.out == "docs/benchmarks/gpu.md" and args.compile and args.mfu_precision == "bf16-mixed"
     assert [name for name, _ in gpu.CHECKS] == ["nccl", "steps bf16-mixed", "steps fp16-mixed", "steps bf16-true",
-                                                "memory single", "memory fsdp", "comm none", "comm bf16",
+                                                "memory single", "memory fsdp", "comm none", "comm bf16", "comm fsdp",
                                                 "cpu_offload", "mfu", "mfu fsdp", "service ray"]
 
 

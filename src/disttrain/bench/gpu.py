@@ -17,6 +17,8 @@ the others still run:
     comm COMPRESSION   ddp over a one-rank nccl group, compression none and bf16: comm_s from nccl's own timing of
                        each all-reduce (parallel/comm.py) over 10 steps, comm_bytes against the gradients' size in the
                        wire dtype (target: comm_s measured and positive, bytes equal)
+    comm fsdp          FSDP2's all-gather (async) and reduce-scatter (sync) wrappers called directly on a one-rank nccl
+                       group: both timed on the device, bytes counted, finished collectives drained before take()
     cpu_offload        fsdp with and without parallel.cpu_offload: the peak GPU memory of a step of each, and the saving
                        against the estimated model states (target: at least 75% of them)
     mfu [fsdp]         the reference GPT at --n-layer x --d-model ... (1.3 B parameters by default), the largest
@@ -380,6 +382,39 @@ def check_comm(args, check: Check, compression: str, size: dict[str, int] = MEDI
         "" if check.passed else f": comm_s {seconds}, bytes {nbytes} vs {expected}")
 
 
+def check_fsdp_comm(args, check: Check, calls: int = 50) -> None:
+    """FSDP2's collectives as FSDP2 calls them, timed on the device (FSDP2 issues none at world size 1, so the
+    strategy's own steps cannot show this): an asynchronous all-gather (nccl's timing of its Work) and a
+    synchronous reduce-scatter (CUDA events around it on the caller's stream), `calls` of each with no `take()`
+    between them (finished collectives are drained, not held), then one `take()`."""
+    import torch
+    import torch.distributed as dist
+
+    from disttrain.parallel.comm import CommMeter, fsdp_comms
+
+    _runtime(args.device, group=True)
+    meter = CommMeter(on_device=True)
+    all_gather, reduce_scatter = fsdp_comms(meter)
+    x = torch.randn(2**24, device=args.device)  # 64 MiB of float32
+    gathered, reduced = torch.empty_like(x), torch.empty_like(x)
+    held = 0
+    for _ in range(calls):
+        all_gather(gathered, x, dist.group.WORLD, async_op=True).wait()
+        reduce_scatter(reduced, x, dist.group.WORLD, dist.ReduceOp.SUM, async_op=False)
+        held = max(held, len(meter._pending))
+    seconds, nbytes = meter.take()
+    check.figures.update({"collectives": f"{calls} all-gathers (async) + {calls} reduce-scatters (sync) of 64 MiB, "
+                                         "one rank",
+                          "comm_s": _ms(seconds) if seconds is not None else "None",
+                          "comm_bytes": f"{nbytes:,} (expected {2 * calls * x.numel() * 4:,})",
+                          "most collectives held at once before take()": str(held),
+                          "reduce-scatter result": "equal to its input" if torch.equal(reduced, x) else "WRONG"})
+    check.passed = (seconds is not None and seconds > 0 and nbytes == 2 * calls * x.numel() * 4 and held <= 4
+                    and torch.equal(reduced, x))
+    check.reason = ("both kinds timed, bytes counted, finished collectives drained (at most 4 held), results right"
+                    if check.passed else f"comm_s {seconds}, bytes {nbytes}, held {held}")
+
+
 def check_cpu_offload(args, check: Check, size: dict[str, int] = OFFLOAD, micro: int = 2) -> None:
     import torch
 
@@ -518,7 +553,8 @@ async def _fractional_services(check: Check, size: dict[str, int], micro: int, s
                           "losses": f"{first:.4f} -> {last:.4f} (mean of the last 5) over {steps} steps",
                           "seconds per step (driver round trips included)": f"{elapsed / steps:.3f}"})
     on_gpu = all(d.startswith("cuda") for group in devices for d in group)
-    check.passed = on_gpu and all(g == [["0"]] for g in gpus) and last < first - 0.5
+    shared = len({ids[0] for group in gpus for ids in group if len(ids) == 1}) == 1  # one GPU id, both services
+    check.passed = on_gpu and shared and all(len(ids) == 1 for group in gpus for ids in group) and last < first - 0.5
     check.reason = ("both services on the GPU Ray assigned (fractions of one device), the training one learns"
                     if check.passed else f"devices {devices}, GPU ids {gpus}, losses {first:.4f} -> {last:.4f}")
 
@@ -533,6 +569,7 @@ CHECKS: list[tuple[str, Callable]] = [
     *((f"steps {p}", partial(check_steps, precision=p)) for p in ("bf16-mixed", "fp16-mixed", "bf16-true")),
     *((f"memory {s}", partial(check_memory, strategy=s)) for s in ("single", "fsdp")),
     *((f"comm {c}", partial(check_comm, compression=c)) for c in ("none", "bf16")),
+    ("comm fsdp", check_fsdp_comm),
     ("cpu_offload", check_cpu_offload),
     ("mfu", check_mfu),
     ("mfu fsdp", partial(check_mfu, strategy="fsdp")),

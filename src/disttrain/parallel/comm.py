@@ -16,13 +16,17 @@ the wire. Which part the step waited for (`comm_exposed_s`) is worked out by the
 small all-reduce of the loss totals is not counted.
 
 On CUDA a collective's future completes when the work is queued, not done, so host clocks cannot time it. There
-nccl times each collective itself with CUDA events on its own stream (`TORCH_NCCL_ENABLE_TIMING`, which
-`runtime.init_runtime` sets unless the user did): the meter keeps each collective's Work and, at `take()` (after the
-step has synchronised), sums their device durations (`Work._get_duration`). One process group's collectives run on
-one nccl stream, one after another, so the sum is the time it was busy. `comm_exposed_s` stays None on CUDA (a
-device-side overlap needs a trace: `log.profile_steps`). DDP's hooks are replaced there by `device_timed_hook`
-(the same all-reduce, with its Work in view); PowerSGD issues its all-reduces inside torch's hook, so under
-PowerSGD on CUDA comm_s is not reported (None).
+the device times it: an asynchronous collective by nccl itself, with CUDA events on its own stream
+(`TORCH_NCCL_ENABLE_TIMING`, which `runtime.init_runtime` sets unless the user did; read as `Work._get_duration`);
+a synchronous one (FSDP2's reduce-scatter) by two CUDA events around the call on the caller's stream, which the call
+holds until the collective is done. The meter keeps a collective until it has completed, then only its duration
+(collectives are drained as new ones arrive and at `take()`, so nothing piles up where no one calls `take()`), and
+`comm_s` is the sum of the durations (one process group's collectives run one after another). `comm_exposed_s`
+stays None on CUDA (a device-side overlap needs a trace: `log.profile_steps`). DDP's hooks are replaced there by
+`device_timed_hook` (torch's allreduce / fp16 / bf16 hooks with the Work in view: the same division and
+all-reduce; this is also the path of `none` on a CPU, where DDP's built-in reducer is replaced by torch's
+allreduce_hook); PowerSGD issues its all-reduces inside torch's hook, so under PowerSGD on CUDA comm_s is not
+reported (None).
 """
 
 from __future__ import annotations
@@ -47,21 +51,23 @@ class CommMeter:
 
     def __init__(self, on_device: bool = False):
         self.on_device = on_device
-        """CUDA collectives: timed by nccl on the device (each one's Work kept until `take()`), not by host clocks."""
+        """CUDA collectives: timed on the device (`_Timing`), not by host clocks."""
         self._lock = threading.Lock()
         self._intervals: list[tuple[float, float]] = []
-        self._works: list[Any] = []
+        self._pending: list[_Timing] = []
+        self._device_s: float | None = 0.0
         self._bytes = 0
 
     def timed(self, work: Any, nbytes: int, start: float) -> Any:
         """Record a collective started at `start`. `work`: a Future (returned chained: whoever waits on it wakes
         only after the end was recorded), a Work, or None (it ran synchronously, and has ended). On the device,
-        a Work (kept for `take()`)."""
+        a Work (nccl's timing) or a `_Timing` of events."""
         with self._lock:
             self._bytes += nbytes
             if self.on_device:
-                self._works.append(work)
-                return work
+                self._pending.append(work if isinstance(work, _Timing) else _Timing(work))
+                self._drain(wait=False)
+                return None if isinstance(work, _Timing) else work
         if work is None:
             self._done(start)
             return work
@@ -74,18 +80,34 @@ class CommMeter:
         work.get_future().add_done_callback(lambda _: self._done(start))
         return work
 
+    def _drain(self, wait: bool) -> None:
+        """Turn completed device collectives into seconds (all of them with `wait`); caller holds the lock."""
+        if wait and self._pending and torch.cuda.is_available():
+            torch.cuda.synchronize()  # the step has read its loss back, so this waits for little or nothing
+        keep = []
+        for timing in self._pending:
+            if not wait and not timing.done():
+                keep.append(timing)
+                continue
+            seconds = timing.seconds()  # None for one still running after the wait: not timed, not guessed
+            self._device_s = None if seconds is None or self._device_s is None else self._device_s + seconds
+        self._pending = keep
+
     def _done(self, start: float) -> None:
         end = time.perf_counter()
         with self._lock:
             self._intervals.append((start, end))
 
-    def take(self) -> tuple[float, int]:
-        """(seconds with a collective in flight, bytes) since the previous call; resets both."""
+    def take(self) -> tuple[float | None, int]:
+        """(seconds with a collective in flight, bytes) since the previous call; resets both. On the device the
+        seconds are None where a collective could not be timed (nccl's timing off, or gloo)."""
         with self._lock:
-            intervals, works, nbytes = sorted(self._intervals), self._works, self._bytes
-            self._intervals, self._works, self._bytes = [], [], 0
-        if self.on_device:
-            return device_seconds(works), nbytes
+            intervals, nbytes = sorted(self._intervals), self._bytes
+            self._intervals, self._bytes = [], 0
+            if self.on_device:
+                self._drain(wait=True)
+                device_s, self._device_s = self._device_s, 0.0
+                return device_s, nbytes
         total, reach = 0.0, float("-inf")
         for start, end in intervals:
             if end > reach:
@@ -94,17 +116,36 @@ class CommMeter:
         return total, nbytes
 
 
-def device_seconds(works: list[Any]) -> float | None:
-    """The summed device durations of nccl collectives (None where nccl did not time them: timing off, or a torch
-    without `Work._get_duration`)."""
-    if not works:
-        return 0.0
-    if torch.cuda.is_available() and not all(work.is_completed() for work in works):
-        torch.cuda.synchronize()  # the step has read its loss back, so this waits for little or nothing
-    try:
-        return sum(work._get_duration() for work in works) / 1e3  # milliseconds
-    except (AttributeError, RuntimeError, ValueError):
-        return None
+class _Timing:
+    """One collective timed on the device: by its Work (nccl's own events), or by two CUDA events around a
+    synchronous call (`events()`); without a device (gloo, in tests) a synchronous call has no timing (None)."""
+
+    def __init__(self, work: Any = None, begin: Any = None, end: Any = None):
+        self.work, self.begin, self.end = work, begin, end
+
+    @staticmethod
+    def around(call):
+        """(call's result, its timing): the call runs between two events recorded on the current stream."""
+        if not torch.cuda.is_available():
+            return call(), _Timing()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        result = call()
+        end.record()
+        return result, _Timing(begin=begin, end=end)
+
+    def done(self) -> bool:
+        if self.work is not None:
+            return self.work.is_completed()
+        return self.end is None or self.end.query()
+
+    def seconds(self) -> float | None:
+        try:
+            if self.work is not None:
+                return self.work._get_duration() / 1e3  # milliseconds
+            return self.begin.elapsed_time(self.end) / 1e3 if self.end is not None else None
+        except (AttributeError, RuntimeError, ValueError):  # timing off, or a backend that does not time
+            return None
 
 
 def meter_for(device: torch.device, compression: str = "none") -> CommMeter | None:
@@ -213,14 +254,12 @@ def fsdp_comms(meter: CommMeter):
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
     def timed(call, nbytes: int, async_op: bool):
-        # on the device, always asynchronous so that the Work is seen; waited here when the caller asked for a
-        # synchronous call (what torch does for one: the caller's stream waits for nccl's)
         start = time.perf_counter()
-        work = meter.timed(call(async_op or meter.on_device), nbytes, start)
-        if meter.on_device and not async_op:
-            work.wait()
-            return None
-        return work
+        if meter.on_device and not async_op:  # a synchronous call holds the caller's stream until it is done
+            result, timing = _Timing.around(functools.partial(call, False))
+            meter.timed(timing, nbytes, start)
+            return result
+        return meter.timed(call(async_op), nbytes, start)
 
     class TimedAllGather(DefaultAllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):

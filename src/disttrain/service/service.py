@@ -474,6 +474,7 @@ class TrainingService:
         if self.group is not None:
             await self.group.close(graceful=self.group.failure is None and self._failed is None)
             self.group = None
+            self.devices = []
 
     async def __aenter__(self) -> TrainingService:
         return self
