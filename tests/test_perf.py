@@ -82,6 +82,34 @@ def test_comm_meter_counts_overlapping_collectives_once():
     assert meter.take() == (0.0, 0)
 
 
+class _DeviceWork:
+    """What the meter reads of a CUDA collective's Work: whether it finished, and nccl's duration (ms)."""
+
+    def __init__(self, ms: float, finished: bool = True):
+        self.ms, self.finished = ms, finished
+
+    def is_completed(self) -> bool:
+        return self.finished
+
+    def _get_duration(self) -> float:
+        if not self.finished:
+            raise RuntimeError("the work has not completed")
+        return self.ms
+
+
+def test_device_meter_holds_only_unfinished_collectives_and_sums_their_durations():
+    meter = CommMeter(on_device=True)
+    for _ in range(100):  # no take() between them, as in a loop that never reads the figures
+        meter.timed(_DeviceWork(2.0), 10, 0.0)
+        assert len(meter._pending) <= 1  # each finished one is turned into seconds as the next arrives
+    seconds, nbytes = meter.take()
+    assert seconds == pytest.approx(0.2) and nbytes == 1000
+    meter.timed(_DeviceWork(1.0), 4, 0.0)
+    meter.timed(_DeviceWork(1.0, finished=False), 4, 0.0)  # still running when the step is read: not guessed
+    assert meter.take() == (None, 8)
+    assert meter.take() == (0.0, 0)  # the next step starts from zero
+
+
 def test_mfu_needs_a_peak_and_uses_the_given_one():
     model = GPT(ModelConfig(n_layer=1, n_head=2, d_model=32, seq_len=16))
     cpu = torch.device("cpu")
