@@ -101,7 +101,7 @@ def test_device_meter_holds_only_unfinished_collectives_and_sums_their_durations
     meter = CommMeter(on_device=True)
     for _ in range(100):  # no take() between them, as in a loop that never reads the figures
         meter.timed(_DeviceWork(2.0), 10, 0.0)
-        assert len(meter._pending) <= 1  # each finished one is turned into seconds as the next arrives
+        assert meter.in_flight() <= 1  # each finished one is turned into seconds as the next arrives
     seconds, nbytes = meter.take()
     assert seconds == pytest.approx(0.2) and nbytes == 1000
     meter.timed(_DeviceWork(1.0), 4, 0.0)

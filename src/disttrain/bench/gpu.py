@@ -401,7 +401,7 @@ def check_fsdp_comm(args, check: Check, calls: int = 50) -> None:
     for _ in range(calls):
         all_gather(gathered, x, dist.group.WORLD, async_op=True).wait()
         reduce_scatter(reduced, x, dist.group.WORLD, dist.ReduceOp.SUM, async_op=False)
-        held = max(held, len(meter._pending))
+        held = max(held, meter.in_flight())
     seconds, nbytes = meter.take()
     check.figures.update({"collectives": f"{calls} all-gathers (async) + {calls} reduce-scatters (sync) of 64 MiB, "
                                          "one rank",

@@ -80,6 +80,11 @@ class CommMeter:
         work.get_future().add_done_callback(lambda _: self._done(start))
         return work
 
+    def in_flight(self) -> int:
+        """Device collectives not finished when last looked at (all that the meter holds)."""
+        with self._lock:
+            return len(self._pending)
+
     def _drain(self, wait: bool) -> None:
         """Turn completed device collectives into seconds (all of them with `wait`); caller holds the lock."""
         if wait and self._pending and torch.cuda.is_available():
@@ -141,7 +146,7 @@ class _Timing:
 
     def seconds(self) -> float | None:
         try:
-            if self.work is not None:
+            if self.work is not None:  # nccl's own start/end events (private API: no public one reads them)
                 return self.work._get_duration() / 1e3  # milliseconds
             return self.begin.elapsed_time(self.end) / 1e3 if self.end is not None else None
         except (AttributeError, RuntimeError, ValueError):  # timing off, or a backend that does not time

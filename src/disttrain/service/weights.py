@@ -472,6 +472,7 @@ class WeightReceiver:
             try:
                 message, tensors = decode(body, payload)
             except WireError as exc:
+                self._buffers.give_back(payload)
                 problem = problem or f"rank {rank} sent a malformed frame ({exc})"
                 continue
             op = message.get("op")
@@ -492,12 +493,12 @@ class WeightReceiver:
                         _assemble(staging, covered, message["pieces"], tensors, self._spare, aliases)
                     except (KeyError, RuntimeError, ValueError) as exc:
                         problem = f"bucket {message.get('index')} from rank {rank} does not fit ({exc})"
-                del tensors  # copied into staging: the payload's buffer can take the next bucket
-                self._buffers.give_back(payload)
                 if on_bucket is not None:
                     on_bucket(rank, message.get("index"))
             elif op == "end":
                 ended[rank] = int(message.get("buckets", 0))
+            del tensors  # copied into staging: the payload's buffer can take the next bucket
+            self._buffers.give_back(payload)
         if problem is None:
             missing = [n for n, t in (staging or {}).items() if n in covered and sum(covered[n].values()) != t.numel()]
             missing += [n for n, target in aliases.items() if target not in covered]
@@ -536,22 +537,24 @@ class _BufferPool:
     most `keep` wait."""
 
     def __init__(self, large: int, keep: int = 4):
-        self.large, self.keep, self._free, self._lock = max(large, 1), keep, [], threading.Lock()
+        self.large, self.keep, self._lock = max(large, 1), keep, threading.Lock()
+        self._free: list[torch.Tensor] = []
+        self._lent: dict[int, torch.Tensor] = {}  # by address: the whole buffer behind each payload handed out
 
     def take(self, n: int) -> torch.Tensor:
-        if n >= self.large:
-            with self._lock:
-                for i, buffer in enumerate(self._free):
-                    if buffer.numel() >= n:
-                        return self._free.pop(i)[:n]
-        return torch.empty(n, dtype=torch.uint8)
+        if n < self.large:
+            return torch.empty(n, dtype=torch.uint8)
+        with self._lock:
+            fits = next((i for i, buffer in enumerate(self._free) if buffer.numel() >= n), None)
+            buffer = self._free.pop(fits) if fits is not None else torch.empty(n, dtype=torch.uint8)
+            self._lent[buffer.data_ptr()] = buffer
+        return buffer[:n]
 
     def give_back(self, payload: torch.Tensor) -> None:
-        base = payload if payload._base is None else payload._base
-        if base.numel() >= self.large:
-            with self._lock:
-                if len(self._free) < self.keep:
-                    self._free.append(base)
+        with self._lock:
+            buffer = self._lent.pop(payload.data_ptr(), None)
+            if buffer is not None and len(self._free) < self.keep:
+                self._free.append(buffer)
 
 
 def _reuse(spare: dict[str, torch.Tensor], name: str, like: torch.Tensor) -> torch.Tensor:
