@@ -123,7 +123,7 @@ class CommMeter:
 
 class _Timing:
     """One collective timed on the device: by its Work (nccl's own events), or by two CUDA events around a
-    synchronous call (`events()`); without a device (gloo, in tests) a synchronous call has no timing (None)."""
+    synchronous call (`around`); without a device (gloo, in tests) a synchronous call has no timing (None)."""
 
     def __init__(self, work: Any = None, begin: Any = None, end: Any = None):
         self.work, self.begin, self.end = work, begin, end
