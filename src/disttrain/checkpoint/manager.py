@@ -316,8 +316,9 @@ class CheckpointManager:
                                             skeleton))
             elif self.rank == 0:
                 files.update(write_state(path, "state", state))
-            write_bytes(path / f"files_rank{self.rank}.json",
-                        json.dumps({k: vars(v) for k, v in files.items()}).encode())
+            # atomically: rank 0 polls for this file during async saves and must never read it half written
+            listing = json.dumps({k: vars(v) for k, v in files.items()}).encode()
+            atomic_write(path / f"files_rank{self.rank}.json", listing)
         except OSError as exc:
             error = CheckpointError(_describe_os_error(exc, path))
             if not collective:  # tell rank 0 now rather than let it wait for the timeout
@@ -544,7 +545,7 @@ def _describe_os_error(exc: OSError, path: Path) -> str:
 
 def _try_write(path: Path, data: bytes) -> None:
     try:
-        write_bytes(path, data)
+        atomic_write(path, data)
     except OSError:
         pass  # the disk is what failed; rank 0 will time out and say so
 
