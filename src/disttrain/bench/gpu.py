@@ -369,7 +369,9 @@ def check_comm(args, check: Check, compression: str, size: dict[str, int] = MEDI
         times.append(time.perf_counter() - start)
         comm_s, nbytes = meter.take()
         seconds.append(comm_s)
-    wire = 2 if compression in ("fp16", "bf16") else 4
+    from disttrain.parallel.comm import WIRE_DTYPES
+
+    wire = WIRE_DTYPES[compression].itemsize if compression in WIRE_DTYPES else 4  # fp32 gradients otherwise
     expected = wire * sum(p.numel() for p in backend.model.parameters() if p.requires_grad)
     measured = [s for s in seconds if s is not None]
     check.figures.update({"model": _describe(size, micro) + f", bf16-mixed, ddp, grad_compression={compression}",
@@ -397,7 +399,7 @@ def check_fsdp_comm(args, check: Check, calls: int = 50) -> None:
     all_gather, reduce_scatter = fsdp_comms(meter)
     x = torch.randn(2**24, device=args.device)  # 64 MiB of float32
     gathered, reduced = torch.empty_like(x), torch.empty_like(x)
-    held = 0
+    expected, held = 2 * calls * x.numel() * x.element_size(), 0
     for _ in range(calls):
         all_gather(gathered, x, dist.group.WORLD, async_op=True).wait()
         reduce_scatter(reduced, x, dist.group.WORLD, dist.ReduceOp.SUM, async_op=False)
@@ -406,10 +408,10 @@ def check_fsdp_comm(args, check: Check, calls: int = 50) -> None:
     check.figures.update({"collectives": f"{calls} all-gathers (async) + {calls} reduce-scatters (sync) of 64 MiB, "
                                          "one rank",
                           "comm_s": _ms(seconds) if seconds is not None else "None",
-                          "comm_bytes": f"{nbytes:,} (expected {2 * calls * x.numel() * 4:,})",
+                          "comm_bytes": f"{nbytes:,} (expected {expected:,})",
                           "most collectives held at once before take()": str(held),
                           "reduce-scatter result": "equal to its input" if torch.equal(reduced, x) else "WRONG"})
-    check.passed = (seconds is not None and seconds > 0 and nbytes == 2 * calls * x.numel() * 4 and held <= 4
+    check.passed = (seconds is not None and seconds > 0 and nbytes == expected and held <= 4
                     and torch.equal(reduced, x))
     check.reason = ("both kinds timed, bytes counted, finished collectives drained (at most 4 held), results right"
                     if check.passed else f"comm_s {seconds}, bytes {nbytes}, held {held}")
