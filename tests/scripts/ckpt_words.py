@@ -17,7 +17,7 @@ from torch.distributed.fsdp import fully_shard
 
 from disttrain.checkpoint import CheckpointError, CheckpointManager
 from disttrain.config import CheckpointConfig, DistConfig
-from disttrain.runtime import init_runtime
+from disttrain.runtime import exit_process, init_runtime, shutdown
 
 
 def build():
@@ -66,7 +66,9 @@ def main() -> None:
     dist.barrier()
     if runtime.rank == 0:
         out.write_text(json.dumps(result))
-    dist.destroy_process_group()
+    del model, optimizer, fresh, fresh_opt
+    shutdown(runtime)
+    exit_process(0)  # (gloo's threads abort a normal interpreter exit now and then: runtime.exit_process)
 
 
 if __name__ == "__main__":
