@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -29,9 +33,15 @@ def cli_env(tmp_path: Path) -> dict[str, str]:
 def run_cli(args: list[str], tmp_path: Path, timeout: float = 120, env: dict | None = None
             ) -> subprocess.CompletedProcess:
     """`disttrain ARGS` in `tmp_path`; if it outlives `timeout` seconds its whole process group (workers
-    included) is killed and the test fails."""
-    proc = subprocess.Popen(DISTTRAIN + args, cwd=tmp_path, env={**cli_env(tmp_path), **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    included) is killed and the test fails. The command's process is forked from the session's preloaded CLI
+    server (cli_server.py: it skips the ~2 s import of torch) unless DISTTRAIN_TEST_FORK=0."""
+    env = {**cli_env(tmp_path), **(env or {})}
+    if os.environ.get("DISTTRAIN_TEST_FORK", "1") != "0":
+        done = _server().run(args, tmp_path, env, timeout)
+        if done is not None:
+            return done
+    proc = subprocess.Popen(DISTTRAIN + args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -39,6 +49,101 @@ def run_cli(args: list[str], tmp_path: Path, timeout: float = 120, env: dict | N
         out, err = proc.communicate()
         raise AssertionError(f"disttrain {' '.join(args)} ran over {timeout}s; stderr tail:\n{err[-3000:]}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+class CliServer:
+    """The client of cli_server.py: one server per test session, started on the first command."""
+
+    def __init__(self) -> None:
+        import tempfile
+
+        self.dir = Path(tempfile.mkdtemp(prefix="dt-cli-", dir="/tmp"))  # short: an AF_UNIX path has ~100 bytes
+        self.socket = str(self.dir / "socket")
+        self.count = 0
+        self.lock = threading.Lock()
+        with open(self.dir / "server.log", "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "cli_server.py"), self.socket],
+                                         cwd=self.dir, env=cli_env(self.dir), stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=log)
+
+    def close(self) -> None:
+        import shutil
+
+        self.proc.kill()
+        self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _connect(self) -> socket.socket:
+        deadline = time.monotonic() + 120
+        while True:
+            conn = socket.socket(socket.AF_UNIX)
+            try:
+                conn.connect(self.socket)
+                return conn
+            except (FileNotFoundError, ConnectionRefusedError):
+                conn.close()
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    log = (self.dir / "server.log").read_text()[-2000:]
+                    raise RuntimeError(f"cli_server.py did not start: {log}") from None
+                time.sleep(0.05)
+
+    def run(self, args: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess | None:
+        with self.lock:
+            self.count += 1
+            n = self.count
+        out, err = self.dir / f"{n}.out", self.dir / f"{n}.err"
+        request = {"args": args, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
+        with self._connect() as conn:
+            conn.sendall(json.dumps(request).encode() + b"\n")
+            lines = _Lines(conn)
+            answer = lines.next(60)
+            if "pid" not in answer:  # (the server cannot fork safely: run as a plain subprocess)
+                return None
+            try:
+                code = lines.next(timeout)["code"]
+            except TimeoutError:
+                os.killpg(answer["pid"], signal.SIGKILL)
+                lines.next(60)
+                tail = err.read_text(errors="replace")[-3000:]
+                raise AssertionError(f"disttrain {' '.join(args)} ran over {timeout}s; stderr tail:\n{tail}") from None
+        texts = []
+        for path in (out, err):
+            texts.append(path.read_text(errors="replace"))
+            path.unlink()
+        return subprocess.CompletedProcess(DISTTRAIN + args, code, *texts)
+
+
+class _Lines:
+    """JSON lines from a socket, each within its own timeout."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn, self.buffer = conn, b""
+
+    def next(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            self.conn.settimeout(left)
+            chunk = self.conn.recv(65536)  # (TimeoutError past the deadline)
+            if not chunk:
+                raise RuntimeError("cli_server.py closed the connection (did it die? see its server.log)")
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return json.loads(line)
+
+
+_SERVER: list[CliServer] = []
+_SERVER_LOCK = threading.Lock()
+
+
+def _server() -> CliServer:
+    with _SERVER_LOCK:
+        if not _SERVER:
+            _SERVER.append(CliServer())
+            atexit.register(_SERVER[0].close)
+        return _SERVER[0]
 
 
 def run_alongside(command: list[str], cwd: Path, launch: Callable[[], T], timeout: float = 180
