@@ -138,6 +138,11 @@ _SERVER: list[CliServer] = []
 _SERVER_LOCK = threading.Lock()
 
 
+def harness_processes() -> set[int]:
+    """The test harness's own long-lived children (the CLI server), which tests that count children leave out."""
+    return {server.proc.pid for server in _SERVER}
+
+
 def _server() -> CliServer:
     with _SERVER_LOCK:
         if not _SERVER:

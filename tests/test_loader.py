@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from conftest import harness_processes
 from disttrain.config import DataConfig, load_config
 from disttrain.data import GlobalSampler, collate
 from disttrain.errors import ConfigError
@@ -22,15 +23,16 @@ TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=
 
 
 def children() -> list[int]:
-    """Live (non-zombie) child processes of this test process: DataLoader workers would be among them."""
-    found = []
+    """Live (non-zombie) child processes of this test process (but the harness's): DataLoader workers would be among
+    them."""
+    found, harness = [], harness_processes()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and int(pid) not in harness:
             found.append(int(pid))
     return found
 
