@@ -75,6 +75,7 @@ def become(request: dict) -> None:
     import tempfile
 
     os.setsid()
+    share_forkserver()
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -111,7 +112,40 @@ def become(request: dict) -> None:
     os._exit(code)
 
 
+def start_forkserver() -> None:
+    """Start the forkserver `disttrain train` forks its workers from (launch_fork.py) once, for every command.
+
+    A child of this server finds it already running (multiprocessing's `ensure_running` would ask `waitpid` about a
+    process that is not the child's own, and fail): its check is replaced by one that only checks that the server
+    is alive. The workers of every command are then forked from one preloaded process."""
+    import multiprocessing.forkserver
+    import tempfile
+
+    from disttrain.launch_fork import PRELOAD as WORKER_PRELOAD
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(WORKER_PRELOAD))
+    tempfile.tempdir = os.path.dirname(sys.argv[1])  # (its socket: a short path)
+    multiprocessing.forkserver.ensure_running()
+    tempfile.tempdir = None
+
+
+def share_forkserver() -> None:
+    """In a command's process: use the server's forkserver (see `start_forkserver`)."""
+    import multiprocessing.forkserver
+    from multiprocessing import resource_tracker
+
+    server = multiprocessing.forkserver._forkserver
+    pid = server._forkserver_pid
+
+    def ensure_running() -> None:
+        resource_tracker.ensure_running()
+        os.kill(pid, 0)  # (raises if it died: the test fails loudly rather than hangs)
+
+    server.ensure_running = multiprocessing.forkserver.ensure_running = ensure_running
+
+
 if __name__ == "__main__":
     for name in PRELOAD:
         __import__(name)
+    start_forkserver()
     become(serve(sys.argv[1]))

@@ -103,6 +103,8 @@ class CliServer:
                 code = lines.next(timeout)["code"]
             except TimeoutError:
                 os.killpg(answer["pid"], signal.SIGKILL)
+                for pid in processes_mentioning(str(cwd)):  # its workers: forked from the server, in their own group
+                    os.kill(pid, signal.SIGKILL)
                 lines.next(60)
                 tail = err.read_text(errors="replace")[-3000:]
                 raise AssertionError(f"disttrain {' '.join(args)} ran over {timeout}s; stderr tail:\n{tail}") from None
@@ -195,15 +197,24 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def processes_mentioning(marker: str) -> list[int]:
-    """PIDs (other than ours) whose command line contains `marker`: used to prove nothing was left behind."""
+    """PIDs (other than ours) whose command line, stdout or stderr mentions `marker`: used to prove nothing was left
+    behind. (Workers of `disttrain train` are forked from a forkserver, whose command line they carry: their stdout
+    and stderr are their log files in the run folder.)"""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             status = Path(f"/proc/{pid}/status").read_text()
+            streams = []
+            for fd in (1, 2):
+                try:
+                    streams.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                except OSError:
+                    pass
         except OSError:
             continue
-        if marker in cmdline and int(pid) != os.getpid() and "State:\tZ" not in status:
+        mentions = any(marker in text for text in (cmdline, *streams))
+        if mentions and int(pid) != os.getpid() and "State:\tZ" not in status:
             found.append(int(pid))
     return found
 

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -121,17 +122,16 @@ def test_changed_global_batch_is_refused_at_load_time(runs, monkeypatch, capsys)
     assert "data.global_batch_size was 16, now 32" in err[-1] and "model.d_model was 64, now 32" in err[-1]
 
 
-def _rank_pid(marker: str, rank: int) -> int:
-    """The worker process of `rank` in the job whose command line mentions `marker`."""
-    for pid in processes_mentioning(marker):
+def _rank_pid(run_dir: str, rank: int) -> int:
+    """The worker process of `rank` in the job of `run_dir`, from its status file (monitor.py)."""
+    path = Path(run_dir) / "status" / f"rank{rank}.json"
+    deadline = time.monotonic() + 30
+    while True:
         try:
-            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in environ and b"disttrain.run" in cmdline:
-            return pid
-    raise AssertionError(f"no rank {rank} worker found")
+            return json.loads(path.read_text())["pid"]
+        except (OSError, ValueError, KeyError):
+            assert time.monotonic() < deadline, f"no status file of rank {rank} in {run_dir}"
+            time.sleep(0.05)
 
 
 def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path):

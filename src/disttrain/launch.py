@@ -16,8 +16,10 @@ import os
 import shlex
 import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from disttrain.config import NODE_CLAIM_ENV, ConfigError
 from disttrain.console import DRAWS_ENV, Console
@@ -76,11 +78,12 @@ def torchrun_argv(plan: LaunchPlan, entry: list[str], log_dir: Path, module: boo
     return argv + (["-m"] if module else []) + entry
 
 
-def launch(plan: LaunchPlan | int, entry: list[str], run_dir: Path, module: bool = True, progress_total: int = 0
-           ) -> int:
+def launch(plan: LaunchPlan | int, entry: list[str], run_dir: Path, module: bool = True, progress_total: int = 0,
+           runner: Callable[[Any], None] | None = None) -> int:
     """Run `entry` on this node's workers through torchrun; return the job's exit code. The workers' output reaches
     this terminal line by line with its rank; `progress_total` > 0 (a `disttrain train` job): one progress bar drawn
-    from rank 0's `run_dir/metrics.jsonl` (console.py)."""
+    from rank 0's `run_dir/metrics.jsonl` (console.py). `runner(args)`: what runs torchrun's parsed arguments
+    (default torchrun's own `run`; `disttrain train` forks its workers: launch_fork.py)."""
     plan = LaunchPlan(nproc=plan) if isinstance(plan, int) else plan
     plan.check()
     tmp = run_dir / "tmp"
@@ -92,12 +95,13 @@ def launch(plan: LaunchPlan | int, entry: list[str], run_dir: Path, module: bool
     # (data loader workers pass batches through them) longer than AF_UNIX allows
     saved, tempfile.tempdir = tempfile.tempdir, str(tmp)
     try:
-        return _run_torchrun(plan, entry, run_dir, module, progress_total)
+        return _run_torchrun(plan, entry, run_dir, module, progress_total, runner)
     finally:  # called in-process (tests, notebooks): leave the caller's temp folder as it was
         tempfile.tempdir = saved
 
 
-def _run_torchrun(plan: LaunchPlan, entry: list[str], run_dir: Path, module: bool, progress_total: int = 0) -> int:
+def _run_torchrun(plan: LaunchPlan, entry: list[str], run_dir: Path, module: bool, progress_total: int = 0,
+                  runner: Callable[[Any], None] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousError
@@ -125,7 +129,7 @@ def _run_torchrun(plan: LaunchPlan, entry: list[str], run_dir: Path, module: boo
     console.start()
     try:
         with watchdog:
-            run(args)
+            (runner or run)(args)
     except RendezvousConnectionError:
         console.stop()
         if plan.node_rank == 0:  # node 0 could not open the store's port

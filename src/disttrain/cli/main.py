@@ -224,7 +224,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from disttrain.launch import launch
 
     total = (cfg.train.stop_at or cfg.train.steps) if cfg.log.progress else 0
-    return launch(plan, ["disttrain.run", str(config_path)], cfg.run_dir, progress_total=total)
+    from disttrain.launch_fork import run_forked
+
+    return launch(plan, ["disttrain.run", str(config_path)], cfg.run_dir, progress_total=total, runner=run_forked)
 
 
 def cmd_ckpt(args: argparse.Namespace) -> int:

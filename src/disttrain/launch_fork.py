@@ -1,0 +1,93 @@
+"""Workers of `disttrain train` forked from a server that imported torch and disttrain once.
+
+A worker started as `python -m disttrain.run` spends about 3 s of CPU importing torch and `torch._dynamo` (which
+`torch.optim.Optimizer` pulls in on first use) before it trains. Here torchrun's own configuration
+(`torch.distributed.run.config_from_args`: rendezvous, restarts, log files) runs a function entrypoint with
+multiprocessing's forkserver start method: the server imports `PRELOAD` once and forks each worker from it, and
+later launches from the same process (tests, notebooks) fork from the same server.
+
+Two rules make a function entrypoint behave like the subprocess one:
+- the worker *returns* (raising SystemExit for an error code): torch's agent waits for every child's return
+  value, so a child leaving through `os._exit` would leave it polling; multiprocessing's own child exit is
+  already `os._exit`, so the gloo teardown race `runtime.exit_process` avoids does not arise;
+- the worker takes the launcher's environment and working folder at this launch (the server's are those of its
+  start), with the variables torch's agent set for this rank on top.
+
+A user's script under `disttrain launch` stays a subprocess: it may leave through `os._exit`.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import sys
+import tempfile
+from typing import Any
+
+PRELOAD = ("torch", "torch._dynamo", "disttrain.trainer", "disttrain.parallel.ddp", "disttrain.parallel.fsdp")
+AGENT_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+                   "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                   "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS")
+"""What torch's LocalElasticAgent sets for each worker (with TORCHELASTIC_*), per its documentation."""
+
+
+def run_forked(args: Any) -> None:
+    """torchrun's `run(args)` for the `disttrain.run` entry (`args.training_script_args` its arguments), the
+    workers forked (`launch.launch(..., runner=run_forked)`)."""
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args
+
+    if args.master_port is None:  # as torch.distributed.run.run does (unused by the c10d rendezvous)
+        args.master_port = 29500
+    config, _, _ = config_from_args(args)
+    config.start_method = "forkserver"
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
+    # the server listens on a socket in the temp folder: the caller's, not the run's (launch.py points tempfile at
+    # RUN_DIR/tmp, which can be deeper than an AF_UNIX path may be)
+    saved, tempfile.tempdir = tempfile.tempdir, None
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        tempfile.tempdir = saved
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    agent_log.addFilter(_one_line_failures)
+    try:
+        elastic_launch(config, train_worker)(dict(os.environ), os.getcwd(), *args.training_script_args)
+    finally:
+        agent_log.removeFilter(_one_line_failures)
+
+
+def _one_line_failures(record: logging.LogRecord) -> bool:
+    """torch's agent logs a failed function entrypoint with the traceback of its own join (a
+    `ProcessExitedException`), where a failed subprocess gets one line; keep the line, as for a subprocess (the
+    rank's own error is in its output and the failure summary)."""
+    if record.exc_info and str(record.msg).startswith("failed (exitcode"):
+        record.exc_info = record.exc_text = None
+    return True
+
+
+def train_worker(environ: dict[str, str], cwd: str, *argv: str) -> None:
+    """One rank: the launcher's environment, folder and import path, then `disttrain.run` in this process."""
+    agent = {k: v for k, v in os.environ.items() if k in AGENT_VARIABLES or k.startswith("TORCHELASTIC_")}
+    os.environ.clear()
+    os.environ.update(environ)
+    os.environ.update(agent)
+    os.chdir(cwd)
+    extra = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [cwd, *extra, *[p for p in sys.path[1:] if p not in extra]]  # as `python -m` in `cwd` sets it
+    # the forkserver exits once no launcher holds its "alive" pipe: a worker must not keep it open, so that the
+    # launcher's death (SIGKILL) ends the server and changes the worker's parent, which monitor.py watches
+    alive = getattr(multiprocessing.forkserver._forkserver, "_forkserver_alive_fd", None)
+    if alive is not None:
+        os.close(alive)
+        multiprocessing.forkserver._forkserver._forkserver_alive_fd = None
+    for stream in (sys.stdout, sys.stderr):  # its files are read live (console.py), as `python -u` writes them
+        stream.reconfigure(line_buffering=True)
+    sys.argv = ["disttrain.run", *argv]
+    from disttrain.run import main
+
+    code = main(list(argv))
+    if code:
+        raise SystemExit(code)
