@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import signal
@@ -104,7 +105,8 @@ class CliServer:
             except TimeoutError:
                 os.killpg(answer["pid"], signal.SIGKILL)
                 for pid in processes_mentioning(str(cwd)):  # its workers: forked from the server, in their own group
-                    os.kill(pid, signal.SIGKILL)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
                 lines.next(60)
                 tail = err.read_text(errors="replace")[-3000:]
                 raise AssertionError(f"disttrain {' '.join(args)} ran over {timeout}s; stderr tail:\n{tail}") from None
