@@ -60,7 +60,9 @@ def serve(path: str) -> dict:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if not pid:
                 break
-            conn = waiting.pop(pid)
+            conn = waiting.pop(pid, None)
+            if conn is None:  # (the forkserver or multiprocessing's resource tracker, also children of this server)
+                continue
             try:
                 conn.sendall(json.dumps({"code": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
             except OSError:  # the test gave up on it
