@@ -28,8 +28,11 @@ import sys
 import threading
 import traceback
 
-PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "torch.distributed.checkpoint", "disttrain.cli.main",
-           "disttrain.launch", "disttrain.trainer", "disttrain.parallel.ddp", "disttrain.parallel.fsdp")
+from disttrain import launch_fork
+
+PRELOAD = (*launch_fork.PRELOAD, "torch.distributed.run", "torch.distributed.checkpoint", "disttrain.cli.main",
+           "disttrain.launch")
+"""What a command imports before it reads its arguments: what its workers import (launch_fork.py), and the CLI."""
 
 
 def serve(path: str) -> dict:
@@ -78,12 +81,8 @@ def become(request: dict) -> None:
 
     os.setsid()
     share_forkserver()
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
+    launch_fork.enter(request["env"], request["cwd"])
     tempfile.tempdir = None  # (read again from TMPDIR)
-    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [request["cwd"], *extra, *[p for p in sys.path[1:] if p not in extra]]
     importlib.invalidate_caches()
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -123,9 +122,7 @@ def start_forkserver() -> None:
     import multiprocessing.forkserver
     import tempfile
 
-    from disttrain.launch_fork import PRELOAD as WORKER_PRELOAD
-
-    multiprocessing.get_context("forkserver").set_forkserver_preload(list(WORKER_PRELOAD))
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(launch_fork.PRELOAD))
     tempfile.tempdir = os.path.dirname(sys.argv[1])  # (its socket: a short path)
     multiprocessing.forkserver.ensure_running()
     tempfile.tempdir = None

@@ -68,15 +68,20 @@ def _one_line_failures(record: logging.LogRecord) -> bool:
     return True
 
 
+def enter(environ: dict[str, str], cwd: str) -> None:
+    """Make this forked process one started in `cwd` with `environ`: that environment, folder and the import path
+    `python -m` would give it there (the folder, then PYTHONPATH, then the interpreter's own)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    extra = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [cwd, *extra, *[p for p in sys.path[1:] if p not in extra]]
+
+
 def train_worker(environ: dict[str, str], cwd: str, *argv: str) -> None:
     """One rank: the launcher's environment, folder and import path, then `disttrain.run` in this process."""
     agent = {k: v for k, v in os.environ.items() if k in AGENT_VARIABLES or k.startswith("TORCHELASTIC_")}
-    os.environ.clear()
-    os.environ.update(environ)
-    os.environ.update(agent)
-    os.chdir(cwd)
-    extra = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [cwd, *extra, *[p for p in sys.path[1:] if p not in extra]]  # as `python -m` in `cwd` sets it
+    enter({**environ, **agent}, cwd)
     # the forkserver exits once no launcher holds its "alive" pipe: a worker must not keep it open, so that the
     # launcher's death (SIGKILL) ends the server and changes the worker's parent, which monitor.py watches
     alive = getattr(multiprocessing.forkserver._forkserver, "_forkserver_alive_fd", None)
