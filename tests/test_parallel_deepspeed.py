@@ -84,6 +84,27 @@ def test_checkpoint_resumes_across_strategies(results, variant):
     assert two[variant]["eval"]["12"] == pytest.approx(reference["eval"]["12"], abs=1e-5)
 
 
+def test_the_engines_collectives_are_timed_and_counted(results):
+    """comm_s / comm_bytes under DeepSpeed (parallel/comm.deepspeed_comms): what each stage sends per step, from its
+    design, with 2 micro-batches per rank per step (global batch 16, micro-batch 4, 2 ranks)."""
+    _, two = results
+    numel = sum(t.numel() for t in two["ddp"]["params"].values()) - two["ddp"]["params"]["tok_emb.weight"].numel()
+    grads = 4 * numel  # fp32 gradients (tied weights: once), the size of every parameter gathered in fp32 too
+    expected = {"deepspeed+stage0": grads,  # all-reduced once, at the accumulation boundary, as DDP does
+                "deepspeed+stage1": 2 * grads,  # reduced at the boundary, the updated partitions all-gathered
+                "deepspeed+stage2": 3 * grads}  # reduced after each micro-batch (partitioned gradients), gathered
+    for variant, nbytes in expected.items():
+        for m in two[variant]["metrics"]:
+            assert 0 <= m["comm_exposed_s"] <= m["comm_s"] < m["step_time_s"], (variant, m)
+            assert m["comm_s"] > 0 and m["comm_bytes"] == pytest.approx(nbytes, abs=64), (variant, m)  # + flags, norm
+    # ZeRO-3: at least the gradients reduced and the parameters gathered once; at most gathered for each micro-batch's
+    # forward and backward and reduced after each (it keeps gathered what its prefetcher will soon use again), from
+    # the second step on (the first gathers more while ZeRO-3 traces the order in which modules run)
+    third = two["deepspeed+stage3"]["metrics"]
+    assert all(m["comm_s"] > 0 for m in third) and third[0]["comm_bytes"] >= third[1]["comm_bytes"]
+    assert all(2 * grads < m["comm_bytes"] <= 6 * grads for m in third[1:]), [m["comm_bytes"] / grads for m in third]
+
+
 def deepspeed_config(args: list[str], tmp_path, monkeypatch, capsys) -> tuple[int, str]:
     """`disttrain deepspeed-config ARGS` in this process (it starts nothing): (exit code, stderr)."""
     monkeypatch.chdir(tmp_path)

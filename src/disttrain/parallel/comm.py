@@ -8,6 +8,9 @@ synchronised for the measurement:
   all-reduce starts when the hook is called and ends when its future completes (a callback on gloo's thread).
 - zero2 / fsdp / hsdp: FSDP2's all-gather and reduce-scatter are replaced by FSDP2's own default implementations
   wrapped the same way (`set_custom_all_gather` / `set_custom_reduce_scatter`).
+- deepspeed: every collective of the engine goes through `deepspeed.comm`'s backend object (its `TorchBackend`);
+  that object's collective methods are replaced by timed calls of the class's own (`deepspeed_comms`). This counts
+  the engine's small all-reduces too (gradient norm, overflow flag), which are part of its step.
 
 `comm_s` is the wall time during which at least one of them was in flight (the union of the intervals, so
 overlapping buckets are not counted twice); `comm_bytes` is the size of the buffers handed to them, as nccl-tests
@@ -251,32 +254,74 @@ def single_bucket_mb(model: torch.nn.Module) -> float:
 
 
 # ----------------------------------------------------------------------------------------------
-# FSDP2: timed all-gather and reduce-scatter
+# Timed collectives: FSDP2's all-gather and reduce-scatter, DeepSpeed's backend
+
+
+def _timed_call(meter: CommMeter, call, nbytes: int):
+    """Run one collective (`call()`) and hand it to `meter`. What it returned says how it ran: a Work (it is
+    asynchronous) is timed by its completion, or by nccl on the device; None (it was synchronous) ended on the host
+    when the call returned, and on the device is timed by events around the call (which holds the caller's stream
+    until the collective is done)."""
+    start = time.perf_counter()
+    if meter.on_device:
+        result, timing = _Timing.around(call)
+        meter.timed(result if hasattr(result, "is_completed") else timing, nbytes, start)
+        return result
+    return meter.timed(call(), nbytes, start)
 
 
 def fsdp_comms(meter: CommMeter):
     """FSDP2's default all-gather and reduce-scatter, each call recorded by `meter`."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
-    def timed(call, nbytes: int, async_op: bool):
-        start = time.perf_counter()
-        if meter.on_device and not async_op:  # a synchronous call holds the caller's stream until it is done
-            result, timing = _Timing.around(functools.partial(call, False))
-            meter.timed(timing, nbytes, start)
-            return result
-        return meter.timed(call(async_op), nbytes, start)
-
     class TimedAllGather(DefaultAllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            call = functools.partial(super().__call__, output_tensor, input_tensor, group)
-            return timed(call, _nbytes(output_tensor), async_op)
+            call = functools.partial(super().__call__, output_tensor, input_tensor, group, async_op)
+            return _timed_call(meter, call, _nbytes(output_tensor))
 
     class TimedReduceScatter(DefaultReduceScatter):
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            call = functools.partial(super().__call__, output_tensor, input_tensor, group, op)
-            return timed(call, _nbytes(input_tensor), async_op)
+            call = functools.partial(super().__call__, output_tensor, input_tensor, group, op, async_op)
+            return _timed_call(meter, call, _nbytes(input_tensor))
 
     return TimedAllGather(), TimedReduceScatter()
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSpeed: the engine's collectives, timed
+
+DEEPSPEED_COLLECTIVES = {
+    "all_reduce": (0, "tensor"), "all_reduce_coalesced": (0, "tensors"), "reduce": (0, "tensor"),
+    "broadcast": (0, "tensor"), "reduce_scatter": (1, "input_list"), "reduce_scatter_tensor": (1, "input_tensor"),
+    "all_gather": (0, "tensor_list"), "all_gather_into_tensor": (0, "output_tensor"),
+    "all_gather_base": (0, "output_tensor"), "all_gather_coalesced": (0, "output_tensors"),
+    "all_to_all_single": (1, "input"), "all_to_all": (1, "input_tensor_list"),
+}
+"""The collective methods of DeepSpeed's `TorchBackend` and the argument whose size is counted (nccl-tests' sizes:
+an all-gather's output, a reduce-scatter's input, the buffer otherwise), by position and name: the class's
+decorators hide its signatures from `inspect`."""
+
+
+def deepspeed_comms(backend: Any, meter: CommMeter) -> None:
+    """Time each collective of `backend` (`deepspeed.comm`'s `cdb`, shared by every engine of the process) with
+    `meter`: the class's method, timed, is set on that object. A later engine's call replaces the earlier wrappers
+    (they wrap the class's methods, never each other)."""
+    for name, counted in DEEPSPEED_COLLECTIVES.items():
+        method = getattr(type(backend), name, None)
+        if method is not None:
+            setattr(backend, name, _deepspeed_timed(method.__get__(backend), counted, meter))
+
+
+def _deepspeed_timed(method, counted: tuple[int, str], meter: CommMeter):
+    position, name = counted
+
+    @functools.wraps(method)
+    def timed(*args, **kwargs):
+        tensors = args[position] if len(args) > position else kwargs[name]
+        nbytes = sum(map(_nbytes, tensors)) if isinstance(tensors, list | tuple) else _nbytes(tensors)
+        return _timed_call(meter, functools.partial(method, *args, **kwargs), nbytes)
+
+    return timed
 
 
 def reduce_dtype(compression: str) -> torch.dtype | None:

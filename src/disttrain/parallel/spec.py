@@ -110,7 +110,7 @@ class Prepared:
     grad_clip: float = 0.0
     comm: Any = None
     """The strategy's `CommMeter` (parallel/comm.py): time and bytes of its gradient/parameter collectives per step;
-    None where they are not measured (no communication, an engine's own collectives, CUDA)."""
+    None where they are not measured (no communication; PowerSGD on CUDA; devices other than CPU and CUDA)."""
     data_parallel: tuple[int, int] | None = None
     """(data-parallel degree, this rank's index on it): which share of each global batch this rank reads. None:
     (world size, rank). Ranks that split the model between them (pipeline stages, tensor shards) read the same."""

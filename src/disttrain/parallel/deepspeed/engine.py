@@ -21,6 +21,7 @@ Checkpoints: the same full, name-keyed state as every other strategy (gathered w
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 import os
@@ -28,6 +29,7 @@ import os
 import torch
 from torch import nn
 
+from disttrain.parallel import comm
 from disttrain.parallel.deepspeed.config import DeepSpeedConfig
 from disttrain.parallel.spec import Prepared, unfused
 from disttrain.precision import update_scale
@@ -46,7 +48,7 @@ def apply(model: nn.Module, runtime, cfg) -> Prepared:
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # it logs its whole config and every scale change
     prepared = EnginePrepared(module=model, model=model, grads_averaged_over=runtime.world_size, cfg=cfg,
-                              world=runtime.world_size, ds=deepspeed)
+                              world=runtime.world_size, ds=deepspeed, comm=comm.meter_for(runtime.device))
     if cfg.deepspeed_stage == 3 and any(p.is_meta for p in model.parameters()):
         # a sharded start: each module is partitioned as soon as its parameters are real (one full tensor at a
         # time), with the engine's own ZeRO-3 settings; the engine then finds the parameters partitioned already
@@ -84,6 +86,8 @@ class EnginePrepared(Prepared):
         config = DeepSpeedConfig.from_parallel(self.cfg, self.world, grad_clip, model_numel=numel).to_dict()
         self.engine, _, _, _ = self.ds.initialize(model=self.model, optimizer=optimizer, config=config,
                                                   dist_init_required=False)
+        if self.comm is not None:  # every collective of the engine goes through deepspeed.comm's backend object
+            comm.deepspeed_comms(importlib.import_module("deepspeed.comm.comm").cdb, self.comm)
         self.optimizer = optimizer  # the user's; under ZeRO its groups now hold this rank's flat partitions
         self.module = self.engine
         return optimizer
