@@ -143,8 +143,14 @@ _SERVER_LOCK = threading.Lock()
 
 
 def harness_processes() -> set[int]:
-    """The test harness's own long-lived children (the CLI server), which tests that count children leave out."""
-    return {server.proc.pid for server in _SERVER}
+    """The test harness's own long-lived children, which tests that count children leave out: the CLI server, and
+    the forkserver (with its resource tracker) a benchmark launched in this process forks its workers from."""
+    import multiprocessing.forkserver
+    import multiprocessing.resource_tracker
+
+    servers = {multiprocessing.forkserver._forkserver._forkserver_pid,
+               multiprocessing.resource_tracker._resource_tracker._pid}
+    return {server.proc.pid for server in _SERVER} | {pid for pid in servers if pid}
 
 
 def _server() -> CliServer:
@@ -246,7 +252,7 @@ def gpt_parity(tmp_path_factory) -> tuple[dict, dict]:
     steps = ["train.steps=12", "train.eval_every=6"]  # >= 10 steps (the parity bar); half the time of 20
     single, multi = run_alongside(
         [sys.executable, script, str(tmp), *steps, *one_process], tmp,
-        lambda: run_cli(["launch", "--nproc", "2", "--run-dir", str(tmp / "launch"), script, str(tmp), *steps,
+        lambda: run_cli(["launch", "--fork", "--nproc", "2", "--run-dir", str(tmp / "launch"), script, str(tmp), *steps,
                          *launched], tmp, timeout=500))
     assert single.returncode == 0, single.stderr
     assert multi.returncode == 0, multi.stderr[-3000:]

@@ -158,7 +158,7 @@ def test_a_strategy_that_needs_a_group_forms_it_under_torchrun_with_one_process(
 
     from conftest import SCRIPTS, run_cli
 
-    result = run_cli(["launch", "--nproc", "1", "--run-dir", str(tmp_path / "launch"),
+    result = run_cli(["launch", "--fork", "--nproc", "1", "--run-dir", str(tmp_path / "launch"),
                       str(SCRIPTS / "one_rank_ddp.py")], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if '"ddp"' in line)  # torchrun prefixes the rank

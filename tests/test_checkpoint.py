@@ -318,7 +318,7 @@ def test_a_pickle_planted_in_a_dcp_shard_is_refused_and_loading_falls_back(tmp_p
 
 def test_a_pickle_planted_in_one_ranks_shard_makes_every_rank_fall_back(tmp_path):
     """Two real ranks; only rank 1's shard is planted. DCP gathers the refusal, so both ranks skip step 2."""
-    result = run_cli(["launch", "--nproc", "2", "--run-dir", str(tmp_path / "launch"),
+    result = run_cli(["launch", "--fork", "--nproc", "2", "--run-dir", str(tmp_path / "launch"),
                       str(SCRIPTS / "planted_shard.py"), str(tmp_path)], tmp_path, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

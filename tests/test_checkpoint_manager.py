@@ -8,7 +8,8 @@ from conftest import SCRIPTS, run_cli
 def test_the_design_documents_words_on_two_sharded_ranks(tmp_path):
     """save_checkpoint / load_latest_checkpoint / load_best_checkpoint (../shared/seeds/004) under FSDP2 on 2 ranks:
     the best survives rotation, loads give back the saved values, and rank 0 calling alone fails fast."""
-    result = run_cli(["launch", "--nproc", "2", "--run-dir", str(tmp_path / "run"), str(SCRIPTS / "ckpt_words.py"),
+    result = run_cli(["launch", "--fork", "--nproc", "2",
+                      "--run-dir", str(tmp_path / "run"), str(SCRIPTS / "ckpt_words.py"),
                       str(tmp_path / "ckpt"), str(tmp_path / "out.json")], tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads((tmp_path / "out.json").read_text())

@@ -31,7 +31,8 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf_runs")
     one, two = run_alongside(
         [sys.executable, str(SCRIPTS / "hf_llama_job.py"), str(tmp / "one")], tmp,
-        lambda: run_cli(["launch", "--nproc", "2", "--run-dir", str(tmp / "launch"), str(SCRIPTS / "hf_llama_job.py"),
+        lambda: run_cli(["launch", "--fork", "--nproc", "2",
+                         "--run-dir", str(tmp / "launch"), str(SCRIPTS / "hf_llama_job.py"),
                          str(tmp / "fsdp"), "--set", "parallel.strategy=fsdp"], tmp, timeout=240))
     assert one.returncode == 0, one.stderr[-3000:]
     assert two.returncode == 0, two.stderr[-3000:]

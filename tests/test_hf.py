@@ -153,7 +153,8 @@ def parity(llama_dir, tmp_path_factory):
     script, settings = str(SCRIPTS / "strategy_parity.py"), [f"model.name=hf:{llama_dir}", "train.steps=10"]
 
     def launches() -> list[subprocess.CompletedProcess]:
-        return [run_cli(["launch", "--nproc", str(world), "--run-dir", str(tmp / f"launch{world}"), script, str(tmp),
+        return [run_cli(["launch", "--fork", "--nproc", str(world),
+                         "--run-dir", str(tmp / f"launch{world}"), script, str(tmp),
                          *settings, *variants], tmp, timeout=400)
                 for world, variants in ((2, PARITY), (4, PARITY_FOUR))]
 

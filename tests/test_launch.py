@@ -1,6 +1,7 @@
 """Launch and survive: failure summaries, hangs, restarts with auto-resume, preemption, multi-node on loopback,
 Slurm-style start, and rank agreement. Real processes, real signals, bounded waits."""
 
+import json
 import os
 import random
 import shutil
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -31,6 +33,30 @@ def reference(tmp_path_factory):
     result = run_cli(_job(tmp, "straight", 20, "--set", "checkpoint.every=5"), tmp, env={"FAULT_STEP": "0"})
     assert result.returncode == 0, result.stderr
     return [m["loss"] for m in read_metrics(tmp / "straight")]
+
+
+def test_a_forked_script_sees_what_a_started_one_sees_and_ends_the_same_way(tmp_path):
+    """`disttrain launch --fork` runs the script in ranks forked from a server that imported torch: the script's
+    argv, `__name__`, import path, folder and one torch thread per rank are those of a started rank, and a rank's
+    `sys.exit(3)` fails the job with the same code."""
+    script = str(Path(__file__).parent / "scripts" / "forked_view.py")
+    views, codes = {}, {}
+    for mode in ("started", "forked"):
+        for code in ("", "3"):
+            out = tmp_path / f"{mode}{code}"
+            out.mkdir()
+            fork = ["--fork"] if mode == "forked" else []
+            result = run_cli(["launch", *fork, "--nproc", "2", "--run-dir", str(out / "run"), script, str(out),
+                              *([code] if code else [])], tmp_path, timeout=120)
+            codes[mode, code] = result.returncode
+            views[mode, code] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert codes == {("started", ""): 0, ("forked", ""): 0, ("started", "3"): 3, ("forked", "3"): 3}
+    assert [v["preloaded"] for v in views["started", ""]] == [False, False]
+    assert [v["preloaded"] for v in views["forked", ""]] == [True, True]
+    for started, forked in zip(views["started", ""], views["forked", ""], strict=True):
+        assert forked["argv"] == [script, str(tmp_path / "forked")] and started["argv"][0] == script
+        assert {**forked, "preloaded": None, "argv": None} == {**started, "preloaded": None, "argv": None}
+        assert forked["threads"] == 1 and forked["name"] == "__main__" and forked["path0"] == str(Path(script).parent)
 
 
 def test_a_rank_that_raises_ends_the_job_with_a_summary(tmp_path):

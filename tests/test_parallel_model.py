@@ -55,7 +55,8 @@ def runs(tmp_path_factory):
     script = str(SCRIPTS / "strategy_parity.py")
 
     def launches() -> list[subprocess.CompletedProcess]:
-        return [run_cli(["launch", "--nproc", str(world), "--run-dir", str(tmp / f"launch{world}"), script, str(tmp),
+        return [run_cli(["launch", "--fork", "--nproc", str(world),
+                         "--run-dir", str(tmp / f"launch{world}"), script, str(tmp),
                          *STEPS, *variants], tmp, timeout=400)
                 for world, variants in ((2, TWO + MIXED + RESUMES), (4, FOUR + RESUMES_FOUR))]
 

@@ -148,7 +148,8 @@ def test_powersgd_is_refused_under_fsdp_in_one_line():
 def test_no_memory_leak_over_200_steps_and_a_leak_is_seen(tmp_path):
     """Peak memory per rank after warm-up (steps 21-40) against the last 20 of 200 steps: the training loop grows
     by less than 1%; the same loop with a loss function that keeps 512 KiB per call grows visibly (the control)."""
-    result = run_cli(["launch", "--nproc", "2", "--run-dir", str(tmp_path / "launch"), str(SCRIPTS / "leak_job.py"),
+    result = run_cli(["launch", "--fork", "--nproc", "2",
+                      "--run-dir", str(tmp_path / "launch"), str(SCRIPTS / "leak_job.py"),
                       str(tmp_path)], tmp_path, timeout=180)
     assert result.returncode == 0, result.stderr
 

@@ -53,7 +53,8 @@ STRATEGIES = ["ddp", "fsdp", "zero1"] + (["deepspeed"] if importlib.util.find_sp
 @pytest.fixture(scope="module")
 def injected(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("inject")
-    result = run_cli(["launch", "--nproc", "2", "--run-dir", str(tmp / "launch"), str(SCRIPTS / "inject_inf.py"),
+    result = run_cli(["launch", "--fork", "--nproc", "2",
+                      "--run-dir", str(tmp / "launch"), str(SCRIPTS / "inject_inf.py"),
                       str(tmp), *STRATEGIES], tmp, timeout=240)
     assert result.returncode == 0, result.stderr
     return tmp

@@ -14,7 +14,7 @@ from disttrain.trainer import Trainer
 def mlp_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mlp")
     one, two = run_alongside([sys.executable, str(SCRIPTS / "mlp_job.py"), str(tmp / "one")], tmp,
-                             lambda: run_cli(["launch", "--nproc", "2", "--run-dir", str(tmp / "launch"),
+                             lambda: run_cli(["launch", "--fork", "--nproc", "2", "--run-dir", str(tmp / "launch"),
                                               str(SCRIPTS / "mlp_job.py"), str(tmp / "two")], tmp), timeout=120)
     assert one.returncode == 0, one.stderr
     assert two.returncode == 0, two.stderr

@@ -16,10 +16,8 @@ import os
 import shlex
 import sys
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from disttrain.config import NODE_CLAIM_ENV, ConfigError
 from disttrain.console import DRAWS_ENV, Console
@@ -78,12 +76,13 @@ def torchrun_argv(plan: LaunchPlan, entry: list[str], log_dir: Path, module: boo
     return argv + (["-m"] if module else []) + entry
 
 
-def launch(plan: LaunchPlan | int, entry: list[str], run_dir: Path, module: bool = True, progress_total: int = 0,
-           runner: Callable[[Any], None] | None = None) -> int:
+def launch(plan: LaunchPlan | int, entry: list[str], run_dir: Path, module: bool = True,
+           progress_total: int = 0, fork: bool = False) -> int:
     """Run `entry` on this node's workers through torchrun; return the job's exit code. The workers' output reaches
     this terminal line by line with its rank; `progress_total` > 0 (a `disttrain train` job): one progress bar drawn
-    from rank 0's `run_dir/metrics.jsonl` (console.py). `runner(args)`: what runs torchrun's parsed arguments
-    (default torchrun's own `run`; `disttrain train` forks its workers: launch_fork.py)."""
+    from rank 0's `run_dir/metrics.jsonl` (console.py). disttrain's own workers (`disttrain train`'s, the benchmarks',
+    `verify`'s) are forked from a preloaded server (launch_fork.py); another entry too with `fork` (it must end by
+    returning, sys.exit or `runtime.exit_process`, not `os._exit`), else it runs as torchrun's subprocess."""
     plan = LaunchPlan(nproc=plan) if isinstance(plan, int) else plan
     plan.check()
     tmp = run_dir / "tmp"
@@ -95,18 +94,19 @@ def launch(plan: LaunchPlan | int, entry: list[str], run_dir: Path, module: bool
     # (data loader workers pass batches through them) longer than AF_UNIX allows
     saved, tempfile.tempdir = tempfile.tempdir, str(tmp)
     try:
-        return _run_torchrun(plan, entry, run_dir, module, progress_total, runner)
+        return _run_torchrun(plan, entry, run_dir, module, progress_total, fork)
     finally:  # called in-process (tests, notebooks): leave the caller's temp folder as it was
         tempfile.tempdir = saved
 
 
 def _run_torchrun(plan: LaunchPlan, entry: list[str], run_dir: Path, module: bool, progress_total: int = 0,
-                  runner: Callable[[Any], None] | None = None) -> int:
+                  fork: bool = False) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousError
     from torch.distributed.run import get_args_parser, run
 
+    from disttrain.launch_fork import forks, run_forked
     from disttrain.monitor import Watchdog, clear_statuses, summary
 
     argv = torchrun_argv(plan, entry, run_dir / "logs", module)
@@ -129,7 +129,7 @@ def _run_torchrun(plan: LaunchPlan, entry: list[str], run_dir: Path, module: boo
     console.start()
     try:
         with watchdog:
-            (runner or run)(args)
+            (run_forked if fork or forks(entry[0], module) else run)(args)
     except RendezvousConnectionError:
         console.stop()
         if plan.node_rank == 0:  # node 0 could not open the store's port

@@ -1,27 +1,32 @@
-"""Workers of `disttrain train` forked from a server that imported torch and disttrain once.
+"""disttrain's own workers forked from a server that imported torch and disttrain once.
 
 A worker started as `python -m disttrain.run` spends about 3 s of CPU importing torch and `torch._dynamo` (which
 `torch.optim.Optimizer` pulls in on first use) before it trains. Here torchrun's own configuration
 (`torch.distributed.run.config_from_args`: rendezvous, restarts, log files) runs a function entrypoint with
 multiprocessing's forkserver start method: the server imports `PRELOAD` once and forks each worker from it, and
-later launches from the same process (tests, notebooks) fork from the same server.
+later launches from the same process (tests, notebooks, a benchmark's sweep) fork from the same server. The entries
+forked are disttrain's own modules (`FORKED`): `disttrain train`'s workers, the benchmarks' and `verify`'s.
 
 Two rules make a function entrypoint behave like the subprocess one:
 - the worker *returns* (raising SystemExit for an error code): torch's agent waits for every child's return
-  value, so a child leaving through `os._exit` would leave it polling; multiprocessing's own child exit is
-  already `os._exit`, so the gloo teardown race `runtime.exit_process` avoids does not arise;
+  value, so a child leaving through `os._exit` would leave it polling; `runtime.exit_process` raises SystemExit in
+  a forked worker (`runtime.FORKED_WORKER`), and multiprocessing's own child exit is already `os._exit`, so the
+  gloo teardown race `exit_process` avoids does not arise;
 - the worker takes the launcher's environment and working folder at this launch (the server's are those of its
   start), with the variables torch's agent set for this rank on top.
 
-A user's script under `disttrain launch` stays a subprocess: it may leave through `os._exit`.
+A user's script or module under `disttrain launch` is forked only when asked (`--fork`): it may leave through
+`os._exit`, which would leave torch's agent waiting for a return value that never comes.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import runpy
 import sys
 import tempfile
 from typing import Any
@@ -31,11 +36,18 @@ AGENT_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME",
                    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS")
 """What torch's LocalElasticAgent sets for each worker (with TORCHELASTIC_*), per its documentation."""
+FORKED = ("disttrain.run", "disttrain.cli.verify", "disttrain.bench.")
+"""The module entries forked: each has `main(argv)` and ends through its return or `runtime.exit_process`."""
+
+
+def forks(entry: str, module: bool) -> bool:
+    """Whether `launch`'s entry (`module`: run as `python -m`) is one of disttrain's own workers, forked here."""
+    return module and any(entry == m or (m.endswith(".") and entry.startswith(m)) for m in FORKED)
 
 
 def run_forked(args: Any) -> None:
-    """torchrun's `run(args)` for the `disttrain.run` entry (`args.training_script_args` its arguments), the
-    workers forked (`launch.launch(..., runner=run_forked)`)."""
+    """torchrun's `run(args)` (`args.training_script` the script or, with `args.module`, the module;
+    `args.training_script_args` its arguments), the workers forked."""
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args
 
@@ -54,7 +66,8 @@ def run_forked(args: Any) -> None:
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     agent_log.addFilter(_one_line_failures)
     try:
-        elastic_launch(config, train_worker)(dict(os.environ), os.getcwd(), *args.training_script_args)
+        elastic_launch(config, worker)(dict(os.environ), os.getcwd(), args.training_script, args.module,
+                                       *args.training_script_args)
     finally:
         agent_log.removeFilter(_one_line_failures)
 
@@ -78,10 +91,17 @@ def enter(environ: dict[str, str], cwd: str) -> None:
     sys.path[:] = [cwd, *extra, *[p for p in sys.path[1:] if p not in extra]]
 
 
-def train_worker(environ: dict[str, str], cwd: str, *argv: str) -> None:
-    """One rank: the launcher's environment, folder and import path, then `disttrain.run` in this process."""
+def worker(environ: dict[str, str], cwd: str, entry: str, module: bool, *argv: str) -> None:
+    """One rank: the launcher's environment, folder and import path, then `entry` in this process as
+    `python [-m] entry argv` would run it (disttrain's own modules through their `main(argv)`)."""
+    import torch
+
+    import disttrain.runtime
+
     agent = {k: v for k, v in os.environ.items() if k in AGENT_VARIABLES or k.startswith("TORCHELASTIC_")}
     enter({**environ, **agent}, cwd)
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # read at torch's import, which was the server's
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     # the forkserver exits once no launcher holds its "alive" pipe: a worker must not keep it open, so that the
     # launcher's death (SIGKILL) ends the server and changes the worker's parent, which monitor.py watches
     alive = getattr(multiprocessing.forkserver._forkserver, "_forkserver_alive_fd", None)
@@ -90,9 +110,18 @@ def train_worker(environ: dict[str, str], cwd: str, *argv: str) -> None:
         multiprocessing.forkserver._forkserver._forkserver_alive_fd = None
     for stream in (sys.stdout, sys.stderr):  # its files are read live (console.py), as `python -u` writes them
         stream.reconfigure(line_buffering=True)
-    sys.argv = ["disttrain.run", *argv]
-    from disttrain.run import main
-
-    code = main(list(argv))
+    disttrain.runtime.FORKED_WORKER = True
+    sys.argv = [entry, *argv]
+    code = 0
+    try:
+        if forks(entry, module):
+            code = importlib.import_module(entry).main(list(argv))
+        elif module:
+            runpy.run_module(entry, run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(entry))  # as `python script.py` puts it first
+            runpy.run_path(entry, run_name="__main__")
+    except SystemExit as stop:  # sys.exit, argparse, runtime.exit_process
+        code = stop.code
     if code:
         raise SystemExit(code)

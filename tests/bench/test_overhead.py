@@ -63,7 +63,7 @@ def test_layout_settings():
 def test_hand_written_model_parallel_loops_train_like_one_process(tmp_path):
     """The references are right: the hand-written 1f1b, GPipe and tensor-parallel loops give the losses of the same
     GPT, data and AdamW in one process, step by step."""
-    result = run_cli(["launch", "--nproc", "2", "--run-dir", str(tmp_path / "launch"),
+    result = run_cli(["launch", "--fork", "--nproc", "2", "--run-dir", str(tmp_path / "launch"),
                       str(SCRIPTS / "plain_model_parallel_job.py"), str(tmp_path)], tmp_path, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     losses = json.loads((tmp_path / "losses.json").read_text())

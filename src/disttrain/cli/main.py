@@ -125,6 +125,10 @@ def _parser() -> argparse.ArgumentParser:
     _launch_arguments(launch, nproc_default="1")
     launch.add_argument("--run-dir", default="runs/launch", help="where torchrun's logs go")
     launch.add_argument("-m", dest="module", action="store_true", help="SCRIPT is a module name (python -m SCRIPT)")
+    launch.add_argument("--fork", action="store_true",
+                        help="fork the ranks from a server that imported torch once (about 3 s of CPU less per rank "
+                             "and launch); SCRIPT must end by returning, sys.exit or disttrain.runtime.exit_process, "
+                             "not os._exit")
     launch.add_argument("script")
     launch.add_argument("args", nargs=argparse.REMAINDER)
 
@@ -224,9 +228,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from disttrain.launch import launch
 
     total = (cfg.train.stop_at or cfg.train.steps) if cfg.log.progress else 0
-    from disttrain.launch_fork import run_forked
-
-    return launch(plan, ["disttrain.run", str(config_path)], cfg.run_dir, progress_total=total, runner=run_forked)
+    return launch(plan, ["disttrain.run", str(config_path)], cfg.run_dir, progress_total=total)
 
 
 def cmd_ckpt(args: argparse.Namespace) -> int:
@@ -251,7 +253,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise ConfigError(f"script '{args.script}' not found; pass the path of your training script (or -m MODULE)")
     from disttrain.launch import launch
 
-    return launch(_plan(args, nproc), [args.script, *args.args], Path(args.run_dir), module=args.module)
+    return launch(_plan(args, nproc), [args.script, *args.args], Path(args.run_dir), module=args.module,
+                  fork=args.fork)
 
 
 def cmd_config(args: argparse.Namespace) -> int:

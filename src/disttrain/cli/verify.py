@@ -178,8 +178,13 @@ def _worker(out: Path, imports: list[str], strategies: list[str]) -> None:
     shutdown(runtime)
 
 
-if __name__ == "__main__":
+def main(argv: list[str]) -> None:
+    """The worker's entry: OUT, the comma-separated imports, then the strategies' names."""
     from disttrain.runtime import exit_process
 
-    _worker(Path(sys.argv[1]), [m for m in sys.argv[2].split(",") if m], sys.argv[3:])
+    _worker(Path(argv[0]), [m for m in argv[1].split(",") if m], argv[2:])
     exit_process(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
