@@ -38,19 +38,20 @@ def reference(tmp_path_factory):
 def test_a_forked_script_sees_what_a_started_one_sees_and_ends_the_same_way(tmp_path):
     """`disttrain launch --fork` runs the script in ranks forked from a server that imported torch: the script's
     argv, `__name__`, import path, folder and one torch thread per rank are those of a started rank, and a rank's
-    `sys.exit(3)` fails the job with the same code."""
+    `sys.exit(3)` fails the job with the same code; `os._exit(0)` ends a forked rank as it ends a started one
+    (torch's agent waits for a forked rank's return value: without disttrain's care it would wait for ever)."""
     script = str(Path(__file__).parent / "scripts" / "forked_view.py")
     views, codes = {}, {}
-    for mode in ("started", "forked"):
-        for code in ("", "3"):
-            out = tmp_path / f"{mode}{code}"
-            out.mkdir()
-            fork = ["--fork"] if mode == "forked" else []
-            result = run_cli(["launch", *fork, "--nproc", "2", "--run-dir", str(out / "run"), script, str(out),
-                              *([code] if code else [])], tmp_path, timeout=120)
-            codes[mode, code] = result.returncode
-            views[mode, code] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    assert codes == {("started", ""): 0, ("forked", ""): 0, ("started", "3"): 3, ("forked", "3"): 3}
+    for mode, code in (("started", ""), ("started", "3"), ("forked", ""), ("forked", "3"), ("forked", "os._exit")):
+        out = tmp_path / f"{mode}{code}"
+        out.mkdir()
+        fork = ["--fork"] if mode == "forked" else []
+        result = run_cli(["launch", *fork, "--nproc", "2", "--run-dir", str(out / "run"), script, str(out),
+                          *([code] if code else [])], tmp_path, timeout=60)
+        codes[mode, code] = result.returncode
+        views[mode, code] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert codes == {("started", ""): 0, ("forked", ""): 0, ("started", "3"): 3, ("forked", "3"): 3,
+                     ("forked", "os._exit"): 0}
     assert [v["preloaded"] for v in views["started", ""]] == [False, False]
     assert [v["preloaded"] for v in views["forked", ""]] == [True, True]
     for started, forked in zip(views["started", ""], views["forked", ""], strict=True):

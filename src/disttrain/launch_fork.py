@@ -9,14 +9,15 @@ forked are disttrain's own modules (`FORKED`): `disttrain train`'s workers, the 
 
 Two rules make a function entrypoint behave like the subprocess one:
 - the worker *returns* (raising SystemExit for an error code): torch's agent waits for every child's return
-  value, so a child leaving through `os._exit` would leave it polling; `runtime.exit_process` raises SystemExit in
-  a forked worker (`runtime.FORKED_WORKER`), and multiprocessing's own child exit is already `os._exit`, so the
-  gloo teardown race `exit_process` avoids does not arise;
+  value, so a child leaving through `os._exit(0)` would leave it polling for ever; in a forked rank `os._exit(0)`
+  on the main thread (`runtime.exit_process` ends that way) raises SystemExit(0) (`_exit_returning`), and
+  multiprocessing's own child exit is already `os._exit`, so the gloo teardown race `exit_process` avoids does not
+  arise;
 - the worker takes the launcher's environment and working folder at this launch (the server's are those of its
   start), with the variables torch's agent set for this rank on top.
 
-A user's script or module under `disttrain launch` is forked only when asked (`--fork`): it may leave through
-`os._exit`, which would leave torch's agent waiting for a return value that never comes.
+A user's script or module under `disttrain launch` is forked only when asked (`--fork`): the first rule changes
+what `os._exit(0)` means to it (`finally` blocks run), and a script may rely on that not happening.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import os
 import runpy
 import sys
 import tempfile
+import threading
 from typing import Any
 
 PRELOAD = ("torch", "torch._dynamo", "disttrain.trainer", "disttrain.parallel.ddp", "disttrain.parallel.fsdp")
@@ -91,12 +93,27 @@ def enter(environ: dict[str, str], cwd: str) -> None:
     sys.path[:] = [cwd, *extra, *[p for p in sys.path[1:] if p not in extra]]
 
 
+_EXIT = os._exit
+
+
+def _exit_returning(code: int) -> None:
+    """`os._exit` in a forked rank. torch's agent waits for each rank's return value, and a rank that left with code
+    0 and no return would keep it waiting for ever: on the main thread code 0 raises SystemExit(0) (the worker then
+    returns, and multiprocessing leaves with the real `os._exit`); from another thread, where no return can be made,
+    it becomes code 1 with a line saying why. Other codes leave at once: the agent reports them as failures."""
+    if code == 0 and threading.current_thread() is threading.main_thread():
+        raise SystemExit(0)
+    if code == 0:
+        print("disttrain: os._exit(0) from a thread other than the main one cannot return a forked rank to torch's "
+              "agent: this rank ends with code 1; run the script without --fork", file=sys.stderr, flush=True)
+        code = 1
+    _EXIT(code)
+
+
 def worker(environ: dict[str, str], cwd: str, entry: str, module: bool, *argv: str) -> None:
     """One rank: the launcher's environment, folder and import path, then `entry` in this process as
     `python [-m] entry argv` would run it (disttrain's own modules through their `main(argv)`)."""
     import torch
-
-    import disttrain.runtime
 
     agent = {k: v for k, v in os.environ.items() if k in AGENT_VARIABLES or k.startswith("TORCHELASTIC_")}
     enter({**environ, **agent}, cwd)
@@ -110,7 +127,7 @@ def worker(environ: dict[str, str], cwd: str, entry: str, module: bool, *argv: s
         multiprocessing.forkserver._forkserver._forkserver_alive_fd = None
     for stream in (sys.stdout, sys.stderr):  # its files are read live (console.py), as `python -u` writes them
         stream.reconfigure(line_buffering=True)
-    disttrain.runtime.FORKED_WORKER = True
+    os._exit = _exit_returning
     sys.argv = [entry, *argv]
     code = 0
     try:
@@ -121,7 +138,7 @@ def worker(environ: dict[str, str], cwd: str, entry: str, module: bool, *argv: s
         else:
             sys.path[0] = os.path.dirname(os.path.abspath(entry))  # as `python script.py` puts it first
             runpy.run_path(entry, run_name="__main__")
-    except SystemExit as stop:  # sys.exit, argparse, runtime.exit_process
+    except SystemExit as stop:  # sys.exit, argparse, os._exit(0) (runtime.exit_process)
         code = stop.code
     if code:
         raise SystemExit(code)

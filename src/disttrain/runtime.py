@@ -233,10 +233,6 @@ def shutdown(runtime: Runtime, drain: bool = True) -> None:
         dist.destroy_process_group()
 
 
-FORKED_WORKER = False
-"""True in a worker forked by `launch_fork.worker`: there `exit_process` raises SystemExit on the main thread."""
-
-
 def exit_process(code: int = 0) -> None:
     """End a worker process after `shutdown`, skipping C++ static destructors.
 
@@ -246,13 +242,11 @@ def exit_process(code: int = 0) -> None:
     finished run in five ("terminate called without an active exception", SIGABRT), which torchrun
     reports as a failed job. Our files are closed by now, so flushing the streams and leaving with
     `os._exit` is safe. `python -m disttrain.run` does this; scripts run by `disttrain launch` should too.
-    A worker forked by launch_fork.py (FORKED_WORKER) raises SystemExit instead: multiprocessing ends that process
-    with `os._exit` itself, once torch's agent has the worker's return.
+    In a rank forked by launch_fork.py, `os._exit(0)` on the main thread raises SystemExit(0) instead
+    (`launch_fork._exit_returning`): torch's agent waits for the rank's return.
     """
     sys.stdout.flush()
     sys.stderr.flush()
-    if FORKED_WORKER and threading.current_thread() is threading.main_thread():
-        raise SystemExit(code)  # launch_fork.worker returns it to torch's agent, which waits for a return
     os._exit(code)
 
 

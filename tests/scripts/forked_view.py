@@ -1,6 +1,7 @@
-"""What a rank of `disttrain launch [--fork] forked_view.py OUT [CODE]` sees, written to OUT/rank{R}.json: whether
+"""What a rank of `disttrain launch [--fork] forked_view.py OUT [END]` sees, written to OUT/rank{R}.json: whether
 torch was imported before the script ran (a forked rank's server imported it), its argv, `__name__`, first import
-path, folder and torch threads. Rank 1 then leaves with `sys.exit(CODE)` when CODE is given."""
+path, folder and torch threads. END: a number, rank 1 then leaves with `sys.exit(END)`; `os._exit`, every rank
+leaves with `os._exit(0)` (as `disttrain.runtime.exit_process` does)."""
 
 import json
 import os
@@ -15,5 +16,8 @@ view = {"preloaded": preloaded, "argv": sys.argv, "name": __name__, "path0": sys
         "threads": torch.get_num_threads()}
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(view, f)
-if len(sys.argv) > 2 and rank == 1:
-    sys.exit(int(sys.argv[2]))
+end = sys.argv[2] if len(sys.argv) > 2 else ""
+if end == "os._exit":
+    os._exit(0)
+if end and rank == 1:
+    sys.exit(int(end))
