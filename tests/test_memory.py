@@ -164,6 +164,8 @@ def test_layout_estimate_picks_the_most_loaded_stage_and_models_the_schedules():
     assert one.rank == 0 and est("parallel.pipeline=2", rank=1).activations < one.activations
     interleaved = est("parallel.pipeline=2", "parallel.pipeline_schedule=interleaved-1f1b")
     assert interleaved.activations < gpipe.activations
+    # the V-shaped schedule holds 2p half-stage chunks on rank 0 (its first and last stage): 1F1B's peak
+    assert est("parallel.pipeline=2", "parallel.pipeline_schedule=zbv").activations < gpipe.activations
     whole = est(world=1)
     tp = est("parallel.tensor=2")
     assert tp.layout == "tp2" and whole.params / 2 < tp.params < 0.6 * whole.params
@@ -234,3 +236,25 @@ def test_deepspeed_gradient_bucket_is_capped_by_the_model_size(tmp_path):
     cfg = load_config(None, ["parallel.strategy=deepspeed", "parallel.deepspeed_stage=3",
                              f"parallel.deepspeed_config={user}"])
     assert estimate(cfg, 2, "deepspeed").grads - capped.grads > 1.9e9
+
+
+@pytest.mark.parametrize("ranks, microbatches", [(2, 1), (2, 2), (2, 4), (2, 7), (4, 3), (4, 8)])
+def test_the_zbv_model_follows_torchs_own_order(ranks, microbatches):
+    """placement._zbv_order (what the estimate counts in flight under `zbv`) against the order torch's
+    ScheduleZBVZeroBubble computes for each rank: forwards (F) and weight backwards (W) of each local stage."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble, _ComputationType
+
+    from disttrain.parallel.pipeline import stages_of
+    from disttrain.parallel.placement import _zbv_order, in_flight
+
+    schedule = SimpleNamespace(pp_group_size=ranks, num_stages=2 * ranks, _n_microbatches=microbatches)
+    for rank in range(ranks):
+        local = {stage: i for i, stage in enumerate(stages_of(rank, ranks, 2 * ranks, "zbv"))}
+        actions = ScheduleZBVZeroBubble._calculate_single_rank_operations(schedule, rank)
+        kept = (_ComputationType.FORWARD, _ComputationType.BACKWARD_WEIGHT)
+        torch_order = [(local[a.stage_index], a.computation_type == _ComputationType.FORWARD) for a in actions
+                       if a is not None and a.computation_type in kept]
+        assert _zbv_order(ranks, rank, microbatches) == torch_order
+        assert len(in_flight("zbv", ranks, rank, microbatches)) <= min(2 * ranks, 2 * microbatches)

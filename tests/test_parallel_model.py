@@ -17,16 +17,17 @@ from disttrain.config import ConfigError, load_config, validate
 from disttrain.parallel.mesh import MeshLayout, layout_for
 
 # 2 ranks: tensor parallel over both (data degree 1: no data axis); a pipeline of 2 stages under each schedule
-# (interleaved and zero-bubble put 2 virtual stages on each rank: a 4-block model, `layers4`)
+# (interleaved, zero-bubble and zbv put 2 virtual stages on each rank: a 4-block model, `layers4`; zbv's V puts the
+# first and last stage, and so the tied embedding and head, on rank 0)
 # (+lp: the loss on logits split by vocabulary, loss parallel; +ac: activation checkpointing composes)
 TWO = ["ddp+tp2", "ddp+tp2+sp", "ddp+tp2+lp", "fsdp+tp2", "ddp+pp2+gpipe", "ddp+pp2+1f1b",
-       "ddp+pp2+i1f1b+layers4", "ddp+pp2+zb+layers4", "ddp+tp2+ac", "ddp+pp2+ac"]
+       "ddp+pp2+i1f1b+layers4", "ddp+pp2+zb+layers4", "ddp+pp2+zbv+layers4", "ddp+tp2+ac", "ddp+pp2+ac"]
 MIXED = ["ddp+tp2+bf16+lp", "ddp+pp2+bf16"]  # bf16-mixed: against one process in bf16-mixed, to bf16's rounding
 # 4 ranks: tp2 x fsdp2, tp2 (sequence parallel) x replicate2, hsdp 2 x 2, pp2 x replicate2, pp2 x fsdp2, pp2 x tp2
 FOUR = ["fsdp+tp2+lp", "ddp+tp2+sp", "hsdp:2", "ddp+pp2", "fsdp+pp2", "ddp+pp2+tp2"]
 # checkpoints across layouts: A>B trains A to step 6, saves, and B resumes it to step 12
 RESUMES = ["ddp+tp2>fsdp", "fsdp>ddp+tp2+sp+lp", "ddp+tp2>ddp+tp2", "ddp+pp2+1f1b>fsdp", "fsdp>ddp+pp2+gpipe",
-           "ddp+pp2>ddp+pp2", "ddp+pp2>ddp+tp2"]
+           "ddp+pp2>ddp+pp2", "ddp+pp2>ddp+tp2", "ddp+pp2+zbv+layers4>fsdp+layers4"]
 # ... on 4 ranks, between 2-D layouts: pp2 x fsdp2 -> tp2 x dp2 (sequence parallel), tp2 x fsdp2 -> pp2 x dp2
 RESUMES_FOUR = ["fsdp+pp2>ddp+tp2+sp", "fsdp+tp2>ddp+pp2"]
 # ... and into one process: the step-6 checkpoints of these 2-rank runs, resumed by `single`
@@ -164,7 +165,7 @@ def test_checkpoint_resumes_across_layouts(runs, world, variant):
     references, multi, _ = runs
     got = multi[world][variant]
     assert len(got["losses"]) == 6
-    assert_same_training(got, references["single"], slice(6, 12))
+    assert_same_training(got, reference_of(references, variant), slice(6, 12))
 
 
 @pytest.mark.parametrize("label", INTO_ONE)
@@ -211,6 +212,8 @@ def test_layout_from_settings(overrides, world, expected):
     (["parallel.pipeline=2", "parallel.pipeline_schedule=zero-bubble", "data.global_batch_size=12",
       "data.micro_batch_size=4", "model.n_layer=4"], 2, "needs the micro-batches per step \\(3\\) to be a multiple"),
     (["parallel.strategy=deepspeed", "parallel.pipeline=2"], 2, "'deepspeed' does not compose"),
+    (["parallel.pipeline=2", "parallel.pipeline_schedule=zbv", "model.n_layer=4"], 4,
+     "'zbv' runs the first and the last stage on one rank"),
     (["parallel.tensor=2", "model.n_head=3", "model.d_model=96"], 2, "model.n_head = 3 is not divisible by "
      "parallel.tensor = 2"),
     (["parallel.tensor=4", "parallel.sequence_parallel=true", "model.seq_len=30"], 4,

@@ -34,6 +34,8 @@ class MeshLayout:
     replicate: int = 1
     shard: int = 1
     tensor: int = 1
+    v_shaped: bool = False
+    """A V-shaped pipeline schedule (`V_SCHEDULES`): the last stage runs on pipeline rank 0, not the last rank."""
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -67,10 +69,10 @@ class MeshLayout:
         return c["dp_replicate"] * self.shard + c["dp_shard"]
 
     def counts_loss(self, rank: int) -> bool:
-        """Whether this rank's loss joins the global totals: one rank per data shard (the last pipeline stage,
-        tensor shard 0) - the others compute the same loss, or none."""
+        """Whether this rank's loss joins the global totals: one rank per data shard (the one of the last pipeline
+        stage, tensor shard 0) - the others compute the same loss, or none."""
         c = self.coords(rank)
-        return c["pp"] == self.pipeline - 1 and c["tp"] == 0
+        return c["pp"] == (0 if self.v_shaped else self.pipeline - 1) and c["tp"] == 0
 
     def describe(self) -> str:
         parts = [f"{name}{size}" for name, size in zip(("pp", "dp_replicate", "dp_shard", "tp"), self.shape,
@@ -99,7 +101,7 @@ def layout_for(p: ParallelConfig, world: int, spec: StrategySpec | None = None) 
         raise ConfigError(f"parallel.strategy = {spec.name!r} does not compose with parallel.pipeline / "
                           f"parallel.tensor; use 'ddp', 'fsdp', 'zero2' or 'hsdp' for the data-parallel axis")
     replicate, shard = spec.data_axes(p, data) if spec.data_axes is not None else (data, 1)
-    return MeshLayout(p.pipeline, replicate, shard, p.tensor)
+    return MeshLayout(p.pipeline, replicate, shard, p.tensor, p.pipeline > 1 and p.pipeline_schedule in V_SCHEDULES)
 
 
 def check_model_split(cfg: Config, layout: MeshLayout) -> None:
@@ -110,6 +112,11 @@ def check_model_split(cfg: Config, layout: MeshLayout) -> None:
         raise ConfigError("parallel.grad_compression = 'powersgd' is a DDP communication hook, and with "
                           "parallel.pipeline or parallel.tensor > 1 the data axis runs through FSDP2; use 'bf16' or "
                           "'fp16'")
+    if layout.v_shaped and layout.data > 1 and m.name == "gpt":
+        raise ConfigError(f"parallel.pipeline_schedule = {p.pipeline_schedule!r} runs the first and the last stage on "
+                          "one rank, where the GPT's tied embedding and head would be wrapped twice by the "
+                          f"data-parallel axis (degree {layout.data}); use 'zero-bubble' or '1f1b', or no data axis "
+                          "(parallel.pipeline x parallel.tensor = the world size)")
     if p.pipeline_split.strip() and layout.pipeline == 1:
         raise ConfigError(f"parallel.pipeline_split = {p.pipeline_split!r} needs parallel.pipeline > 1; set "
                           "parallel.pipeline or remove parallel.pipeline_split")
@@ -139,14 +146,18 @@ def check_model_split(cfg: Config, layout: MeshLayout) -> None:
                 f"micro-batches per step; set data.micro_batch_size = "
                 f"{_micro_for(cfg.data.global_batch_size, layout.data, p.pipeline_microbatches)} or remove "
                 "parallel.pipeline_microbatches")
-        if p.pipeline_schedule in VIRTUAL_SCHEDULES and micro % layout.pipeline:
+        if p.pipeline_schedule in VIRTUAL_SCHEDULES and p.pipeline_schedule not in V_SCHEDULES \
+                and micro % layout.pipeline:
             raise ConfigError(f"parallel.pipeline_schedule = {p.pipeline_schedule!r} needs the micro-batches per step "
                               f"({micro}) to be a multiple of parallel.pipeline = {layout.pipeline}; change "
                               "data.micro_batch_size or data.global_batch_size")
 
 
-VIRTUAL_SCHEDULES = ("interleaved-1f1b", "zero-bubble")
+VIRTUAL_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "zbv")
 """Schedules that put two (virtual) stages on each pipeline rank."""
+V_SCHEDULES = ("zbv",)
+"""Of those, the V-shaped: rank r runs stages r and 2p - 1 - r (the first and the last stage on rank 0), where the
+others loop (stages r and r + p)."""
 
 
 def _micro_for(global_batch: int, data: int, microbatches: int) -> str:

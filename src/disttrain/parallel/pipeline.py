@@ -29,12 +29,12 @@ from torch import nn
 
 from disttrain.errors import ConfigError
 from disttrain.parallel.activation_checkpoint import transformer_blocks
-from disttrain.parallel.mesh import VIRTUAL_SCHEDULES
+from disttrain.parallel.mesh import V_SCHEDULES, VIRTUAL_SCHEDULES
 from disttrain.parallel.spec import Prepared
 from disttrain.parallel.state import dtensor_targets, full_state_dict_fns, tie_groups
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
-             "zero-bubble": "ScheduleInterleavedZeroBubble"}
+             "zero-bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,14 +141,17 @@ def stage_count(parallel, ranks: int) -> int:
     return ranks * (2 if parallel.pipeline_schedule in VIRTUAL_SCHEDULES else 1)
 
 
-def holder(stage: int, ranks: int) -> int:
-    """The pipeline rank that runs `stage` (virtual stages loop: stage s on rank s mod ranks)."""
+def holder(stage: int, ranks: int, schedule: str = "1f1b") -> int:
+    """The pipeline rank that runs `stage`: virtual stages loop (stage s on rank s mod ranks), or under a V-shaped
+    schedule go down and back (s on rank s for s < ranks, else 2 ranks - 1 - s), as torch's schedules place them."""
+    if schedule in V_SCHEDULES and stage >= ranks:
+        return 2 * ranks - 1 - stage
     return stage % ranks
 
 
-def stages_of(rank: int, ranks: int, stages: int) -> list[int]:
-    """The stages pipeline rank `rank` runs."""
-    return [s for s in range(stages) if holder(s, ranks) == rank]
+def stages_of(rank: int, ranks: int, stages: int, schedule: str = "1f1b") -> list[int]:
+    """The stages pipeline rank `rank` runs, in stage order."""
+    return [s for s in range(stages) if holder(s, ranks, schedule) == rank]
 
 
 def stage_bounds(model: nn.Module, stages: int, given: str) -> list[tuple[int, int]]:
@@ -295,7 +298,7 @@ class StageLayout:
     """The residual stream's dtype between stages."""
 
     def holder(self, stage: int) -> int:
-        return holder(stage, self.ranks)
+        return holder(stage, self.ranks, self.schedule)
 
 
 def build_schedule(prepared: PipelinePrepared, microbatches: int, size: int, width: int, device):
@@ -313,8 +316,10 @@ def build_schedule(prepared: PipelinePrepared, microbatches: int, size: int, wid
                                                output_args=(out,), group=lay.group))
     one = lay.schedule not in VIRTUAL_SCHEDULES
     name = SCHEDULES[lay.schedule]
-    if microbatches < lay.ranks:  # too few micro-batches to interleave (e.g. one call of the TrainingService):
-        name = "ScheduleGPipe" if one else "ScheduleLoopedBFS"  # all forwards, then all backwards; same numbers
+    # too few micro-batches to interleave (e.g. one call of the TrainingService): all forwards, then all backwards,
+    # the same numbers (torch's V-shaped schedule drops the micro-batches it lacks itself; no other has its placement)
+    if microbatches < lay.ranks and lay.schedule not in V_SCHEDULES:
+        name = "ScheduleGPipe" if one else "ScheduleLoopedBFS"
     return getattr(pipelining, name)(stages[0] if one else stages, n_microbatches=microbatches,
                                      loss_fn=lambda output, target: output, scale_grads=False)
 
@@ -383,9 +388,14 @@ def prepare(model: nn.Module, runtime, parallel, device_mesh, apply_data: Callab
                       pp_mesh.get_group(), parallel.pipeline_schedule, *_sizes(model), dtype)
     fam = FAMILIES[family_of(model)]
     bounds = stage_bounds(model, lay.stages, parallel.pipeline_split)
-    mine = stages_of(lay.rank, lay.ranks, lay.stages)
+    mine = stages_of(lay.rank, lay.ranks, lay.stages, lay.schedule)
     first, last = 0 in mine, lay.stages - 1 in mine
     ties = tie_groups(model)
+    if first and last and ties and apply_data is not None:  # (checked before start for the reference GPT)
+        raise ConfigError(f"parallel.pipeline_schedule = {lay.schedule!r} runs the first and the last stage on one "
+                          "rank, where this model's tied embedding and head would be wrapped twice by the "
+                          "data-parallel axis; use 'zero-bubble' or '1f1b', or no data axis (parallel.pipeline x "
+                          "parallel.tensor = the world size)")
     parts = [(s, StagePart(model, fam, bounds[s], s == 0, s == lay.stages - 1)) for s in mine]
     prune(model, fam, [bounds[s] for s in mine], first, last)
     if materialize is not None:  # a sharded start: this rank allocates and reads its own stage(s) only, in full

@@ -27,7 +27,8 @@ Shape = tuple[int, ...]
 
 def rank_stages(layout: MeshLayout, parallel: ParallelConfig, pipeline_rank: int) -> list[int]:
     """The stages a pipeline rank runs, as the pipeline places them."""
-    return pipeline.stages_of(pipeline_rank, layout.pipeline, pipeline.stage_count(parallel, layout.pipeline))
+    return pipeline.stages_of(pipeline_rank, layout.pipeline, pipeline.stage_count(parallel, layout.pipeline),
+                              parallel.pipeline_schedule)
 
 
 def stage_parameters(model: nn.Module, layout: MeshLayout, parallel: ParallelConfig,
@@ -101,13 +102,63 @@ def in_flight(schedule: str, ranks: int, pipeline_rank: int, microbatches: int) 
     (and            per round, m / (m // p)), then one forward and one backward in turn, so that many + 1 chunks,
     zero-bubble)    capped at v x m; forwards run in rounds of k micro-batches per local stage (k of the first,
                     k of the second, ...). Zero-bubble splits each backward into an input and a weight part whose
-                    saved tensors live until the weight part runs: counted as interleaved (not measured)."""
+                    saved tensors live until the weight part runs: counted as interleaved (not measured).
+    zbv             torch's ScheduleZBVZeroBubble, whose order `_zbv_order` follows: a micro-batch's activations
+                    live from its forward to its weight backward; at most 2p chunks, the 1f1b peak of rank 0 in
+                    half-size stages (not measured)."""
     p, r, m = ranks, pipeline_rank, microbatches
     if schedule == "gpipe":
         return [0] * m
     if schedule == "1f1b":
         return [0] * min(p - r, m)
+    if schedule == "zbv":
+        held, peak = [], []
+        for stage, forward in _zbv_order(p, r, m):
+            if forward:
+                held.append(stage)
+            else:
+                held.remove(stage)  # the oldest of that stage's micro-batches
+            if len(held) > len(peak):
+                peak = list(held)
+        return list(peak)
     local = 2
     per_round = m // max(1, m // p)
     chunks = min((local - 1) * per_round + 2 * (p - 1 - r) + 1, local * m)
     return [(i // per_round) % local for i in range(chunks)]
+
+
+def _zbv_order(p: int, r: int, m: int) -> list[tuple[int, bool]]:
+    """(local stage, True: a forward / False: a weight backward) of pipeline rank r, in torch's ScheduleZBVZeroBubble
+    order for p ranks and m micro-batches: 2(p - r) - 1 forwards of its first stage, r pairs of forwards (second,
+    first), p - r rounds of forward and backward of its second stage, then one and the other in turn until every
+    micro-batch is through, then the weight backwards left; torch schedules max(m, 2p - 1) micro-batches and drops
+    those past m."""
+    n = max(2 * p - 1, m)
+    issued, order = [0, 0, 0, 0], []  # forwards of stage 0 and 1, weight backwards of stage 0 and 1
+
+    def act(stage: int, forward: bool) -> None:
+        slot = stage + (0 if forward else 2)
+        if issued[slot] < m:
+            order.append((stage, forward))
+        issued[slot] += 1
+
+    for _ in range(2 * (p - r) - 1):
+        act(0, True)
+    for _ in range(r):
+        act(1, True)
+        act(0, True)
+    for _ in range(p - r):
+        act(1, True)
+        act(1, False)
+    while issued[1] < issued[0] or issued[0] < n:
+        if issued[0] < n:
+            act(0, True)
+        act(0, False)
+        act(1, True)
+        act(1, False)
+    for _ in range(p - r):  # the cool-down's weight backwards: p - r of the first stage, the rest of the second,
+        act(0, False)  # then of the first
+    for stage in (1, 0):
+        while issued[stage + 2] < issued[stage]:
+            act(stage, False)
+    return order
