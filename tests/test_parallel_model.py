@@ -17,11 +17,12 @@ from disttrain.config import ConfigError, load_config, validate
 from disttrain.parallel.mesh import MeshLayout, layout_for
 
 # 2 ranks: tensor parallel over both (data degree 1: no data axis); a pipeline of 2 stages under each schedule
-# (interleaved, zero-bubble and zbv put 2 virtual stages on each rank: a 4-block model, `layers4`; zbv's V puts the
-# first and last stage, and so the tied embedding and head, on rank 0)
+# (interleaved, zero-bubble, zbv and dualpipev put 2 virtual stages on each rank: a 4-block model, `layers4`; the V of
+# zbv and dualpipev puts the first and last stage, and so the tied embedding and head, on rank 0)
 # (+lp: the loss on logits split by vocabulary, loss parallel; +ac: activation checkpointing composes)
 TWO = ["ddp+tp2", "ddp+tp2+sp", "ddp+tp2+lp", "fsdp+tp2", "ddp+pp2+gpipe", "ddp+pp2+1f1b",
-       "ddp+pp2+i1f1b+layers4", "ddp+pp2+zb+layers4", "ddp+pp2+zbv+layers4", "ddp+tp2+ac", "ddp+pp2+ac"]
+       "ddp+pp2+i1f1b+layers4", "ddp+pp2+zb+layers4", "ddp+pp2+zbv+layers4",
+       "ddp+pp2+dualpipev+layers4", "ddp+tp2+ac", "ddp+pp2+ac"]
 MIXED = ["ddp+tp2+bf16+lp", "ddp+pp2+bf16"]  # bf16-mixed: against one process in bf16-mixed, to bf16's rounding
 # 4 ranks: tp2 x fsdp2, tp2 (sequence parallel) x replicate2, hsdp 2 x 2, pp2 x replicate2, pp2 x fsdp2, pp2 x tp2
 FOUR = ["fsdp+tp2+lp", "ddp+tp2+sp", "hsdp:2", "ddp+pp2", "fsdp+pp2", "ddp+pp2+tp2"]
@@ -214,6 +215,8 @@ def test_layout_from_settings(overrides, world, expected):
     (["parallel.strategy=deepspeed", "parallel.pipeline=2"], 2, "'deepspeed' does not compose"),
     (["parallel.pipeline=2", "parallel.pipeline_schedule=zbv", "model.n_layer=4"], 4,
      "'zbv' runs the first and the last stage on one rank"),
+    (["parallel.pipeline=2", "parallel.pipeline_schedule=dualpipev", "model.n_layer=4", "data.global_batch_size=12",
+      "data.micro_batch_size=4"], 2, "'dualpipev' needs at least as many micro-batches per step as stages \\(4\\)"),
     (["parallel.tensor=2", "model.n_head=3", "model.d_model=96"], 2, "model.n_head = 3 is not divisible by "
      "parallel.tensor = 2"),
     (["parallel.tensor=4", "parallel.sequence_parallel=true", "model.seq_len=30"], 4,

@@ -199,7 +199,8 @@ class ParallelConfig:
     pipeline_schedule: str = "1f1b"
     """parallel.pipeline > 1: `gpipe`, `1f1b`, `interleaved-1f1b` (two virtual stages per rank), `zero-bubble`
     (torch's interleaved zero-bubble schedule, two virtual stages per rank) or `zbv` (torch's V-shaped zero-bubble
-    schedule: rank r runs stages r and 2p - 1 - r, so the first and last stage share rank 0)."""
+    schedule: rank r runs stages r and 2p - 1 - r, so the first and last stage share rank 0) or `dualpipev` (torch's
+    DualPipeV, the same V; at least 2p micro-batches per step)."""
     pipeline_microbatches: int = 0
     """Micro-batches per step through the pipeline; 0 = what the batch settings give (data.global_batch_size /
     (data-parallel degree x data.micro_batch_size)); a value that disagrees with them is an error naming the
@@ -338,7 +339,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "checkpoint.on_error": ("abort", "continue"),
     "train.on_nonfinite": ("stop", "skip"),
     "parallel.grad_compression": ("none", "fp16", "bf16", "powersgd"),
-    "parallel.pipeline_schedule": ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv"),
+    "parallel.pipeline_schedule": ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev"),
     "parallel.loss_parallel": ("auto", "true", "false"),
 }
 

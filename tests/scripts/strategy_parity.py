@@ -48,7 +48,7 @@ FLAGS = {"ac": "parallel.activation_checkpointing=true", "offload": "parallel.cp
          "pp": "parallel.pipeline={}",
          "gpipe": "parallel.pipeline_schedule=gpipe", "1f1b": "parallel.pipeline_schedule=1f1b",
          "i1f1b": "parallel.pipeline_schedule=interleaved-1f1b", "zb": "parallel.pipeline_schedule=zero-bubble",
-         "zbv": "parallel.pipeline_schedule=zbv",
+         "zbv": "parallel.pipeline_schedule=zbv", "dualpipev": "parallel.pipeline_schedule=dualpipev",
          "layers": "model.n_layer={}"}
 
 

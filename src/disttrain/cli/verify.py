@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="max allowed |loss difference|, relative grad-norm difference and |parameter difference|")
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
 
 
 def _job(cfg: Config, steps: int, out: Path, name: str, entry: str, nproc: int) -> Config:

@@ -146,6 +146,10 @@ def check_model_split(cfg: Config, layout: MeshLayout) -> None:
                 f"micro-batches per step; set data.micro_batch_size = "
                 f"{_micro_for(cfg.data.global_batch_size, layout.data, p.pipeline_microbatches)} or remove "
                 "parallel.pipeline_microbatches")
+        if p.pipeline_schedule == "dualpipev" and micro < 2 * layout.pipeline:
+            raise ConfigError(f"parallel.pipeline_schedule = 'dualpipev' needs at least as many micro-batches per step "
+                              f"as stages ({2 * layout.pipeline}), and the step has {micro}; lower "
+                              "data.micro_batch_size or raise data.global_batch_size, or use 'zbv'")
         if p.pipeline_schedule in VIRTUAL_SCHEDULES and p.pipeline_schedule not in V_SCHEDULES \
                 and micro % layout.pipeline:
             raise ConfigError(f"parallel.pipeline_schedule = {p.pipeline_schedule!r} needs the micro-batches per step "
@@ -153,9 +157,9 @@ def check_model_split(cfg: Config, layout: MeshLayout) -> None:
                               "data.micro_batch_size or data.global_batch_size")
 
 
-VIRTUAL_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "zbv")
+VIRTUAL_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
 """Schedules that put two (virtual) stages on each pipeline rank."""
-V_SCHEDULES = ("zbv",)
+V_SCHEDULES = ("zbv", "dualpipev")
 """Of those, the V-shaped: rank r runs stages r and 2p - 1 - r (the first and the last stage on rank 0), where the
 others loop (stages r and r + p)."""
 

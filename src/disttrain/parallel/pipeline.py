@@ -34,7 +34,8 @@ from disttrain.parallel.spec import Prepared
 from disttrain.parallel.state import dtensor_targets, full_state_dict_fns, tie_groups
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
-             "zero-bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
+             "zero-bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+             "dualpipev": "ScheduleDualPipeV"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -320,6 +321,8 @@ def build_schedule(prepared: PipelinePrepared, microbatches: int, size: int, wid
     # the same numbers (torch's V-shaped schedule drops the micro-batches it lacks itself; no other has its placement)
     if microbatches < lay.ranks and lay.schedule not in V_SCHEDULES:
         name = "ScheduleGPipe" if one else "ScheduleLoopedBFS"
+    if microbatches < lay.stages and lay.schedule == "dualpipev":  # DualPipeV needs one per stage: zbv, same V
+        name = "ScheduleZBVZeroBubble"
     return getattr(pipelining, name)(stages[0] if one else stages, n_microbatches=microbatches,
                                      loss_fn=lambda output, target: output, scale_grads=False)
 

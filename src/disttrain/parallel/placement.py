@@ -105,13 +105,15 @@ def in_flight(schedule: str, ranks: int, pipeline_rank: int, microbatches: int) 
                     saved tensors live until the weight part runs: counted as interleaved (not measured).
     zbv             torch's ScheduleZBVZeroBubble, whose order `_zbv_order` follows: a micro-batch's activations
                     live from its forward to its weight backward; at most 2p chunks, the 1f1b peak of rank 0 in
-                    half-size stages (not measured)."""
+                    half-size stages (not measured).
+    dualpipev       counted as zbv (the same V placement; DualPipeV's overlapped forward and backward pairs are not
+                    modelled, not measured)."""
     p, r, m = ranks, pipeline_rank, microbatches
     if schedule == "gpipe":
         return [0] * m
     if schedule == "1f1b":
         return [0] * min(p - r, m)
-    if schedule == "zbv":
+    if schedule in ("zbv", "dualpipev"):
         held, peak = [], []
         for stage, forward in _zbv_order(p, r, m):
             if forward:
