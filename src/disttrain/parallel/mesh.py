@@ -112,11 +112,16 @@ def check_model_split(cfg: Config, layout: MeshLayout) -> None:
         raise ConfigError("parallel.grad_compression = 'powersgd' is a DDP communication hook, and with "
                           "parallel.pipeline or parallel.tensor > 1 the data axis runs through FSDP2; use 'bf16' or "
                           "'fp16'")
-    if layout.v_shaped and layout.data > 1 and m.name == "gpt":
-        raise ConfigError(f"parallel.pipeline_schedule = {p.pipeline_schedule!r} runs the first and the last stage on "
-                          "one rank, where the GPT's tied embedding and head would be wrapped twice by the "
-                          f"data-parallel axis (degree {layout.data}); use 'zero-bubble' or '1f1b', or no data axis "
-                          "(parallel.pipeline x parallel.tensor = the world size)")
+    if layout.v_shaped and layout.data > 1:
+        raise ConfigError(f"parallel.pipeline_schedule = {p.pipeline_schedule!r} does not compose with a data-parallel "
+                          f"axis yet (degree {layout.data} here): its first and last stage share a rank, and with a "
+                          "data axis the losses left one process's; use 'zero-bubble' or '1f1b' with a data axis, or "
+                          "make parallel.pipeline x parallel.tensor the world size")
+    if p.pipeline_schedule == "zero-bubble" and layout.pipeline > 1 and layout.shard > 1:
+        raise ConfigError(f"parallel.pipeline_schedule = 'zero-bubble' with a sharded data axis (parallel.strategy = "
+                          f"{p.strategy!r}, {layout.shard} shards) does not finish a step here (torch 2.13: FSDP2's "
+                          "gradient reduction under the split input/weight backward); use parallel.strategy = 'ddp' "
+                          "for the data axis, or parallel.pipeline_schedule = 'interleaved-1f1b'")
     if p.pipeline_split.strip() and layout.pipeline == 1:
         raise ConfigError(f"parallel.pipeline_split = {p.pipeline_split!r} needs parallel.pipeline > 1; set "
                           "parallel.pipeline or remove parallel.pipeline_split")

@@ -394,11 +394,6 @@ def prepare(model: nn.Module, runtime, parallel, device_mesh, apply_data: Callab
     mine = stages_of(lay.rank, lay.ranks, lay.stages, lay.schedule)
     first, last = 0 in mine, lay.stages - 1 in mine
     ties = tie_groups(model)
-    if first and last and ties and apply_data is not None:  # (checked before start for the reference GPT)
-        raise ConfigError(f"parallel.pipeline_schedule = {lay.schedule!r} runs the first and the last stage on one "
-                          "rank, where this model's tied embedding and head would be wrapped twice by the "
-                          "data-parallel axis; use 'zero-bubble' or '1f1b', or no data axis (parallel.pipeline x "
-                          "parallel.tensor = the world size)")
     parts = [(s, StagePart(model, fam, bounds[s], s == 0, s == lay.stages - 1)) for s in mine]
     prune(model, fam, [bounds[s] for s in mine], first, last)
     if materialize is not None:  # a sharded start: this rank allocates and reads its own stage(s) only, in full
