@@ -92,6 +92,11 @@ def test_launch_runs_a_module_with_the_multi_node_flags(tmp_path):
     logs = "".join(p.read_text() for p in (tmp_path / "run").rglob("stdout.log"))
     assert "hello from rank 0 of 2" in logs and "hello from rank 1 of 2" in logs
     assert "--rdzv-id hello" in result.stderr
+    forked = run_cli(["launch", "--fork", "--nproc", "2", "--run-dir", str(tmp_path / "forked"), "-m", "hello_ranks"],
+                     tmp_path)  # the module run by runpy in ranks forked from the preloaded server
+    assert forked.returncode == 0, forked.stderr
+    logs = "".join(p.read_text() for p in (tmp_path / "forked").rglob("stdout.log"))
+    assert "hello from rank 0 of 2" in logs and "hello from rank 1 of 2" in logs
     missing = run_cli(["launch", "-m", "no_such_module_here"], tmp_path)
     assert missing.returncode == 2 and "-m no_such_module_here: no such module" in missing.stderr
 
