@@ -58,6 +58,7 @@ def test_a_forked_script_sees_what_a_started_one_sees_and_ends_the_same_way(tmp_
         assert forked["argv"] == [script, str(tmp_path / "forked")] and started["argv"][0] == script
         assert {**forked, "preloaded": None, "argv": None} == {**started, "preloaded": None, "argv": None}
         assert forked["threads"] == 1 and forked["name"] == "__main__" and forked["path0"] == str(Path(script).parent)
+        assert forked["child_unwound"] is started["child_unwound"] is False
 
 
 def test_a_rank_that_raises_ends_the_job_with_a_summary(tmp_path):

@@ -81,8 +81,8 @@ def launch(plan: LaunchPlan | int, entry: list[str], run_dir: Path, module: bool
     """Run `entry` on this node's workers through torchrun; return the job's exit code. The workers' output reaches
     this terminal line by line with its rank; `progress_total` > 0 (a `disttrain train` job): one progress bar drawn
     from rank 0's `run_dir/metrics.jsonl` (console.py). disttrain's own workers (`disttrain train`'s, the benchmarks',
-    `verify`'s) are forked from a preloaded server (launch_fork.py); another entry too with `fork` (it must end by
-    returning, sys.exit or `runtime.exit_process`, not `os._exit`), else it runs as torchrun's subprocess."""
+    `verify`'s) are forked from a preloaded server (launch_fork.py); another entry too with `fork` (torch is then
+    imported before it runs), else it runs as torchrun's subprocess."""
     plan = LaunchPlan(nproc=plan) if isinstance(plan, int) else plan
     plan.check()
     tmp = run_dir / "tmp"

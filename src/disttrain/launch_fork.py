@@ -16,12 +16,18 @@ Two rules make a function entrypoint behave like the subprocess one:
 - the worker takes the launcher's environment and working folder at this launch (the server's are those of its
   start), with the variables torch's agent set for this rank on top.
 
-A user's script or module under `disttrain launch` is forked only when asked (`--fork`): the first rule changes
-what `os._exit(0)` means to it (`finally` blocks run), and a script may rely on that not happening.
+Also as for a subprocess rank: its own session (a terminal's Ctrl-C reaches the agent only), the traceback of an
+uncaught exception in its output, and, for a script, its `atexit` handlers when it ends.
+
+A user's script or module under `disttrain launch` is forked only when asked (`--fork`): torch is imported before
+the script runs, so variables the script sets for torch before importing it (CUDA_VISIBLE_DEVICES, ...) come too
+late, and `os._exit(0)` raises SystemExit there (`finally` blocks run).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import importlib
 import logging
 import multiprocessing
@@ -31,6 +37,7 @@ import runpy
 import sys
 import tempfile
 import threading
+import traceback
 from typing import Any
 
 PRELOAD = ("torch", "torch._dynamo", "disttrain.trainer", "disttrain.parallel.ddp", "disttrain.parallel.fsdp")
@@ -94,20 +101,23 @@ def enter(environ: dict[str, str], cwd: str) -> None:
 
 
 _EXIT = os._exit
+_RANK = [0]
+"""The pid of this forked rank (0 elsewhere): `_exit_returning` acts in it only, not in processes it forks."""
 
 
 def _exit_returning(code: int) -> None:
-    """`os._exit` in a forked rank. torch's agent waits for each rank's return value, and a rank that left with code
-    0 and no return would keep it waiting for ever: on the main thread code 0 raises SystemExit(0) (the worker then
-    returns, and multiprocessing leaves with the real `os._exit`); from another thread, where no return can be made,
-    it becomes code 1 with a line saying why. Other codes leave at once: the agent reports them as failures."""
-    if code == 0 and threading.current_thread() is threading.main_thread():
+    """`os._exit` while a forked rank runs its entry. torch's agent waits for each rank's return value, and a rank
+    that left with code 0 and no return would keep it waiting for ever: on the main thread code 0 raises
+    SystemExit(0) (the worker then returns, and multiprocessing leaves with the real `os._exit`); from another
+    thread, where no return can be made, it becomes code 1 with a line saying why. Other codes, and any process the
+    rank forked (a data loader's workers), leave at once."""
+    if code != 0 or os.getpid() != _RANK[0]:
+        _EXIT(code)
+    if threading.current_thread() is threading.main_thread():
         raise SystemExit(0)
-    if code == 0:
-        print("disttrain: os._exit(0) from a thread other than the main one cannot return a forked rank to torch's "
-              "agent: this rank ends with code 1; run the script without --fork", file=sys.stderr, flush=True)
-        code = 1
-    _EXIT(code)
+    print("disttrain: os._exit(0) from a thread other than the main one cannot return a forked rank to torch's agent: "
+          "this rank ends with code 1", file=sys.stderr, flush=True)
+    _EXIT(1)
 
 
 def worker(environ: dict[str, str], cwd: str, entry: str, module: bool, *argv: str) -> None:
@@ -115,10 +125,13 @@ def worker(environ: dict[str, str], cwd: str, entry: str, module: bool, *argv: s
     `python [-m] entry argv` would run it (disttrain's own modules through their `main(argv)`)."""
     import torch
 
+    with contextlib.suppress(OSError):  # its own session, as torchrun starts a subprocess rank: a terminal's
+        os.setsid()  # Ctrl-C reaches the agent, which forwards one signal, not every rank directly as well
     agent = {k: v for k, v in os.environ.items() if k in AGENT_VARIABLES or k.startswith("TORCHELASTIC_")}
     enter({**environ, **agent}, cwd)
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # read at torch's import, which was the server's
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # read at torch's import, which was the server's
+        torch.set_num_threads(int(threads))
     # the forkserver exits once no launcher holds its "alive" pipe: a worker must not keep it open, so that the
     # launcher's death (SIGKILL) ends the server and changes the worker's parent, which monitor.py watches
     alive = getattr(multiprocessing.forkserver._forkserver, "_forkserver_alive_fd", None)
@@ -127,18 +140,31 @@ def worker(environ: dict[str, str], cwd: str, entry: str, module: bool, *argv: s
         multiprocessing.forkserver._forkserver._forkserver_alive_fd = None
     for stream in (sys.stdout, sys.stderr):  # its files are read live (console.py), as `python -u` writes them
         stream.reconfigure(line_buffering=True)
-    os._exit = _exit_returning
+    own = forks(entry, module)
+    if not own:  # a script's exit handlers run when it ends, as in `python script.py` (not the server's)
+        atexit._clear()
     sys.argv = [entry, *argv]
     code = 0
+    _RANK[0], os._exit = os.getpid(), _exit_returning
     try:
-        if forks(entry, module):
+        if own:
             code = importlib.import_module(entry).main(list(argv))
         elif module:
             runpy.run_module(entry, run_name="__main__", alter_sys=True)
         else:
-            sys.path[0] = os.path.dirname(os.path.abspath(entry))  # as `python script.py` puts it first
-            runpy.run_path(entry, run_name="__main__")
+            script = os.path.abspath(entry)  # `python script.py` gives __file__ absolute, its folder first
+            sys.path[0] = os.path.dirname(script)
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as stop:  # sys.exit, argparse, os._exit(0) (runtime.exit_process)
         code = stop.code
+    except KeyboardInterrupt:  # torch's wrapper would swallow it and post no return value: the agent would wait
+        code = 130
+    except Exception:  # the rank's output gets the traceback, as a started process's stderr would
+        traceback.print_exc()
+        raise
+    finally:
+        os._exit = _EXIT  # multiprocessing ends this process with it
+        if not own:
+            atexit._run_exitfuncs()
     if code:
         raise SystemExit(code)

@@ -127,8 +127,8 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("-m", dest="module", action="store_true", help="SCRIPT is a module name (python -m SCRIPT)")
     launch.add_argument("--fork", action="store_true",
                         help="fork the ranks from a server that imported torch once (about 3 s of CPU less per rank "
-                             "and launch); SCRIPT must end by returning, sys.exit or disttrain.runtime.exit_process, "
-                             "not os._exit")
+                             "and launch); variables SCRIPT sets for torch before importing it (CUDA_VISIBLE_DEVICES) "
+                             "then come too late")
     launch.add_argument("script")
     launch.add_argument("args", nargs=argparse.REMAINDER)
 

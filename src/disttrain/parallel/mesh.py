@@ -101,17 +101,14 @@ def layout_for(p: ParallelConfig, world: int, spec: StrategySpec | None = None) 
         raise ConfigError(f"parallel.strategy = {spec.name!r} does not compose with parallel.pipeline / "
                           f"parallel.tensor; use 'ddp', 'fsdp', 'zero2' or 'hsdp' for the data-parallel axis")
     replicate, shard = spec.data_axes(p, data) if spec.data_axes is not None else (data, 1)
-    return MeshLayout(p.pipeline, replicate, shard, p.tensor, p.pipeline > 1 and p.pipeline_schedule in V_SCHEDULES)
+    layout = MeshLayout(p.pipeline, replicate, shard, p.tensor, p.pipeline > 1 and p.pipeline_schedule in V_SCHEDULES)
+    _check_schedule(p, layout)
+    return layout
 
 
-def check_model_split(cfg: Config, layout: MeshLayout) -> None:
-    """The model's shape against the layout (the reference GPT's sizes are in the config; a model of your own is
-    checked when it is split)."""
-    p, m = cfg.parallel, cfg.model
-    if layout.model_parallel and p.grad_compression == "powersgd":
-        raise ConfigError("parallel.grad_compression = 'powersgd' is a DDP communication hook, and with "
-                          "parallel.pipeline or parallel.tensor > 1 the data axis runs through FSDP2; use 'bf16' or "
-                          "'fp16'")
+def _check_schedule(p: ParallelConfig, layout: MeshLayout) -> None:
+    """Pipeline schedules that do not compose with the layout's data axis yet (here, not only in `validate`: the
+    TrainingService lays out its workers through `layout_for` too)."""
     if layout.v_shaped and layout.data > 1:
         raise ConfigError(f"parallel.pipeline_schedule = {p.pipeline_schedule!r} does not compose with a data-parallel "
                           f"axis yet (degree {layout.data} here): its first and last stage share a rank, and with a "
@@ -122,6 +119,16 @@ def check_model_split(cfg: Config, layout: MeshLayout) -> None:
                           f"{p.strategy!r}, {layout.shard} shards) does not finish a step here (torch 2.13: FSDP2's "
                           "gradient reduction under the split input/weight backward); use parallel.strategy = 'ddp' "
                           "for the data axis, or parallel.pipeline_schedule = 'interleaved-1f1b'")
+
+
+def check_model_split(cfg: Config, layout: MeshLayout) -> None:
+    """The model's shape against the layout (the reference GPT's sizes are in the config; a model of your own is
+    checked when it is split)."""
+    p, m = cfg.parallel, cfg.model
+    if layout.model_parallel and p.grad_compression == "powersgd":
+        raise ConfigError("parallel.grad_compression = 'powersgd' is a DDP communication hook, and with "
+                          "parallel.pipeline or parallel.tensor > 1 the data axis runs through FSDP2; use 'bf16' or "
+                          "'fp16'")
     if p.pipeline_split.strip() and layout.pipeline == 1:
         raise ConfigError(f"parallel.pipeline_split = {p.pipeline_split!r} needs parallel.pipeline > 1; set "
                           "parallel.pipeline or remove parallel.pipeline_split")
