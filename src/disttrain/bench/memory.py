@@ -32,6 +32,10 @@ LAYOUTS = {
     "pp2-1f1b": ("parallel.pipeline=2", "parallel.pipeline_schedule=1f1b"),
     "pp2-gpipe": ("parallel.pipeline=2", "parallel.pipeline_schedule=gpipe"),
     "pp2-fsdp": ("parallel.pipeline=2", "parallel.strategy=fsdp"),
+    "pp2-interleaved": ("parallel.pipeline=2", "parallel.pipeline_schedule=interleaved-1f1b"),
+    "pp2-zero-bubble": ("parallel.pipeline=2", "parallel.pipeline_schedule=zero-bubble"),
+    "pp2-zbv": ("parallel.pipeline=2", "parallel.pipeline_schedule=zbv"),
+    "pp2-dualpipev": ("parallel.pipeline=2", "parallel.pipeline_schedule=dualpipev"),
 }
 """Layouts of the model over the ranks (parallel.pipeline / parallel.tensor), the data axis taking the rest (ddp
 unless the layout names a strategy; with 2 ranks per data coordinate pp2-fsdp is pp2-1f1b). Measured by default:
