@@ -1,6 +1,6 @@
 """Pipeline parallelism with `torch.distributed.pipelining`: the model's blocks are split into consecutive stages,
-one (or two, for the interleaved and zero-bubble schedules) per rank of the mesh's `pp` axis, and a schedule runs
-the forward and backward of all micro-batches of a step through them.
+one (or two, for the interleaved, zero-bubble and V-shaped schedules) per rank of the mesh's `pp` axis, and a
+schedule runs the forward and backward of all micro-batches of a step through them.
 
 Each rank keeps the *whole model object* with the other stages' blocks replaced by parameterless placeholders and
 the embedding / head removed where they do not run, so parameter names (state dicts, checkpoints, optimizer groups)
@@ -11,7 +11,8 @@ parallelism then apply to that stage model as to any model.
 The loss is the backend's: each micro-batch's `loss_terms` (a token sum and count) runs on the last stage inside
 the schedule (`scale_grads=False`, so gradients stay sums), and the step's sum and count reach the backend once,
 through the last micro-batch's `on_loss`; other stages report zeros and do not count (parallel/compose.py). Tied
-embedding and head weights, which live on the first and last stage, get their two gradients summed before the step.
+embedding and head weights, which live on the first and last stage, get their two gradients summed before the step
+(under a V-shaped schedule both stages run on rank 0, where the weight is one parameter).
 Evaluation runs the stages forward one after another with point-to-point sends (no schedule, any batch size).
 """
 
