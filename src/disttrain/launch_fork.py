@@ -140,25 +140,33 @@ def worker(environ: dict[str, str], cwd: str, entry: str, module: bool, *argv: s
         multiprocessing.forkserver._forkserver._forkserver_alive_fd = None
     for stream in (sys.stdout, sys.stderr):  # its files are read live (console.py), as `python -u` writes them
         stream.reconfigure(line_buffering=True)
+    code = _run_entry(entry, module, list(argv))
+    if code:
+        raise SystemExit(code)
+
+
+def _run_entry(entry: str, module: bool, argv: list[str]) -> int | str | None:
+    """Run `entry` as `python [-m] entry argv` would (disttrain's own modules through `main(argv)`), with
+    `_exit_returning` in place of `os._exit` meanwhile; its exit code."""
     own = forks(entry, module)
     if not own:  # a script's exit handlers run when it ends, as in `python script.py` (not the server's)
         atexit._clear()
     sys.argv = [entry, *argv]
-    code = 0
     _RANK[0], os._exit = os.getpid(), _exit_returning
     try:
         if own:
-            code = importlib.import_module(entry).main(list(argv))
-        elif module:
+            return importlib.import_module(entry).main(argv)
+        if module:
             runpy.run_module(entry, run_name="__main__", alter_sys=True)
         else:
             script = os.path.abspath(entry)  # `python script.py` gives __file__ absolute, its folder first
             sys.path[0] = os.path.dirname(script)
             runpy.run_path(script, run_name="__main__")
+        return 0
     except SystemExit as stop:  # sys.exit, argparse, os._exit(0) (runtime.exit_process)
-        code = stop.code
+        return stop.code
     except KeyboardInterrupt:  # torch's wrapper would swallow it and post no return value: the agent would wait
-        code = 130
+        return 130
     except Exception:  # the rank's output gets the traceback, as a started process's stderr would
         traceback.print_exc()
         raise
@@ -166,5 +174,3 @@ def worker(environ: dict[str, str], cwd: str, entry: str, module: bool, *argv: s
         os._exit = _EXIT  # multiprocessing ends this process with it
         if not own:
             atexit._run_exitfuncs()
-    if code:
-        raise SystemExit(code)

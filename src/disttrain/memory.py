@@ -28,7 +28,7 @@ from torch import nn
 from disttrain.config import Config, ModelConfig
 from disttrain.parallel import pipeline, placement, registry, tensor
 from disttrain.parallel.layout import replicated
-from disttrain.parallel.mesh import MeshLayout, layout_for
+from disttrain.parallel.mesh import SPLIT_BACKWARD_SCHEDULES, MeshLayout, layout_for
 
 
 @dataclass
@@ -247,7 +247,7 @@ def _gpt_split_activations(cfg: Config, linears: str, mesh: MeshLayout, model: n
     if mesh.pipeline > 1:
         notes.append(f"pipeline ({p.pipeline_schedule}, {microbatches} micro-batches per step): stage rank "
                      f"{stage_rank} keeps {len(chunks)} micro-batches' activations in flight")
-        if p.pipeline_schedule in ("zero-bubble", "zbv", "dualpipev"):
+        if p.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES:
             notes.append(f"{p.pipeline_schedule} splits the backward (input, then weight): its activations were "
                          "measured at 0.9x to 1.9x this estimate on CPU (docs/benchmarks/memory_schedules.md)")
     return out[0], out[1], notes

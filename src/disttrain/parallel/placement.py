@@ -17,7 +17,7 @@ from torch import nn
 
 from disttrain.parallel import pipeline, tensor
 from disttrain.parallel.activation_checkpoint import transformer_blocks
-from disttrain.parallel.mesh import MeshLayout
+from disttrain.parallel.mesh import V_SCHEDULES, MeshLayout
 
 if TYPE_CHECKING:
     from disttrain.config import ParallelConfig
@@ -102,18 +102,19 @@ def in_flight(schedule: str, ranks: int, pipeline_rank: int, microbatches: int) 
     (and            per round, m / (m // p)), then one forward and one backward in turn, so that many + 1 chunks,
     zero-bubble)    capped at v x m; forwards run in rounds of k micro-batches per local stage (k of the first,
                     k of the second, ...). Zero-bubble splits each backward into an input and a weight part whose
-                    saved tensors live until the weight part runs: counted as interleaved (not measured).
+                    saved tensors live until the weight part runs: counted as interleaved (measured at 0.9x-1.9x
+                    this: docs/benchmarks/memory_schedules.md).
     zbv             torch's ScheduleZBVZeroBubble, whose order `_zbv_order` follows: a micro-batch's activations
                     live from its forward to its weight backward; at most 2p chunks, the 1f1b peak of rank 0 in
-                    half-size stages (not measured).
+                    half-size stages (measured at 1.25x-1.3x this).
     dualpipev       counted as zbv (the same V placement; DualPipeV's overlapped forward and backward pairs are not
-                    modelled, not measured)."""
+                    modelled; measured at 1.25x-1.4x this)."""
     p, r, m = ranks, pipeline_rank, microbatches
     if schedule == "gpipe":
         return [0] * m
     if schedule == "1f1b":
         return [0] * min(p - r, m)
-    if schedule in ("zbv", "dualpipev"):
+    if schedule in V_SCHEDULES:
         held, peak = [], []
         for stage, forward in _zbv_order(p, r, m):
             if forward:
