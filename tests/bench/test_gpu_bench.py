@@ -68,7 +68,8 @@ def test_defaults_are_the_issues_sizes():
     assert args.out == "docs/benchmarks/gpu.md" and args.compile and args.mfu_precision == "bf16-mixed"
     assert [name for name, _ in gpu.CHECKS] == ["nccl", "steps bf16-mixed", "steps fp16-mixed", "steps bf16-true",
                                                 "memory single", "memory fsdp", "comm none", "comm bf16", "comm fsdp",
-                                                "cpu_offload", "mfu", "mfu fsdp", "service ray"]
+                                                "tp", "pp 1f1b", "pp interleaved-1f1b", "pp zbv", "pp dualpipev",
+                                                "pp zbv x tp", "cpu_offload", "mfu", "mfu fsdp", "service ray"]
 
 
 @pytest.mark.parametrize("precision", ["fp16-mixed"])
@@ -79,6 +80,25 @@ def test_the_steps_check_trains_on_cpu(precision):
     [check] = gpu.run_checks([(precision, lambda a, c: gpu.check_steps(a, c, precision, size=TINY, micro=4))], args)
     assert check.passed, (check.reason, check.figures)
     assert 0 < int(check.figures["skipped steps"]) < 20 and float(check.figures["final loss scale"]) < 65536
+
+
+@pytest.mark.parametrize("tensor_parallel,schedule", [(True, ""), (True, "dualpipev")])
+def test_the_split_check_runs_the_tensor_and_pipeline_engines_on_one_cpu_rank(tensor_parallel, schedule):
+    """What the tp/pp checks run on the GPU, on a one-rank gloo group: both V stages on this rank, parameters as
+    DTensors, the losses of the plain model."""
+    import torch.distributed as dist
+
+    args = gpu._args([])
+    args.device = torch.device("cpu")
+    try:
+        [check] = gpu.run_checks([("split", lambda a, c: gpu.check_split(a, c, tensor_parallel, schedule,
+                                                                           size=TINY, steps=3))], args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert check.passed, (check.reason, check.figures)
+    assert check.figures["backend"] == "gloo" and int(check.figures["parameters that are DTensors"]) > 0
+    assert check.figures.get("stages on this rank") == ("[0, 1] of 2" if schedule else None)
 
 
 def test_a_rerun_keeps_the_notes_above_the_marker(tmp_path):

@@ -19,6 +19,10 @@ the others still run:
                        wire dtype (target: comm_s measured and positive, bytes equal)
     comm fsdp          FSDP2's all-gather (async) and reduce-scatter (sync) wrappers called directly on a one-rank nccl
                        group: both timed on the device, bytes counted, finished collectives drained before take()
+    tp, pp SCHEDULE,   the tensor-parallel plan (sequence and loss parallel) and the pipeline schedules 1f1b,
+    pp zbv x tp        interleaved-1f1b, zbv, dualpipev, and zbv over tp, on a one-rank nccl mesh (both stages of a
+                       virtual or V schedule on this rank): 5 steps of 4 micro-batches, fp32, losses within 1e-5 of
+                       the plain model's (the pp/tp engines on CUDA; a GPU cannot hold two nccl ranks)
     cpu_offload        fsdp with and without parallel.cpu_offload: the peak GPU memory of a step of each, and the saving
                        against the estimated model states (target: at least 75% of them)
     mfu [fsdp]         the reference GPT at --n-layer x --d-model ... (1.3 B parameters by default), the largest
@@ -58,6 +62,7 @@ OFFLOAD = {"n_layer": 12, "d_model": 2048, "n_head": 16, "seq_len": 512, "vocab_
 MEMORY_TOLERANCE = 0.10
 OFFLOAD_TARGET = 0.75
 MFU_TARGET = 0.45
+PARITY = 1e-5  # fp32 losses of a split model against one process's
 GIB = 2**30
 NOTES_END = "<!-- bench gpu: the report below is rewritten by each run -->"
 
@@ -417,6 +422,82 @@ def check_fsdp_comm(args, check: Check, calls: int = 50) -> None:
                     if check.passed else f"comm_s {seconds}, bytes {nbytes}, held {held}")
 
 
+def _split_backend(cfg, runtime, tensor_parallel: bool, schedule: str):
+    """The reference GPT split as compose.prepare splits it on a pp/tp layout, over a one-rank DeviceMesh (every
+    axis of size 1): the tensor-parallel plan (sequence parallel; loss parallel without a pipeline), and
+    `schedule`'s pipeline stages ("": none), both on this one rank for the virtual and V-shaped schedules. torch's
+    DTensor and pipelining engines run as on many ranks; only the collectives are trivial."""
+    import dataclasses
+
+    import torch
+
+    from disttrain.backend import TrainingBackend
+    from disttrain.models.gpt import GPT
+    from disttrain.optim import optimizer_factory
+    from disttrain.parallel import mesh, pipeline, tensor
+    from disttrain.parallel.spec import Prepared
+    from disttrain.parallel.state import dtensor_targets, full_state_dict_fns
+    from disttrain.precision import get_precision
+
+    torch.manual_seed(0)
+    with torch.device(runtime.device):
+        model = GPT(cfg.model)
+    device_mesh = mesh.device_mesh(mesh.MeshLayout(), runtime.device.type)
+    if tensor_parallel:
+        tensor.parallelize(model, device_mesh["tp"], sequence_parallel=True, split_logits=not schedule)
+    if schedule:
+        parallel = dataclasses.replace(cfg.parallel, pipeline_schedule=schedule)
+        prepared = pipeline.prepare(model, runtime, parallel, device_mesh, None, torch.float32)
+    else:
+        prepared = Prepared(module=model, model=model, checkpoint_target=dtensor_targets(model),
+                            **full_state_dict_fns(model, sharded=True))
+        prepared.split_logits = tensor.LossParallel()
+    prepared.data_parallel, prepared.counts_loss = (1, 0), True
+    prepared.build_optimizer(optimizer_factory(cfg.optim))
+    return TrainingBackend(prepared, runtime, get_precision("fp32"), strategy="single")
+
+
+def check_split(args, check: Check, tensor_parallel: bool, schedule: str = "", size: dict[str, int] = SMALL,
+                micro: int = 4, accumulate: int = 4, steps: int = 5) -> None:
+    """The tensor-parallel and pipeline engines on one device (nccl at world size 1; `_split_backend`) against the
+    plain model, fp32, the same batches: the losses of `steps` steps of `accumulate` micro-batches each (a
+    pipeline's micro-batches) within PARITY."""
+    import torch
+
+    cfg = config(size, micro, "single", "fp32", ("optim.lr=0.001",))
+    windows = _windows(size["seq_len"])
+    losses, times = {}, {}
+    for name in ("single", "split"):
+        backend = (_backend(cfg, _runtime(args.device, group=False)) if name == "single" else
+                   _split_backend(cfg, _runtime(args.device, group=True), tensor_parallel, schedule))
+        losses[name], times[name] = [], []
+        for index in range(steps):
+            start = time.perf_counter()
+            losses[name].append(_step(backend, windows, index, micro, accumulate)["loss"])
+            times[name].append(time.perf_counter() - start)
+        if name == "split":
+            prepared = backend.prepared
+            check.figures["backend"] = torch.distributed.get_backend()
+            check.figures["parameters that are DTensors"] = str(sum(hasattr(p, "placements")
+                                                                    for p in backend.model.parameters()))
+            if schedule:
+                check.figures["stages on this rank"] = (f"{[s for s, _ in prepared.parts]} of "
+                                                        f"{prepared.layout.stages}")
+        del backend
+        _release(args.device)
+    worst = max(abs(a - b) for a, b in zip(losses["single"], losses["split"], strict=True))
+    check.figures.update({
+        "model": _describe(size, micro) + f", fp32, {accumulate} micro-batches per step",
+        "losses, one process": " ".join(f"{x:.6f}" for x in losses["single"]),
+        "losses, split": " ".join(f"{x:.6f}" for x in losses["split"]),
+        "max abs loss difference": f"{worst:.2e}",
+        "step time after the first, one process / split": " / ".join(
+            _ms(statistics.median(times[n][1:])) for n in ("single", "split"))})
+    check.passed = worst <= PARITY and all(map(math.isfinite, losses["split"]))
+    check.reason = f"losses equal to one process's within {PARITY:g} over {steps} steps" + (
+        "" if check.passed else f": {worst:.2e}")
+
+
 def check_cpu_offload(args, check: Check, size: dict[str, int] = OFFLOAD, micro: int = 2) -> None:
     import torch
 
@@ -572,6 +653,10 @@ CHECKS: list[tuple[str, Callable]] = [
     *((f"memory {s}", partial(check_memory, strategy=s)) for s in ("single", "fsdp")),
     *((f"comm {c}", partial(check_comm, compression=c)) for c in ("none", "bf16")),
     ("comm fsdp", check_fsdp_comm),
+    ("tp", partial(check_split, tensor_parallel=True)),
+    *((f"pp {s}", partial(check_split, tensor_parallel=False, schedule=s)) for s in ("1f1b", "interleaved-1f1b",
+                                                                                     "zbv", "dualpipev")),
+    ("pp zbv x tp", partial(check_split, tensor_parallel=True, schedule="zbv")),
     ("cpu_offload", check_cpu_offload),
     ("mfu", check_mfu),
     ("mfu fsdp", partial(check_mfu, strategy="fsdp")),
