@@ -28,7 +28,7 @@ from torch import nn
 from disttrain.config import Config, ModelConfig
 from disttrain.parallel import pipeline, placement, registry, tensor
 from disttrain.parallel.layout import replicated
-from disttrain.parallel.mesh import SPLIT_BACKWARD_SCHEDULES, MeshLayout, layout_for
+from disttrain.parallel.mesh import VIRTUAL_SCHEDULES, MeshLayout, layout_for
 
 
 @dataclass
@@ -230,26 +230,28 @@ def _gpt_split_activations(cfg: Config, linears: str, mesh: MeshLayout, model: n
     last = pipeline.stage_count(p, mesh.pipeline) - 1
     bounds = pipeline.stage_bounds(model, last + 1, p.pipeline_split)
     microbatches = cfg.data.global_batch_size // (mesh.data * micro) if mesh.pipeline > 1 else 1
-    chunks = placement.in_flight(p.pipeline_schedule, mesh.pipeline, stage_rank, microbatches) \
-        if mesh.pipeline > 1 else [0]
-    out = []
+    out, held = [], 0
     for ac in (False, True):
-        total = sum(gpt_activation_bytes(m, micro, ac, p.precision, linears, tensor=mesh.tensor,
-                                         sequence_parallel=p.sequence_parallel,
-                                         split_logits=tensor.splits_logits(p, mesh, m.vocab_size),
-                                         blocks=bounds[stages[c]][1] - bounds[stages[c]][0],
-                                         embeds=stages[c] == 0, head=stages[c] == last, ids=mesh.pipeline == 1)
-                    for c in chunks)
-        out.append(total + (8 * microbatches * micro * m.seq_len if 0 in stages and mesh.pipeline > 1 else 0))
+        sizes = tuple(gpt_activation_bytes(m, micro, ac, p.precision, linears, tensor=mesh.tensor,
+                                           sequence_parallel=p.sequence_parallel,
+                                           split_logits=tensor.splits_logits(p, mesh, m.vocab_size),
+                                           blocks=bounds[stage][1] - bounds[stage][0], embeds=stage == 0,
+                                           head=stage == last, ids=mesh.pipeline == 1) for stage in stages)
+        chunks = placement.in_flight(p.pipeline_schedule, mesh.pipeline, stage_rank, microbatches, sizes) \
+            if mesh.pipeline > 1 else [0]
+        held = len(chunks) if not ac else held
+        out.append(sum(sizes[c] for c in chunks)
+                   + (8 * microbatches * micro * m.seq_len if 0 in stages and mesh.pipeline > 1 else 0))
     notes = []
     if mesh.tensor > 1 and p.precision != "fp32":  # checked: fp32; bf16-mixed tp2 measured 11% below the estimate
         notes.append("activations under parallel.tensor > 1 are checked in fp32; in 16 bits they are approximate")
     if mesh.pipeline > 1:
         notes.append(f"pipeline ({p.pipeline_schedule}, {microbatches} micro-batches per step): stage rank "
-                     f"{stage_rank} keeps {len(chunks)} micro-batches' activations in flight")
-        if p.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES:
-            notes.append(f"{p.pipeline_schedule} splits the backward (input, then weight): its activations were "
-                         "measured at 0.9x to 1.9x this estimate on CPU (docs/benchmarks/memory_schedules.md)")
+                     f"{stage_rank} keeps {held} micro-batches' activations in flight")
+        if p.pipeline_schedule in VIRTUAL_SCHEDULES and \
+                placement.torch_order(p.pipeline_schedule, mesh.pipeline, stage_rank, microbatches) is None:
+            notes.append(f"this torch does not give {p.pipeline_schedule}'s order of computations: activations "
+                         "in flight are counted as interleaved-1f1b's, an approximation")
     return out[0], out[1], notes
 
 
@@ -314,7 +316,9 @@ class SavedPeak:
         ptr = storage.data_ptr()
         if ptr in self.param_ptrs or not storage.nbytes():
             return t
-        return _Held(self, t, ptr, storage.nbytes())
+        # held detached: a saved output's own tensor would point back at the node that saves it, a cycle that
+        # only that node's backward breaks (autograd restores the graph's links when it unpacks)
+        return _Held(self, t.detach(), ptr, storage.nbytes())
 
     @staticmethod
     def unpack(held):

@@ -174,9 +174,6 @@ VIRTUAL_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
 V_SCHEDULES = ("zbv", "dualpipev")
 """Of those, the V-shaped: rank r runs stages r and 2p - 1 - r (the first and the last stage on rank 0), where the
 others loop (stages r and r + p)."""
-SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", *V_SCHEDULES)
-"""Schedules that split each backward into an input and a weight part (torch's zero-bubble family)."""
-
 
 def _micro_for(global_batch: int, data: int, microbatches: int) -> str:
     size, rest = divmod(global_batch, data * microbatches)

@@ -317,15 +317,20 @@ def build_schedule(prepared: PipelinePrepared, microbatches: int, size: int, wid
         stages.append(pipelining.PipelineStage(part, index, lay.stages, device, input_args=(meta,),
                                                output_args=(out,), group=lay.group))
     one = lay.schedule not in VIRTUAL_SCHEDULES
-    name = SCHEDULES[lay.schedule]
-    # too few micro-batches to interleave (e.g. one call of the TrainingService): all forwards, then all backwards,
-    # the same numbers (torch's V-shaped schedule drops the micro-batches it lacks itself; no other has its placement)
-    if microbatches < lay.ranks and lay.schedule not in V_SCHEDULES:
-        name = "ScheduleGPipe" if one else "ScheduleLoopedBFS"
-    if microbatches < lay.stages and lay.schedule == "dualpipev":  # DualPipeV needs one per stage: zbv, same V
-        name = "ScheduleZBVZeroBubble"
+    name = schedule_class(lay.schedule, microbatches, lay.ranks)
     return getattr(pipelining, name)(stages[0] if one else stages, n_microbatches=microbatches,
                                      loss_fn=lambda output, target: output, scale_grads=False)
+
+
+def schedule_class(schedule: str, microbatches: int, ranks: int) -> str:
+    """The name of the torch.distributed.pipelining class that runs `schedule` for a step of `microbatches`."""
+    # too few micro-batches to interleave (e.g. one call of the TrainingService): all forwards, then all backwards,
+    # the same numbers (torch's V-shaped schedule drops the micro-batches it lacks itself; no other has its placement)
+    if microbatches < ranks and schedule not in V_SCHEDULES:
+        return "ScheduleLoopedBFS" if schedule in VIRTUAL_SCHEDULES else "ScheduleGPipe"
+    if microbatches < 2 * ranks and schedule == "dualpipev":  # DualPipeV needs one per stage: zbv, same V
+        return "ScheduleZBVZeroBubble"
+    return SCHEDULES[schedule]
 
 
 def _ids_of(inputs) -> torch.Tensor:

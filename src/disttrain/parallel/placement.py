@@ -11,13 +11,14 @@ It reads a model built on the meta device (no memory) and the same split rules t
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from torch import nn
 
 from disttrain.parallel import pipeline, tensor
 from disttrain.parallel.activation_checkpoint import transformer_blocks
-from disttrain.parallel.mesh import V_SCHEDULES, MeshLayout
+from disttrain.parallel.mesh import VIRTUAL_SCHEDULES, MeshLayout
 
 if TYPE_CHECKING:
     from disttrain.config import ParallelConfig
@@ -92,76 +93,65 @@ def local_shapes(model: nn.Module, layout: MeshLayout, parallel: ParallelConfig,
     return out
 
 
-def in_flight(schedule: str, ranks: int, pipeline_rank: int, microbatches: int) -> list[int]:
+def in_flight(schedule: str, ranks: int, pipeline_rank: int, microbatches: int,
+              sizes: tuple[float, ...] = (1.0, 1.0)) -> list[int]:
     """The micro-batches whose activations a pipeline rank holds at its peak, as the local stage each belongs to
-    (0: its first stage; 1: its second under the interleaved schedules), in forward order.
+    (0: its first stage; 1: its second under the schedules with two stages per rank), in forward order. `sizes`:
+    the bytes one micro-batch of each local stage holds (the peak is the most bytes, not the most micro-batches).
 
     gpipe           every forward before any backward: all m micro-batches of its stage.
     1f1b            p - 1 - r warm-up forwards, then one forward and one backward in turn: min(p - r, m).
-    interleaved     torch's ScheduleInterleaved1F1B: (v - 1) x k + 2 (p - 1 - r) warm-up forwards (k = micro-batches
-    (and            per round, m / (m // p)), then one forward and one backward in turn, so that many + 1 chunks,
-    zero-bubble)    capped at v x m; forwards run in rounds of k micro-batches per local stage (k of the first,
-                    k of the second, ...). Zero-bubble splits each backward into an input and a weight part whose
-                    saved tensors live until the weight part runs: counted as interleaved (measured at 0.9x-1.9x
-                    this: docs/benchmarks/memory_schedules.md).
-    zbv             torch's ScheduleZBVZeroBubble, whose order `_zbv_order` follows: a micro-batch's activations
-                    live from its forward to its weight backward; at most 2p chunks, the 1f1b peak of rank 0 in
-                    half-size stages (measured at 1.25x-1.3x this).
-    dualpipev       counted as zbv (the same V placement; DualPipeV's overlapped forward and backward pairs are not
-                    modelled; measured at 1.25x-1.4x this)."""
+    the others      (interleaved-1f1b, zero-bubble, zbv, dualpipev) the order of forwards and backwards torch's
+                    schedule class computes for this rank (`torch_order`), played through: a micro-batch's
+                    activations live from its forward to its full backward or, where the backward is split into an
+                    input and a weight part, to the weight part (the input part keeps the graph for it).
+                    Without torch's order (a torch that computes it elsewhere): interleaved-1f1b's count, for all."""
     p, r, m = ranks, pipeline_rank, microbatches
     if schedule == "gpipe":
         return [0] * m
     if schedule == "1f1b":
         return [0] * min(p - r, m)
-    if schedule in V_SCHEDULES:
-        held, peak = [], []
-        for stage, forward in _zbv_order(p, r, m):
-            if forward:
-                held.append(stage)
-            else:
-                held.remove(stage)  # the oldest of that stage's micro-batches
-            if len(held) > len(peak):
-                peak = list(held)
-        return list(peak)
-    local = 2
-    per_round = m // max(1, m // p)
-    chunks = min((local - 1) * per_round + 2 * (p - 1 - r) + 1, local * m)
-    return [(i // per_round) % local for i in range(chunks)]
+    order = torch_order(schedule, p, r, m)
+    if order is None:
+        per_round = m // max(1, m // p)
+        chunks = min(per_round + 2 * (p - 1 - r) + 1, 2 * m)
+        return [(i // per_round) % 2 for i in range(chunks)]
+    local = {stage: i for i, stage in enumerate(pipeline.stages_of(r, p, 2 * p, schedule))}
+    held, peak = [], []
+    for stage, kind in order:
+        if kind == "F":
+            held.append(local[stage])
+        elif kind in ("B", "W"):
+            held.remove(local[stage])  # one of that stage's micro-batches (they are the same size)
+        if sum(sizes[c] for c in held) > sum(sizes[c] for c in peak):
+            peak = list(held)
+    return peak
 
 
-def _zbv_order(p: int, r: int, m: int) -> list[tuple[int, bool]]:
-    """(local stage, True: a forward / False: a weight backward) of pipeline rank r, in torch's ScheduleZBVZeroBubble
-    order for p ranks and m micro-batches: 2(p - r) - 1 forwards of its first stage, r pairs of forwards (second,
-    first), p - r rounds of forward and backward of its second stage, then one and the other in turn until every
-    micro-batch is through, then the weight backwards left; torch schedules max(m, 2p - 1) micro-batches and drops
-    those past m."""
-    n = max(2 * p - 1, m)
-    issued, order = [0, 0, 0, 0], []  # forwards of stage 0 and 1, weight backwards of stage 0 and 1
+def torch_order(schedule: str, ranks: int, rank: int, microbatches: int) -> list[tuple[int, str]] | None:
+    """[(stage, F | B | I | W)]: the computations pipeline rank `rank` runs in a step, in the order the
+    torch.distributed.pipelining class that runs `schedule` (pipeline.schedule_class) computes for it (forward,
+    full backward, input backward, weight backward; an overlapped forward-backward pair as its two parts, in the
+    order the runtime runs them). From the class's own `_calculate_single_rank_operations`, given what it reads
+    (no stages or process group needed); None for the one-stage classes, or where this torch has no such method."""
+    from torch.distributed import pipelining
 
-    def act(stage: int, forward: bool) -> None:
-        slot = stage + (0 if forward else 2)
-        if issued[slot] < m:
-            order.append((stage, forward))
-        issued[slot] += 1
-
-    for _ in range(2 * (p - r) - 1):
-        act(0, True)
-    for _ in range(r):
-        act(1, True)
-        act(0, True)
-    for _ in range(p - r):
-        act(1, True)
-        act(1, False)
-    while issued[1] < issued[0] or issued[0] < n:
-        if issued[0] < n:
-            act(0, True)
-        act(0, False)
-        act(1, True)
-        act(1, False)
-    for _ in range(p - r):  # the cool-down's weight backwards: p - r of the first stage, the rest of the second,
-        act(0, False)  # then of the first
-    for stage in (1, 0):
-        while issued[stage + 2] < issued[stage]:
-            act(stage, False)
+    cls = getattr(pipelining, pipeline.schedule_class(schedule, microbatches, ranks))
+    if schedule not in VIRTUAL_SCHEDULES or not hasattr(cls, "_calculate_single_rank_operations"):
+        return None
+    rounds = max(1, microbatches // ranks)
+    state = SimpleNamespace(pp_group_size=ranks, _n_microbatches=microbatches, n_local_stages=2,
+                            _stages=[None, None], num_stages=2 * ranks, _num_stages=2 * ranks, rank=rank,
+                            number_of_rounds=rounds, microbatches_per_round=microbatches // rounds)
+    try:
+        actions = cls._calculate_single_rank_operations(state, rank)
+    except (AttributeError, TypeError):  # a torch whose method reads more than it did
+        return None
+    order = []
+    for action in filter(None, actions):
+        for part in action.sub_actions or (action,):
+            order.append((part.stage_index, _KINDS[part.computation_type.name]))
     return order
+
+
+_KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
