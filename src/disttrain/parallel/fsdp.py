@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from disttrain.errors import ConfigError
 from disttrain.parallel import comm, layout
 from disttrain.parallel.activation_checkpoint import transformer_blocks
+from disttrain.parallel.mesh import SPLIT_BACKWARD_SCHEDULES
 from disttrain.parallel.spec import Prepared, StrategySpec
 from disttrain.parallel.state import dtensor_targets, full_state_dict_fns
 from disttrain.precision import get_precision
@@ -38,6 +39,10 @@ def _shard(model: nn.Module, runtime, cfg, reshard_after_forward: bool,
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     device_type = runtime.device.type
+    if mesh is not None and cfg.pipeline > 1 and cfg.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES:
+        # the weight part of a split backward finds the parameters' gradient nodes through the module's parameters,
+        # which must be the (unsharded) ones the forward used: resharded, no gradient would reach them
+        reshard_after_forward = False
     if mesh is not None:
         pass
     elif mesh_shape is None:

@@ -114,11 +114,6 @@ def _check_schedule(p: ParallelConfig, layout: MeshLayout) -> None:
                           f"axis yet (degree {layout.data} here): its first and last stage share a rank, and with a "
                           "data axis the losses left one process's; use 'zero-bubble' or '1f1b' with a data axis, or "
                           "make parallel.pipeline x parallel.tensor the world size")
-    if p.pipeline_schedule == "zero-bubble" and layout.pipeline > 1 and layout.shard > 1:
-        raise ConfigError(f"parallel.pipeline_schedule = 'zero-bubble' with a sharded data axis (parallel.strategy = "
-                          f"{p.strategy!r}, {layout.shard} shards) does not finish a step here (torch 2.13: FSDP2's "
-                          "gradient reduction under the split input/weight backward); use parallel.strategy = 'ddp' "
-                          "for the data axis, or parallel.pipeline_schedule = 'interleaved-1f1b'")
 
 
 def check_model_split(cfg: Config, layout: MeshLayout) -> None:
@@ -174,6 +169,8 @@ VIRTUAL_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
 V_SCHEDULES = ("zbv", "dualpipev")
 """Of those, the V-shaped: rank r runs stages r and 2p - 1 - r (the first and the last stage on rank 0), where the
 others loop (stages r and r + p)."""
+SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", *V_SCHEDULES)
+"""Schedules that split each backward into an input and a weight part (torch's zero-bubble family)."""
 
 def _micro_for(global_batch: int, data: int, microbatches: int) -> str:
     size, rest = divmod(global_batch, data * microbatches)
