@@ -25,8 +25,9 @@ TWO = ["ddp+tp2", "ddp+tp2+sp", "ddp+tp2+lp", "fsdp+tp2", "ddp+pp2+gpipe", "ddp+
        "ddp+pp2+dualpipev+layers4", "ddp+tp2+ac", "ddp+pp2+ac"]
 MIXED = ["ddp+tp2+bf16+lp", "ddp+pp2+bf16"]  # bf16-mixed: against one process in bf16-mixed, to bf16's rounding
 # 4 ranks: tp2 x fsdp2, tp2 (sequence parallel) x replicate2, hsdp 2 x 2, pp2 x replicate2, pp2 x fsdp2, pp2 x tp2,
-# pp2 x fsdp2 under zero-bubble
-FOUR = ["fsdp+tp2+lp", "ddp+tp2+sp", "hsdp:2", "ddp+pp2", "fsdp+pp2", "ddp+pp2+tp2", "fsdp+pp2+zb+layers4"]
+# pp2 x fsdp2 under zero-bubble, pp2 x replicate2 under zbv and pp2 x fsdp2 under dualpipev
+FOUR = ["fsdp+tp2+lp", "ddp+tp2+sp", "hsdp:2", "ddp+pp2", "fsdp+pp2", "ddp+pp2+tp2", "fsdp+pp2+zb+layers4",
+        "ddp+pp2+zbv+layers4", "fsdp+pp2+dualpipev+layers4+mb2"]
 # checkpoints across layouts: A>B trains A to step 6, saves, and B resumes it to step 12
 RESUMES = ["ddp+tp2>fsdp", "fsdp>ddp+tp2+sp+lp", "ddp+tp2>ddp+tp2", "ddp+pp2+1f1b>fsdp", "fsdp>ddp+pp2+gpipe",
            "ddp+pp2>ddp+pp2", "ddp+pp2>ddp+tp2", "ddp+pp2+zbv+layers4>fsdp+layers4"]
@@ -214,8 +215,6 @@ def test_layout_from_settings(overrides, world, expected):
     (["parallel.pipeline=2", "parallel.pipeline_schedule=zero-bubble", "data.global_batch_size=12",
       "data.micro_batch_size=4", "model.n_layer=4"], 2, "needs the micro-batches per step \\(3\\) to be a multiple"),
     (["parallel.strategy=deepspeed", "parallel.pipeline=2"], 2, "'deepspeed' does not compose"),
-    (["parallel.pipeline=2", "parallel.pipeline_schedule=zbv", "model.n_layer=4"], 4,
-     "'zbv' does not compose with a data-parallel axis yet \\(degree 2 here\\)"),
     (["parallel.pipeline=2", "parallel.pipeline_schedule=dualpipev", "model.n_layer=4", "data.global_batch_size=12",
       "data.micro_batch_size=4"], 2, "'dualpipev' needs at least as many micro-batches per step as stages \\(4\\)"),
     (["parallel.tensor=2", "model.n_head=3", "model.d_model=96"], 2, "model.n_head = 3 is not divisible by "

@@ -200,8 +200,8 @@ class ParallelConfig:
     """parallel.pipeline > 1: `gpipe`, `1f1b`, `interleaved-1f1b` (two virtual stages per rank), `zero-bubble`
     (torch's interleaved zero-bubble schedule, two virtual stages per rank) or `zbv` (torch's V-shaped zero-bubble
     schedule: rank r runs stages r and 2p - 1 - r, so the first and last stage share rank 0) or `dualpipev` (torch's
-    DualPipeV, the same V; at least 2p micro-batches per step). The V schedules take no data axis yet; under the
-    split-backward ones FSDP keeps a stage's parameters unsharded from forward to backward (as zero2)."""
+    DualPipeV, the same V; at least 2p micro-batches per step). Under the split-backward ones (zero-bubble, zbv,
+    dualpipev) FSDP keeps a stage's parameters unsharded from forward to backward (as zero2)."""
     pipeline_microbatches: int = 0
     """Micro-batches per step through the pipeline; 0 = what the batch settings give (data.global_batch_size /
     (data-parallel degree x data.micro_batch_size)); a value that disagrees with them is an error naming the

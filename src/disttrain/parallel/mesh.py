@@ -102,18 +102,7 @@ def layout_for(p: ParallelConfig, world: int, spec: StrategySpec | None = None) 
                           f"parallel.tensor; use 'ddp', 'fsdp', 'zero2' or 'hsdp' for the data-parallel axis")
     replicate, shard = spec.data_axes(p, data) if spec.data_axes is not None else (data, 1)
     layout = MeshLayout(p.pipeline, replicate, shard, p.tensor, p.pipeline > 1 and p.pipeline_schedule in V_SCHEDULES)
-    _check_schedule(p, layout)
     return layout
-
-
-def _check_schedule(p: ParallelConfig, layout: MeshLayout) -> None:
-    """Pipeline schedules that do not compose with the layout's data axis yet (here, not only in `validate`: the
-    TrainingService lays out its workers through `layout_for` too)."""
-    if layout.v_shaped and layout.data > 1:
-        raise ConfigError(f"parallel.pipeline_schedule = {p.pipeline_schedule!r} does not compose with a data-parallel "
-                          f"axis yet (degree {layout.data} here): its first and last stage share a rank, and with a "
-                          "data axis the losses left one process's; use 'zero-bubble' or '1f1b' with a data axis, or "
-                          "make parallel.pipeline x parallel.tensor the world size")
 
 
 def check_model_split(cfg: Config, layout: MeshLayout) -> None:

@@ -233,6 +233,9 @@ class PipelinePrepared(Prepared):
     layout: Any = None
     """(number of stages, pipeline ranks, this rank's index, its process group, schedule name, hidden size, the
     residual stream's dtype)."""
+    twins: list = field(default_factory=list)
+    """[(embedding, head)]: a tied weight whose first and last stage share this rank under a data axis, held as two
+    parameters (`_untie_head`) whose gradients are summed before the step."""
     tie_pairs: list = field(default_factory=list)
     """[(parameter, process group)]: tied weights (first and last stage) whose gradients are summed before the step."""
     pending: list = field(default_factory=list)
@@ -277,6 +280,11 @@ class PipelinePrepared(Prepared):
         return self.schedules[key]
 
     def step(self, factor: float, skip: bool = False, need_norm: bool = True) -> tuple[float, bool]:
+        for embedding, head in self.twins:  # one weight: both copies step with the sum of their gradients
+            if embedding.grad is not None and head.grad is not None:
+                total, other = _local(embedding.grad), _local(head.grad)
+                total.add_(other)
+                other.copy_(total)
         for param, group in self.tie_pairs:
             grad = param.grad
             if grad is None:
@@ -404,6 +412,9 @@ def prepare(model: nn.Module, runtime, parallel, device_mesh, apply_data: Callab
     prune(model, fam, [bounds[s] for s in mine], first, last)
     if materialize is not None:  # a sharded start: this rank allocates and reads its own stage(s) only, in full
         materialize(model, ties)
+    # a V's rank 0 runs the first and the last stage: a tied embedding and head would be one parameter in two
+    # data-parallel roots (each stage is its own), which FSDP2 cannot hold; the head gets a copy of its own
+    twins = _untie_head(model, fam, ties) if first and last and apply_data is not None else []
     wrapped = [(s, apply_data(part) if apply_data else None) for s, part in parts]
     prepared = PipelinePrepared(module=model, model=model, layout=lay)
     if apply_data is not None:
@@ -417,12 +428,34 @@ def prepare(model: nn.Module, runtime, parallel, device_mesh, apply_data: Callab
     prepared.module = StageRunner(prepared)
     prepared.norm_group = lay.group
     prepared.tie_pairs = _tie_pairs(model, ties, device_mesh, first, last)
+    params = dict(model.named_parameters())  # as the data axis left them (FSDP2 replaces the parameters)
+    prepared.twins = [(params[a], params[b]) for a, b in twins]
     if last and not first:  # the first stage's copy of a tied weight counts in the norm
         prepared.norm_skip = {id(param) for param, _ in prepared.tie_pairs}
+    prepared.norm_skip |= {id(copy) for _, copy in prepared.twins}
     fns = local_state_fns(model, ties)
     prepared.state_dict, prepared.load_state_dict = fns["state_dict"], fns["load_state_dict"]
     prepared.checkpoint_target, prepared.local_state = fns["checkpoint_target"], True
     return prepared
+
+
+def _untie_head(model: nn.Module, fam: Family, ties: list[list[str]]) -> list[tuple[str, str]]:
+    """Give each tied weight's name in the head (`fam.head`) a parameter of its own, equal to the embedding's:
+    [(embedding name, head name)]. The checkpoint functions still know them as one weight (`ties`)."""
+    twins = []
+    for group in ties:
+        heads = [n for n in group if n.startswith(tuple(f"{m}." for m in fam.head))]
+        bodies = [n for n in group if n not in heads]
+        for name in heads[:1] if bodies else ():
+            owner, _, attr = name.rpartition(".")
+            module = model.get_submodule(owner)
+            setattr(module, attr, nn.Parameter(getattr(module, attr).detach().clone()))
+            twins.append((bodies[0], name))
+    return twins
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _all(contexts):

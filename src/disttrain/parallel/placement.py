@@ -48,7 +48,13 @@ def stage_parameters(model: nn.Module, layout: MeshLayout, parallel: ParallelCon
     if stages - 1 in mine:
         modules += [model.get_submodule(name) for name in fam.head]
     kept = {id(p) for module in modules for p in module.parameters()}
-    return [(n, p) for n, p in model.named_parameters() if id(p) in kept and p.requires_grad]
+    held = [(n, p) for n, p in model.named_parameters() if id(p) in kept and p.requires_grad]
+    if layout.data > 1 and 0 in mine and stages - 1 in mine:  # a V's rank 0: the head's own copy of a tied weight
+        head = tuple(f"{name}." for name in fam.head)
+        names, ids = {n for n, _ in held}, {id(p) for _, p in held}
+        held += [(n, p) for n, p in model.named_parameters(remove_duplicate=False)
+                 if n.startswith(head) and n not in names and id(p) in ids]
+    return held
 
 
 def tensor_shard_shape(shape: Shape, degree: int, dim: int | None) -> Shape:
