@@ -258,3 +258,17 @@ def test_stage_split_balances_parameters_and_takes_given_points():
         split_points(gpt, 2, "blocks.9")
     with pytest.raises(ConfigError, match="give 1 increasing block names"):
         split_points(gpt, 2, "blocks.1,blocks.2")
+
+
+def test_a_pipeline_refuses_left_padding_rather_than_ignoring_the_mask():
+    """Only token ids cross the stages (causal attention): a right-padded mask changes nothing and passes; a mask
+    that hides tokens before real ones would be ignored, so it stops the step with a line that says what to do."""
+    from disttrain.parallel.pipeline import check_mask
+
+    right = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    check_mask({"attention_mask": right})
+    check_mask({})
+    for bad in (torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]), torch.ones(2, 1, 4, 4)):
+        with pytest.raises(ConfigError, match="padding_side = 'right'") as info:
+            check_mask({"attention_mask": bad})
+        assert "\n" not in str(info.value)

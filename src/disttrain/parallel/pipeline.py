@@ -243,6 +243,7 @@ class PipelinePrepared(Prepared):
     """(micro-batches, micro-batch size, width) -> schedule (static shapes: nothing but tensors on the wire)."""
 
     def forward_backward(self, inputs, loss_terms, on_loss, sync, autocast):
+        check_mask(inputs.kwargs)
         self.pending.append(Pending(_ids_of(inputs), loss_terms))
         zero = torch.zeros((), dtype=torch.float64)
         if not sync:
@@ -349,6 +350,20 @@ def _ids_of(inputs) -> torch.Tensor:
     return ids
 
 
+def check_mask(kwargs) -> None:
+    """Only token ids cross the stages, and every stage attends causally: padding on the right changes nothing
+    before it, but an attention mask that hides a token before a real one (left padding) would be ignored, so such a
+    batch is refused rather than trained on wrongly. Where the mask is an all-ones one, nothing is lost."""
+    mask = (kwargs or {}).get("attention_mask")
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or bool((mask[:, 1:] > mask[:, :-1]).any()):
+        raise ConfigError("parallel.pipeline > 1 passes no attention mask between stages, and this batch's "
+                          "attention_mask hides tokens before real ones (left padding, or a mask that is not one row "
+                          "per sequence); pad on the right (tokenizer.padding_side = 'right'; disttrain's collate "
+                          "does) or run without parallel.pipeline")
+
+
 def _pad_cat(ids: list[torch.Tensor]) -> torch.Tensor:
     """Micro-batches of different widths, right-padded to one (causal models: padding never reaches earlier
     positions, and each micro-batch's loss reads only its own width)."""
@@ -369,6 +384,7 @@ class StageRunner(nn.Module):
     def forward(self, input_ids: torch.Tensor, **ignored) -> torch.Tensor:
         """(Other arguments of the model's call, e.g. an HF attention mask, are not passed between stages: the
         stages attend causally, which right padding never changes for the positions before it.)"""
+        check_mask(ignored)
         p = self._prepared[0]
         lay, mine = p.layout, dict(p.parts)
         x, out = input_ids, torch.empty(0)
