@@ -31,8 +31,9 @@ FOUR = ["fsdp+tp2+lp", "ddp+tp2+sp", "hsdp:2", "ddp+pp2", "fsdp+pp2", "ddp+pp2+t
 # checkpoints across layouts: A>B trains A to step 6, saves, and B resumes it to step 12
 RESUMES = ["ddp+tp2>fsdp", "fsdp>ddp+tp2+sp+lp", "ddp+tp2>ddp+tp2", "ddp+pp2+1f1b>fsdp", "fsdp>ddp+pp2+gpipe",
            "ddp+pp2>ddp+pp2", "ddp+pp2>ddp+tp2", "ddp+pp2+zbv+layers4>fsdp+layers4"]
-# ... on 4 ranks, between 2-D layouts: pp2 x fsdp2 -> tp2 x dp2 (sequence parallel), tp2 x fsdp2 -> pp2 x dp2
-RESUMES_FOUR = ["fsdp+pp2>ddp+tp2+sp", "fsdp+tp2>ddp+pp2"]
+# ... on 4 ranks, between 2-D layouts: pp2 x fsdp2 -> tp2 x dp2 (sequence parallel), tp2 x fsdp2 -> pp2 x dp2, and
+# fsdp -> pp2 x dp2 under zbv (the V's head copy of the tied weight reads the embedding's weight and optimizer state)
+RESUMES_FOUR = ["fsdp+pp2>ddp+tp2+sp", "fsdp+tp2>ddp+pp2", "fsdp+layers4>ddp+pp2+zbv+layers4"]
 # ... and into one process: the step-6 checkpoints of these 2-rank runs, resumed by `single`
 STEPS = ["train.steps=12", "train.eval_every=6"]  # (>= 10 steps: the issue's bar; each launch trains ~20 jobs)
 INTO_ONE = {"tp": "ddp+tp2>fsdp", "pp": "ddp+pp2+1f1b>fsdp"}
@@ -266,9 +267,13 @@ def test_a_pipeline_refuses_left_padding_rather_than_ignoring_the_mask():
     from disttrain.parallel.pipeline import check_mask
 
     right = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
-    check_mask({"attention_mask": right})
+    check_mask({"attention_mask": right, "position_ids": torch.arange(4).expand(2, 4)})
+    check_mask({"attention_mask": right.bool()})
     check_mask({})
-    for bad in (torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]), torch.ones(2, 1, 4, 4)):
+    for bad in (torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]), torch.tensor([[False, True], [True, True]]),
+                torch.ones(2, 1, 4, 4)):
         with pytest.raises(ConfigError, match="padding_side = 'right'") as info:
             check_mask({"attention_mask": bad})
         assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="position_ids"):  # packed sequences: positions restart inside a row
+        check_mask({"position_ids": torch.tensor([[0, 1, 0, 1]])})

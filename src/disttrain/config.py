@@ -161,7 +161,9 @@ class ParallelConfig:
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward (less memory, ~1/3 more compute)."""
     reshard_after_forward: bool = True
-    """fsdp/zero3/hsdp: free gathered parameters after each block's forward (gather again in backward)."""
+    """fsdp/zero3/hsdp: free gathered parameters after each block's forward (gather again in backward). Not under
+    a pipeline schedule that splits the backward (zero-bubble, zbv, dualpipev): there the weight part needs the
+    gathered parameters the forward used."""
     hsdp_shard_size: int = 0
     """hsdp: ranks per sharding group (replicated across groups); 0 = all ranks (plain FSDP)."""
     fsdp_prefetch: int = 0

@@ -28,7 +28,7 @@ from torch import nn
 from disttrain.config import Config, ModelConfig
 from disttrain.parallel import pipeline, placement, registry, tensor
 from disttrain.parallel.layout import replicated
-from disttrain.parallel.mesh import VIRTUAL_SCHEDULES, MeshLayout, layout_for
+from disttrain.parallel.mesh import MeshLayout, layout_for
 
 
 @dataclass
@@ -230,16 +230,16 @@ def _gpt_split_activations(cfg: Config, linears: str, mesh: MeshLayout, model: n
     last = pipeline.stage_count(p, mesh.pipeline) - 1
     bounds = pipeline.stage_bounds(model, last + 1, p.pipeline_split)
     microbatches = cfg.data.global_batch_size // (mesh.data * micro) if mesh.pipeline > 1 else 1
-    out, held = [], 0
+    out, counts, exact = [], [], True
     for ac in (False, True):
         sizes = tuple(gpt_activation_bytes(m, micro, ac, p.precision, linears, tensor=mesh.tensor,
                                            sequence_parallel=p.sequence_parallel,
                                            split_logits=tensor.splits_logits(p, mesh, m.vocab_size),
                                            blocks=bounds[stage][1] - bounds[stage][0], embeds=stage == 0,
                                            head=stage == last, ids=mesh.pipeline == 1) for stage in stages)
-        chunks = placement.in_flight(p.pipeline_schedule, mesh.pipeline, stage_rank, microbatches, sizes) \
-            if mesh.pipeline > 1 else [0]
-        held = len(chunks) if not ac else held
+        chunks, exact = placement.in_flight(p.pipeline_schedule, mesh.pipeline, stage_rank, microbatches, sizes) \
+            if mesh.pipeline > 1 else ([0], True)
+        counts.append(len(chunks))
         out.append(sum(sizes[c] for c in chunks)
                    + (8 * microbatches * micro * m.seq_len if 0 in stages and mesh.pipeline > 1 else 0))
     notes = []
@@ -247,9 +247,8 @@ def _gpt_split_activations(cfg: Config, linears: str, mesh: MeshLayout, model: n
         notes.append("activations under parallel.tensor > 1 are checked in fp32; in 16 bits they are approximate")
     if mesh.pipeline > 1:
         notes.append(f"pipeline ({p.pipeline_schedule}, {microbatches} micro-batches per step): stage rank "
-                     f"{stage_rank} keeps {held} micro-batches' activations in flight")
-        if p.pipeline_schedule in VIRTUAL_SCHEDULES and \
-                placement.torch_order(p.pipeline_schedule, mesh.pipeline, stage_rank, microbatches) is None:
+                     f"{stage_rank} keeps {counts[0]} micro-batches' activations in flight")
+        if not exact:
             notes.append(f"this torch does not give {p.pipeline_schedule}'s order of computations: activations "
                          "in flight are counted as interleaved-1f1b's, an approximation")
     return out[0], out[1], notes

@@ -42,6 +42,7 @@ existing --out file are kept. Without a CUDA device it prints one line, writes n
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import math
@@ -426,9 +427,8 @@ def _split_backend(cfg, runtime, tensor_parallel: bool, schedule: str):
     """The reference GPT split as compose.prepare splits it on a pp/tp layout, over a one-rank DeviceMesh (every
     axis of size 1): the tensor-parallel plan (sequence parallel; loss parallel without a pipeline), and
     `schedule`'s pipeline stages ("": none), both on this one rank for the virtual and V-shaped schedules. torch's
-    DTensor and pipelining engines run as on many ranks; only the collectives are trivial."""
-    import dataclasses
-
+    DTensor and pipelining engines run as on many ranks; only the collectives are trivial. (compose.prepare does
+    this from a layout, which at world size 1 splits nothing.)"""
     import torch
 
     from disttrain.backend import TrainingBackend

@@ -153,7 +153,14 @@ def sharded_axes(p, data: int) -> tuple[int, int]:
 
 
 def memory_fsdp(shapes, cfg, world: int, rank: int | None, mesh=None) -> layout.MemoryLayout:
-    return layout.sharded(shapes, cfg, world)
+    return _gathered_note(layout.sharded(shapes, cfg, world), cfg)
+
+
+def _gathered_note(out: layout.MemoryLayout, cfg) -> layout.MemoryLayout:
+    if cfg.parallel.pipeline > 1 and cfg.parallel.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES:
+        out.notes.append(f"under {cfg.parallel.pipeline_schedule} a stage keeps its blocks' full parameters from "
+                         "forward to backward, as zero2 (reshard_after_forward does not apply)")
+    return out
 
 
 def memory_replicate(shapes, cfg, world: int, rank: int | None) -> layout.MemoryLayout:
@@ -169,7 +176,7 @@ def memory_zero2(shapes, cfg, world: int, rank: int | None, mesh=None) -> layout
 
 
 def memory_hsdp(shapes, cfg, world: int, rank: int | None, mesh=None) -> layout.MemoryLayout:
-    return layout.sharded(shapes, cfg, cfg.parallel.hsdp_shard_size or world)
+    return _gathered_note(layout.sharded(shapes, cfg, cfg.parallel.hsdp_shard_size or world), cfg)
 
 
 COMMON = frozenset({"cpu_offload", "fsdp_prefetch", "grad_compression"})

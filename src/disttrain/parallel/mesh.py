@@ -161,6 +161,7 @@ others loop (stages r and r + p)."""
 SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", *V_SCHEDULES)
 """Schedules that split each backward into an input and a weight part (torch's zero-bubble family)."""
 
+
 def _micro_for(global_batch: int, data: int, microbatches: int) -> str:
     size, rest = divmod(global_batch, data * microbatches)
     return str(size) if size and not rest else f"global_batch_size / ({data} x {microbatches}) (not a whole number now)"

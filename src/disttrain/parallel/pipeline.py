@@ -12,7 +12,8 @@ The loss is the backend's: each micro-batch's `loss_terms` (a token sum and coun
 the schedule (`scale_grads=False`, so gradients stay sums), and the step's sum and count reach the backend once,
 through the last micro-batch's `on_loss`; other stages report zeros and do not count (parallel/compose.py). Tied
 embedding and head weights, which live on the first and last stage, get their two gradients summed before the step
-(under a V-shaped schedule both stages run on rank 0, where the weight is one parameter).
+(under a V-shaped schedule both stages run on rank 0, where the weight is one parameter; with a data axis, where each
+stage is its own data-parallel root, the head holds a copy that follows the embedding: `_untie_head`).
 Evaluation runs the stages forward one after another with point-to-point sends (no schedule, any batch size).
 """
 
@@ -282,10 +283,14 @@ class PipelinePrepared(Prepared):
 
     def step(self, factor: float, skip: bool = False, need_norm: bool = True) -> tuple[float, bool]:
         for embedding, head in self.twins:  # one weight: both copies step with the sum of their gradients
-            if embedding.grad is not None and head.grad is not None:
-                total, other = _local(embedding.grad), _local(head.grad)
-                total.add_(other)
-                other.copy_(total)
+            if embedding.grad is None or head.grad is None:
+                source = embedding.grad if embedding.grad is not None else head.grad
+                if source is not None:  # only one copy was used in this step
+                    embedding.grad, head.grad = source, source.clone()
+                continue
+            total, other = _local(embedding.grad), _local(head.grad)
+            total.add_(other)
+            other.copy_(total)
         for param, group in self.tie_pairs:
             grad = param.grad
             if grad is None:
@@ -293,7 +298,11 @@ class PipelinePrepared(Prepared):
             if hasattr(grad, "placements") and grad.placements != param.placements:  # e.g. an embedding's
                 grad = param.grad = grad.redistribute(placements=param.placements)  # gradient left replicated
             dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=group)
-        return super().step(factor, skip, need_norm)
+        result = super().step(factor, skip, need_norm)
+        with torch.no_grad():  # the head follows the embedding, whatever an optimizer's groups did by name
+            for embedding, head in self.twins:
+                _local(head).copy_(_local(embedding))
+        return result
 
 
 @dataclass(frozen=True)
@@ -351,17 +360,23 @@ def _ids_of(inputs) -> torch.Tensor:
 
 
 def check_mask(kwargs) -> None:
-    """Only token ids cross the stages, and every stage attends causally: padding on the right changes nothing
-    before it, but an attention mask that hides a token before a real one (left padding) would be ignored, so such a
-    batch is refused rather than trained on wrongly. Where the mask is an all-ones one, nothing is lost."""
-    mask = (kwargs or {}).get("attention_mask")
-    if mask is None:
-        return
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or bool((mask[:, 1:] > mask[:, :-1]).any()):
+    """Only token ids cross the stages, and every stage attends causally from position 0: padding on the right
+    changes nothing before it, but an attention mask that hides a token before a real one (left padding) or
+    positions that restart inside a row (packed sequences) would be ignored, so such a batch is refused rather than
+    trained on wrongly. (One host sync per micro-batch that carries either key.)"""
+    kwargs = kwargs or {}
+    mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2
+                             or bool((mask[:, 1:].int() > mask[:, :-1].int()).any())):
         raise ConfigError("parallel.pipeline > 1 passes no attention mask between stages, and this batch's "
                           "attention_mask hides tokens before real ones (left padding, or a mask that is not one row "
                           "per sequence); pad on the right (tokenizer.padding_side = 'right'; disttrain's collate "
                           "does) or run without parallel.pipeline")
+    if positions is not None and (not isinstance(positions, torch.Tensor) or bool(
+            (positions != torch.arange(positions.shape[-1], device=positions.device)).any())):
+        raise ConfigError("parallel.pipeline > 1 passes no position_ids between stages, and this batch's position_ids "
+                          "are not 0, 1, 2, ... in every row (packed sequences); give one sequence per row without "
+                          "position_ids, or run without parallel.pipeline")
 
 
 def _pad_cat(ids: list[torch.Tensor]) -> torch.Tensor:
@@ -465,7 +480,8 @@ def _untie_head(model: nn.Module, fam: Family, ties: list[list[str]]) -> list[tu
         for name in heads[:1] if bodies else ():
             owner, _, attr = name.rpartition(".")
             module = model.get_submodule(owner)
-            setattr(module, attr, nn.Parameter(getattr(module, attr).detach().clone()))
+            weight = getattr(module, attr)
+            setattr(module, attr, nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad))
             twins.append((bodies[0], name))
     return twins
 
@@ -518,8 +534,8 @@ def local_state_fns(model: nn.Module, ties: list[list[str]]) -> dict[str, Callab
         out = {k: v for k, v in values.items() if k in held and v is not None}
         for name in held - out.keys():  # a tied weight stored under its other name
             source = next((values[o] for o in partners.get(name, ()) if values.get(o) is not None), None)
-            if source is not None:
-                out[name] = source
+            if source is not None:  # a copy: two parameters (a V's twins) must never share optimizer state
+                out[name] = _cloned(source)
         return out
 
     def load_state_dict(optimizer, model_state: dict, optimizer_state: dict) -> None:
@@ -541,6 +557,13 @@ def local_state_fns(model: nn.Module, ties: list[list[str]]) -> dict[str, Callab
 
     return {"state_dict": inner["state_dict"], "load_state_dict": load_state_dict,
             "checkpoint_target": checkpoint_target}
+
+
+def _cloned(value):
+    """A tensor, or a parameter's optimizer state (a dict of tensors and numbers), with tensors of its own."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    return {k: _cloned(v) for k, v in value.items()} if isinstance(value, dict) else value
 
 
 def _parameter_of(key: str) -> str | None:

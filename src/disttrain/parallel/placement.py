@@ -100,10 +100,11 @@ def local_shapes(model: nn.Module, layout: MeshLayout, parallel: ParallelConfig,
 
 
 def in_flight(schedule: str, ranks: int, pipeline_rank: int, microbatches: int,
-              sizes: tuple[float, ...] = (1.0, 1.0)) -> list[int]:
+              sizes: tuple[float, ...] = (1.0, 1.0)) -> tuple[list[int], bool]:
     """The micro-batches whose activations a pipeline rank holds at its peak, as the local stage each belongs to
     (0: its first stage; 1: its second under the schedules with two stages per rank), in forward order. `sizes`:
     the bytes one micro-batch of each local stage holds (the peak is the most bytes, not the most micro-batches).
+    Also whether the count follows the schedule's own order (False: an approximation, see below).
 
     gpipe           every forward before any backward: all m micro-batches of its stage.
     1f1b            p - 1 - r warm-up forwards, then one forward and one backward in turn: min(p - r, m).
@@ -114,14 +115,14 @@ def in_flight(schedule: str, ranks: int, pipeline_rank: int, microbatches: int,
                     Without torch's order (a torch that computes it elsewhere): interleaved-1f1b's count, for all."""
     p, r, m = ranks, pipeline_rank, microbatches
     if schedule == "gpipe":
-        return [0] * m
+        return [0] * m, True
     if schedule == "1f1b":
-        return [0] * min(p - r, m)
+        return [0] * min(p - r, m), True
     order = torch_order(schedule, p, r, m)
     if order is None:
         per_round = m // max(1, m // p)
         chunks = min(per_round + 2 * (p - 1 - r) + 1, 2 * m)
-        return [(i // per_round) % 2 for i in range(chunks)]
+        return [(i // per_round) % 2 for i in range(chunks)], False
     local = {stage: i for i, stage in enumerate(pipeline.stages_of(r, p, 2 * p, schedule))}
     held, peak = [], []
     for stage, kind in order:
@@ -131,7 +132,7 @@ def in_flight(schedule: str, ranks: int, pipeline_rank: int, microbatches: int,
             held.remove(local[stage])  # one of that stage's micro-batches (they are the same size)
         if sum(sizes[c] for c in held) > sum(sizes[c] for c in peak):
             peak = list(held)
-    return peak
+    return peak, True
 
 
 def torch_order(schedule: str, ranks: int, rank: int, microbatches: int) -> list[tuple[int, str]] | None:
@@ -140,24 +141,21 @@ def torch_order(schedule: str, ranks: int, rank: int, microbatches: int) -> list
     full backward, input backward, weight backward; an overlapped forward-backward pair as its two parts, in the
     order the runtime runs them). From the class's own `_calculate_single_rank_operations`, given what it reads
     (no stages or process group needed); None for the one-stage classes, or where this torch has no such method."""
+    if schedule not in VIRTUAL_SCHEDULES:
+        return None
     from torch.distributed import pipelining
 
-    cls = getattr(pipelining, pipeline.schedule_class(schedule, microbatches, ranks))
-    if schedule not in VIRTUAL_SCHEDULES or not hasattr(cls, "_calculate_single_rank_operations"):
-        return None
     rounds = max(1, microbatches // ranks)
     state = SimpleNamespace(pp_group_size=ranks, _n_microbatches=microbatches, n_local_stages=2,
                             _stages=[None, None], num_stages=2 * ranks, _num_stages=2 * ranks, rank=rank,
                             number_of_rounds=rounds, microbatches_per_round=microbatches // rounds)
-    try:
+    try:  # a private method (the order is torch's to keep; a copy of it here would drift from the torch installed)
+        cls = getattr(pipelining, pipeline.schedule_class(schedule, microbatches, ranks))
         actions = cls._calculate_single_rank_operations(state, rank)
-    except (AttributeError, TypeError):  # a torch whose method reads more than it did
+        return [(part.stage_index, _KINDS[part.computation_type.name])
+                for action in filter(None, actions) for part in action.sub_actions or (action,)]
+    except Exception:  # a torch that computes it elsewhere, or reads more than it did: the caller approximates
         return None
-    order = []
-    for action in filter(None, actions):
-        for part in action.sub_actions or (action,):
-            order.append((part.stage_index, _KINDS[part.computation_type.name]))
-    return order
 
 
 _KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
