@@ -141,10 +141,11 @@ PARITY = ["ddp", "ddp+ac", "zero1", "zero1+ac", "zero2", "zero2+ac", "fsdp", "fs
           "deepspeed+stage2", "deepspeed+stage2+ac", "deepspeed+stage3", "deepspeed+stage3+ac",
           # tensor parallel (parallel/tensor.py: the Llama plan), with sequence parallel and the loss on split logits
           "ddp+tp2", "ddp+tp2+sp+lp",
-          # two pipeline stages (parallel/pipeline.py); interleaved, zero-bubble and zbv: two virtual stages per rank
-          "ddp+pp2+1f1b", "ddp+pp2+gpipe", "ddp+pp2+i1f1b", "ddp+pp2+zb", "ddp+pp2+zbv"]
-# 4 ranks: tp2 x fsdp2 (the sharded start), pp2 x dp2, pp2 x fsdp2, hsdp 2 x 2
-PARITY_FOUR = ["fsdp+tp2", "ddp+pp2", "fsdp+pp2+gpipe", "hsdp:2"]
+          # two pipeline stages (parallel/pipeline.py); interleaved, zero-bubble, zbv and dualpipev: two virtual
+          # stages per rank
+          "ddp+pp2+1f1b", "ddp+pp2+gpipe", "ddp+pp2+i1f1b", "ddp+pp2+zb", "ddp+pp2+zbv", "ddp+pp2+dualpipev"]
+# 4 ranks: tp2 x fsdp2 (the sharded start), pp2 x dp2, pp2 x fsdp2 (gpipe, zero-bubble), hsdp 2 x 2
+PARITY_FOUR = ["fsdp+tp2", "ddp+pp2", "fsdp+pp2+gpipe", "fsdp+pp2+zb", "hsdp:2"]
 
 
 @pytest.fixture(scope="module")
