@@ -269,7 +269,7 @@ class PipelinePrepared(Prepared):
         ids = _pad_cat([p.ids for p in pending])
         schedule = self._schedule(len(pending), pending[0].ids.shape[0], ids.shape[1], ids.device)
         schedule._loss_fn = loss_fn  # this step's micro-batches (the target is their index)
-        target = torch.arange(len(pending), device=ids.device)
+        target = torch.arange(len(pending))  # on the host: reading a micro-batch's index never waits for the device
         with autocast:
             schedule.step(*((ids,) if self.layout.rank == 0 else ()), target=target, return_outputs=False)
         on_loss(totals[0], totals[1])  # the step's totals, once (zeros on stages without the head)
