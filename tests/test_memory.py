@@ -14,7 +14,7 @@ from disttrain.parallel.layout import zero1_partition
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    """Every strategy at 1 and 2 ranks, and in the 2-rank launch the layouts tp2, tp2+sp, pp2 (1f1b, gpipe)."""
+    """Every strategy at 1 and 2 ranks, and in the 2-rank launch the layouts tp2, tp2+sp, pp2 (1f1b, gpipe), cp2."""
     out = tmp_path_factory.mktemp("memory")
     assert memory_bench.main(["--nproc", "2", "--n-layer", "2", "--d-model", "96", "--micro", "4",
                               "--out", str(out)]) == 0
@@ -135,7 +135,7 @@ def test_estimate_matches_measurement_under_tensor_and_pipeline_layouts(measured
     pipeline stage's parameters (the tied embedding on both ends), and the activations each schedule keeps in
     flight, at their peak during the step."""
     rows = [r for r in measured["rows"] if r.get("layout")]
-    by = _check_layout_rows(rows, {"tp2": "tp2", "tp2+sp": "tp2", "pp2-1f1b": "pp2", "pp2-gpipe": "pp2"})
+    by = _check_layout_rows(rows, {"tp2": "tp2", "tp2+sp": "tp2", "pp2-1f1b": "pp2", "pp2-gpipe": "pp2", "cp2": "cp2"})
     single = next(r["measured"] for r in measured["rows"] if r["strategy"] == "ddp" and r["world"] == 1
                   and not r["ac"])
     # the split is real: each tensor shard holds about half the model, sequence parallelism saves more
@@ -144,6 +144,8 @@ def test_estimate_matches_measurement_under_tensor_and_pipeline_layouts(measured
     # GPipe keeps all 4 micro-batches of its stage; 1F1B at most p - stage: 2 on the first, 1 on the last
     assert by["pp2-gpipe", 0]["activations"] > 1.9 * by["pp2-1f1b", 0]["activations"]
     assert by["pp2-gpipe", 1]["activations"] > 3.9 * by["pp2-1f1b", 1]["activations"]
+    # context parallelism: each rank holds its half of the sequence, and the keys and values of all of it
+    assert by["cp2", 0]["activations"] < 0.75 * single["activations"] and by["cp2", 0]["params"] == single["params"]
 
 
 def test_estimate_matches_measurement_for_a_pipeline_with_a_data_axis(measured_4_ranks):

@@ -22,15 +22,17 @@ from disttrain.parallel.mesh import MeshLayout, layout_for
 # (+lp: the loss on logits split by vocabulary, loss parallel; +ac: activation checkpointing composes)
 TWO = ["ddp+tp2", "ddp+tp2+sp", "ddp+tp2+lp", "fsdp+tp2", "ddp+pp2+gpipe", "ddp+pp2+1f1b",
        "ddp+pp2+i1f1b+layers4", "ddp+pp2+zb+layers4", "ddp+pp2+zbv+layers4",
-       "ddp+pp2+dualpipev+layers4", "ddp+tp2+ac", "ddp+pp2+ac"]
+       "ddp+pp2+dualpipev+layers4", "ddp+tp2+ac", "ddp+pp2+ac",
+       # context parallelism: each sequence cut in 2 chunks, attention over the gathered keys and values
+       "ddp+cp2", "fsdp+cp2+ac"]
 MIXED = ["ddp+tp2+bf16+lp", "ddp+pp2+bf16"]  # bf16-mixed: against one process in bf16-mixed, to bf16's rounding
 # 4 ranks: tp2 x fsdp2, tp2 (sequence parallel) x replicate2, hsdp 2 x 2, pp2 x replicate2, pp2 x fsdp2, pp2 x tp2,
-# pp2 x fsdp2 under zero-bubble, pp2 x replicate2 under zbv and pp2 x fsdp2 under dualpipev
+# pp2 x fsdp2 under zero-bubble, pp2 x replicate2 under zbv and pp2 x fsdp2 under dualpipev, fsdp2 x cp2
 FOUR = ["fsdp+tp2+lp", "ddp+tp2+sp", "hsdp:2", "ddp+pp2", "fsdp+pp2", "ddp+pp2+tp2", "fsdp+pp2+zb+layers4",
-        "ddp+pp2+zbv+layers4", "fsdp+pp2+dualpipev+layers4+mb2"]
+        "ddp+pp2+zbv+layers4", "fsdp+pp2+dualpipev+layers4+mb2", "fsdp+cp2"]
 # checkpoints across layouts: A>B trains A to step 6, saves, and B resumes it to step 12
 RESUMES = ["ddp+tp2>fsdp", "fsdp>ddp+tp2+sp+lp", "ddp+tp2>ddp+tp2", "ddp+pp2+1f1b>fsdp", "fsdp>ddp+pp2+gpipe",
-           "ddp+pp2>ddp+pp2", "ddp+pp2>ddp+tp2", "ddp+pp2+zbv+layers4>fsdp+layers4"]
+           "ddp+pp2>ddp+pp2", "ddp+pp2>ddp+tp2", "ddp+pp2+zbv+layers4>fsdp+layers4", "ddp+cp2>fsdp"]
 # ... on 4 ranks, between 2-D layouts: pp2 x fsdp2 -> tp2 x dp2 (sequence parallel), tp2 x fsdp2 -> pp2 x dp2, and
 # fsdp -> pp2 x dp2 under zbv (the V's head copy of the tied weight reads the embedding's weight and optimizer state)
 RESUMES_FOUR = ["fsdp+pp2>ddp+tp2+sp", "fsdp+tp2>ddp+pp2", "fsdp+layers4>ddp+pp2+zbv+layers4"]
@@ -183,11 +185,20 @@ def test_mesh_coordinates():
     layout = MeshLayout(pipeline=2, replicate=1, shard=2, tensor=2)
     assert layout.world == 8 and layout.data == 2
     coords = [layout.coords(r) for r in range(8)]
-    assert coords[5] == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "tp": 1}  # tensor innermost, pipeline outermost
+    assert coords[5] == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 1}  # tensor innermost, pp outermost
     assert [layout.data_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     # one rank per data shard counts the loss: the last stage's first tensor shard
     assert [r for r in range(8) if layout.counts_loss(r)] == [4, 6]
     assert layout.describe() == "pp2 x dp_shard2 x tp2"
+
+
+def test_context_ranks_read_one_shard_count_their_own_tokens_and_fold_into_the_data_axis():
+    ddp = MeshLayout(1, 2, 1, 1, context=2)  # 4 ranks: 2 data shards, each sequence in 2 chunks
+    assert [ddp.data_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert [ddp.coords(r)["cp"] for r in range(4)] == [0, 1, 0, 1]
+    assert all(ddp.counts_loss(r) for r in range(4)) and ddp.describe() == "dp_replicate2 x cp2"
+    assert ddp.mesh_shape == (1, 4, 1, 1)  # the gradients are reduced over data x context ranks
+    assert MeshLayout(1, 1, 2, 1, context=2, context_sharded=True).mesh_shape == (1, 1, 4, 1)
 
 
 @pytest.mark.parametrize("overrides, world, expected", [
@@ -195,6 +206,8 @@ def test_mesh_coordinates():
     (["parallel.strategy=fsdp", "parallel.tensor=2"], 4, MeshLayout(1, 1, 2, 2)),
     (["parallel.strategy=hsdp", "parallel.hsdp_shard_size=2", "parallel.pipeline=2"], 8, MeshLayout(2, 2, 2, 1)),
     (["parallel.strategy=hsdp", "parallel.hsdp_shard_size=2"], 4, MeshLayout(1, 2, 2, 1)),
+    (["parallel.context=2"], 4, MeshLayout(1, 2, 1, 1, context=2)),  # ddp: cp folds into the replicated axis
+    (["parallel.strategy=fsdp", "parallel.context=2"], 4, MeshLayout(1, 1, 2, 1, context=2, context_sharded=True)),
 ])
 def test_layout_from_settings(overrides, world, expected):
     cfg = load_config(None, ["data.global_batch_size=32", *overrides])
@@ -218,6 +231,9 @@ def test_layout_from_settings(overrides, world, expected):
     (["parallel.strategy=deepspeed", "parallel.pipeline=2"], 2, "'deepspeed' does not compose"),
     (["parallel.pipeline=2", "parallel.pipeline_schedule=dualpipev", "model.n_layer=4", "data.global_batch_size=12",
       "data.micro_batch_size=4"], 2, "'dualpipev' needs at least as many micro-batches per step as stages \\(4\\)"),
+    (["parallel.context=2", "parallel.tensor=2"], 4, "parallel.context = 2 does not compose with parallel.pipeline"),
+    (["parallel.context=3"], 4, "parallel.context = 3 does not divide the world size 4"),
+    (["parallel.context=3", "model.seq_len=32"], 3, "model.seq_len = 32 is not divisible by parallel.context = 3"),
     (["parallel.tensor=2", "model.n_head=3", "model.d_model=96"], 2, "model.n_head = 3 is not divisible by "
      "parallel.tensor = 2"),
     (["parallel.tensor=4", "parallel.sequence_parallel=true", "model.seq_len=30"], 4,

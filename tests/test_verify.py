@@ -23,8 +23,10 @@ def test_verify_offers_the_layouts_the_model_allows():
     from disttrain.cli.verify import _layouts
     from disttrain.config import load_config
 
-    assert _layouts(load_config(None, ["model.n_layer=2"]), 2) == ["tp2", "pp2"]
-    assert _layouts(load_config(None, ["model.n_layer=1", "model.n_head=3", "model.d_model=96"]), 2) == []
+    assert _layouts(load_config(None, ["model.n_layer=2"]), 2) == ["tp2", "pp2", "cp2"]
+    # 1 block cannot fill 2 stages, 3 heads do not split over 2 ranks, 127 tokens do not cut in 2 chunks
+    assert _layouts(load_config(None, ["model.n_layer=1", "model.n_head=3", "model.d_model=96",
+                                       "model.seq_len=127"]), 2) == []
 
 
 @pytest.mark.parametrize("extra", [["--set", "model.dropout=0.2"]])
@@ -45,5 +47,5 @@ def test_verify_rejects_a_bad_strategy_before_starting(tmp_path):
 
 def test_verify_rejects_a_bad_layout_before_starting(tmp_path):
     result = run_cli(["verify", *SMALL, "--strategies", "fsdp+tp2+fast"], tmp_path)
-    assert result.returncode == 2 and "'fast' in 'fsdp+tp2+fast' is not tpN, ppN, sp" in result.stderr
+    assert result.returncode == 2 and "'fast' in 'fsdp+tp2+fast' is not tpN, ppN, cpN, sp" in result.stderr
     assert result.stderr.strip().count("\n") == 0

@@ -110,6 +110,8 @@ class TrainingBackend:
         skip gradient communication (DDP `no_sync`). The last micro-batch before `optim_step` must sync.
         """
         batch = to_device(batch, self.runtime.device, self.precision.param_dtype)
+        context = self.prepared.context  # (context parallelism: this rank's chunk of every sequence)
+        batch = context.shard(batch) if context is not None else batch
         self.prepared.module.train()
         self.on_phase("forward")
         joined: list[torch.Tensor] = []
@@ -245,9 +247,12 @@ class TrainingBackend:
         module = self.prepared.module
         was_training = module.training
         module.eval()
+        batch = to_device(batch, self.runtime.device, self.precision.param_dtype)
+        context = self.prepared.context  # (context parallelism: this rank's chunks, then the whole sequences)
         try:
             with self.precision.autocast(self.runtime.device.type):
-                outputs = self.model_call(to_device(batch, self.runtime.device, self.precision.param_dtype))(module)
+                outputs = self.model_call(context.shard(batch) if context is not None else batch)(module)
+            outputs = context.whole(outputs) if context is not None else outputs
             split = self.prepared.split_logits  # (loss parallel's logits split by vocabulary: gathered)
             return outputs if split is None else split.whole(outputs)
         finally:

@@ -185,6 +185,12 @@ class ParallelConfig:
     """Tensor-parallel degree: each transformer block's attention and MLP matrices are split across this many
     ranks (DTensor `parallelize_module`, column-wise then row-wise, Megatron style); 1 = not split. The world size
     is parallel.pipeline x parallel.tensor x the data-parallel degree (parallel/mesh.py)."""
+    context: int = 1
+    """Context-parallel degree: each sequence is cut into this many consecutive chunks, one per rank, and each
+    attention gathers the keys and values of the whole sequence from the others (parallel/context.py); for
+    sequences too long for one device's activations. 1 = not split. The reference GPT, with a data-parallel
+    strategy (the gradients are reduced over data x context ranks); not yet with parallel.pipeline or
+    parallel.tensor, or a Hugging Face model."""
     sequence_parallel: bool = False
     """parallel.tensor > 1: also split the layer norms' and dropouts' activations along the sequence across the
     tensor-parallel ranks (less activation memory; the same numbers)."""

@@ -19,6 +19,7 @@ copies in buffers of its own: those are found by walking the engine's objects (s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 
@@ -211,13 +212,26 @@ def _split_estimate(cfg: Config, spec, mesh: MeshLayout, rank: int | None) -> Me
 def _rank_estimate(cfg: Config, spec, mesh: MeshLayout, model: nn.Module, rank: int) -> MemoryEstimate:
     stage_rank = mesh.coords(rank)["pp"]
     shapes = placement.local_shapes(model, mesh, cfg.parallel, stage_rank)
-    if mesh.data > 1:
-        layout = spec.memory(shapes, cfg, mesh.data, mesh.data_rank(rank), mesh=mesh)
+    reduced = mesh.data * mesh.context  # (context ranks reduce and shard as data ranks do: parallel/mesh.py)
+    if reduced > 1:
+        index = mesh.data_rank(rank) * mesh.context + mesh.coords(rank)["cp"]
+        layout = spec.memory(shapes, cfg, reduced, index, mesh=mesh)
     else:  # no data axis: the split model as it is (parallel/compose.py)
         layout = replicated(shapes, cfg, 1, None)
     acts, acts_ac, notes = _activations(cfg, layout, mesh, model, stage_rank)
     return MemoryEstimate(spec.name, mesh.world, layout.params, layout.grads, layout.optimizer, acts, acts_ac,
                           list(layout.notes) + notes, mesh.describe(), rank)
+
+
+def _gathered_kv(m: ModelConfig, micro_batch: int, context: int, precision: str) -> int:
+    """What one block's attention keeps beyond its chunk under context parallelism (parallel/context.py): the keys
+    and values of the whole sequence where the chunk's own would be, and the causal mask of the chunk's queries
+    over the sequence (bool)."""
+    if context == 1:
+        return 0
+    t, chunk = m.seq_len, m.seq_len // context
+    act = 4 if precision == "fp32" else 2
+    return 2 * act * m.d_model * micro_batch * (t - chunk) + chunk * t
 
 
 def _gpt_split_activations(cfg: Config, linears: str, mesh: MeshLayout, model: nn.Module,
@@ -230,9 +244,12 @@ def _gpt_split_activations(cfg: Config, linears: str, mesh: MeshLayout, model: n
     last = pipeline.stage_count(p, mesh.pipeline) - 1
     bounds = pipeline.stage_bounds(model, last + 1, p.pipeline_split)
     microbatches = cfg.data.global_batch_size // (mesh.data * micro) if mesh.pipeline > 1 else 1
+    chunk = dataclasses.replace(m, seq_len=m.seq_len // mesh.context)  # (context parallelism: this rank's chunk)
     out, counts, exact = [], [], True
     for ac in (False, True):
-        sizes = tuple(gpt_activation_bytes(m, micro, ac, p.precision, linears, tensor=mesh.tensor,
+        gathered = 0 if ac else _gathered_kv(m, micro, mesh.context, p.precision)
+        sizes = tuple(gathered * (bounds[stage][1] - bounds[stage][0]) +
+                      gpt_activation_bytes(chunk, micro, ac, p.precision, linears, tensor=mesh.tensor,
                                            sequence_parallel=p.sequence_parallel,
                                            split_logits=tensor.splits_logits(p, mesh, m.vocab_size),
                                            blocks=bounds[stage][1] - bounds[stage][0], embeds=stage == 0,

@@ -24,7 +24,7 @@ import math
 import os
 from pathlib import Path
 
-PARALLEL_DEGREES = ("parallel.pipeline", "parallel.tensor")
+PARALLEL_DEGREES = ("parallel.pipeline", "parallel.tensor", "parallel.context")
 KINDS = ("params", "grads", "optimizer", "activations")
 LAYOUTS = {
     "tp2": ("parallel.tensor=2",),
@@ -36,11 +36,14 @@ LAYOUTS = {
     "pp2-zero-bubble": ("parallel.pipeline=2", "parallel.pipeline_schedule=zero-bubble"),
     "pp2-zbv": ("parallel.pipeline=2", "parallel.pipeline_schedule=zbv"),
     "pp2-dualpipev": ("parallel.pipeline=2", "parallel.pipeline_schedule=dualpipev"),
+    "cp2": ("parallel.context=2",),
+    "cp2-fsdp": ("parallel.context=2", "parallel.strategy=fsdp"),
 }
-"""Layouts of the model over the ranks (parallel.pipeline / parallel.tensor), the data axis taking the rest (ddp
+"""Layouts of the model over the ranks (parallel.pipeline / parallel.tensor / parallel.context), the data axis
+taking the rest (ddp
 unless the layout names a strategy; with 2 ranks per data coordinate pp2-fsdp is pp2-1f1b). Measured by default:
 `DEFAULT_LAYOUTS`."""
-DEFAULT_LAYOUTS = ("tp2", "tp2+sp", "pp2-1f1b", "pp2-gpipe")
+DEFAULT_LAYOUTS = ("tp2", "tp2+sp", "pp2-1f1b", "pp2-gpipe", "cp2")
 MICRO_BATCHES = 4
 """Micro-batches of a layout row's step (a pipeline schedule keeps some of them in flight)."""
 

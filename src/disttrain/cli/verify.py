@@ -7,11 +7,13 @@ under each strategy in turn (one process group, so start-up is paid once). Print
 |loss difference|, the max relative difference of the gradient norm and the max |difference| of the final
 parameters, and exits 1 if any exceeds the tolerance. The default is every registered strategy that runs on a
 process group and can run this config, and the model split over all N ranks (`tpN`: tensor parallel, `ppN`: a
-pipeline of N stages) where the model allows it; a strategy registered by your own module
-(`disttrain.parallel.register`) is verified too: its module is imported in the workers. Runs go to `RUN_DIR/verify/`.
+pipeline of N stages, `cpN`: each sequence in N chunks) where the model allows it; a strategy registered by your
+own module (`disttrain.parallel.register`) is verified too: its module is imported in the workers. Runs go to
+`RUN_DIR/verify/`.
 
 An entry is a strategy, a layout, or both joined by `+`: `tp2`, `pp2`, `fsdp+tp2` (data axis fsdp, tensor 2),
-`ddp+pp2+gpipe`, `tp2+sp` (sequence parallel); a pipeline's schedule is one of parallel.pipeline_schedule's values.
+`ddp+pp2+gpipe`, `tp2+sp` (sequence parallel), `fsdp+cp2` (context parallel); a pipeline's schedule is one of
+parallel.pipeline_schedule's values.
 """
 
 from __future__ import annotations
@@ -50,9 +52,9 @@ def _job(cfg: Config, steps: int, out: Path, name: str, entry: str, nproc: int) 
     job.dist.nproc = nproc
     p = job.parallel
     for i, part in enumerate(entry.split("+")):
-        degree = re.fullmatch(r"(tp|pp)(\d+)", part)
+        degree = re.fullmatch(r"(tp|pp|cp)(\d+)", part)
         if degree:
-            setattr(p, "tensor" if degree[1] == "tp" else "pipeline", int(degree[2]))
+            setattr(p, {"tp": "tensor", "pp": "pipeline", "cp": "context"}[degree[1]], int(degree[2]))
         elif part == "sp":
             p.sequence_parallel = True
         elif part in SCHEDULES:
@@ -62,15 +64,15 @@ def _job(cfg: Config, steps: int, out: Path, name: str, entry: str, nproc: int) 
 
             p.strategy = registry.canonical(part)
         else:
-            raise ConfigError(f"verify --strategies: {part!r} in {entry!r} is not tpN, ppN, sp or a pipeline schedule "
-                              f"({', '.join(SCHEDULES)}); e.g. 'fsdp+tp2' or 'pp2+gpipe'")
+            raise ConfigError(f"verify --strategies: {part!r} in {entry!r} is not tpN, ppN, cpN, sp or a pipeline "
+                              f"schedule ({', '.join(SCHEDULES)}); e.g. 'fsdp+tp2' or 'pp2+gpipe'")
     return job
 
 
 def _layouts(cfg: Config, nproc: int) -> list[str]:
-    """The model split over all ranks, tensor-wise and stage-wise, where the config allows it."""
+    """The model split over all ranks, tensor-wise, stage-wise and sequence-wise, where the config allows it."""
     out = []
-    for entry in (f"tp{nproc}", f"pp{nproc}"):
+    for entry in (f"tp{nproc}", f"pp{nproc}", f"cp{nproc}"):
         try:
             validate(_job(cfg, 1, Path("."), entry, entry, nproc), gpu_count=nproc, world=nproc)
         except ConfigError:

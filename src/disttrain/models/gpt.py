@@ -27,12 +27,14 @@ class CausalSelfAttention(nn.Module):
         self.v = nn.Linear(cfg.d_model, cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
+        self.attention_fn = F.scaled_dot_product_attention
+        """What attends (context parallelism gives each rank its own: parallel/context.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = (proj(x).view(b, t, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
         dropout = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        y = self.attention_fn(q, k, v, is_causal=True, dropout_p=dropout)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -75,12 +77,13 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token ids (batch, time) -> logits (batch, time, vocab)."""
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (batch, time) -> logits (batch, time, vocab). `position_ids` (batch, time): each token's position
+        (default 0, 1, 2, ...; a chunk of a longer sequence under context parallelism starts later)."""
         t = input_ids.shape[1]
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence of {t} tokens exceeds model.seq_len = {self.cfg.seq_len}")
-        pos = torch.arange(t, device=input_ids.device)
+        pos = torch.arange(t, device=input_ids.device) if position_ids is None else position_ids
         x = self.drop(self.tok_emb(input_ids) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)

@@ -50,7 +50,7 @@ def prepare(spec: StrategySpec, model: nn.Module, runtime, parallel, materialize
         compute = get_precision(parallel.precision).compute_dtype
         stream = compute if compute is not None and data is not None else next(model.parameters()).dtype
         prepared = pipeline.prepare(model, runtime, parallel, device_mesh, data, stream, materialize)
-    elif layout.data > 1:
+    elif layout.data * layout.context > 1:  # (context ranks reduce their gradients as data ranks do)
         prepared = spec.apply(model, runtime, parallel, mesh=device_mesh)
     else:
         prepared = Prepared(module=model, model=model, checkpoint_target=dtensor_targets(model),
@@ -58,4 +58,10 @@ def prepare(spec: StrategySpec, model: nn.Module, runtime, parallel, materialize
     prepared.data_parallel = (layout.data, layout.data_rank(runtime.rank))
     prepared.counts_loss = layout.counts_loss(runtime.rank)
     prepared.split_logits = split_logits
+    if layout.context > 1:
+        from disttrain.parallel.context import ContextParallel
+
+        prepared.context = ContextParallel(layouts.context_groups(layout), layout.context,
+                                           layout.coords(runtime.rank)["cp"])
+        prepared.context.parallelize(model)
     return prepared

@@ -1,4 +1,4 @@
-"""The layout of a job on its ranks: pipeline x data (replicate, shard) x tensor, as pure arithmetic.
+"""The layout of a job on its ranks: pipeline x data (replicate, shard) x context x tensor, as pure arithmetic.
 
     MeshLayout(pipeline=2, replicate=1, shard=2, tensor=1)   # 4 ranks: 2 stages, each FSDP over 2 ranks
 
@@ -7,9 +7,11 @@ that a tensor-parallel group is made of neighbouring ranks: the GPUs of one node
 the settings into a layout and refuses an impossible one in one line, before any process starts; `device_mesh`
 builds torch's `DeviceMesh` with those axis names on a running job (parallel/compose.py).
 
-The data-parallel degree is what the strategy makes of the ranks left over by `parallel.pipeline` and
-`parallel.tensor`: replicated (ddp), sharded (fsdp, zero2), or both (hsdp) - each spec's `data_axes` says which.
-Every rank of one data-parallel coordinate (its pipeline stages and tensor shards) reads the same samples.
+The data-parallel degree is what the strategy makes of the ranks left over by `parallel.pipeline`,
+`parallel.context` and `parallel.tensor`: replicated (ddp), sharded (fsdp, zero2), or both (hsdp) - each spec's
+`data_axes` says which. Every rank of one data-parallel coordinate (its pipeline stages, sequence chunks and tensor
+shards) reads the same samples. Context-parallel ranks take part in the gradient reduction as data ranks do
+(their chunks are different tokens): the `DeviceMesh` folds the `cp` axis into the data axis next to it.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ if TYPE_CHECKING:
     from disttrain.config import Config, ParallelConfig
     from disttrain.parallel.spec import StrategySpec
 
-AXES = ("pp", "dp_replicate", "dp_shard", "tp")
-"""The mesh's axis names, outermost first."""
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""The layout's axis names, outermost first."""
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+"""The `DeviceMesh`'s: `cp` folded into the data axis next to it (`MeshLayout.mesh_shape`)."""
 
 
 @dataclass(frozen=True)
@@ -36,10 +40,22 @@ class MeshLayout:
     tensor: int = 1
     v_shaped: bool = False
     """A V-shaped pipeline schedule (`V_SCHEDULES`): the last stage runs on pipeline rank 0, not the last rank."""
+    context: int = 1
+    context_sharded: bool = False
+    """The strategy shards parameters (fsdp, zero2, hsdp): context ranks join the sharded data axis, else the
+    replicated one."""
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return self.pipeline, self.replicate, self.shard, self.tensor
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return self.pipeline, self.replicate, self.shard, self.context, self.tensor
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int, int]:
+        """The DeviceMesh's shape over `MESH_AXES`: context ranks join the sharded data axis of a sharding strategy,
+        else the replicated one (the ranks stay in row-major order: cp is next to dp_shard, whose size is 1 then)."""
+        if self.context_sharded:
+            return self.pipeline, self.replicate, self.shard * self.context, self.tensor
+        return self.pipeline, self.replicate * self.context, self.shard, self.tensor
 
     @property
     def world(self) -> int:
@@ -52,8 +68,9 @@ class MeshLayout:
 
     @property
     def model_parallel(self) -> bool:
-        """Whether the model itself is split (pipeline stages or tensor shards), not only the data."""
-        return self.pipeline > 1 or self.tensor > 1
+        """Whether the model or its sequences are split (pipeline stages, tensor shards, sequence chunks), not only
+        the data."""
+        return self.pipeline > 1 or self.tensor > 1 or self.context > 1
 
     def coords(self, rank: int) -> dict[str, int]:
         """This rank's index on each axis."""
@@ -75,8 +92,7 @@ class MeshLayout:
         return c["pp"] == (0 if self.v_shaped else self.pipeline - 1) and c["tp"] == 0
 
     def describe(self) -> str:
-        parts = [f"{name}{size}" for name, size in zip(("pp", "dp_replicate", "dp_shard", "tp"), self.shape,
-                                                         strict=True) if size > 1]
+        parts = [f"{name}{size}" for name, size in zip(AXES, self.shape, strict=True) if size > 1]
         return " x ".join(parts) or "1 rank"
 
 
@@ -86,23 +102,28 @@ def layout_for(p: ParallelConfig, world: int, spec: StrategySpec | None = None) 
     from disttrain.parallel import registry
 
     spec = spec or registry.resolve(p.strategy, world)
-    for key in ("pipeline", "tensor"):
+    for key in ("pipeline", "tensor", "context"):
         value = getattr(p, key)
         if value < 1:
             raise ConfigError(f"parallel.{key} = {value}: must be >= 1 (1 = not split)")
-    split = p.pipeline * p.tensor
+    if p.context > 1 and (p.pipeline > 1 or p.tensor > 1):
+        raise ConfigError(f"parallel.context = {p.context} does not compose with parallel.pipeline or parallel.tensor "
+                          "yet; use context with a data-parallel strategy only, or set parallel.context = 1")
+    split = p.pipeline * p.tensor * p.context
     if world % split:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
-        raise ConfigError(f"parallel.pipeline x parallel.tensor = {p.pipeline} x {p.tensor} = {split} does not divide "
-                          f"the world size {world}; choose degrees whose product divides {world} ({divisors}) or "
-                          f"run on a multiple of {split} processes")
+        names = "parallel.context" if p.context > 1 else "parallel.pipeline x parallel.tensor"
+        degrees = f"{p.context}" if p.context > 1 else f"{p.pipeline} x {p.tensor} = {split}"
+        raise ConfigError(f"{names} = {degrees} does not divide the world size {world}; choose degrees whose "
+                          f"product divides {world} ({divisors}) or run on a multiple of {split} processes")
     data = world // split
     if split > 1 and spec.data_axes is None:
         raise ConfigError(f"parallel.strategy = {spec.name!r} does not compose with parallel.pipeline / "
-                          f"parallel.tensor; use 'ddp', 'fsdp', 'zero2' or 'hsdp' for the data-parallel axis")
+                          f"parallel.tensor / parallel.context; use 'ddp', 'fsdp', 'zero2' or 'hsdp' for the "
+                          "data-parallel axis")
     replicate, shard = spec.data_axes(p, data) if spec.data_axes is not None else (data, 1)
-    layout = MeshLayout(p.pipeline, replicate, shard, p.tensor, p.pipeline > 1 and p.pipeline_schedule in V_SCHEDULES)
-    return layout
+    return MeshLayout(p.pipeline, replicate, shard, p.tensor, p.pipeline > 1 and p.pipeline_schedule in V_SCHEDULES,
+                      p.context, p.context > 1 and spec.shards_parameters)
 
 
 def check_model_split(cfg: Config, layout: MeshLayout) -> None:
@@ -124,6 +145,12 @@ def check_model_split(cfg: Config, layout: MeshLayout) -> None:
             if value % layout.tensor:
                 raise ConfigError(f"model.{key} = {value} is not divisible by parallel.tensor = {layout.tensor}; "
                                   f"choose a tensor degree that divides it")
+    if layout.context > 1 and m.name != "gpt":
+        raise ConfigError(f"parallel.context = {layout.context} runs the reference GPT only (model.name = 'gpt') "
+                          "for now; set parallel.context = 1 for a Hugging Face model")
+    if layout.context > 1 and m.seq_len % layout.context:
+        raise ConfigError(f"model.seq_len = {m.seq_len} is not divisible by parallel.context = {layout.context} (each "
+                          "rank takes an equal chunk of every sequence); choose a divisor")
     if p.sequence_parallel and m.seq_len % layout.tensor:
         raise ConfigError(f"model.seq_len = {m.seq_len} is not divisible by parallel.tensor = {layout.tensor} "
                           "(sequence parallelism splits the sequence); choose a divisor, or "
@@ -168,7 +195,26 @@ def _micro_for(global_batch: int, data: int, microbatches: int) -> str:
 
 
 def device_mesh(layout: MeshLayout, device_type: str):
-    """torch's DeviceMesh over every rank, with the axes `AXES` (size-1 axes included)."""
+    """torch's DeviceMesh over every rank, with the axes `MESH_AXES` (size-1 axes included; `cp` folded into the data
+    axis, `MeshLayout.mesh_shape`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, layout.shape, mesh_dim_names=AXES)
+    return init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=MESH_AXES)
+
+
+def context_groups(layout: MeshLayout):
+    """This rank's process group of the `cp` axis (the ranks that hold the chunks of the same sequences); every
+    rank creates every group, in the same order, as torch requires."""
+    import itertools
+
+    import torch.distributed as dist
+
+    mine, rank = None, dist.get_rank()
+    outer = [range(n) for n in layout.shape[:3]]
+    for pp, dpr, dps, tp in itertools.product(*outer, range(layout.tensor)):
+        ranks = [(((pp * layout.replicate + dpr) * layout.shard + dps) * layout.context + cp) * layout.tensor + tp
+                 for cp in range(layout.context)]
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine

@@ -120,6 +120,9 @@ class Prepared:
     split_logits: Any = None
     """Tensor parallelism's loss parallel (parallel/tensor.py): the context in which forward, disttrain's own loss
     and backward run on logits split by vocabulary. None: the model's logits are whole tensors."""
+    context: Any = None
+    """Context parallelism (parallel/context.py): cuts each batch to this rank's chunk of every sequence, and is the
+    mode under which forward and backward attend over the whole sequence. None: sequences are whole."""
     norm_group: Any = None
     """A process group whose ranks hold different parameters that no DTensor spans (pipeline stages): the squared
     gradient norm is summed over it. None: the norm is complete on each rank."""
