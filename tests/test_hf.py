@@ -143,7 +143,9 @@ PARITY = ["ddp", "ddp+ac", "zero1", "zero1+ac", "zero2", "zero2+ac", "fsdp", "fs
           "ddp+tp2", "ddp+tp2+sp+lp",
           # two pipeline stages (parallel/pipeline.py); interleaved, zero-bubble, zbv and dualpipev: two virtual
           # stages per rank
-          "ddp+pp2+1f1b", "ddp+pp2+gpipe", "ddp+pp2+i1f1b", "ddp+pp2+zb", "ddp+pp2+zbv", "ddp+pp2+dualpipev"]
+          "ddp+pp2+1f1b", "ddp+pp2+gpipe", "ddp+pp2+i1f1b", "ddp+pp2+zb", "ddp+pp2+zbv", "ddp+pp2+dualpipev",
+          # context parallel: each sequence in two chunks (HF's labels shifted before the cut), with checkpointing
+          "ddp+cp2", "fsdp+cp2+ac"]
 # 4 ranks: tp2 x fsdp2 (the sharded start), pp2 x dp2, pp2 x fsdp2 (gpipe, zero-bubble), hsdp 2 x 2
 PARITY_FOUR = ["fsdp+tp2", "ddp+pp2", "fsdp+pp2+gpipe", "fsdp+pp2+zb", "hsdp:2"]
 

@@ -293,3 +293,20 @@ def test_a_pipeline_refuses_left_padding_rather_than_ignoring_the_mask():
         assert "\n" not in str(info.value)
     with pytest.raises(ConfigError, match="position_ids"):  # packed sequences: positions restart inside a row
         check_mask({"position_ids": torch.tensor([[0, 1, 0, 1]])})
+
+
+def test_context_parallel_cuts_each_sequence_at_the_chunk_and_refuses_a_mask_it_would_ignore():
+    """Rank 1 of 2 takes the second half of every sequence-valued tensor and its positions; a per-sample value stays
+    whole; a left-padded batch is refused in one line naming parallel.context (its chunks attend without a mask)."""
+    from disttrain.parallel.context import ContextParallel
+
+    ids = torch.arange(16).reshape(2, 8)
+    got = ContextParallel(None, 2, 1).shard({"input_ids": ids, "labels": ids + 1, "weight": torch.ones(2)})
+    assert torch.equal(got["input_ids"], ids[:, 4:]) and torch.equal(got["labels"], ids[:, 4:] + 1)
+    assert torch.equal(got["position_ids"], torch.tensor([[4, 5, 6, 7]] * 2))
+    assert torch.equal(got["weight"], torch.ones(2))
+    left = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1], [1] * 8])
+    with pytest.raises(ConfigError, match="parallel.context > 1 attends causally without the attention mask"):
+        ContextParallel(None, 2, 0).shard({"input_ids": ids, "attention_mask": left})
+    with pytest.raises(ConfigError, match="cannot be cut into equal chunks"):
+        ContextParallel(None, 3, 0).shard({"input_ids": ids})

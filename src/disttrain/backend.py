@@ -26,7 +26,7 @@ from torch import nn
 from disttrain.batches import ModelCall, batch_size, to_device
 from disttrain.config import DistConfig, ParallelConfig
 from disttrain.errors import UserError
-from disttrain.losses import default_loss, takes_split_logits
+from disttrain.losses import causal_lm_loss, default_loss, lm_loss, shifted, takes_split_logits
 from disttrain.models.hf import is_hf_model
 from disttrain.models.meta import has_meta_parameters, materialize
 from disttrain.optim import OptimizerFactory
@@ -111,7 +111,10 @@ class TrainingBackend:
         """
         batch = to_device(batch, self.runtime.device, self.precision.param_dtype)
         context = self.prepared.context  # (context parallelism: this rank's chunk of every sequence)
-        batch = context.shard(batch) if context is not None else batch
+        if context is not None:
+            if (loss_fn or self.loss_fn) is causal_lm_loss and isinstance(batch, dict) and "labels" in batch:
+                batch, loss_fn = shifted(batch), lm_loss  # HF's labels cross the cut: shifted before it
+            batch = context.shard(batch)
         self.prepared.module.train()
         self.on_phase("forward")
         joined: list[torch.Tensor] = []

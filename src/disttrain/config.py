@@ -188,9 +188,10 @@ class ParallelConfig:
     context: int = 1
     """Context-parallel degree: each sequence is cut into this many consecutive chunks, one per rank, and each
     attention gathers the keys and values of the whole sequence from the others (parallel/context.py); for
-    sequences too long for one device's activations. 1 = not split. The reference GPT, with a data-parallel
-    strategy (the gradients are reduced over data x context ranks); not yet with parallel.pipeline or
-    parallel.tensor, or a Hugging Face model."""
+    sequences too long for one device's activations. 1 = not split. The reference GPT and Hugging Face models
+    (through transformers' attention interface), with a data-parallel strategy (the gradients are reduced over
+    data x context ranks); not yet with parallel.pipeline or parallel.tensor. Causal attention without a padding
+    mask: pad on the right."""
     sequence_parallel: bool = False
     """parallel.tensor > 1: also split the layer norms' and dropouts' activations along the sequence across the
     tensor-parallel ranks (less activation memory; the same numbers)."""

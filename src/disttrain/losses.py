@@ -61,6 +61,13 @@ def causal_lm_loss(outputs: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.
     return _token_sum(logits[:, :-1], labels[:, 1:])
 
 
+def shifted(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`batch` with HF's labels turned into pre-shifted ones (label t is the target of position t; the last
+    position has none), for `lm_loss`: what a sequence cut into chunks needs (context parallelism)."""
+    labels = batch["labels"]
+    return {**batch, "labels": torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)}
+
+
 def takes_split_logits(loss_fn) -> bool:
     """Whether `loss_fn` takes logits split by vocabulary across tensor-parallel ranks (a DTensor, under torch's
     loss_parallel: parallel/tensor.py): disttrain's own losses do; any other is given whole logits."""

@@ -5,9 +5,11 @@ Everything but attention is per token and runs on the chunk as it is. Attention 
 earlier position: each attention gathers them from the chunk's group (`_Gather`, whose backward sums every rank's
 gradient for a chunk back to its owner) and attends with a causal mask offset by the chunk's start.
 The model's attention modules take it as their `attention_fn` (the reference GPT calls torch's
-`scaled_dot_product_attention` through it), so an activation-checkpointed block's recompute attends the same way.
+`scaled_dot_product_attention` through it), and a Hugging Face model's through transformers' attention interface
+(`HF_ATTENTION`), so an activation-checkpointed block's recompute attends the same way.
 (torch's own `context_parallel` swaps SDPA on CUDA; its CPU SDPA has no sharding rule for it, and it fails on gloo.)
-The GPT's position embedding reads the chunk's `position_ids`.
+The model's positions (the GPT's position embedding, a Llama's rotary embedding) read the chunk's `position_ids`.
+Hugging Face's labels (aligned with the inputs, shifted by the loss) are shifted before the cut (the backend).
 
 The rest composes as a data axis does: the ranks of a chunk group read the same samples, each counts the loss of
 its own tokens (the step's totals are summed over every rank, as over data ranks), and the gradients are reduced
@@ -36,11 +38,21 @@ class ContextParallel:
         self.group, self.size, self.rank = group, size, rank
 
     def parallelize(self, model: nn.Module) -> None:
-        """Give every attention module of `model` (those with an `attention_fn`) this rank's attention."""
+        """Give every attention of `model` this rank's: a Hugging Face model's through transformers' attention
+        interface (`HF_ATTENTION`), another's attention modules through their `attention_fn` (the reference GPT)."""
+        if hasattr(model, "set_attn_implementation"):
+            from transformers import AttentionInterface, AttentionMaskInterface
+
+            AttentionInterface.register(HF_ATTENTION, _hf_attention)
+            AttentionMaskInterface.register(HF_ATTENTION, _no_mask)  # (the chunk's own causal mask is `attend`'s)
+            for module in model.modules():
+                module._disttrain_context = self
+            model.set_attn_implementation(HF_ATTENTION)
+            return
         modules = [m for m in model.modules() if hasattr(m, "attention_fn")]
         if not modules:
             raise ConfigError("parallel.context > 1 needs attention modules with an `attention_fn` (the reference "
-                              "GPT's); this model has none")
+                              "GPT's) or a Hugging Face model; this model has neither")
         for module in modules:
             module.attention_fn = self.attend
 
@@ -50,6 +62,9 @@ class ContextParallel:
         if not isinstance(batch, dict) or not isinstance(batch.get("input_ids"), torch.Tensor):
             raise ConfigError("parallel.context > 1 cuts sequences by their 'input_ids': give dict batches with "
                               "'input_ids' (and 'labels')")
+        from disttrain.parallel.pipeline import check_mask
+
+        check_mask(batch, "parallel.context")  # (the whole sequence's: its chunks attend without a mask)
         width = batch["input_ids"].shape[1]
         if width % self.size:
             raise ConfigError(f"parallel.context = {self.size}: a batch of {width} tokens per sequence cannot be cut "
@@ -63,8 +78,15 @@ class ContextParallel:
             out["position_ids"] = positions.expand(batch["input_ids"].shape[0], chunk)
         return out
 
-    def whole(self, outputs: torch.Tensor) -> torch.Tensor:
-        """The outputs of every chunk, joined along the sequence (for evaluation and `forward()`)."""
+    def whole(self, outputs: Any) -> Any:
+        """The logits of every chunk, joined along the sequence (for evaluation and `forward()`): a tensor, or the
+        `logits` of a Hugging Face output (in place)."""
+        if isinstance(outputs, dict) and isinstance(outputs.get("logits"), torch.Tensor):
+            outputs["logits"] = self.whole(outputs["logits"])
+            return outputs
+        if not isinstance(outputs, torch.Tensor):
+            raise ConfigError(f"parallel.context > 1 joins the chunks' logits, and the model returned "
+                              f"{type(outputs).__name__}; return logits (or an output with a `logits` field)")
         parts = [torch.empty_like(outputs) for _ in range(self.size)]
         dist.all_gather(parts, outputs.contiguous(), group=self.group)
         return torch.cat(parts, dim=1)
@@ -76,11 +98,28 @@ class ContextParallel:
                               "no bidirectional attention)")
         keys = _Gather.apply(k, self.group, self.size, self.rank)
         values = _Gather.apply(v, self.group, self.size, self.rank)
+        if enable_gqa and keys.shape[-3] != q.shape[-3]:  # grouped keys and values: one per group of query heads
+            keys, values = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (keys, values))
         chunk = q.shape[-2]
         mine = torch.arange(self.rank * chunk, (self.rank + 1) * chunk, device=q.device)
         mask = torch.arange(keys.shape[-2], device=q.device)[None, :] <= mine[:, None]
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale,
-                                              enable_gqa=enable_gqa)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+
+
+HF_ATTENTION = "disttrain_context"
+"""The name a Hugging Face model's attention runs under (transformers' AttentionInterface)."""
+
+
+def _hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                  **kwargs):
+    """transformers' attention-function signature: (batch, heads, chunk, dim) in, (batch, chunk, heads, dim) out."""
+    out = module._disttrain_context.attend(query, key, value, is_causal=True, dropout_p=dropout, scale=scaling,
+                                           enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    return None
 
 
 class _Gather(torch.autograd.Function):

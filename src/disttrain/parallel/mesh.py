@@ -145,9 +145,6 @@ def check_model_split(cfg: Config, layout: MeshLayout) -> None:
             if value % layout.tensor:
                 raise ConfigError(f"model.{key} = {value} is not divisible by parallel.tensor = {layout.tensor}; "
                                   f"choose a tensor degree that divides it")
-    if layout.context > 1 and m.name != "gpt":
-        raise ConfigError(f"parallel.context = {layout.context} runs the reference GPT only (model.name = 'gpt') "
-                          "for now; set parallel.context = 1 for a Hugging Face model")
     if layout.context > 1 and m.seq_len % layout.context:
         raise ConfigError(f"model.seq_len = {m.seq_len} is not divisible by parallel.context = {layout.context} (each "
                           "rank takes an equal chunk of every sequence); choose a divisor")

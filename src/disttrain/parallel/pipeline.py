@@ -359,24 +359,25 @@ def _ids_of(inputs) -> torch.Tensor:
     return ids
 
 
-def check_mask(kwargs) -> None:
-    """Only token ids cross the stages, and every stage attends causally from position 0: padding on the right
-    changes nothing before it, but an attention mask that hides a token before a real one (left padding) or
-    positions that restart inside a row (packed sequences) would be ignored, so such a batch is refused rather than
-    trained on wrongly. (One host sync per micro-batch that carries either key.)"""
+def check_mask(kwargs, setting: str = "parallel.pipeline") -> None:
+    """Under a pipeline only token ids cross the stages, and under context parallelism each chunk attends causally
+    over the whole sequence: both attend causally from position 0 with no mask. Padding on the right changes nothing
+    before it, but an attention mask that hides a token before a real one (left padding) or positions that restart
+    inside a row (packed sequences) would be ignored, so such a batch is refused rather than trained on wrongly.
+    (One host sync per micro-batch that carries either key.)"""
     kwargs = kwargs or {}
     mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2
                              or bool((mask[:, 1:].int() > mask[:, :-1].int()).any())):
-        raise ConfigError("parallel.pipeline > 1 passes no attention mask between stages, and this batch's "
+        raise ConfigError(f"{setting} > 1 attends causally without the attention mask, and this batch's "
                           "attention_mask hides tokens before real ones (left padding, or a mask that is not one row "
                           "per sequence); pad on the right (tokenizer.padding_side = 'right'; disttrain's collate "
-                          "does) or run without parallel.pipeline")
+                          f"does) or run without {setting}")
     if positions is not None and (not isinstance(positions, torch.Tensor) or bool(
             (positions != torch.arange(positions.shape[-1], device=positions.device)).any())):
-        raise ConfigError("parallel.pipeline > 1 passes no position_ids between stages, and this batch's position_ids "
-                          "are not 0, 1, 2, ... in every row (packed sequences); give one sequence per row without "
-                          "position_ids, or run without parallel.pipeline")
+        raise ConfigError(f"{setting} > 1 ignores position_ids that restart inside a row, and this batch's "
+                          "position_ids are not 0, 1, 2, ... in every row (packed sequences); give one sequence per "
+                          f"row without position_ids, or run without {setting}")
 
 
 def _pad_cat(ids: list[torch.Tensor]) -> torch.Tensor:
