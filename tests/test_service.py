@@ -254,11 +254,11 @@ def test_service_fsdp_matches_reference(reference, plain):
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("parallel", [{"pipeline": 2}, {"tensor": 2, "sequence_parallel": True}],
-                         ids=["pp2", "tp2+sp"])
+@pytest.mark.parametrize("parallel", [{"pipeline": 2}, {"tensor": 2, "sequence_parallel": True}, {"context": 2}],
+                         ids=["pp2", "tp2+sp", "cp2"])
 def test_service_with_the_model_split_matches_reference(tmp_path, reference, plain, parallel):
-    """A pipeline of two stages, or the blocks split tensor-wise: the same losses, weights (every stage's), outputs,
-    and a checkpoint that reloads."""
+    """A pipeline of two stages, the blocks split tensor-wise, or each sequence in two chunks: the same losses,
+    weights (every stage's), outputs (the chunks' joined once), and a checkpoint that reloads."""
     async def scenario():
         service = await TrainingService.options(nproc=2, threads_per_rank=1).as_service(
             "gpt", model_args=job.MODEL, optimizer=job.OPTIM, seed=job.SEED, parallel=parallel)

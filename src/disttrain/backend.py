@@ -25,7 +25,7 @@ from torch import nn
 
 from disttrain.batches import ModelCall, batch_size, to_device
 from disttrain.config import DistConfig, ParallelConfig
-from disttrain.errors import UserError
+from disttrain.errors import ConfigError, UserError
 from disttrain.losses import causal_lm_loss, default_loss, lm_loss, shifted, takes_split_logits
 from disttrain.models.hf import is_hf_model
 from disttrain.models.meta import has_meta_parameters, materialize
@@ -100,6 +100,9 @@ class TrainingBackend:
         if isinstance(result, tuple):
             loss_sum, count = result
             return loss_sum, torch.as_tensor(count, dtype=torch.float64, device=self.runtime.device)
+        if self.prepared.context is not None:
+            raise ConfigError("parallel.context > 1: the loss function returned a mean, which cannot be weighted over "
+                              "chunks of a sequence; return (summed loss, token count), as disttrain's own losses do")
         count = batch_size(batch)  # a mean over the batch: weight it by its size
         return result * count, torch.tensor(float(count), dtype=torch.float64, device=self.runtime.device)
 
@@ -255,7 +258,7 @@ class TrainingBackend:
         try:
             with self.precision.autocast(self.runtime.device.type):
                 outputs = self.model_call(context.shard(batch) if context is not None else batch)(module)
-            outputs = context.whole(outputs) if context is not None else outputs
+            outputs = context.whole(outputs, batch["input_ids"].shape[1]) if context is not None else outputs
             split = self.prepared.split_logits  # (loss parallel's logits split by vocabulary: gathered)
             return outputs if split is None else split.whole(outputs)
         finally:

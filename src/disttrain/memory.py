@@ -225,8 +225,9 @@ def _rank_estimate(cfg: Config, spec, mesh: MeshLayout, model: nn.Module, rank: 
 
 def _gathered_kv(m: ModelConfig, micro_batch: int, context: int, precision: str) -> int:
     """What one block's attention keeps beyond its chunk under context parallelism (parallel/context.py): the keys
-    and values of the whole sequence where the chunk's own would be, and the causal mask of the chunk's queries
-    over the sequence (bool)."""
+    and values of the whole sequence where the chunk's own would be (the attention reads them up to its chunk's end,
+    a view of the whole gather), and the causal mask of the chunk's queries over them (bool; the most loaded rank,
+    the last, attends over all of them; CPU's SDPA materialises it)."""
     if context == 1:
         return 0
     t, chunk = m.seq_len, m.seq_len // context

@@ -297,7 +297,7 @@ def evaluate(backend: TrainingBackend, dataset: Dataset, runtime: Runtime, micro
     built = iter(batches_of(padded)) if batches_of else (fetch(dataset, b) for b in padded)
     totals = torch.zeros(2, dtype=torch.float64, device=runtime.device)
     for i, batch in zip(range(rounds), built, strict=True):
-        counted = i < len(batches) and backend.prepared.counts_loss  # one rank per data shard counts it
+        counted = i < len(batches) and backend.prepared.counts_outputs  # one rank per data shard counts it
         outputs = backend.forward(batch)
         if counted:
             loss_sum, count = backend.loss_terms(outputs, batch)

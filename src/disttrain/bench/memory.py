@@ -39,10 +39,9 @@ LAYOUTS = {
     "cp2": ("parallel.context=2",),
     "cp2-fsdp": ("parallel.context=2", "parallel.strategy=fsdp"),
 }
-"""Layouts of the model over the ranks (parallel.pipeline / parallel.tensor / parallel.context), the data axis
-taking the rest (ddp
-unless the layout names a strategy; with 2 ranks per data coordinate pp2-fsdp is pp2-1f1b). Measured by default:
-`DEFAULT_LAYOUTS`."""
+"""Layouts of the model over the ranks (parallel.pipeline / parallel.tensor / parallel.context), the data axis taking
+the rest (ddp unless the layout names a strategy; with 2 ranks per data coordinate pp2-fsdp is pp2-1f1b). Measured
+by default: `DEFAULT_LAYOUTS`."""
 DEFAULT_LAYOUTS = ("tp2", "tp2+sp", "pp2-1f1b", "pp2-gpipe", "cp2")
 MICRO_BATCHES = 4
 """Micro-batches of a layout row's step (a pipeline schedule keeps some of them in flight)."""

@@ -15,7 +15,8 @@ The rest composes as a data axis does: the ranks of a chunk group read the same 
 its own tokens (the step's totals are summed over every rank, as over data ranks), and the gradients are reduced
 over data x context ranks (parallel/mesh.py folds `cp` into the data axis of the DeviceMesh).
 
-Chunks are consecutive, so rank 0 attends to the fewest keys (no load balancing yet).
+Chunks are consecutive, so rank 0 attends to the fewest keys (no load balancing yet): each rank attends only up to
+the end of its chunk.
 """
 
 from __future__ import annotations
@@ -40,8 +41,15 @@ class ContextParallel:
     def parallelize(self, model: nn.Module) -> None:
         """Give every attention of `model` this rank's: a Hugging Face model's through transformers' attention
         interface (`HF_ATTENTION`), another's attention modules through their `attention_fn` (the reference GPT)."""
-        if hasattr(model, "set_attn_implementation"):
-            from transformers import AttentionInterface, AttentionMaskInterface
+        if hasattr(model, "config") and hasattr(model.config, "_attn_implementation"):  # a transformers model
+            try:
+                from transformers import AttentionInterface, AttentionMaskInterface
+            except ImportError as exc:
+                import transformers
+
+                raise ConfigError(f"parallel.context > 1 runs a Hugging Face model's attention through transformers' "
+                                  f"AttentionInterface and AttentionMaskInterface, which transformers "
+                                  f"{transformers.__version__} lacks; upgrade transformers (tested: 5.24)") from exc
 
             AttentionInterface.register(HF_ATTENTION, _hf_attention)
             AttentionMaskInterface.register(HF_ATTENTION, _no_mask)  # (the chunk's own causal mask is `attend`'s)
@@ -66,9 +74,9 @@ class ContextParallel:
 
         check_mask(batch, "parallel.context")  # (the whole sequence's: its chunks attend without a mask)
         width = batch["input_ids"].shape[1]
-        if width % self.size:
-            raise ConfigError(f"parallel.context = {self.size}: a batch of {width} tokens per sequence cannot be cut "
-                              "into equal chunks; make every sequence a multiple of parallel.context long")
+        if width % self.size:  # (a batch padded to its longest sequence): right-padded on to equal chunks
+            batch = {key: _pad(value, width, -width % self.size, key) for key, value in batch.items()}
+            width += -width % self.size
         chunk = width // self.size
         start = self.rank * chunk
         out = {key: value[:, start:start + chunk] if _is_sequence(value, width) else value
@@ -78,32 +86,34 @@ class ContextParallel:
             out["position_ids"] = positions.expand(batch["input_ids"].shape[0], chunk)
         return out
 
-    def whole(self, outputs: Any) -> Any:
-        """The logits of every chunk, joined along the sequence (for evaluation and `forward()`): a tensor, or the
-        `logits` of a Hugging Face output (in place)."""
+    def whole(self, outputs: Any, width: int) -> Any:
+        """The logits of every chunk, joined along the sequence of `width` tokens (what `shard` padded, cut off): a
+        tensor, or the `logits` of a Hugging Face output (in place). For evaluation and `forward()`."""
         if isinstance(outputs, dict) and isinstance(outputs.get("logits"), torch.Tensor):
-            outputs["logits"] = self.whole(outputs["logits"])
+            outputs["logits"] = self.whole(outputs["logits"], width)
             return outputs
         if not isinstance(outputs, torch.Tensor):
             raise ConfigError(f"parallel.context > 1 joins the chunks' logits, and the model returned "
                               f"{type(outputs).__name__}; return logits (or an output with a `logits` field)")
         parts = [torch.empty_like(outputs) for _ in range(self.size)]
         dist.all_gather(parts, outputs.contiguous(), group=self.group)
-        return torch.cat(parts, dim=1)
+        return torch.cat(parts, dim=1)[:, :width]
 
     def attend(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        """Causal attention of this chunk's queries over the keys and values of the whole sequence."""
+        """Causal attention of this chunk's queries over the keys and values of the sequence up to the chunk's end
+        (gathered from the group; the chunks after it are never attended), with torch's lower-right causal bias (no
+        mask tensor: SDPA's fused kernels run)."""
         if attn_mask is not None or not is_causal:
             raise ConfigError("parallel.context > 1 runs causal attention without a mask only (no padding mask, "
                               "no bidirectional attention)")
-        keys = _Gather.apply(k, self.group, self.size, self.rank)
-        values = _Gather.apply(v, self.group, self.size, self.rank)
-        if enable_gqa and keys.shape[-3] != q.shape[-3]:  # grouped keys and values: one per group of query heads
-            keys, values = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (keys, values))
+        from torch.nn.attention.bias import causal_lower_right
+
         chunk = q.shape[-2]
-        mine = torch.arange(self.rank * chunk, (self.rank + 1) * chunk, device=q.device)
-        mask = torch.arange(keys.shape[-2], device=q.device)[None, :] <= mine[:, None]
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+        seen = (self.rank + 1) * chunk
+        keys = _Gather.apply(k, self.group, self.size, self.rank).narrow(-2, 0, seen)
+        values = _Gather.apply(v, self.group, self.size, self.rank).narrow(-2, 0, seen)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(chunk, seen),
+                                              dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
 
 
 HF_ATTENTION = "disttrain_context"
@@ -112,9 +122,14 @@ HF_ATTENTION = "disttrain_context"
 
 def _hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                   **kwargs):
-    """transformers' attention-function signature: (batch, heads, chunk, dim) in, (batch, chunk, heads, dim) out."""
+    """transformers' attention-function signature: (batch, heads, chunk, dim) in, (batch, chunk, heads, dim) out.
+    Attention variants it cannot run (a sliding window, logit soft-capping, attention sinks) are refused."""
+    unsupported = [name for name in ("sliding_window", "softcap", "s_aux") if kwargs.get(name) is not None]
+    if unsupported or getattr(module, "is_causal", True) is False:
+        raise ConfigError(f"parallel.context > 1 runs plain causal attention, and this model's attention uses "
+                          f"{', '.join(unsupported) or 'bidirectional attention'}; set parallel.context = 1")
     out = module._disttrain_context.attend(query, key, value, is_causal=True, dropout_p=dropout, scale=scaling,
-                                           enable_gqa=True)
+                                           enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -136,9 +151,22 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad.narrow(-2, ctx.rank * ctx.width, ctx.width), None, None, None
+        total = grad.to(torch.float32, copy=True)  # (summed in float32: 16-bit gradients of several ranks)
+        dist.all_reduce(total, group=ctx.group)
+        return total.narrow(-2, ctx.rank * ctx.width, ctx.width).to(grad.dtype), None, None, None
+
+
+def _pad(value: Any, width: int, extra: int, key: str) -> Any:
+    """A sequence-valued tensor right-padded by `extra` positions (labels with the ignored index, positions going
+    on, the rest with 0: padding on the right changes nothing before it under causal attention)."""
+    if not _is_sequence(value, width):
+        return value
+    if key == "position_ids":
+        more = value[:, -1:] + torch.arange(1, extra + 1, device=value.device)
+        return torch.cat([value, more.to(value.dtype)], dim=1)
+    fill = -100 if key == "labels" else 0  # (data.IGNORE_INDEX, cross-entropy's ignored label)
+    return torch.cat([value, torch.full((value.shape[0], extra, *value.shape[2:]), fill, dtype=value.dtype,
+                                        device=value.device)], dim=1)
 
 
 def _is_sequence(value: Any, width: int) -> bool:

@@ -176,7 +176,9 @@ def memory_zero2(shapes, cfg, world: int, rank: int | None, mesh=None) -> layout
 
 
 def memory_hsdp(shapes, cfg, world: int, rank: int | None, mesh=None) -> layout.MemoryLayout:
-    return _gathered_note(layout.sharded(shapes, cfg, cfg.parallel.hsdp_shard_size or world), cfg)
+    # (context ranks join the shard groups: parallel/mesh.py)
+    shard = cfg.parallel.hsdp_shard_size * (mesh.context if mesh is not None else 1)
+    return _gathered_note(layout.sharded(shapes, cfg, shard or world), cfg)
 
 
 COMMON = frozenset({"cpu_offload", "fsdp_prefetch", "grad_compression"})

@@ -86,10 +86,15 @@ class MeshLayout:
         return c["dp_replicate"] * self.shard + c["dp_shard"]
 
     def counts_loss(self, rank: int) -> bool:
-        """Whether this rank's loss joins the global totals: one rank per data shard (the one of the last pipeline
-        stage, tensor shard 0) - the others compute the same loss, or none."""
+        """Whether this rank's loss joins the global totals: one rank per data shard and sequence chunk (the one of
+        the last pipeline stage, tensor shard 0) - the others compute the same loss, or none."""
         c = self.coords(rank)
         return c["pp"] == (0 if self.v_shaped else self.pipeline - 1) and c["tp"] == 0
+
+    def counts_outputs(self, rank: int) -> bool:
+        """Whether this rank's whole outputs (evaluation, `forward()`) count: one rank per data shard (context
+        ranks each hold the whole sequence's, joined)."""
+        return self.counts_loss(rank) and self.coords(rank)["cp"] == 0
 
     def describe(self) -> str:
         parts = [f"{name}{size}" for name, size in zip(AXES, self.shape, strict=True) if size > 1]
@@ -122,6 +127,9 @@ def layout_for(p: ParallelConfig, world: int, spec: StrategySpec | None = None) 
                           f"parallel.tensor / parallel.context; use 'ddp', 'fsdp', 'zero2' or 'hsdp' for the "
                           "data-parallel axis")
     replicate, shard = spec.data_axes(p, data) if spec.data_axes is not None else (data, 1)
+    if p.context > 1 and shard > 1 and not spec.shards_parameters:  # (mesh_shape folds cp into a data axis next to it)
+        raise ConfigError(f"parallel.strategy = {spec.name!r} lays out a sharded data axis without sharding "
+                          "parameters; parallel.context does not compose with it: use 'ddp', 'fsdp', 'zero2' or 'hsdp'")
     return MeshLayout(p.pipeline, replicate, shard, p.tensor, p.pipeline > 1 and p.pipeline_schedule in V_SCHEDULES,
                       p.context, p.context > 1 and spec.shards_parameters)
 
@@ -132,8 +140,8 @@ def check_model_split(cfg: Config, layout: MeshLayout) -> None:
     p, m = cfg.parallel, cfg.model
     if layout.model_parallel and p.grad_compression == "powersgd":
         raise ConfigError("parallel.grad_compression = 'powersgd' is a DDP communication hook, and with "
-                          "parallel.pipeline or parallel.tensor > 1 the data axis runs through FSDP2; use 'bf16' or "
-                          "'fp16'")
+                          "parallel.pipeline, parallel.tensor or parallel.context > 1 the data axis runs through "
+                          "FSDP2; use 'bf16' or 'fp16'")
     if p.pipeline_split.strip() and layout.pipeline == 1:
         raise ConfigError(f"parallel.pipeline_split = {p.pipeline_split!r} needs parallel.pipeline > 1; set "
                           "parallel.pipeline or remove parallel.pipeline_split")

@@ -331,9 +331,11 @@ class TrainingService:
         parts = split_batch(batch, self.layout.data)
         return [parts[self.layout.data_rank(rank)] for rank in range(self.nproc)]
 
-    def _counted(self, replies: list) -> list:
-        """The replies of the one rank per data shard whose loss and outputs count (in data order)."""
-        return [reply for rank, reply in enumerate(replies) if self.layout.counts_loss(rank)]
+    def _counted(self, replies: list, outputs: bool = False) -> list:
+        """The replies of the ranks whose loss counts (one per data shard and sequence chunk), or with `outputs`
+        whose outputs count (one per data shard), in data order."""
+        counts = self.layout.counts_outputs if outputs else self.layout.counts_loss
+        return [reply for rank, reply in enumerate(replies) if counts(rank)]
 
     def _scatter(self, shards: list[Any], **fields: Any) -> list[tuple[dict, dict]]:
         """One message per rank carrying its slice of the batch (`_split`)."""
@@ -384,7 +386,7 @@ class TrainingService:
         """Outputs of the model (eval mode, no gradients) for the global `batch`, in batch order."""
 
         async def action():
-            replies = self._counted(await self.group.all(self._scatter(self._split(batch), op="forward")))
+            replies = self._counted(await self.group.all(self._scatter(self._split(batch), op="forward")), outputs=True)
             return concat([unpack(r["result"], t) for r, t in replies])
 
         return await self._run(action)
