@@ -1,18 +1,21 @@
 """One composition of the parallel axes: `prepare(spec, model, runtime, parallel)` is what `create_backend`
 calls for every strategy.
 
-A job whose model is not split (parallel.pipeline = parallel.tensor = 1) goes to the strategy as it always has,
-over all ranks. Otherwise the ranks form one DeviceMesh (parallel/mesh.py: pp x dp_replicate x dp_shard x tp) and
-the axes are applied innermost first, as torchtitan does:
+A job whose model and sequences are not split (parallel.pipeline = parallel.tensor = parallel.context = 1) goes to
+the strategy as it always has, over all ranks. Otherwise the ranks form one DeviceMesh (parallel/mesh.py: pp x
+dp_replicate x dp_shard x tp, the context ranks folded into the data axis) and the axes are applied innermost first,
+as torchtitan does:
 
     tensor     parallel/tensor.py splits each block over the `tp` axis (parameters become DTensors) and, without
                a pipeline, leaves the logits split by vocabulary for the loss (`Prepared.split_logits`)
     data       the strategy over the data axes only (`mesh=`: DDP on the dp_replicate group, FSDP2 on dp_shard
-               or dp_replicate x dp_shard); skipped when the data-parallel degree is 1
+               or dp_replicate x dp_shard); skipped when the data-parallel degree (x context) is 1
     pipeline   parallel/pipeline.py splits the (tensor-parallel) model into stages; the data axis wraps each stage
+    context    parallel/context.py gives each attention the chunk's (`Prepared.context`: the backend cuts batches)
 
 The `Prepared` it returns says which share of each batch this rank reads (`data_parallel`) and whether its loss
-counts in the global totals (one rank per data shard), so the backend and the Trainer stay as they are.
+counts in the global totals (one rank per data shard and sequence chunk), so the backend and the Trainer stay as
+they are.
 """
 
 from __future__ import annotations
