@@ -112,12 +112,7 @@ class TrainingBackend:
         `sync=False` marks a micro-batch that is not the last of its optimizer step, so the strategy may
         skip gradient communication (DDP `no_sync`). The last micro-batch before `optim_step` must sync.
         """
-        batch = to_device(batch, self.runtime.device, self.precision.param_dtype)
-        context = self.prepared.context  # (context parallelism: this rank's chunk of every sequence)
-        if context is not None:
-            if (loss_fn or self.loss_fn) is causal_lm_loss and isinstance(batch, dict) and "labels" in batch:
-                batch, loss_fn = shifted(batch), lm_loss  # HF's labels cross the cut: shifted before it
-            batch = context.shard(batch)
+        batch, loss_fn = self._chunk(to_device(batch, self.runtime.device, self.precision.param_dtype), loss_fn)
         self.prepared.module.train()
         self.on_phase("forward")
         joined: list[torch.Tensor] = []
@@ -245,6 +240,36 @@ class TrainingBackend:
                 f"step {self.step + 1}: {self._consecutive_skips} optimizer steps in a row were skipped ({reason}). "
                 "The model is producing inf/NaN: lower optim.lr, set optim.grad_clip, use parallel.precision = "
                 "'bf16-mixed' or 'fp32', or raise train.max_consecutive_skips")
+
+    def _chunk(self, batch: Any, loss_fn: LossFn | None) -> tuple[Any, LossFn | None]:
+        """Under context parallelism, this rank's chunk of every sequence, and the loss to take on it (HF's labels
+        cross the cut: shifted before it, and taken as pre-shifted); otherwise both as they are."""
+        context = self.prepared.context
+        if context is None:
+            return batch, loss_fn
+        if (loss_fn or self.loss_fn) is causal_lm_loss and isinstance(batch, dict) and "labels" in batch:
+            batch, loss_fn = shifted(batch), lm_loss
+        return context.shard(batch), loss_fn
+
+    @torch.no_grad()
+    def evaluate(self, batch: Any, loss_fn: LossFn | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(summed loss, item count) of `batch` without gradients, in eval mode, as `loss_terms` gives them, on a
+        rank whose loss counts (`Prepared.counts_loss`), else None after its part of the forward (every rank must
+        call it the same number of times under sharded strategies). Under context parallelism each rank takes its
+        chunk's: the whole sequence's logits are never joined."""
+        if self.prepared.context is None:
+            outputs = self.forward(batch)
+            return self.loss_terms(outputs, batch, loss_fn) if self.prepared.counts_loss else None
+        module = self.prepared.module
+        was_training = module.training
+        module.eval()
+        batch, loss_fn = self._chunk(to_device(batch, self.runtime.device, self.precision.param_dtype), loss_fn)
+        try:
+            with self.precision.autocast(self.runtime.device.type):
+                outputs = self.model_call(batch)(module)
+            return self.loss_terms(outputs, batch, loss_fn)
+        finally:
+            module.train(was_training)
 
     @torch.no_grad()
     def forward(self, batch: Any) -> Any:

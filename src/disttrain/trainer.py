@@ -297,11 +297,9 @@ def evaluate(backend: TrainingBackend, dataset: Dataset, runtime: Runtime, micro
     built = iter(batches_of(padded)) if batches_of else (fetch(dataset, b) for b in padded)
     totals = torch.zeros(2, dtype=torch.float64, device=runtime.device)
     for i, batch in zip(range(rounds), built, strict=True):
-        counted = i < len(batches) and backend.prepared.counts_outputs  # one rank per data shard counts it
-        outputs = backend.forward(batch)
-        if counted:
-            loss_sum, count = backend.loss_terms(outputs, batch)
-            totals += torch.stack([loss_sum.detach().double(), count])
+        terms = backend.evaluate(batch)  # (None where another rank counts this shard's loss: pipeline, tensor)
+        if terms is not None and i < len(batches):  # (a repeated batch only keeps the collectives in step)
+            totals += torch.stack([terms[0].detach().double(), terms[1]])
     if runtime.distributed:
         dist.all_reduce(totals)
     loss_sum, count = totals.tolist()

@@ -60,7 +60,6 @@ def prepare(spec: StrategySpec, model: nn.Module, runtime, parallel, materialize
                             **full_state_dict_fns(model, sharded=True))
     prepared.data_parallel = (layout.data, layout.data_rank(runtime.rank))
     prepared.counts_loss = layout.counts_loss(runtime.rank)
-    prepared.counts_outputs = layout.counts_outputs(runtime.rank)
     prepared.split_logits = split_logits
     if layout.context > 1:
         from disttrain.parallel.context import ContextParallel

@@ -92,8 +92,8 @@ class MeshLayout:
         return c["pp"] == (0 if self.v_shaped else self.pipeline - 1) and c["tp"] == 0
 
     def counts_outputs(self, rank: int) -> bool:
-        """Whether this rank's whole outputs (evaluation, `forward()`) count: one rank per data shard (context
-        ranks each hold the whole sequence's, joined)."""
+        """Whether this rank's whole outputs (`forward()`) count: one rank per data shard (context ranks each hold
+        the whole sequence's, joined)."""
         return self.counts_loss(rank) and self.coords(rank)["cp"] == 0
 
     def describe(self) -> str:

@@ -117,9 +117,6 @@ class Prepared:
     counts_loss: bool = True
     """Whether this rank's loss and item count join the step's global totals: one rank per data shard does (the
     others compute the same loss, or none)."""
-    counts_outputs: bool = True
-    """Whether this rank's whole outputs (evaluation's loss, `forward()`) count: as `counts_loss`, but one rank of
-    the sequence chunks only (each holds the joined outputs)."""
     split_logits: Any = None
     """Tensor parallelism's loss parallel (parallel/tensor.py): the context in which forward, disttrain's own loss
     and backward run on logits split by vocabulary. None: the model's logits are whole tensors."""
