@@ -260,32 +260,28 @@ class TrainingBackend:
         if self.prepared.context is None:
             outputs = self.forward(batch)
             return self.loss_terms(outputs, batch, loss_fn) if self.prepared.counts_loss else None
-        module = self.prepared.module
-        was_training = module.training
-        module.eval()
         batch, loss_fn = self._chunk(to_device(batch, self.runtime.device, self.precision.param_dtype), loss_fn)
-        try:
-            with self.precision.autocast(self.runtime.device.type):
-                outputs = self.model_call(batch)(module)
-            return self.loss_terms(outputs, batch, loss_fn)
-        finally:
-            module.train(was_training)
+        return self.loss_terms(self._eval_call(batch), batch, loss_fn)
 
     @torch.no_grad()
     def forward(self, batch: Any) -> Any:
         """Forward pass without gradients, in eval mode (every rank must call it the same number of times
         under sharded strategies)."""
+        batch = to_device(batch, self.runtime.device, self.precision.param_dtype)
+        context = self.prepared.context  # (context parallelism: this rank's chunks, then the whole sequences)
+        outputs = self._eval_call(context.shard(batch) if context is not None else batch)
+        outputs = context.whole(outputs, batch["input_ids"].shape[1]) if context is not None else outputs
+        split = self.prepared.split_logits  # (loss parallel's logits split by vocabulary: gathered)
+        return outputs if split is None else split.whole(outputs)
+
+    def _eval_call(self, batch: Any) -> Any:
+        """The model's outputs for `batch` (on the device), in eval mode under the precision's autocast."""
         module = self.prepared.module
         was_training = module.training
         module.eval()
-        batch = to_device(batch, self.runtime.device, self.precision.param_dtype)
-        context = self.prepared.context  # (context parallelism: this rank's chunks, then the whole sequences)
         try:
             with self.precision.autocast(self.runtime.device.type):
-                outputs = self.model_call(context.shard(batch) if context is not None else batch)(module)
-            outputs = context.whole(outputs, batch["input_ids"].shape[1]) if context is not None else outputs
-            split = self.prepared.split_logits  # (loss parallel's logits split by vocabulary: gathered)
-            return outputs if split is None else split.whole(outputs)
+                return self.model_call(batch)(module)
         finally:
             module.train(was_training)
 

@@ -30,6 +30,7 @@ from disttrain.config import Config, ModelConfig
 from disttrain.parallel import pipeline, placement, registry, tensor
 from disttrain.parallel.layout import replicated
 from disttrain.parallel.mesh import MeshLayout, layout_for
+from disttrain.parallel.state import local_tensor
 
 
 @dataclass
@@ -276,14 +277,10 @@ def _gpt_split_activations(cfg: Config, linears: str, mesh: MeshLayout, model: n
 # Measurement on a real backend
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _tensor_bytes(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
-        t = _local(t)
+        t = local_tensor(t)
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
         if t.numel() and key not in seen:
             seen.add(key)
@@ -301,7 +298,7 @@ def _reachable_storages(roots: list) -> dict[int, int]:
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
-            storage = _local(obj).untyped_storage()
+            storage = local_tensor(obj).untyped_storage()
             if obj.device.type != "meta" and storage.nbytes():
                 found[storage.data_ptr()] = storage.nbytes()
             if obj.grad is not None:  # e.g. a master copy's gradient
@@ -329,7 +326,7 @@ class SavedPeak:
     def pack(self, t: torch.Tensor):
         if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
             return t
-        storage = _local(t).untyped_storage()
+        storage = local_tensor(t).untyped_storage()
         ptr = storage.data_ptr()
         if ptr in self.param_ptrs or not storage.nbytes():
             return t
@@ -379,7 +376,7 @@ def measure(build, batch) -> dict[str, int]:
     backend = build()
     params = list(backend.model.parameters())
     owned = params + [p.ds_tensor for p in params if hasattr(p, "ds_tensor")]  # ZeRO-3's partitions
-    param_ptrs = {_local(p).untyped_storage().data_ptr() for p in owned}
+    param_ptrs = {local_tensor(p).untyped_storage().data_ptr() for p in owned}
     saved = SavedPeak(param_ptrs)
     batches = batch if isinstance(batch, list) else [batch]
     with saved.hooks():
@@ -395,9 +392,9 @@ def measure(build, batch) -> dict[str, int]:
     # what it stepped: its groups' tensors and its state's keys (DeepSpeed ZeRO-3 fills the groups only during
     # the step); those that are not parameters are master copies
     stepped = [t for t in [*(t for group in optimizer.param_groups for t in group["params"]), *optimizer.state]
-               if _local(t).untyped_storage().data_ptr() not in param_ptrs]
+               if local_tensor(t).untyped_storage().data_ptr() not in param_ptrs]
     if engine is not None:
-        skip = param_ptrs | {_local(t).untyped_storage().data_ptr() for t in [*stepped, *backend.model.buffers()]}
+        skip = param_ptrs | {local_tensor(t).untyped_storage().data_ptr() for t in [*stepped, *backend.model.buffers()]}
         grads = sum(n for ptr, n in held.items() if ptr not in skip)
     state = [v for per_param in optimizer.state.values() for v in per_param.values() if torch.is_tensor(v)]
     return {"params": _tensor_bytes(owned), "grads": grads, "optimizer": _tensor_bytes(state + stepped),

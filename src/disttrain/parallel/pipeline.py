@@ -33,7 +33,7 @@ from disttrain.errors import ConfigError
 from disttrain.parallel.activation_checkpoint import transformer_blocks
 from disttrain.parallel.mesh import V_SCHEDULES, VIRTUAL_SCHEDULES
 from disttrain.parallel.spec import Prepared
-from disttrain.parallel.state import dtensor_targets, full_state_dict_fns, tie_groups
+from disttrain.parallel.state import dtensor_targets, full_state_dict_fns, local_tensor, tie_groups
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
              "zero-bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
@@ -288,7 +288,7 @@ class PipelinePrepared(Prepared):
                 if source is not None:  # only one copy was used in this step
                     embedding.grad, head.grad = source, source.clone()
                 continue
-            total, other = _local(embedding.grad), _local(head.grad)
+            total, other = local_tensor(embedding.grad), local_tensor(head.grad)
             total.add_(other)
             other.copy_(total)
         for param, group in self.tie_pairs:
@@ -297,11 +297,11 @@ class PipelinePrepared(Prepared):
                 continue
             if hasattr(grad, "placements") and grad.placements != param.placements:  # e.g. an embedding's
                 grad = param.grad = grad.redistribute(placements=param.placements)  # gradient left replicated
-            dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=group)
+            dist.all_reduce(local_tensor(grad), group=group)
         result = super().step(factor, skip, need_norm)
         with torch.no_grad():  # the head follows the embedding, whatever an optimizer's groups did by name
             for embedding, head in self.twins:
-                _local(head).copy_(_local(embedding))
+                local_tensor(head).copy_(local_tensor(embedding))
         return result
 
 
@@ -485,10 +485,6 @@ def _untie_head(model: nn.Module, fam: Family, ties: list[list[str]]) -> list[tu
             setattr(module, attr, nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad))
             twins.append((bodies[0], name))
     return twins
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _all(contexts):

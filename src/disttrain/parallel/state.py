@@ -5,6 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 
+def local_tensor(t):
+    """This rank's part of a DTensor (read by its method: importing DTensor costs start-up), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def parameter_names(model) -> dict[int, list[str]]:
     """id(parameter) -> every name it has in `model`, in module order (several for tied parameters)."""
     names: dict[int, list[str]] = {}
