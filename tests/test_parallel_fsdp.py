@@ -139,4 +139,8 @@ def test_in_run_cost_figures_are_recorded_per_step(results):
     assert max(m["comm_bytes"] for m in two["ddp+powersgd+tinybuckets"]["metrics"][2:]) < 0.2 * 4 * numel
     # FSDP: all-gathers in forward and backward (fp32 parameters) plus the reduce-scatter (bf16 with compression)
     fsdp, fsdp_bf16 = two["fsdp"]["metrics"][0]["comm_bytes"], two["fsdp+gcbf16"]["metrics"][0]["comm_bytes"]
+    blocks = sum(t.numel() for name, t in two["fsdp"]["params"].items() if name.startswith("blocks."))
+    micro = 16 // (4 * 2)  # global batch / (micro-batch x ranks) of the job (tests/scripts/strategy_parity.py)
+    # per micro-batch the root is gathered once and each block twice; gradients are reduce-scattered once per step
+    assert fsdp == 4 * micro * (2 * blocks + (numel - blocks)) + 4 * numel
     assert fsdp - fsdp_bf16 == pytest.approx(2 * numel, rel=0.01)  # half of the 4-byte reduce-scatter

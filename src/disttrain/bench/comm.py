@@ -1,7 +1,8 @@
 """Benchmark: latency and bandwidth of the collectives data-parallel training runs on, over message sizes.
 
     disttrain bench comm [--collectives all_reduce,all_gather,reduce_scatter,broadcast,all_to_all]
-                         [--min-size 1K] [--max-size 256M] [--factor 4] [--nproc N] [--busy 0|1] [--out bench_results]
+                         [--min-size 1K] [--max-size 256M] [--factor 4] [--nproc N] [--busy 0|1|step]
+                         [--compute-ms 8] [--out bench_results]
 
 `--nproc` ranks (default 2 on CPU with gloo, every visible GPU with nccl) run each collective on float32 buffers of
 each size, `--factor` apart. Sizes follow nccl-tests: S is the whole buffer (all_gather's output, reduce_scatter's
@@ -13,8 +14,13 @@ algbw = S / time; busbw = algbw x 2(n-1)/n for all_reduce, x (n-1)/n for all_gat
 all_to_all, x 1 for broadcast.
 
 `--busy 1` keeps a thread per rank computing (matrix multiplies) while the collectives are timed: on a CPU machine
-whose cores all run ranks, gloo's threads share them with the ranks' compute, and this is the cost a training step
-sees (measured here: 1.2-2x the idle figures at 1-16 MiB); `disttrain bench predict --validate` uses such a fit.
+whose cores all run ranks, gloo's threads share them with the ranks' compute (measured here: 1.2-2x the idle
+figures at 1-16 MiB). `--busy step` times them as a training step on a CPU machine issues them: every rank computes
+for `--compute-ms` on its own thread before each call (untimed; the ranks then reach the call as unevenly as a step's
+ranks do, and the cores idle during it, as they do when a rank waits for its collective: there are no streams to
+overlap on), and the all-gather's output and the reduce-scatter's input and output are new tensors at every call,
+as FSDP2 allocates them (all_reduce works in place, as on DDP's persistent buckets). `disttrain bench predict
+--measure --validate` fits the links it predicts CPU steps with this way.
 
 Per collective, alpha (s) and beta (s/byte) of t = alpha + beta * S are fitted by least squares on the relative
 error (scale_model.fit_alpha_beta), so small and large sizes both count. Results: `<out>/comm.csv`, `comm.md`
@@ -63,9 +69,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20, help="timed iterations per size up to 4 MiB")
     p.add_argument("--min-iters", type=int, default=3, help="timed iterations of the largest sizes")
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations per size")
-    p.add_argument("--busy", type=int, default=0, choices=[0, 1],
-                   help="1: a thread per rank keeps computing (matmuls) while the collectives are timed, as in a "
-                        "training step on a CPU machine whose cores all run ranks")
+    p.add_argument("--busy", default="0", choices=["0", "1", "step"],
+                   help="1: a thread per rank keeps computing (matmuls) while the collectives are timed; step: each "
+                        "rank computes for --compute-ms before each call, which writes into new tensors, as a "
+                        "training step on a CPU machine issues its collectives")
+    p.add_argument("--compute-ms", type=float, default=8.0,
+                   help="with --busy step: milliseconds of compute before each timed call")
     p.add_argument("--out", default="bench_results")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -95,6 +104,8 @@ def check(args: argparse.Namespace) -> None:
     low, high = parse_size(args.min_size, "--min-size"), parse_size(args.max_size, "--max-size")
     if low > high:
         raise ConfigError(f"--min-size {args.min_size} is above --max-size {args.max_size}")
+    if args.compute_ms < 0:
+        raise ConfigError(f"--compute-ms {args.compute_ms:g}: give milliseconds >= 0")
     if args.iters < 1 or args.min_iters < 1 or args.warmup < 0:
         raise ConfigError("--iters and --min-iters must be >= 1 and --warmup >= 0")
     gpus = torch.cuda.device_count()
@@ -124,9 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _operation(collective: str, nbytes: int, n: int, device):
+def _operation(collective: str, nbytes: int, n: int, device, fresh: bool = False):
     """(bytes actually moved, a function running the collective once) on float32 buffers of zeros (no
-    denormals, no overflow however often they are summed)."""
+    denormals, no overflow however often they are summed). `fresh`: the all-gather's output and the reduce-scatter's
+    input and output are new tensors at every call, as FSDP2's are."""
     import torch
     import torch.distributed as dist
 
@@ -137,18 +149,23 @@ def _operation(collective: str, nbytes: int, n: int, device):
     if collective == "broadcast":
         return count * 4, lambda: dist.broadcast(full, src=0)
     part = torch.zeros(count // n, device=device)
+    if collective == "all_gather" and fresh:
+        return count * 4, lambda: dist.all_gather_into_tensor(torch.empty_like(full), part)
     if collective == "all_gather":
         return count * 4, lambda: dist.all_gather_into_tensor(full, part)
+    if collective == "reduce_scatter" and fresh:
+        return count * 4, lambda: dist.reduce_scatter_tensor(torch.empty_like(part), full.clone())
     if collective == "reduce_scatter":
         return count * 4, lambda: dist.reduce_scatter_tensor(part, full)
     other = torch.zeros(count, device=device)
     return count * 4, lambda: dist.all_to_all_single(other, full)
 
 
-def _measure(runs: list, iters: list[int], warmup: int, device) -> list[list[float]]:
-    """Per-call seconds of the slowest rank for each of `runs`, each call started after a barrier. The sizes take
-    turns (one call of each per round, a size leaving once it has its iterations), so that a slow spell of the
-    machine lands on all of them rather than bending the curve at one size."""
+def _measure(runs: list, iters: list[int], warmup: int, device, before=None) -> list[list[float]]:
+    """Per-call seconds of the slowest rank for each of `runs`, each call started after a barrier (and `before()`,
+    untimed, when given). The sizes take turns (one call of each per round, a size leaving once it has its
+    iterations), so that a slow spell of the machine lands on all of them rather than bending the curve at one
+    size."""
     import torch
     import torch.distributed as dist
 
@@ -159,6 +176,8 @@ def _measure(runs: list, iters: list[int], warmup: int, device) -> list[list[flo
             if i >= warmup + iters[k]:
                 continue
             dist.barrier()
+            if before is not None:
+                before()
             sync()
             start = time.perf_counter()
             run()
@@ -180,6 +199,23 @@ def _compute(stop: threading.Event) -> None:
         a @ a
 
 
+def _phase(ms: float):
+    """A function computing for about `ms` milliseconds on the calling thread (matmuls, counted once here)."""
+    import torch
+
+    a = torch.randn(256, 256)
+    start, k = time.perf_counter(), 0
+    while time.perf_counter() - start < 0.1:
+        a @ a
+        k += 1
+    count = round(ms / 1e3 / ((time.perf_counter() - start) / k))
+
+    def compute() -> None:
+        for _ in range(count):
+            a @ a
+    return compute
+
+
 def _worker(args: argparse.Namespace) -> None:
     import torch
 
@@ -193,14 +229,16 @@ def _worker(args: argparse.Namespace) -> None:
     n, rows = runtime.world_size, []
     busy, own, wall = busy_seconds(), own_seconds(), time.perf_counter()
     stop = threading.Event()
-    if args.busy:
+    if args.busy == "1":
         threading.Thread(target=_compute, args=(stop,), daemon=True).start()
+    step = args.busy == "step"
+    before = _phase(args.compute_ms) if step else None
     for collective in [c for c in args.collectives.split(",") if c]:
         _measure([_operation(collective, 1024, n, runtime.device)[1]], [5], 0, runtime.device)  # connections
         every = sizes(parse_size(args.min_size, ""), parse_size(args.max_size, ""), args.factor)
-        ops = [_operation(collective, size, n, runtime.device) for size in every]
+        ops = [_operation(collective, size, n, runtime.device, fresh=step) for size in every]
         iters = [iterations(size, args.iters, args.min_iters) for size in every]
-        times = _measure([run for _, run in ops], iters, args.warmup, runtime.device)
+        times = _measure([run for _, run in ops], iters, args.warmup, runtime.device, before)
         rows += [{"collective": collective, "bytes": nbytes, "iterations": k, "times_s": t}
                  for (nbytes, _), k, t in zip(ops, iters, times, strict=True)]
         del ops
@@ -215,7 +253,8 @@ def _worker(args: argparse.Namespace) -> None:
                "rows": rows, "torch": torch.__version__, "host": platform.node(),
                "machine": ", ".join(filter(None, [platform.machine(), f"{len(os.sched_getaffinity(0))} cores",
                                                   platform.processor()])),
-               "threads_per_rank": 1, "warmup": args.warmup, "busy": bool(args.busy),
+               "threads_per_rank": 1, "warmup": args.warmup, "busy": {"0": False, "1": True}.get(args.busy, args.busy),
+               **({"compute_ms": args.compute_ms} if step else {}),
                "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                "other_cpu": round(others, 3)}
         (Path(args.out) / "comm_raw.json").write_text(json.dumps(raw))
@@ -242,6 +281,7 @@ def summarise(raw: dict) -> tuple[list[dict], dict]:
                    "sizes_bytes": [points[0][0], points[-1][0]]}
     fit = {"backend": raw["backend"], "world_size": n, "device": raw["device"], "host": raw["host"],
            "date": raw["date"], "torch": raw["torch"], "model": "t = alpha + beta * bytes (nccl-tests' size)",
+           "busy": raw.get("busy", False), **({"compute_ms": raw["compute_ms"]} if "compute_ms" in raw else {}),
            "collectives": fits}
     return table, fit
 
@@ -251,6 +291,13 @@ def _size(b: float) -> str:
         if b >= scale:
             return f"{b / scale:g}{unit}"
     return f"{b:g}"
+
+
+def _busy_text(raw: dict) -> str:
+    if raw.get("busy") == "step":
+        return (f"; each rank computing {raw['compute_ms']:g} ms before each call, into new tensors as FSDP2's "
+                "(--busy step)")
+    return "; a thread per rank computing meanwhile (--busy 1)" if raw.get("busy") else ""
 
 
 def report(raw: dict, out: Path) -> None:
@@ -267,7 +314,7 @@ def report(raw: dict, out: Path) -> None:
     lines = [f"# Collectives: latency and bandwidth ({raw['date']})", "",
              f"{raw['world_size']} ranks, {raw['backend']} on {raw['device']}"
              f"{' (' + ', '.join(raw['devices']) + ')' if raw['devices'] else ''}, 1 torch thread per rank; "
-             f"float32 buffers{'; a thread per rank computing meanwhile (--busy 1)' if raw.get('busy') else ''}; "
+             f"float32 buffers{_busy_text(raw)}; "
              f"median of the slowest rank's time per call after {raw['warmup']} warm-up calls. "
              f"Other processes kept {raw['other_cpu']:.2f} cores busy meanwhile (0 = a quiet machine).",
              "",

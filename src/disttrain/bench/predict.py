@@ -16,12 +16,12 @@ Without `--model` the reference GPT of CONFIG / `--set` is modelled. Writes `<ou
 
 `--validate` checks the model: (i) with `--measured` (the CSV of `disttrain bench scaling`, or of `--measure`, or a
 minimal one with the columns strategy, world_size, step_time_s) and a comm_fit.json from `disttrain bench comm` on
-the same machine (on a CPU machine whose cores all run ranks, `--busy 1`: gloo's threads share the cores with
-compute): every N-rank step time predicted from the 1-rank one (error %, target <= 10%); (ii) published
-scaling (torchtitan's Llama 3 8B FSDP, the PyTorch DDP paper's weak scaling): predicted vs published efficiency.
-`--measure` writes `<out>/scaling.csv` from this machine (predict_measure.py). `--measure --validate` does (i) in one
-sitting: `--rounds` rounds of the step times and a busy `bench comm` fit over the sizes the step sends, pooled, then
-checked (predict_measure.sitting): the way to take figure (i).
+the same machine (on a CPU machine whose cores all run ranks, `--busy step`: each call timed after a phase of
+compute, as a step issues it): every N-rank step time predicted from the 1-rank one (error %, target <= 10%);
+(ii) published scaling (torchtitan's Llama 3 8B FSDP, the PyTorch DDP paper's weak scaling): predicted vs published
+efficiency. `--measure` writes `<out>/scaling.csv` from this machine (predict_measure.py). `--measure --validate`
+does (i) in one sitting: `--rounds` rounds of the step times and a `bench comm --busy step` fit over the sizes the
+step sends, pooled, then checked (predict_measure.sitting): the way to take figure (i).
 """
 
 from __future__ import annotations

@@ -61,11 +61,14 @@ MiB and falls once buffers leave the caches), so a line fitted there misses the 
 
 def sitting(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
     """`--measure --validate`: `--rounds` R rounds, each the step times of every world size (`measure`)
-    and then a busy comm fit on 2 ranks (`disttrain bench comm --busy 1`), so that the step times and the links are
+    and then a comm fit on 2 ranks timed as a CPU step issues its collectives (`disttrain bench comm --busy step`:
+    each call after a phase of compute on every rank, into new tensors), so that the step times and the links are
     measured in the same sitting, under the same neighbours. Returns (scaling.csv of every round's rows, comm_fit.json
-    of every round's calls pooled: per size, the median of all rounds' calls). A busy collective's time is bimodal
-    on a machine whose cores all run ranks (a gloo thread that must wait for the scheduler costs several ms more), so
-    the median of one run of 20 calls lands on either mode; pooling rounds steadies it."""
+    of every round's calls pooled: per size, the median of all rounds' calls). A collective's time on a machine whose
+    cores all run ranks is bimodal (a gloo thread that must wait for a core costs several ms more), so the median of
+    one run of 20 calls can land on either mode; pooling rounds steadies it. (`--busy 1`, a thread computing
+    throughout, moved the fsdp prediction from -27% to +19% between sittings; `--busy step` kept it within -12% /
+    +8%: docs/benchmarks/predict.md.)"""
     from disttrain.bench import comm
 
     raws, rows = [], []
@@ -74,10 +77,11 @@ def sitting(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
         here.mkdir(parents=True, exist_ok=True)
         with open(measure(args, here), newline="") as f:
             rows += list(csv.DictReader(f))
-        code = comm.main(["--busy", "1", "--collectives", "all_reduce,all_gather,reduce_scatter", "--nproc", "2",
+        code = comm.main(["--busy", "step", "--collectives", "all_reduce,all_gather,reduce_scatter", "--nproc", "2",
                           "--min-size", FIT_SIZES[0], "--max-size", FIT_SIZES[1], "--out", str(here / "comm")])
         if code:
             raise SystemExit(code)
+
         raws.append(json.loads((here / "comm" / "comm_raw.json").read_text()))
     (out / "comm").mkdir(exist_ok=True)
     quiet = [raw for raw in raws if raw["other_cpu"] <= args.max_other_cpu] or raws  # as read_measured does rows

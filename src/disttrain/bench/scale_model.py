@@ -99,7 +99,8 @@ def interconnect_from_fit(fit: Mapping, name: str = "measured") -> Interconnect:
     missing = [c for c in ("all_reduce", "all_gather", "reduce_scatter") if c not in links]
     if missing:
         raise ConfigError(f"{name}: the fit has no {', '.join(missing)}; rerun `disttrain bench comm` with them")
-    busy = ", each rank's core computing meanwhile (--busy 1)" if fit.get("busy") else ""
+    busy = {"step": f", each rank computing {fit.get('compute_ms', 0):g} ms before each call (--busy step)",
+            True: ", each rank's core computing meanwhile (--busy 1)"}.get(fit.get("busy"), "")
     return Interconnect(name, world, links, links, f"{fit['backend']} on {fit.get('host', '?')}, {world} ranks{busy}, "
                         f"measured {fit.get('date', '?')}")
 

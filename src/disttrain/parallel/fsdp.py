@@ -2,7 +2,9 @@
 
 Each transformer block is sharded on its own, then the root, as torchtitan does: a block's parameters are
 all-gathered just before it runs and freed after (`reshard_after_forward`), gradients are reduce-scattered
-(averaged over the data-parallel ranks), and the optimizer only ever sees this rank's shards.
+(averaged over the data-parallel ranks), and the optimizer only ever sees this rank's shards. The root's
+parameters (embeddings, head, final norm) stay gathered from forward to backward, which begins with them (outside
+a pipeline): gathered once per step, not twice.
 
 - `fsdp` / `zero3`: parameters, gradients and optimizer state sharded (`zero3` is the documented alias,
   the name DeepSpeed users know).
@@ -56,6 +58,11 @@ def _shard(model: nn.Module, runtime, cfg, reshard_after_forward: bool,
     blocks = list(transformer_blocks(model))
     for block in blocks:
         fully_shard(block, **kwargs)
+    if not (cfg.pipeline > 1 and mesh is not None):
+        # the root (embeddings, head, final norm) is the first unit backward needs, right after the loss: resharding
+        # it after forward would only gather it again at once (torch's own default for a root, and torchtitan's for
+        # the head). A pipeline stage's backward comes other micro-batches later, so there it stays as configured.
+        kwargs["reshard_after_forward"] = False
     fully_shard(model, **kwargs)
     if cfg.fsdp_prefetch:
         _explicit_prefetch(blocks, cfg.fsdp_prefetch)
