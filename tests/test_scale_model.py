@@ -131,6 +131,16 @@ def test_measured_links_from_a_comm_fit():
     # the fitted line comes back at the measured world size
     assert sm.collective_time("all_reduce", 1e6, 2, net) == pytest.approx(4e-4 + 1e-9 * 1e6, rel=1e-12)
     assert sm.collective_time("all_gather", 1e6, 2, net) == pytest.approx(4e-4 + 1e-9 * 1e6, rel=1e-12)
+    # beyond it: on accelerators alpha is per ring step (all_gather at 3 ranks: 2 hops), on one CPU host per call
+    # (gloo's hand-off and wake-ups); the bandwidth term follows the ring's bus factor either way
+    # (three ranks on the one machine measured, as `--validate` takes them)
+    volume = 1e-9 * 1e6 * (2 / 3) / (1 / 2)
+    net = sm.with_gpus_per_node(net, 3)
+    assert sm.collective_time("all_gather", 1e6, 3, net) == pytest.approx(2 * 4e-4 + volume, rel=1e-12)
+    cpu = sm.with_gpus_per_node(sm.interconnect_from_fit({**fit, "device": "cpu"}), 3)
+    assert sm.collective_time("all_gather", 1e6, 2, cpu) == pytest.approx(4e-4 + 1e-9 * 1e6, rel=1e-12)
+    assert sm.collective_time("all_gather", 1e6, 3, cpu) == pytest.approx(4e-4 + volume, rel=1e-12)
+    assert sm.collective_time("all_reduce", 1e6, 3, cpu) == pytest.approx(4e-4 + 1e-9 * 1e6 * (4 / 3), rel=1e-12)
     del fit["collectives"]["reduce_scatter"]
     with pytest.raises(ConfigError, match="reduce_scatter"):
         sm.interconnect_from_fit(fit)

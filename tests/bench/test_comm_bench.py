@@ -26,13 +26,14 @@ def test_table_columns_and_bus_bandwidth_follow_the_measured_time(run):
     out, result = run
     rows = list(csv.DictReader(open(out / "comm.csv")))
     assert list(rows[0]) == ["collective", "bytes", "world_size", "backend", "iterations", "time_median_s",
-                             "time_min_s", "algbw_GBps", "busbw_GBps"]
+                             "time_mean_s", "time_min_s", "algbw_GBps", "busbw_GBps"]
     assert [r["collective"] for r in rows[::4]] == list(comm.COLLECTIVES)  # 1K, 4K, 16K, 64K each
     assert {int(r["bytes"]) for r in rows} == {1024, 4096, 16384, 65536}
     factor = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "broadcast": 1.0, "all_to_all": 0.5}
     for r in rows:
         t = float(r["time_median_s"])
         assert r["world_size"] == "2" and r["backend"] == "gloo" and 0 < float(r["time_min_s"]) <= t
+        assert float(r["time_min_s"]) <= float(r["time_mean_s"])
         assert float(r["algbw_GBps"]) == pytest.approx(int(r["bytes"]) / t / 1e9, rel=1e-9)
         assert float(r["busbw_GBps"]) == pytest.approx(float(r["algbw_GBps"]) * factor[r["collective"]], rel=1e-9)
     raw = json.loads((out / "comm_raw.json").read_text())

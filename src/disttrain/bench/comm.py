@@ -263,17 +263,21 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def summarise(raw: dict) -> tuple[list[dict], dict]:
-    """(CSV rows, the fit) of the raw per-iteration times."""
+    """(CSV rows, the fit) of the raw per-iteration times. The fit goes through each size's median, or its mean where
+    `raw["fit_statistic"]` says so (`disttrain bench predict`'s pooled sitting: a step pays the sum of its calls, so
+    their expectation, and a bimodal time's median jumps between the modes where the mean moves with their mix)."""
     n, table = raw["world_size"], []
+    statistic = raw.get("fit_statistic", "median")
     for r in raw["rows"]:
         median = statistics.median(r["times_s"])
         algbw = r["bytes"] / median / 1e9
         table.append({"collective": r["collective"], "bytes": r["bytes"], "world_size": n, "backend": raw["backend"],
-                      "iterations": r["iterations"], "time_median_s": median, "time_min_s": min(r["times_s"]),
+                      "iterations": r["iterations"], "time_median_s": median, "time_mean_s": statistics.mean(
+                          r["times_s"]), "time_min_s": min(r["times_s"]),
                       "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(r["collective"], n)})
     fits = {}
     for c in dict.fromkeys(r["collective"] for r in table):
-        points = [(r["bytes"], r["time_median_s"]) for r in table if r["collective"] == c]
+        points = [(r["bytes"], r[f"time_{statistic}_s"]) for r in table if r["collective"] == c]
         alpha, beta = fit_alpha_beta([b for b, _ in points], [t for _, t in points])
         worst = max(abs(alpha + beta * b - t) / t for b, t in points)
         fits[c] = {"alpha_s": alpha, "beta_s_per_byte": beta, "bandwidth_Bps": 1 / beta if beta else None,
@@ -281,6 +285,7 @@ def summarise(raw: dict) -> tuple[list[dict], dict]:
                    "sizes_bytes": [points[0][0], points[-1][0]]}
     fit = {"backend": raw["backend"], "world_size": n, "device": raw["device"], "host": raw["host"],
            "date": raw["date"], "torch": raw["torch"], "model": "t = alpha + beta * bytes (nccl-tests' size)",
+           "statistic": statistic,
            "busy": raw.get("busy", False), **({"compute_ms": raw["compute_ms"]} if "compute_ms" in raw else {}),
            "collectives": fits}
     return table, fit
@@ -315,7 +320,8 @@ def report(raw: dict, out: Path) -> None:
              f"{raw['world_size']} ranks, {raw['backend']} on {raw['device']}"
              f"{' (' + ', '.join(raw['devices']) + ')' if raw['devices'] else ''}, 1 torch thread per rank; "
              f"float32 buffers{_busy_text(raw)}; "
-             f"median of the slowest rank's time per call after {raw['warmup']} warm-up calls. "
+             f"the slowest rank's time per call after {raw['warmup']} warm-up calls: latency and bandwidths "
+             f"from the median, the fit through each size's {raw.get('fit_statistic', 'median')}. "
              f"Other processes kept {raw['other_cpu']:.2f} cores busy meanwhile (0 = a quiet machine).",
              "",
              "| collective | size | bytes | iters | latency (us) | algbw (GB/s) | busbw (GB/s) |",

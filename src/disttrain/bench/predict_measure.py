@@ -64,9 +64,10 @@ def sitting(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
     and then a comm fit on 2 ranks timed as a CPU step issues its collectives (`disttrain bench comm --busy step`:
     each call after a phase of compute on every rank, into new tensors), so that the step times and the links are
     measured in the same sitting, under the same neighbours. Returns (scaling.csv of every round's rows, comm_fit.json
-    of every round's calls pooled: per size, the median of all rounds' calls). A collective's time on a machine whose
-    cores all run ranks is bimodal (a gloo thread that must wait for a core costs several ms more), so the median of
-    one run of 20 calls can land on either mode; pooling rounds steadies it. (`--busy 1`, a thread computing
+    of every round's calls pooled: per size, the mean of all rounds' calls). A collective's time on a machine whose
+    cores all run ranks is bimodal (a gloo thread that must wait for a core costs several ms more), so a median can
+    land on either mode, where the mean, what a step's sum of calls pays, moves with their mix; pooling rounds
+    steadies it. (`--busy 1`, a thread computing
     throughout, moved the fsdp prediction from -27% to +19% between sittings; `--busy step` kept it within -12% /
     +8%: docs/benchmarks/predict.md.)"""
     from disttrain.bench import comm
@@ -85,7 +86,7 @@ def sitting(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
         raws.append(json.loads((here / "comm" / "comm_raw.json").read_text()))
     (out / "comm").mkdir(exist_ok=True)
     quiet = [raw for raw in raws if raw["other_cpu"] <= args.max_other_cpu] or raws  # as read_measured does rows
-    comm.report(pool(quiet), out / "comm")
+    comm.report({**pool(quiet), "fit_statistic": "mean"}, out / "comm")
     path = out / "scaling.csv"
     _write(path, rows)
     return path, out / "comm" / "comm_fit.json"

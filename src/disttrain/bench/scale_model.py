@@ -58,6 +58,10 @@ class Link:
     """Per ring step (one message hop)."""
     bandwidth: float
     """Bus bandwidth per GPU per direction, bytes/s (what nccl-tests' busbw reaches)."""
+    call_s: float = 0.0
+    """Per collective call, however many ranks: on one CPU host a gloo call's fixed cost is handing the work to
+    gloo's thread and waking the ranks' threads (about a scheduler tick when a core must be woken or freed), not
+    the hops over loopback, which cost microseconds."""
 
 
 @dataclass(frozen=True)
@@ -88,14 +92,16 @@ PRESETS: dict[str, Interconnect] = {
 
 
 def interconnect_from_fit(fit: Mapping, name: str = "measured") -> Interconnect:
-    """The links `disttrain bench comm` measured (its comm_fit.json): per collective, the fitted alpha spread over
-    the ring steps of the measured world size and the bus bandwidth factor / beta. Devices per node = the measured
+    """The links `disttrain bench comm` measured (its comm_fit.json): per collective, the bus bandwidth factor / beta
+    and the fitted alpha, spread over the ring steps of the measured world size on accelerators, a cost per call on
+    a CPU host (`Link.call_s`: at 3 ranks a gloo call pays it once, not once per hop). Devices per node = the measured
     world size; beyond it the same links are assumed (one measurement says nothing about a network)."""
-    world = int(fit["world_size"])
+    world, per_call = int(fit["world_size"]), fit.get("device") == "cpu"
     links = {}
     for c, f in fit["collectives"].items():
         bandwidth = bus_factor(c, world) / f["beta_s_per_byte"] if f["beta_s_per_byte"] > 0 else math.inf
-        links[c] = Link(f["alpha_s"] / max(ring_steps(c, world), 1), bandwidth)
+        links[c] = (Link(0.0, bandwidth, call_s=f["alpha_s"]) if per_call
+                    else Link(f["alpha_s"] / max(ring_steps(c, world), 1), bandwidth))
     missing = [c for c in ("all_reduce", "all_gather", "reduce_scatter") if c not in links]
     if missing:
         raise ConfigError(f"{name}: the fit has no {', '.join(missing)}; rerun `disttrain bench comm` with them")
@@ -109,7 +115,7 @@ def _ring(collective: str, nbytes: float, n: int, link: Link) -> float:
     if n <= 1 or nbytes <= 0:
         return 0.0
     volume = nbytes if collective == "broadcast" else bus_factor(collective, n) * nbytes
-    return ring_steps(collective, n) * link.latency_s + volume / link.bandwidth
+    return link.call_s + ring_steps(collective, n) * link.latency_s + volume / link.bandwidth
 
 
 def collective_time(collective: str, nbytes: float, n: int, net: Interconnect) -> float:
@@ -125,9 +131,9 @@ def collective_time(collective: str, nbytes: float, n: int, net: Interconnect) -
     if collective in ("all_gather", "reduce_scatter"):
         return _ring(collective, nbytes, g, intra) + _ring(collective, nbytes / g, nodes, inter)
     if collective == "all_to_all":
-        return ((g - 1) * intra.latency_s + (nodes - 1) * inter.latency_s
+        return (intra.call_s + (g - 1) * intra.latency_s + (nodes - 1) * inter.latency_s
                 + nbytes * (g - 1) / n / intra.bandwidth + nbytes * (n - g) / n / inter.bandwidth)
-    return ((g - 1) * intra.latency_s + (nodes - 1) * inter.latency_s  # broadcast: a chain, g NICs per node
+    return (intra.call_s + (g - 1) * intra.latency_s + (nodes - 1) * inter.latency_s  # broadcast: a chain
             + nbytes / min(intra.bandwidth, g * inter.bandwidth))
 
 
