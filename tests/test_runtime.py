@@ -1,3 +1,9 @@
+import os
+import subprocess
+import sys
+import time
+
+import pytest
 import torch
 
 from disttrain.config import DistConfig
@@ -34,3 +40,37 @@ def test_single_process_runtime_has_no_process_group():
     rt = init_runtime(DistConfig(device="cpu", threads_per_rank=1), environ={})
     assert (rt.rank, rt.world_size, rt.distributed, rt.is_main_process()) == (0, 1, False, True)
     rt.barrier()  # a no-op without a process group
+
+
+AFTER_A_LATE_SIGNAL = """
+import os, signal, sys, time
+from disttrain.runtime import StopSignals
+
+StopSignals.LEFT_S = 1.0
+with StopSignals(grace_s=60) as stop:
+    os.kill(os.getpid(), signal.SIGTERM)  # arrives as the run ends: it ends as it would have
+    time.sleep(0.5)
+assert stop.signum == signal.SIGTERM
+print("ended", flush=True)
+time.sleep(20)  # a rank left waiting for a launcher that no longer collects its result
+print("still here", flush=True)
+"""
+
+
+@pytest.mark.parametrize("launched", [True, False])
+def test_a_run_that_ends_after_a_stop_signal_leaves_soon_when_launched_and_goes_on_otherwise(tmp_path, launched):
+    """A SIGTERM with the last step: a launched rank leaves `LEFT_S` after the run, not after the whole grace (torch's
+    agent, shutting down, never collects a forked rank's result: `disttrain train` stayed 60 s); the caller's own
+    process is not ended at all."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID")}
+    if launched:
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    start = time.monotonic()
+    script = AFTER_A_LATE_SIGNAL if launched else AFTER_A_LATE_SIGNAL.replace("time.sleep(20)", "time.sleep(2)")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - start
+    assert done.stdout.splitlines()[:1] == ["ended"], done.stderr
+    if launched:
+        assert done.returncode == 128 + 15 and "still here" not in done.stdout and took < 15, (done.returncode, took)
+    else:
+        assert done.returncode == 0 and "still here" in done.stdout, done.stderr

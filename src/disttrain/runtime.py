@@ -282,7 +282,19 @@ class StopSignals:
     after the current step and checkpoint), and if the process is still alive `grace_s` later (stuck in a
     collective or in user code) it exits with 128 + signal. When `peer_failed()` says another rank already
     failed (torchrun stopping the group to restart it), the process exits at once instead: there is no
-    step to finish with a dead peer. Handlers are installed only in the main thread and restored on exit."""
+    step to finish with a dead peer. Handlers are installed only in the main thread and restored on exit.
+
+    Once the run has ended after a signal (stopped after its step, or ended as it would have: the signal came with
+    the last step or checkpoint), a launched rank has `LEFT_S` to leave, not the rest of `grace_s` (in a process of
+    the caller's own, one not launched, the timer is cancelled: the run is over and the process goes on): nothing
+    is left to save, and the launcher that sent the signal is closing the group rather than collecting the rank's
+    result (torch's agent stops reading forked ranks' return values once it is shutting down, and a rank waiting
+    to hand its own over would otherwise sit out the whole grace: a SIGTERM 10 ms after a job's last step kept
+    `disttrain train` alive 60 s)."""
+
+    LEFT_S = 5.0
+    """After a run that ended with a stop signal pending: the rank's remaining shutdown (a barrier, destroying the
+    process group: well under a second) and the launcher's collection of its result, if it still collects."""
 
     def __init__(self, grace_s: float):
         self.grace_s = grace_s
@@ -290,6 +302,7 @@ class StopSignals:
         self.peer_failed = lambda: False  # torchrun also sends SIGTERM when a peer died: then exit at once
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
+        self._timer: threading.Timer | None = None
 
     def __enter__(self) -> StopSignals:
         self._previous = install_stop_handler(self._handle)
@@ -300,14 +313,25 @@ class StopSignals:
             exit_process(128 + signum)  # a second signal, or the group is being torn down for a restart
         self.signum = signum
         self.on_signal()
-        timer = threading.Timer(self.grace_s, exit_process, args=(128 + signum,))
-        timer.daemon = True
-        timer.start()
+        self._leave_after(self.grace_s)
+
+    def _leave_after(self, seconds: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = threading.Timer(seconds, exit_process, args=(128 + self.signum,))
+        self._timer.daemon = True
+        self._timer.start()
 
     def __exit__(self, exc_type, exc, tb) -> None:
         restore_handlers(self._previous)
         if isinstance(exc, Preempted) and self.signum is not None:
             exc.signum = self.signum
+        if self.signum is None:
+            return
+        if detect_launch(os.environ).launcher == "single":  # the caller's own process: the run is over, it goes on
+            self._timer.cancel()
+        elif self.grace_s > self.LEFT_S:  # a launched rank: it leaves soon, whatever it is left waiting for
+            self._leave_after(self.LEFT_S)
 
 
 def check_ranks_agree(cfg, runtime: Runtime) -> None:
