@@ -67,9 +67,8 @@ def sitting(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
     of every round's calls pooled: per size, the mean of all rounds' calls). A collective's time on a machine whose
     cores all run ranks is bimodal (a gloo thread that must wait for a core costs several ms more), so a median can
     land on either mode, where the mean, what a step's sum of calls pays, moves with their mix; pooling rounds
-    steadies it. (`--busy 1`, a thread computing
-    throughout, moved the fsdp prediction from -27% to +19% between sittings; `--busy step` kept it within -12% /
-    +8%: docs/benchmarks/predict.md.)"""
+    steadies it. (`--busy 1`, a thread computing throughout, fitted by medians, moved the fsdp prediction from -27%
+    to +19% between sittings; this way it stayed within -5% / +7% in ten: docs/benchmarks/predict.md.)"""
     from disttrain.bench import comm
 
     raws, rows = [], []
@@ -82,7 +81,6 @@ def sitting(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
                           "--min-size", FIT_SIZES[0], "--max-size", FIT_SIZES[1], "--out", str(here / "comm")])
         if code:
             raise SystemExit(code)
-
         raws.append(json.loads((here / "comm" / "comm_raw.json").read_text()))
     (out / "comm").mkdir(exist_ok=True)
     quiet = [raw for raw in raws if raw["other_cpu"] <= args.max_other_cpu] or raws  # as read_measured does rows

@@ -4,7 +4,7 @@ Each transformer block is sharded on its own, then the root, as torchtitan does:
 all-gathered just before it runs and freed after (`reshard_after_forward`), gradients are reduce-scattered
 (averaged over the data-parallel ranks), and the optimizer only ever sees this rank's shards. The root's
 parameters (embeddings, head, final norm) stay gathered from forward to backward, which begins with them (outside
-a pipeline): gathered once per step, not twice.
+a pipeline): gathered once per micro-batch, not twice.
 
 - `fsdp` / `zero3`: parameters, gradients and optimizer state sharded (`zero3` is the documented alias,
   the name DeepSpeed users know).
