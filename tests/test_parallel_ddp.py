@@ -5,6 +5,7 @@ import json
 import pytest
 
 from conftest import read_metrics, run_cli
+from disttrain.perf import comm_overlap
 
 STEPS = 20
 
@@ -72,4 +73,6 @@ def test_profile_steps_write_a_trace_per_rank(runs):
         names = {event.get("name", "") for event in trace["traceEvents"]}
         assert "aten::mm" in names or "aten::addmm" in names
         assert any("all_reduce" in name or "allreduce" in name for name in names)  # DDP's gradient buckets
+        assert comm_overlap(trace, 2) is None  # no kernels on a CPU: the step meter measured exposure itself
+    assert {p.name for p in (tmp / "ddp" / "profile").iterdir()} == {"rank0.json", "rank1.json"}
     assert not (tmp / "single" / "profile").exists()

@@ -13,7 +13,7 @@ from conftest import SCRIPTS, read_metrics, run_cli
 from disttrain.config import ConfigError, ModelConfig, load_config, validate
 from disttrain.models.gpt import GPT
 from disttrain.parallel.comm import CommMeter
-from disttrain.perf import StepMeter, flops_per_token, peak_memory_gib, peak_tflops, straggler
+from disttrain.perf import StepMeter, comm_overlap, flops_per_token, peak_memory_gib, peak_tflops, straggler
 
 
 def counted_flops(model, input_ids) -> int:
@@ -108,6 +108,26 @@ def test_device_meter_holds_only_unfinished_collectives_and_sums_their_durations
     meter.timed(_DeviceWork(1.0, finished=False), 4, 0.0)  # still running when the step is read: not guessed
     assert meter.take() == (None, 8)
     assert meter.take() == (0.0, 0)  # the next step starts from zero
+
+
+def test_exposed_communication_from_a_profiled_trace_counts_collective_time_no_kernel_overlaps():
+    """`log.profile_steps` on an accelerator: exposed communication from the trace's kernels (microseconds)."""
+    def kernel(name, start, end, stream=7):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": start, "dur": end - start, "pid": 0, "tid": stream}
+
+    trace = {"traceEvents": [
+        kernel("ampere_sgemm_128x64_tn", 0, 10_000), kernel("elementwise_kernel", 4_000, 6_000),  # nested compute
+        kernel("flash_fwd_kernel", 12_000, 20_000),
+        kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 8_000, 14_000, stream=21),
+        kernel("ncclDevKernel_AllGather_RING_LL", 13_000, 15_000, stream=22),  # overlaps the first: counted once
+        kernel("ncclKernel_ReduceScatter_RING_LL_Sum_float", 25_000, 26_000, stream=21),  # nothing beside it
+        {"ph": "X", "cat": "cpu_op", "name": "nccl:all_reduce", "ts": 0, "dur": 30_000, "pid": 1, "tid": 1},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 30_000, "dur": 500, "pid": 0, "tid": 7},
+    ]}
+    # collectives: [8, 15] + [25, 26] ms = 8 ms; exposed where no other kernel runs: [10, 12] + [25, 26] = 3 ms
+    got = comm_overlap(trace, steps=2)
+    assert got == pytest.approx({"steps": 2, "comm_s": 4e-3, "comm_exposed_s": 1.5e-3, "comm_hidden_s": 2.5e-3})
+    assert comm_overlap({"traceEvents": [e for e in trace["traceEvents"] if e["cat"] != "kernel"]}, 2) is None
 
 
 def test_mfu_needs_a_peak_and_uses_the_given_one():

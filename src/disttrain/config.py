@@ -304,7 +304,8 @@ class LogConfig:
     """MLflow tracking URI; empty = a local file store in RUN_DIR/mlruns."""
     profile_steps: str = ""
     """Write a torch.profiler trace of these steps, e.g. `"10-12"` or `"5"`, to `RUN_DIR/profile/rank<R>.json`
-    (one per rank; open in Perfetto or chrome://tracing). Empty = no profiling."""
+    (one per rank; open in Perfetto or chrome://tracing). On CUDA also `rank<R>_comm.json`: the collectives' device
+    time per step and the part no other kernel overlapped (exposed). Empty = no profiling."""
 
 
 @dataclass

@@ -7,7 +7,8 @@ slowest rank. The Trainer adds these to each `metrics.jsonl` line (docs/architec
                     (on CUDA: nccl's own device timing of each collective, summed)
     comm_exposed_s  the part of it the step waited for: on a CPU rank (one torch thread, gloo's own threads do the
                     communication) the time the training thread was blocked, wall time - its CPU time, capped at
-                    comm_s; the rest (comm_hidden_s) overlapped compute. Null on CUDA
+                    comm_s; the rest (comm_hidden_s) overlapped compute. Null on CUDA per step; the steps of
+                    `log.profile_steps` get it from their trace's kernels (`comm_overlap`: profile/rank<R>_comm.json)
     comm_bytes      bytes handed to those collectives (nccl-tests' sizes), in the dtype on the wire
     mem_peak_gib    this rank's peak memory since the previous line: CUDA max allocated, or the process's peak
                     resident set (Linux: VmHWM, reset after each reading)
@@ -22,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import math
 import resource
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -166,13 +168,57 @@ def straggler(values: dict[str, Any], factor: float = 1.2) -> str:
     return f"rank {values['slowest_rank']} {slow / mine:.1f}x"
 
 
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the intersection of two merged interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def comm_overlap(trace: dict, steps: int) -> dict[str, float] | None:
+    """Per step of a profiled span, from its accelerator kernels (a torch.profiler Chrome trace): `comm_s`, the
+    time nccl kernels ran (the union of their intervals), and `comm_exposed_s`, the part of it with no other kernel
+    running on the device (the collective was waited for; as Holistic Trace Analysis defines exposed communication),
+    both averaged over `steps`; `comm_hidden_s` the rest. None when the trace has no kernels (a CPU run: there the
+    step meter measures exposure itself)."""
+    kernels = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    if not kernels:
+        return None
+    spans = {True: [], False: []}
+    for e in kernels:
+        spans[str(e.get("name", "")).lower().startswith("nccl")].append((float(e["ts"]), float(e["ts"]) + e["dur"]))
+    comm, compute = _union(spans[True]), _union(spans[False])
+    comm_us = sum(end - start for start, end in comm)
+    exposed_us = comm_us - _overlap(comm, compute)
+    return {"steps": steps, "comm_s": comm_us / 1e6 / steps, "comm_exposed_s": exposed_us / 1e6 / steps,
+            "comm_hidden_s": (comm_us - exposed_us) / 1e6 / steps}
+
+
 class StepProfiler:
     """`log.profile_steps`: a torch.profiler trace of steps FIRST..LAST, written by each rank to
-    `RUN_DIR/profile/rank<R>.json` (Chrome trace format: Perfetto, chrome://tracing)."""
+    `RUN_DIR/profile/rank<R>.json` (Chrome trace format: Perfetto, chrome://tracing). On an accelerator the
+    collectives' device time per step, exposed and hidden (`comm_overlap`), goes to `rank<R>_comm.json` beside it
+    and rank 0 prints it: the exposure the per-step figures cannot measure there."""
 
     def __init__(self, span: tuple[int, int] | None, run_dir: Path, rank: int, device: torch.device):
         self.span, self.path, self.device = span, Path(run_dir) / "profile" / f"rank{rank}.json", device
-        self._profile = None
+        self.rank = rank
+        self._profile, self._steps = None, 0
 
     def __enter__(self) -> StepProfiler:
         return self
@@ -187,9 +233,11 @@ class StepProfiler:
             from torch.profiler import ProfilerActivity, profile
 
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-            self._profile = profile(activities=activities)
+            self._profile, self._steps = profile(activities=activities), 0
             self._profile.__enter__()
         yield
+        if self._profile is not None:
+            self._steps += 1
         if self.span and step == self.span[1]:
             self.close()
 
@@ -200,3 +248,15 @@ class StepProfiler:
         profile.__exit__(None, None, None)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         profile.export_chrome_trace(str(self.path))
+        if self.device.type != "cuda":
+            return
+        import json
+
+        overlap = comm_overlap(json.loads(self.path.read_text()), max(self._steps, 1))
+        if overlap is None:
+            return
+        self.path.with_name(f"rank{self.rank}_comm.json").write_text(json.dumps(overlap, indent=2))
+        if self.rank == 0:
+            print(f"disttrain: profiled steps {self.span[0]}-{self.span[0] + self._steps - 1}: collectives "
+                  f"{overlap['comm_s'] * 1e3:.2f} ms per step on the device, {overlap['comm_exposed_s'] * 1e3:.2f} ms "
+                  "of it exposed (no other kernel running)", file=sys.stderr, flush=True)

@@ -68,8 +68,9 @@ def test_defaults_are_the_issues_sizes():
     assert args.out == "docs/benchmarks/gpu.md" and args.compile and args.mfu_precision == "bf16-mixed"
     assert [name for name, _ in gpu.CHECKS] == ["nccl", "steps bf16-mixed", "steps fp16-mixed", "steps bf16-true",
                                                 "memory single", "memory fsdp", "comm none", "comm bf16", "comm fsdp",
-                                                "tp", "pp 1f1b", "pp interleaved-1f1b", "pp zbv", "pp dualpipev",
-                                                "pp zbv x tp", "cpu_offload", "mfu", "mfu fsdp", "service ray"]
+                                                "comm trace", "tp", "pp 1f1b", "pp interleaved-1f1b", "pp zbv",
+                                                "pp dualpipev", "pp zbv x tp", "cpu_offload", "mfu", "mfu fsdp",
+                                                "service ray"]
 
 
 @pytest.mark.parametrize("precision", ["fp16-mixed"])
@@ -108,3 +109,12 @@ def test_a_rerun_keeps_the_notes_above_the_marker(tmp_path):
     assert gpu.kept_notes(report) == ""  # no marker: the whole file is the report
     report.write_text(f"# notes\nfound a bug\n{gpu.NOTES_END}\n\n# old report\n")
     assert gpu.kept_notes(report) == f"# notes\nfound a bug\n{gpu.NOTES_END}\n\n"
+
+
+def test_the_comm_trace_check_profiles_ddp_steps_and_finds_no_kernels_on_cpu():
+    """Its path (a one-rank group, DDP steps under StepProfiler) runs on a CPU too, where the trace has no kernels:
+    FAIL with that reason (on a GPU its nccl kernels are measured: docs/benchmarks/gpu.md)."""
+    args = gpu._args([])
+    args.device = torch.device("cpu")
+    [check] = gpu.run_checks([("comm trace", lambda a, c: gpu.check_comm_trace(a, c, size=TINY, micro=4))], args)
+    assert not check.passed and check.reason == "the trace has no kernels: no profile/rank0_comm.json", check.reason

@@ -19,6 +19,8 @@ the others still run:
                        wire dtype (target: comm_s measured and positive, bytes equal)
     comm fsdp          FSDP2's all-gather (async) and reduce-scatter (sync) wrappers called directly on a one-rank nccl
                        group: both timed on the device, bytes counted, finished collectives drained before take()
+    comm trace         3 ddp steps under log.profile_steps: the nccl kernels' time per step and the part of it no
+                       other kernel overlapped (exposed), from the trace (perf.comm_overlap)
     tp, pp SCHEDULE,   the tensor-parallel plan (sequence and loss parallel) and the pipeline schedules 1f1b,
     pp zbv x tp        interleaved-1f1b, zbv, dualpipev, and zbv over tp, on a one-rank nccl mesh (both stages of a
                        virtual or V schedule on this rank): 5 steps of 4 micro-batches, fp32, losses within 1e-5 of
@@ -390,6 +392,37 @@ def check_comm(args, check: Check, compression: str, size: dict[str, int] = MEDI
         "" if check.passed else f": comm_s {seconds}, bytes {nbytes} vs {expected}")
 
 
+def check_comm_trace(args, check: Check, size: dict[str, int] = MEDIUM, micro: int = 4, steps: int = 3) -> None:
+    """Exposed communication on CUDA, which the per-step figures leave null: `steps` ddp steps under
+    `log.profile_steps` (perf.StepProfiler), the trace's nccl kernels against its other kernels (perf.comm_overlap)."""
+    import json
+
+    from disttrain.perf import StepProfiler
+
+    cfg = config(size, micro, "ddp", "bf16-mixed")
+    backend = _backend(cfg, _runtime(args.device, group=True))
+    windows = _windows(size["seq_len"])
+    _step(backend, windows, 0, micro)
+    _step(backend, windows, 1, micro)  # DDP rebuilds its buckets after the first step
+    with tempfile.TemporaryDirectory() as run_dir:
+        with StepProfiler((3, 2 + steps), Path(run_dir), 0, args.device) as profiler:
+            for step in range(3, 3 + steps):
+                with profiler.step(step):
+                    _step(backend, windows, step, micro)
+        written = Path(run_dir) / "profile" / "rank0_comm.json"
+        overlap = json.loads(written.read_text()) if written.exists() else None
+    check.figures["model"] = _describe(size, micro) + ", bf16-mixed, ddp, one-rank nccl group"
+    if overlap is None:
+        check.passed, check.reason = False, "the trace has no kernels: no profile/rank0_comm.json"
+        return
+    check.figures.update({"collectives per step (nccl kernels)": _ms(overlap["comm_s"]),
+                          "exposed (no other kernel running)": _ms(overlap["comm_exposed_s"]),
+                          "hidden": _ms(overlap["comm_hidden_s"])})
+    check.passed = overlap["comm_s"] > 0 and 0 <= overlap["comm_exposed_s"] <= overlap["comm_s"]
+    check.reason = ("nccl kernels found, exposed within their time" if check.passed
+                    else f"comm_s {overlap['comm_s']}, exposed {overlap['comm_exposed_s']}")
+
+
 def check_fsdp_comm(args, check: Check, calls: int = 50) -> None:
     """FSDP2's collectives as FSDP2 calls them, timed on the device (FSDP2 issues none at world size 1, so the
     strategy's own steps cannot show this): an asynchronous all-gather (nccl's timing of its Work) and a
@@ -653,6 +686,7 @@ CHECKS: list[tuple[str, Callable]] = [
     *((f"memory {s}", partial(check_memory, strategy=s)) for s in ("single", "fsdp")),
     *((f"comm {c}", partial(check_comm, compression=c)) for c in ("none", "bf16")),
     ("comm fsdp", check_fsdp_comm),
+    ("comm trace", check_comm_trace),
     ("tp", partial(check_split, tensor_parallel=True)),
     *((f"pp {s}", partial(check_split, tensor_parallel=False, schedule=s)) for s in ("1f1b", "interleaved-1f1b",
                                                                                      "zbv", "dualpipev")),

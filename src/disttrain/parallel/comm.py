@@ -25,7 +25,8 @@ a synchronous one (FSDP2's reduce-scatter) by two CUDA events around the call on
 holds until the collective is done. The meter keeps a collective until it has completed, then only its duration
 (collectives are drained as new ones arrive and at `take()`, so nothing piles up where no one calls `take()`), and
 `comm_s` is the sum of the durations (one process group's collectives run one after another). `comm_exposed_s`
-stays None on CUDA (a device-side overlap needs a trace: `log.profile_steps`). DDP's hooks are replaced there by
+stays None on CUDA per step (a device-side overlap needs a trace: the steps of `log.profile_steps` get it from
+their kernels, perf.comm_overlap). DDP's hooks are replaced there by
 `device_timed_hook` (torch's allreduce / fp16 / bf16 hooks with the Work in view: the same division and
 all-reduce; this is also the path of `none` on a CPU, where DDP's built-in reducer is replaced by torch's
 allreduce_hook); PowerSGD issues its all-reduces inside torch's hook, so under PowerSGD on CUDA comm_s is not
