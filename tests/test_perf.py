@@ -126,7 +126,8 @@ def test_exposed_communication_from_a_profiled_trace_counts_collective_time_no_k
     ]}
     # collectives: [8, 15] + [25, 26] ms = 8 ms; exposed where no other kernel runs: [10, 12] + [25, 26] = 3 ms
     got = comm_overlap(trace, steps=2)
-    assert got == pytest.approx({"steps": 2, "comm_s": 4e-3, "comm_exposed_s": 1.5e-3, "comm_hidden_s": 2.5e-3})
+    assert got == pytest.approx({"steps": 2, "comm_s": 4e-3, "comm_exposed_s": 1.5e-3, "comm_hidden_s": 2.5e-3,
+                                 "kernels": 6, "collective_kernels": 3})
     assert comm_overlap({"traceEvents": [e for e in trace["traceEvents"] if e["cat"] != "kernel"]}, 2) is None
 
 

@@ -141,6 +141,10 @@ def test_measured_links_from_a_comm_fit():
     assert sm.collective_time("all_gather", 1e6, 2, cpu) == pytest.approx(4e-4 + 1e-9 * 1e6, rel=1e-12)
     assert sm.collective_time("all_gather", 1e6, 3, cpu) == pytest.approx(4e-4 + volume, rel=1e-12)
     assert sm.collective_time("all_reduce", 1e6, 3, cpu) == pytest.approx(4e-4 + 1e-9 * 1e6 * (4 / 3), rel=1e-12)
+    # across "nodes" of the measured size the hierarchy runs three phases, and the call costs once: reduce-scatter
+    # of 1 MB in the node (1 ms at 0.5 GB/s bus), all-reduce of 0.5 MB across (0.5 ms at 1 GB/s), all-gather (1 ms)
+    two_nodes = sm.interconnect_from_fit({**fit, "device": "cpu"})
+    assert sm.collective_time("all_reduce", 1e6, 4, two_nodes) == pytest.approx(4e-4 + 2.5e-3, rel=1e-12)
     del fit["collectives"]["reduce_scatter"]
     with pytest.raises(ConfigError, match="reduce_scatter"):
         sm.interconnect_from_fit(fit)

@@ -32,6 +32,7 @@ from disttrain.models.meta import has_meta_parameters, materialize
 from disttrain.optim import OptimizerFactory
 from disttrain.parallel import Prepared, compose, registry
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
+from disttrain.parallel.fsdp import reshard_gathered
 from disttrain.precision import Precision, get_precision
 from disttrain.runtime import Runtime, detect_launch, init_runtime
 
@@ -284,6 +285,7 @@ class TrainingBackend:
                 return self.model_call(batch)(module)
         finally:
             module.train(was_training)
+            reshard_gathered(module)  # no backward follows to reshard what stays gathered after forward
 
     def state_dict(self) -> dict[str, Any]:
         """Full, strategy-independent state (every rank gets it; rank 0 saves it)."""

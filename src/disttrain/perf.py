@@ -194,8 +194,9 @@ def comm_overlap(trace: dict, steps: int) -> dict[str, float] | None:
     """Per step of a profiled span, from its accelerator kernels (a torch.profiler Chrome trace): `comm_s`, the
     time nccl kernels ran (the union of their intervals), and `comm_exposed_s`, the part of it with no other kernel
     running on the device (the collective was waited for; as Holistic Trace Analysis defines exposed communication),
-    both averaged over `steps`; `comm_hidden_s` the rest. None when the trace has no kernels (a CPU run: there the
-    step meter measures exposure itself)."""
+    both averaged over `steps`; `comm_hidden_s` the rest, and the kernels counted. The span is the steps' whole
+    iterations: an evaluation, checkpoint or metrics gather inside them counts too. None when the trace has no
+    kernels (a CPU run: there the step meter measures exposure itself)."""
     kernels = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "kernel"]
     if not kernels:
         return None
@@ -206,7 +207,8 @@ def comm_overlap(trace: dict, steps: int) -> dict[str, float] | None:
     comm_us = sum(end - start for start, end in comm)
     exposed_us = comm_us - _overlap(comm, compute)
     return {"steps": steps, "comm_s": comm_us / 1e6 / steps, "comm_exposed_s": exposed_us / 1e6 / steps,
-            "comm_hidden_s": (comm_us - exposed_us) / 1e6 / steps}
+            "comm_hidden_s": (comm_us - exposed_us) / 1e6 / steps, "kernels": len(kernels),
+            "collective_kernels": len(spans[True])}
 
 
 class StepProfiler:
@@ -253,7 +255,7 @@ class StepProfiler:
         import json
 
         overlap = comm_overlap(json.loads(self.path.read_text()), max(self._steps, 1))
-        if overlap is None:
+        if overlap is None or not overlap["collective_kernels"]:  # (one rank: nccl launches none)
             return
         self.path.with_name(f"rank{self.rank}_comm.json").write_text(json.dumps(overlap, indent=2))
         if self.rank == 0:

@@ -326,7 +326,7 @@ class StopSignals:
         restore_handlers(self._previous)
         if isinstance(exc, Preempted) and self.signum is not None:
             exc.signum = self.signum
-        if self.signum is None:
+        if self.signum is None or self._timer is None:  # (no timer: `on_signal` itself raised)
             return
         if detect_launch(os.environ).launcher == "single":  # the caller's own process: the run is over, it goes on
             self._timer.cancel()

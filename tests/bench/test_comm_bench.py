@@ -74,6 +74,7 @@ def test_report_without_matplotlib_writes_everything_else(run, tmp_path, monkeyp
     (["--nproc", "1000"], "--nproc 1000: more than 4 ranks per core"),
     (["--nproc", "1"], "--nproc 1: a collective needs at least 2 ranks"),
     (["--busy", "step", "--compute-ms", "-1"], "--compute-ms -1: give milliseconds >= 0"),
+    (["--compute-ms", "20"], "--compute-ms 20 applies to --busy step only"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
     assert cli(["bench", "comm", *args]) == 2

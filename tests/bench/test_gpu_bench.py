@@ -117,4 +117,4 @@ def test_the_comm_trace_check_profiles_ddp_steps_and_finds_no_kernels_on_cpu():
     args = gpu._args([])
     args.device = torch.device("cpu")
     [check] = gpu.run_checks([("comm trace", lambda a, c: gpu.check_comm_trace(a, c, size=TINY, micro=4))], args)
-    assert not check.passed and check.reason == "the trace has no kernels: no profile/rank0_comm.json", check.reason
+    assert not check.passed and check.reason == "the trace has no kernels", check.reason

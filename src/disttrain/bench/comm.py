@@ -73,8 +73,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    help="1: a thread per rank keeps computing (matmuls) while the collectives are timed; step: each "
                         "rank computes for --compute-ms before each call, which writes into new tensors, as a "
                         "training step on a CPU machine issues its collectives")
-    p.add_argument("--compute-ms", type=float, default=8.0,
-                   help="with --busy step: milliseconds of compute before each timed call")
+    p.add_argument("--compute-ms", type=float, default=None,
+                   help="with --busy step: milliseconds of compute before each timed call (default 8)")
     p.add_argument("--out", default="bench_results")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -104,6 +104,10 @@ def check(args: argparse.Namespace) -> None:
     low, high = parse_size(args.min_size, "--min-size"), parse_size(args.max_size, "--max-size")
     if low > high:
         raise ConfigError(f"--min-size {args.min_size} is above --max-size {args.max_size}")
+    if args.compute_ms is not None and args.busy != "step":
+        raise ConfigError(f"--compute-ms {args.compute_ms:g} applies to --busy step only; add --busy step or leave it "
+                          "out")
+    args.compute_ms = 8.0 if args.compute_ms is None else args.compute_ms
     if args.compute_ms < 0:
         raise ConfigError(f"--compute-ms {args.compute_ms:g}: give milliseconds >= 0")
     if args.iters < 1 or args.min_iters < 1 or args.warmup < 0:
@@ -153,7 +157,7 @@ def _operation(collective: str, nbytes: int, n: int, device, fresh: bool = False
         return count * 4, lambda: dist.all_gather_into_tensor(torch.empty_like(full), part)
     if collective == "all_gather":
         return count * 4, lambda: dist.all_gather_into_tensor(full, part)
-    if collective == "reduce_scatter" and fresh:
+    if collective == "reduce_scatter" and fresh:  # the input copied as FSDP2's chunk_cat copies the gradients in
         return count * 4, lambda: dist.reduce_scatter_tensor(torch.empty_like(part), full.clone())
     if collective == "reduce_scatter":
         return count * 4, lambda: dist.reduce_scatter_tensor(part, full)
@@ -357,7 +361,8 @@ def plot(table: list[dict], fit: dict, path: Path) -> bool:
     for c, f in fit["collectives"].items():
         rows = [r for r in table if r["collective"] == c]
         x = [r["bytes"] for r in rows]
-        (line,) = lat.loglog(x, [r["time_median_s"] * 1e6 for r in rows], "o-", label=c, markersize=3)
+        (line,) = lat.loglog(x, [r[f"time_{fit.get('statistic', 'median')}_s"] * 1e6 for r in rows], "o-", label=c,
+                             markersize=3)
         lat.loglog(x, [(f["alpha_s"] + f["beta_s_per_byte"] * b) * 1e6 for b in x], ":", color=line.get_color())
         bw.loglog(x, [r["busbw_GBps"] for r in rows], "o-", label=c, markersize=3)
     lat.set(xlabel="message size (bytes)", ylabel="latency (us)", title="latency (dotted: alpha + beta x bytes)")

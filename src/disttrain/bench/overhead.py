@@ -141,7 +141,7 @@ def _plain_setup(cfg, strategy: str, device: torch.device | None = None):
         kwargs["mesh"] = init_device_mesh(device.type, (1, world), mesh_dim_names=("replicate", "shard"))
     for block in model.blocks:
         fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False})  # the root stays gathered into backward
     optimizer = plain_model_parallel.hand_written_adamw(model, cfg.optim)  # over the sharded parameters
 
     @contextlib.contextmanager

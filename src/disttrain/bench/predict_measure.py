@@ -92,7 +92,7 @@ def sitting(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
 
 def pool(raws: list[dict]) -> dict:
     """One `comm_raw.json` of several runs of `disttrain bench comm` with the same sizes: each size's calls of every
-    run together (the fit then takes their median)."""
+    run together (the sitting then fits through their means)."""
     pooled = {**raws[-1], "other_cpu": max(r["other_cpu"] for r in raws), "rows": []}
     for row in raws[0]["rows"]:
         same = [r for raw in raws for r in raw["rows"] if (r["collective"], r["bytes"]) == (row["collective"],

@@ -115,11 +115,18 @@ def _ring(collective: str, nbytes: float, n: int, link: Link) -> float:
     if n <= 1 or nbytes <= 0:
         return 0.0
     volume = nbytes if collective == "broadcast" else bus_factor(collective, n) * nbytes
-    return link.call_s + ring_steps(collective, n) * link.latency_s + volume / link.bandwidth
+    return ring_steps(collective, n) * link.latency_s + volume / link.bandwidth
 
 
 def collective_time(collective: str, nbytes: float, n: int, net: Interconnect) -> float:
-    """Seconds for `collective` of `nbytes` (nccl-tests' size) over `n` ranks, hierarchical across nodes."""
+    """Seconds for `collective` of `nbytes` (nccl-tests' size) over `n` ranks, hierarchical across nodes; a link's
+    cost per call (`Link.call_s`) once, however many phases the hierarchy runs."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return net.intra[collective].call_s + _phases(collective, nbytes, n, net)
+
+
+def _phases(collective: str, nbytes: float, n: int, net: Interconnect) -> float:
     g = min(n, net.gpus_per_node)
     nodes = math.ceil(n / g)
     intra, inter = net.intra[collective], net.inter[collective]
@@ -131,9 +138,9 @@ def collective_time(collective: str, nbytes: float, n: int, net: Interconnect) -
     if collective in ("all_gather", "reduce_scatter"):
         return _ring(collective, nbytes, g, intra) + _ring(collective, nbytes / g, nodes, inter)
     if collective == "all_to_all":
-        return (intra.call_s + (g - 1) * intra.latency_s + (nodes - 1) * inter.latency_s
+        return ((g - 1) * intra.latency_s + (nodes - 1) * inter.latency_s
                 + nbytes * (g - 1) / n / intra.bandwidth + nbytes * (n - g) / n / inter.bandwidth)
-    return (intra.call_s + (g - 1) * intra.latency_s + (nodes - 1) * inter.latency_s  # broadcast: a chain
+    return ((g - 1) * intra.latency_s + (nodes - 1) * inter.latency_s  # broadcast: a chain, g NICs per node
             + nbytes / min(intra.bandwidth, g * inter.bandwidth))
 
 
@@ -296,8 +303,10 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
     def wire(collective: str, nbytes: float, ranks: int, times: int = 1, across: bool = False) -> float:
         nonlocal sent
         sent += times * nbytes * bus_factor(collective, ranks)
-        return _ring(collective, nbytes, ranks, net.inter[collective]) if across else \
-            collective_time(collective, nbytes, ranks, net)
+        if across:
+            link = net.inter[collective]
+            return (link.call_s + _ring(collective, nbytes, ranks, link)) if ranks > 1 and nbytes > 0 else 0.0
+        return collective_time(collective, nbytes, ranks, net)
 
     sent = 0.0
     if strategy in ("ddp", "zero1"):
