@@ -27,6 +27,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -75,8 +76,11 @@ def fork_problem() -> str | None:
     others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
     if others:
         return f"{len(others)} other Python thread(s) run in this process ({', '.join(others[:3])})"
-    native = _native_threads()
+    native, deadline = _native_threads(), time.monotonic() + 1.0
     native -= _after_import() if native > 1 else 1  # (only asked when there is more than the main thread)
+    while native > 0 and time.monotonic() < deadline:  # a thread just joined (tqdm's monitor) can still be listed
+        time.sleep(0.01)  # in /proc/self/task for a moment after Python's join returns: a suite run saw one
+        native = _native_threads() - _after_import()
     if native > 0:
         return (f"{native} native thread(s) run in this process (torch's CPU thread pool starts with its first "
                 "parallel operation; call torch.set_num_threads(1) before building the model, the workers set their "
