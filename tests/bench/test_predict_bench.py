@@ -74,8 +74,11 @@ def test_one_sitting_measures_steps_and_links_then_validates(tmp_path):
     fit = json.loads((tmp_path / "s" / "comm" / "comm_fit.json").read_text())
     assert set(fit["collectives"]) == {"all_reduce", "all_gather", "reduce_scatter"}
     assert {tuple(f["sizes_bytes"]) for f in fit["collectives"].values()} == {(2**16, 2**24)}  # the step's sizes
-    assert fit["busy"] == "step" and fit["compute_ms"] == 8.0  # timed as a CPU step issues its collectives
-    assert "each rank computing 8 ms before each call (--busy step)" in (tmp_path / "s" / "predict.md").read_text()
+    # timed as a CPU step issues its collectives: each call after as much compute as one pass of an FSDP unit
+    phase = 1e3 * float(rows[0]["step_time_s"]) / (2 * (2 + 1))  # the 1-rank step over 2 x (2 blocks + the root)
+    assert fit["busy"] == "step" and fit["compute_ms"] == pytest.approx(phase, abs=0.006)
+    assert f"each rank computing {fit['compute_ms']:g} ms before each call (--busy step)" in \
+        (tmp_path / "s" / "predict.md").read_text()
     checked = [r for r in csv.DictReader(open(tmp_path / "s" / "predict.csv")) if r["check"] == "measured"]
     work = sm.Workload(sm.gpt_shape(2, 64, 32, 256), float(rows[0]["step_time_s"]), 1.0, "fp32", cpu_cores=2)
     fsdp2 = sm.step_time("fsdp", 2, work, sm.interconnect_from_fit(fit))

@@ -62,23 +62,28 @@ MiB and falls once buffers leave the caches), so a line fitted there misses the 
 def sitting(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
     """`--measure --validate`: `--rounds` R rounds, each the step times of every world size (`measure`)
     and then a comm fit on 2 ranks timed as a CPU step issues its collectives (`disttrain bench comm --busy step`:
-    each call after a phase of compute on every rank, into new tensors), so that the step times and the links are
+    each call after a phase of compute on every rank as long as an FSDP unit's pass, `phase_ms`, into new tensors),
+    so that the step times and the links are
     measured in the same sitting, under the same neighbours. Returns (scaling.csv of every round's rows, comm_fit.json
     of every round's calls pooled: per size, the mean of all rounds' calls). A collective's time on a machine whose
     cores all run ranks is bimodal (a gloo thread that must wait for a core costs several ms more), so a median can
     land on either mode, where the mean, what a step's sum of calls pays, moves with their mix; pooling rounds
     steadies it. (`--busy 1`, a thread computing throughout, fitted by medians, moved the fsdp prediction from -27%
-    to +19% between sittings; this way it stayed within -5% / +7% in ten: docs/benchmarks/predict.md.)"""
+    to +19% between sittings; this way it stayed within -8% / +7% in thirteen: docs/benchmarks/predict.md.)"""
     from disttrain.bench import comm
+    from disttrain.config import load_config
 
+    n_layer = load_config(args.config, args.overrides).model.n_layer
     raws, rows = [], []
     for k in range(args.rounds):
         here = out / f"round{k + 1}"
         here.mkdir(parents=True, exist_ok=True)
         with open(measure(args, here), newline="") as f:
-            rows += list(csv.DictReader(f))
-        code = comm.main(["--busy", "step", "--collectives", "all_reduce,all_gather,reduce_scatter", "--nproc", "2",
-                          "--min-size", FIT_SIZES[0], "--max-size", FIT_SIZES[1], "--out", str(here / "comm")])
+            measured = list(csv.DictReader(f))
+        rows += measured
+        code = comm.main(["--busy", "step", "--compute-ms", f"{phase_ms(measured, n_layer):.2f}", "--collectives",
+                          "all_reduce,all_gather,reduce_scatter", "--nproc", "2", "--min-size", FIT_SIZES[0],
+                          "--max-size", FIT_SIZES[1], "--out", str(here / "comm")])
         if code:
             raise SystemExit(code)
         raws.append(json.loads((here / "comm" / "comm_raw.json").read_text()))
@@ -88,6 +93,15 @@ def sitting(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
     path = out / "scaling.csv"
     _write(path, rows)
     return path, out / "comm" / "comm_fit.json"
+
+
+def phase_ms(rows: list[dict], n_layer: int) -> float:
+    """The compute between two of a step's collectives, the comm fit's `--compute-ms`: the 1-rank step (fsdp's,
+    where measured) over the passes of its FSDP units (forward and backward of each block and of the root); 8 ms
+    where no 1-rank step was measured."""
+    ones = [r for r in rows if int(r["world_size"]) == 1]
+    base = [r for r in ones if r["strategy"] == "fsdp"] or ones
+    return 1e3 * float(base[0]["step_time_s"]) / (2 * (n_layer + 1)) if base else 8.0
 
 
 def pool(raws: list[dict]) -> dict:
