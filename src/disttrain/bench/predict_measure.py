@@ -60,16 +60,16 @@ MiB and falls once buffers leave the caches), so a line fitted there misses the 
 
 
 def sitting(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
-    """`--measure --validate`: `--rounds` R rounds, each the step times of every world size (`measure`)
-    and then a comm fit on 2 ranks timed as a CPU step issues its collectives (`disttrain bench comm --busy step`:
-    each call after a phase of compute on every rank as long as an FSDP unit's pass, `phase_ms`, into new tensors),
-    so that the step times and the links are
-    measured in the same sitting, under the same neighbours. Returns (scaling.csv of every round's rows, comm_fit.json
-    of every round's calls pooled: per size, the mean of all rounds' calls). A collective's time on a machine whose
-    cores all run ranks is bimodal (a gloo thread that must wait for a core costs several ms more), so a median can
-    land on either mode, where the mean, what a step's sum of calls pays, moves with their mix; pooling rounds
-    steadies it. (`--busy 1`, a thread computing throughout, fitted by medians, moved the fsdp prediction from -27%
-    to +19% between sittings; this way it stayed within -8% / +7% in thirteen: docs/benchmarks/predict.md.)"""
+    """`--measure --validate`: `--rounds` R rounds, each the step times of every world size (`measure`) and then a comm
+    fit on 2 ranks timed as a CPU step issues its collectives (`disttrain bench comm --busy step`: each call after a
+    phase of compute on every rank as long as an FSDP unit's pass, `phase_ms`, into new tensors), so that the step
+    times and the links are measured in the same sitting, under the same neighbours. Returns (scaling.csv of every
+    round's rows, comm_fit.json of every round's calls pooled: per size, the mean of all rounds' calls). A
+    collective's time on a machine whose cores all run ranks is bimodal (a gloo thread that must wait for a core
+    costs several ms more), so a median can land on either mode, where the mean, what a step's sum of calls pays,
+    moves with their mix; pooling rounds steadies it. (`--busy 1`, a thread computing throughout, fitted by medians,
+    moved the fsdp prediction from -27% to +19% between sittings; this way it stayed within -8% / +7% in thirteen:
+    docs/benchmarks/predict.md.)"""
     from disttrain.bench import comm
     from disttrain.config import load_config
 
