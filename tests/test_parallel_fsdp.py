@@ -129,6 +129,7 @@ def test_in_run_cost_figures_are_recorded_per_step(results):
     for variant in ("ddp", "fsdp", "zero2"):
         for m in two[variant]["metrics"]:
             assert 0 <= m["comm_exposed_s"] <= m["comm_s"] < m["step_time_s"] <= m["step_time_max_s"]
+            assert m["comm_exposed_s"] <= m["comm_exposed_s_max"]
             assert m["comm_s"] > 0, (variant, m)
             assert m["slowest_rank"] in (0, 1) and m["mfu"] is None and m["tflops"] > 0
             assert 0 < m["mem_peak_gib"] <= m["mem_peak_gib_max"] < 8

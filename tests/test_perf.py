@@ -13,7 +13,15 @@ from conftest import SCRIPTS, read_metrics, run_cli
 from disttrain.config import ConfigError, ModelConfig, load_config, validate
 from disttrain.models.gpt import GPT
 from disttrain.parallel.comm import CommMeter
-from disttrain.perf import StepMeter, comm_overlap, flops_per_token, peak_memory_gib, peak_tflops, straggler
+from disttrain.perf import (
+    StepMeter,
+    comm_overlap,
+    flops_per_token,
+    peak_memory_gib,
+    peak_tflops,
+    rank_summary,
+    straggler,
+)
 
 
 def counted_flops(model, input_ids) -> int:
@@ -151,6 +159,15 @@ def test_a_straggler_is_named_only_when_clearly_slower():
     assert straggler({"step_time_s": 1.0, "step_time_max_s": 1.5, "slowest_rank": 3}) == "rank 3 1.5x"
     assert straggler({"step_time_s": 1.0, "step_time_max_s": 1.1, "slowest_rank": 3}) == ""
     assert straggler({"step_time_s": 1.0, "step_time_max_s": 1.0, "slowest_rank": 0}) == ""
+
+
+def test_the_ranks_largest_exposure_is_null_where_no_rank_measured_it():
+    """CUDA leaves comm_exposed_s null (a device-side overlap needs a trace): its maximum over the ranks is null
+    too, not 0.0 (an H200 run logged comm_exposed_s null next to comm_exposed_s_max 0.0)."""
+    cpu = torch.device("cpu")
+    assert rank_summary({"step_time_s": 0.1, "comm_exposed_s": None}, cpu, False)["comm_exposed_s_max"] is None
+    assert rank_summary({"step_time_s": 0.1, "comm_exposed_s": 0.02}, cpu, False)["comm_exposed_s_max"] == 0.02
+    assert rank_summary({"step_time_s": 0.1, "comm_exposed_s": 0.0}, cpu, False)["comm_exposed_s_max"] == 0.0
 
 
 @pytest.mark.parametrize("value", ["x", "0", "5-3", "3-"])

@@ -147,9 +147,10 @@ class StepMeter:
 def rank_summary(values: dict[str, Any], device: torch.device, distributed: bool) -> dict[str, Any]:
     """This rank's peak memory, and the slowest rank's step time and the largest peak over all ranks (a collective:
     every rank calls it at the same steps)."""
-    mine = [values["step_time_s"], peak_memory_gib(device), values.get("comm_exposed_s") or 0.0]
+    exposed = values.get("comm_exposed_s")  # None where not measured (CUDA): NaN on the wire, None again after
+    mine = [values["step_time_s"], peak_memory_gib(device), math.nan if exposed is None else exposed]
     rows = [mine]
-    if distributed:
+    if distributed and dist.get_world_size() > 1:  # (a one-rank group: nothing to gather, no device round trip)
         local = torch.tensor(mine, dtype=torch.float64, device=device)
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, local)
@@ -157,7 +158,7 @@ def rank_summary(values: dict[str, Any], device: torch.device, distributed: bool
     slowest = max(range(len(rows)), key=lambda r: rows[r][0])
     return {"mem_peak_gib": mine[1], "mem_peak_gib_max": max(r[1] for r in rows),
             "step_time_max_s": rows[slowest][0], "slowest_rank": slowest,
-            "comm_exposed_s_max": max(r[2] for r in rows)}
+            "comm_exposed_s_max": max((r[2] for r in rows if not math.isnan(r[2])), default=None)}
 
 
 def straggler(values: dict[str, Any], factor: float = 1.2) -> str:
@@ -235,7 +236,8 @@ class StepProfiler:
             from torch.profiler import ProfilerActivity, profile
 
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-            self._profile, self._steps = profile(activities=activities), 0
+            # one cycle, no schedule: acc_events only quiets torch's warning that a cycle's end clears them (2.11, CUDA)
+            self._profile, self._steps = profile(activities=activities, acc_events=True), 0
             self._profile.__enter__()
         yield
         if self._profile is not None:

@@ -68,9 +68,9 @@ def test_defaults_are_the_issues_sizes():
     assert args.out == "docs/benchmarks/gpu.md" and args.compile and args.mfu_precision == "bf16-mixed"
     assert [name for name, _ in gpu.CHECKS] == ["nccl", "steps bf16-mixed", "steps fp16-mixed", "steps bf16-true",
                                                 "memory single", "memory fsdp", "comm none", "comm bf16", "comm fsdp",
-                                                "comm trace", "tp", "pp 1f1b", "pp interleaved-1f1b", "pp zbv",
-                                                "pp dualpipev", "pp zbv x tp", "cpu_offload", "mfu", "mfu fsdp",
-                                                "service ray"]
+                                                "comm trace", "overhead", "tp", "pp 1f1b", "pp interleaved-1f1b",
+                                                "pp zbv", "pp dualpipev", "pp zbv x tp", "cpu_offload", "mfu",
+                                                "mfu fsdp", "service ray"]
 
 
 @pytest.mark.parametrize("precision", ["fp16-mixed"])
@@ -118,3 +118,23 @@ def test_the_comm_trace_check_profiles_ddp_steps_and_finds_no_kernels_on_cpu():
     args.device = torch.device("cpu")
     [check] = gpu.run_checks([("comm trace", lambda a, c: gpu.check_comm_trace(a, c, size=TINY, micro=4))], args)
     assert not check.passed and check.reason == "the trace has no kernels", check.reason
+
+
+def test_the_overhead_check_runs_both_loops_over_a_one_rank_group_on_cpu():
+    """`bench overhead`'s loops in this process over a one-rank group (at --nproc 1 `bench overhead` itself failed:
+    its hand-written DDP found no process group). On a CPU only the path is checked, not the ratio."""
+    args = gpu._args([])
+    args.device = torch.device("cpu")
+    [check] = gpu.run_checks([("overhead", lambda a, c: gpu.check_overhead(a, c, ("ddp", "fsdp"), 2, 1))], args)
+    ratios = [v for k, v in check.figures.items() if k.endswith("median step")]
+    assert len(ratios) == 2 and all(" ms, ratio " in v for v in ratios), check.figures
+    assert check.reason.startswith("ratio of median" if check.passed else "over 1.02: ddp "), check.reason
+
+
+def test_only_runs_the_named_checks_and_refuses_an_unknown_one(tmp_path):
+    assert [name for name, _ in gpu.selected("overhead, comm trace")] == ["comm trace", "overhead"]
+    assert gpu.selected("") == gpu.CHECKS
+    result = run_cli(["bench", "gpu", "--only", "overhed", "--out", str(tmp_path / "gpu.md")], tmp_path, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "--only 'overhed'" in result.stderr and "overhead" in result.stderr and len(result.stderr.splitlines()) == 1
+    assert not (tmp_path / "gpu.md").exists()

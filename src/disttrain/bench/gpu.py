@@ -1,6 +1,6 @@
 """Benchmark: validate the CUDA paths on one GPU, each check PASS or FAIL with its figures.
 
-    disttrain bench gpu [--out docs/benchmarks/gpu.md] [--n-layer 24] [--d-model 2048] [--n-head 16]
+    disttrain bench gpu [--out docs/benchmarks/gpu.md] [--only CHECK,...] [--n-layer 24] [--d-model 2048] [--n-head 16]
                         [--seq-len 2048] [--vocab 50304] [--micro 0] [--mfu-precision bf16-mixed]
                         [--steps 10] [--no-compile] [--peak-tflops 0] [--memory-fraction 0.8]
 
@@ -22,6 +22,10 @@ the others still run:
     comm trace         3 ddp steps under log.profile_steps: the trace's kernels read (perf.comm_overlap); nccl's
                        time per step and the part no other kernel overlapped (exposed), where a one-rank group
                        launches any (it may launch none: then only the reading is checked)
+    overhead           `bench overhead`'s two loops on the default job's model over the one-rank nccl group, ddp and
+                       fsdp: the step written by hand from the PyTorch tutorials against the Trainer's, which logs
+                       every in-run figure each step (MFU, comm_s timed by nccl, CUDA peak memory, the ranks' summary),
+                       interleaved in rounds; target: ratio of median step times <= 1.02
     tp, pp SCHEDULE,   the tensor-parallel plan (sequence and loss parallel) and the pipeline schedules 1f1b,
     pp zbv x tp        interleaved-1f1b, zbv, dualpipev, and zbv over tp, on a one-rank nccl mesh (both stages of a
                        virtual or V schedule on this rank): 5 steps of 4 micro-batches, fp32, losses within 1e-5 of
@@ -66,6 +70,7 @@ OFFLOAD = {"n_layer": 12, "d_model": 2048, "n_head": 16, "seq_len": 512, "vocab_
 MEMORY_TOLERANCE = 0.10
 OFFLOAD_TARGET = 0.75
 MFU_TARGET = 0.45
+OVERHEAD_TARGET = 1.02  # the issue's: the in-run figures cost at most 2% of the default job's step
 PARITY = 1e-5  # fp32 losses of a split model against one process's
 GIB = 2**30
 NOTES_END = "<!-- bench gpu: the report below is rewritten by each run -->"
@@ -91,6 +96,8 @@ class Check:
 def _args(argv):
     p = argparse.ArgumentParser(prog="disttrain bench gpu", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="docs/benchmarks/gpu.md", help="where the markdown report goes")
+    p.add_argument("--only", default="", help="comma-separated checks to run, by their names in the report's "
+                   "table (e.g. 'overhead,comm trace'); default: all")
     p.add_argument("--n-layer", type=int, default=24, help="MFU model: blocks")
     p.add_argument("--d-model", type=int, default=2048, help="MFU model: width")
     p.add_argument("--n-head", type=int, default=16, help="MFU model: attention heads")
@@ -427,6 +434,35 @@ def check_comm_trace(args, check: Check, size: dict[str, int] = MEDIUM, micro: i
                     if check.passed else f"comm_s {overlap['comm_s']}, exposed {overlap['comm_exposed_s']}")
 
 
+def check_overhead(args, check: Check, strategies: tuple[str, ...] = ("ddp", "fsdp"), rounds: int = 16,
+                   steps: int = 40) -> None:
+    """The in-run figures' cost on CUDA, with `bench overhead`'s own loops and rounds (overhead._compare) in this
+    process: the hand-written step against the Trainer's step with every figure logged, on the default job's model
+    (launch-bound on a GPU, so any host cost of the figures shows in full)."""
+    from disttrain.bench import overhead
+    from disttrain.data import GlobalSampler, build_datasets
+
+    runtime = _runtime(args.device, group=True)
+    ratios = {}
+    with tempfile.TemporaryDirectory() as out:
+        bench = argparse.Namespace(global_batch=32, micro=16, nproc=1, out=out, rounds=rounds, steps=steps)
+        for strategy in strategies:
+            cfg = overhead._config(bench, strategy)
+            train, _ = build_datasets(cfg.data, cfg.model.seq_len)
+            times = overhead._compare(bench, cfg, runtime, train, GlobalSampler(len(train), cfg.run.seed))
+            plain, ours = statistics.median(times["plain"]), statistics.median(times["disttrain"])
+            ratios[strategy] = ours / plain
+            check.figures[f"{strategy}: hand-written / disttrain, median step"] = (
+                f"{_ms(plain)} / {_ms(ours)}, ratio {ratios[strategy]:.3f}")
+    m = cfg.model
+    check.figures["model"] = (f"GPT {m.n_layer} x {m.d_model}, seq {m.seq_len}, micro-batch 16, global batch 32, "
+                              f"{cfg.parallel.precision}, one-rank nccl group; {rounds} interleaved rounds of "
+                              f"{steps} steps per loop")
+    check.passed = all(r <= OVERHEAD_TARGET for r in ratios.values())
+    check.reason = (f"ratio of median step times, disttrain / hand-written, <= {OVERHEAD_TARGET}" if check.passed else
+                    "over " + str(OVERHEAD_TARGET) + ": " + ", ".join(f"{s} {r:.3f}" for s, r in ratios.items()))
+
+
 def check_fsdp_comm(args, check: Check, calls: int = 50) -> None:
     """FSDP2's collectives as FSDP2 calls them, timed on the device (FSDP2 issues none at world size 1, so the
     strategy's own steps cannot show this): an asynchronous all-gather (nccl's timing of its Work) and a
@@ -691,6 +727,7 @@ CHECKS: list[tuple[str, Callable]] = [
     *((f"comm {c}", partial(check_comm, compression=c)) for c in ("none", "bf16")),
     ("comm fsdp", check_fsdp_comm),
     ("comm trace", check_comm_trace),
+    ("overhead", check_overhead),
     ("tp", partial(check_split, tensor_parallel=True)),
     *((f"pp {s}", partial(check_split, tensor_parallel=False, schedule=s)) for s in ("1f1b", "interleaved-1f1b",
                                                                                      "zbv", "dualpipev")),
@@ -714,8 +751,22 @@ def environment(device) -> dict[str, str]:
             "NCCL": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)}
 
 
+def selected(only: str) -> list[tuple[str, Callable]]:
+    """The checks `--only` names (all when empty), in their usual order; ConfigError (one line) for a name that is
+    not a check."""
+    from disttrain.errors import ConfigError
+
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    known = [name for name, _ in CHECKS]
+    for name in names:
+        if name not in known:
+            raise ConfigError(f"--only {name!r}: not a check of bench gpu; the checks are: {', '.join(known)}")
+    return [c for c in CHECKS if not names or c[0] in names]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
+    checks_to_run = selected(args.only)
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
@@ -732,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
     def write(done: list[Check]) -> None:
         out.write_text(kept + render(done, env, command))
 
-    checks = run_checks(CHECKS, args, release=lambda: _release(args.device), after=write)
+    checks = run_checks(checks_to_run, args, release=lambda: _release(args.device), after=write)
     import torch.distributed as dist
 
     if dist.is_initialized():  # formed by the fsdp checks

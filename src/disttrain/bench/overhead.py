@@ -300,7 +300,7 @@ def start_worker(cfg):
     from disttrain.data import GlobalSampler, build_datasets
     from disttrain.runtime import init_runtime
 
-    runtime = init_runtime(cfg.dist)
+    runtime = init_runtime(cfg.dist, always_form_group=True)  # --nproc 1: DDP / FSDP over a one-rank group
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) >= runtime.launch.local_world_size:
         os.sched_setaffinity(0, {cores[runtime.local_rank]})
