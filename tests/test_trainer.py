@@ -50,6 +50,35 @@ def test_same_seed_same_run_and_another_seed_differs(tmp_path):
     assert losses(1) != first
 
 
+def test_a_training_step_reads_the_device_twice(tmp_path, monkeypatch):
+    """Reading a tensor back (`.item()`, `.tolist()`) makes a GPU's host wait for the work queued before it. The
+    Trainer's step reads the step's totals (loss, item count, non-finite flags) once and the gradient norm once, not
+    also each micro-batch's loss and count (two reads per micro-batch before). Counted as the reads of 5 steps minus
+    those of 3, so set-up and the end of the run cancel out; 4 micro-batches per step."""
+    import torch
+
+    calls = {"n": 0}
+    for name in ("item", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            calls["n"] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+
+    def reads(steps: int) -> int:
+        cfg = load_config(None, [f"run.out_dir={tmp_path / str(steps)}", f"train.steps={steps}", "model.n_layer=1",
+                                 "model.d_model=32", "model.seq_len=16", "data.global_batch_size=8",
+                                 "data.micro_batch_size=2", "train.eval_every=0", "log.progress=false",
+                                 "dist.threads_per_rank=1"])
+        before = calls["n"]
+        Trainer(cfg).fit()
+        return calls["n"] - before
+
+    assert (reads(5) - reads(3)) / 2 == 2
+
+
 @pytest.mark.parametrize("policy", ["abort", "continue"])
 def test_checkpoint_on_error_policy_with_a_full_disk(policy, tiny_disk, caplog):
     import logging

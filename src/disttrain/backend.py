@@ -107,11 +107,15 @@ class TrainingBackend:
         count = batch_size(batch)  # a mean over the batch: weight it by its size
         return result * count, torch.tensor(float(count), dtype=torch.float64, device=self.runtime.device)
 
-    def forward_backward(self, batch: Any, loss_fn: LossFn | None = None, *, sync: bool = True) -> dict:
+    def forward_backward(self, batch: Any, loss_fn: LossFn | None = None, *, sync: bool = True,
+                         values: bool = True) -> dict:
         """Forward and backward one micro-batch, accumulating gradients.
 
         `sync=False` marks a micro-batch that is not the last of its optimizer step, so the strategy may
         skip gradient communication (DDP `no_sync`). The last micro-batch before `optim_step` must sync.
+        `values=False` returns {} and reads nothing back from the device, so on a GPU the host goes on queuing
+        work instead of waiting for this micro-batch's backward (the Trainer's loop: its step's loss comes from
+        `optim_step`).
         """
         batch, loss_fn = self._chunk(to_device(batch, self.runtime.device, self.precision.param_dtype), loss_fn)
         self.prepared.module.train()
@@ -143,7 +147,9 @@ class TrainingBackend:
             self._nonfinite = joined[1]
         self._micro_batches += 1
         self._unsynced = not sync
-        local_loss, local_count = loss_sum.item(), count.item()
+        if not values:
+            return {}
+        local_loss, local_count = torch.stack([loss_sum.detach().double(), count.double()]).tolist()  # one read
         return {"loss": local_loss / max(local_count, 1.0), "count": local_count}
 
     def optim_step(self, *, grad_norm: bool = True) -> dict:

@@ -267,7 +267,7 @@ class Trainer:
         self.meter.start()
         for i in range(micro_per_step):
             backend.on_phase("data")
-            backend.forward_backward(next(batches), sync=i == micro_per_step - 1)
+            backend.forward_backward(next(batches), sync=i == micro_per_step - 1, values=False)  # no device read
         out = backend.optim_step()
         values = {"loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"], "tokens": int(out["count"]),
                   **self.meter.stop(out["count"]), "skipped_steps": out["skipped_steps"],
