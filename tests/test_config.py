@@ -70,6 +70,10 @@ def test_bad_names_and_types_are_named(override, message):
      "needs ZeRO stage 1, 2 or 3"),
     (["parallel.strategy=deepspeed", "parallel.precision=bf16-true"], 2, 0, "fp32 master copy of every partition"),
     (["parallel.strategy=deepspeed", "parallel.deepspeed_config=/nonexistent.json"], 2, 0, "file not found"),
+    (["parallel.strategy=ddp", "parallel.static_graph=true"], 2, 0,  # 32 / (8 x 2): torch's DDP would crash
+     r"static_graph = true with 2 micro-batches .*pytorch#143580.*static_graph = false, or data.micro_batch_size = 16"),
+    (["parallel.strategy=zero1", "parallel.static_graph=true", "data.micro_batch_size=4"], 2, 0,
+     r"static_graph = true with 4 micro-batches"),
 ])
 def test_validate_names_setting_value_and_fix(overrides, world, gpus, message):
     cfg = _cfg(*overrides)

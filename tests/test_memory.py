@@ -284,3 +284,29 @@ def test_torch_gives_the_order_of_every_two_stage_schedule(schedule):
             assert [kind for _, kind in order].count("F") == sum(kind in "BW" for _, kind in order)
             chunks, exact = in_flight(schedule, ranks, rank, microbatches)
             assert exact and 0 < len(chunks) <= 2 * microbatches
+
+
+def test_ddp_holds_accumulated_gradients_beside_its_buckets_and_the_estimate_counts_them():
+    """Measured on one rank (a gloo group in this process): the micro-batches before the last accumulate into new
+    gradient tensors (the step cleared them to None) while DDP's buckets already exist, so a step that accumulates
+    holds the gradients twice; one micro-batch per step, or a strategy without buckets, holds them once."""
+    import torch
+
+    from disttrain.backend import create_backend
+    from disttrain.bench.gpu import _runtime
+    from disttrain.memory import measure
+    from disttrain.models.gpt import GPT
+    from disttrain.optim import optimizer_factory
+
+    runtime = _runtime(torch.device("cpu"), group=True)
+    x = torch.randint(0, 256, (2, 16))
+    grads = {}
+    for strategy, micro_batches in (("ddp", 2), ("ddp", 1), ("zero1", 2), ("single", 2)):
+        cfg = load_config(None, [f"parallel.strategy={strategy}", "model.n_layer=1", "model.d_model=32",
+                                 "model.seq_len=16", "data.micro_batch_size=2",
+                                 f"data.global_batch_size={2 * micro_batches}"])
+        got = measure(lambda cfg=cfg: create_backend(GPT(cfg.model), optimizer_factory(cfg.optim), cfg.parallel,
+                                                     runtime=runtime), [{"input_ids": x, "labels": x}] * micro_batches)
+        grads[strategy, micro_batches] = got["grads"]
+        assert got["grads"] == estimate(cfg, 1, strategy).grads, (strategy, micro_batches)
+    assert grads["ddp", 2] == grads["zero1", 2] == 2 * grads["ddp", 1] == 2 * grads["single", 2]

@@ -76,3 +76,35 @@ def test_profile_steps_write_a_trace_per_rank(runs):
         assert comm_overlap(trace, 2) is None  # no kernels on a CPU: the step meter measured exposure itself
     assert {p.name for p in (tmp / "ddp" / "profile").iterdir()} == {"rank0.json", "rank1.json"}
     assert not (tmp / "single" / "profile").exists()
+
+
+def test_a_static_graph_trains_one_micro_batch_per_step_and_refuses_to_accumulate(tmp_path):
+    """torch's DDP crashes under no_sync with static_graph (pytorch/pytorch#143580): the config refuses it (exit 2,
+    one line, before any rank starts) and the backend's no_sync does too (a loop of one's own, the service);
+    with one micro-batch per step the static graph trains."""
+    refused = run_cli(["train", "--set", "parallel.strategy=ddp", "--set", "parallel.static_graph=true",
+                       "--set", f"run.out_dir={tmp_path}"], tmp_path, timeout=120)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1 and "data.micro_batch_size = 32" in refused.stderr
+    assert not (tmp_path / "default").exists()
+
+    import torch
+
+    from disttrain.backend import create_backend
+    from disttrain.bench.gpu import _runtime
+    from disttrain.config import ConfigError, load_config
+    from disttrain.models.gpt import GPT
+    from disttrain.optim import optimizer_factory
+
+    cfg = load_config(None, ["parallel.strategy=ddp", "parallel.static_graph=true", "model.n_layer=1",
+                             "model.d_model=32", "model.seq_len=16"])
+    backend = create_backend(GPT(cfg.model), optimizer_factory(cfg.optim), cfg.parallel,
+                             runtime=_runtime(torch.device("cpu"), group=True))
+    x = torch.randint(0, cfg.model.vocab_size, (2, 16))
+    losses = []
+    for _ in range(3):
+        backend.forward_backward({"input_ids": x, "labels": x})
+        losses.append(backend.optim_step()["loss"])
+    assert losses[-1] < losses[0]
+    with pytest.raises(ConfigError, match="static_graph"):
+        backend.forward_backward({"input_ids": x, "labels": x}, sync=False)

@@ -36,7 +36,7 @@ def test_a_registered_strategy_shows_in_config_validation_estimate_memory_and_ve
     small = ["--set", "model.n_layer=1", "--set", "model.d_model=32", "--set", "model.n_head=2",
              "--set", "model.seq_len=16", "--set", "data.global_batch_size=8", "--set", "data.micro_batch_size=2"]
     commands = [["config", "--list"],
-                ["estimate-memory", "--world-size", "2", *small],
+                ["estimate-memory", "--world-size", "2", *small, "--set", "data.global_batch_size=4"],
                 ["estimate-memory", "--world-size", "2", "--strategy", "toy_allreduce", "--set",
                  "parallel.cpu_offload=true", *small],
                 ["verify", "--strategies", "toy_allreduce", "--nproc", "2", "--steps", "3", "--set",
@@ -48,7 +48,8 @@ def test_a_registered_strategy_shows_in_config_validation_estimate_memory_and_ve
     assert code == 0 and any(line.startswith("toy_allreduce ") for line in table.splitlines())
     ddp_row = next(line for line in table.splitlines() if line.startswith("ddp "))
     toy_row = next(line for line in table.splitlines() if line.startswith("toy_allreduce "))
-    assert toy_row.split()[1:] == ddp_row.split()[1:]  # replicated like ddp, from its own spec's layout
+    # replicated like ddp, from its own spec's layout (one micro-batch per step: ddp's buckets are the gradients)
+    assert toy_row.split()[1:] == ddp_row.split()[1:]
     _, code = results[" ".join(commands[2])]
     assert code == 2  # its spec does not read cpu_offload: validation refuses it
     assert "parallel.cpu_offload = true needs a strategy that uses it (zero2, fsdp, hsdp, deepspeed), not " \

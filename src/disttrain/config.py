@@ -153,9 +153,12 @@ class ParallelConfig:
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB."""
     gradient_as_bucket_view: bool = True
-    """DDP: gradients are views into the communication buckets (saves one gradient copy)."""
+    """DDP: gradients are views into the communication buckets (saves one gradient copy, in steps of one
+    micro-batch: a step that accumulates holds the earlier micro-batches' gradients beside the buckets, since each
+    step clears the gradients to None)."""
     static_graph: bool = False
-    """DDP: the set of used parameters never changes between iterations (enables optimisations)."""
+    """DDP: the set of used parameters never changes between iterations (enables optimisations). Only with one
+    micro-batch per step: torch's DDP cannot accumulate (no_sync) with a static graph (pytorch/pytorch#143580)."""
     find_unused_parameters: bool = False
     """DDP: tolerate parameters that receive no gradient in a step (slower; needed for branching models)."""
     activation_checkpointing: bool = False

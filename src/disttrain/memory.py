@@ -277,11 +277,20 @@ def _gpt_split_activations(cfg: Config, linears: str, mesh: MeshLayout, model: n
 # Measurement on a real backend
 
 
+def _grads(params) -> list:
+    return [local_tensor(p.grad) for p in params if p.grad is not None]
+
+
+def _key(t: torch.Tensor) -> tuple[int, int, int]:
+    """A tensor's place: its storage, offset and size (views of one tensor count once)."""
+    return t.untyped_storage().data_ptr(), t.storage_offset(), t.numel()
+
+
 def _tensor_bytes(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
         t = local_tensor(t)
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+        key = _key(t)
         if t.numel() and key not in seen:
             seen.add(key)
             total += t.numel() * t.element_size()
@@ -370,6 +379,9 @@ def measure(build, batch) -> dict[str, int]:
     step (`SavedPeak`). Without a pipeline that is what one micro-batch's forward saves (the next forward starts
     after the previous backward freed it); under a pipeline schedule it is the most this stage held in flight.
 
+    Under DDP the grads also count those that the micro-batches before the last accumulated into tensors of their
+    own (the step cleared the gradients to None), held beside DDP's buckets until the last one copies them in.
+
     An engine strategy (deepspeed) keeps gradients in buffers of its own rather than in `param.grad`: there,
     grads are every tensor storage reachable from the engine (or a parameter's `.grad`) after backward that is
     neither a parameter, a buffer nor a master copy."""
@@ -379,12 +391,20 @@ def measure(build, batch) -> dict[str, int]:
     param_ptrs = {local_tensor(p).untyped_storage().data_ptr() for p in owned}
     saved = SavedPeak(param_ptrs)
     batches = batch if isinstance(batch, list) else [batch]
+    accumulated = []  # under DDP: the gradients held after each micro-batch before the last, by storage
+    ddp = isinstance(backend.prepared.module, torch.nn.parallel.DistributedDataParallel)
     with saved.hooks():
         for i, micro in enumerate(batches):
-            backend.forward_backward(micro, sync=i == len(batches) - 1)
+            backend.forward_backward(micro, sync=i == len(batches) - 1, values=False)
+            if ddp and i < len(batches) - 1:
+                accumulated.append({_key(g): g.numel() * g.element_size() for g in _grads(params)})
     engine = getattr(backend.prepared, "engine", None)
     if engine is None:
-        grads = _tensor_bytes(p.grad for p in params if p.grad is not None)
+        grads = _tensor_bytes(_grads(params))
+        # DDP's buckets (the final gradients' storage) exist from the start, so the gradients accumulated into
+        # other tensors before the last micro-batch were held beside them (parallel/ddp.py, with_buckets)
+        final = {g.untyped_storage().data_ptr() for g in _grads(params)}
+        grads += max((sum(n for key, n in held.items() if key[0] not in final) for held in accumulated), default=0)
     else:  # classified after the step, once the master copies are known
         held = _reachable_storages([engine, *(p.grad for p in params)])
     backend.optim_step()

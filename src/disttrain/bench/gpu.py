@@ -11,9 +11,10 @@ the others still run:
                        time), barrier
     steps PRECISION    bf16-mixed, fp16-mixed (GradScaler), bf16-true: 40 steps of a small reference GPT through
                        `create_backend`: finite losses that fall; step time
-    memory STRATEGY    single, fsdp (one-rank nccl group): `memory.estimate` against torch.cuda.max_memory_allocated of
-                       a step of two micro-batches (gradients are held while the second one's activations are, the
-                       sum the estimate counts), fp32, at a medium size; target: within 10%
+    memory STRATEGY    single, ddp, fsdp (one-rank nccl group): `memory.estimate` against
+                       torch.cuda.max_memory_allocated of a step of two micro-batches (gradients are held while the
+                       second one's activations are, the sum the estimate counts; under ddp beside its buckets),
+                       fp32, at a medium size; target: within 10%
     comm COMPRESSION   ddp over a one-rank nccl group, compression none and bf16: comm_s from nccl's own timing of
                        each all-reduce (parallel/comm.py) over 10 steps, comm_bytes against the gradients' size in the
                        wire dtype (target: comm_s measured and positive, bytes equal)
@@ -723,7 +724,7 @@ def _describe(size: dict[str, int], micro: int) -> str:
 CHECKS: list[tuple[str, Callable]] = [
     ("nccl", check_nccl),
     *((f"steps {p}", partial(check_steps, precision=p)) for p in ("bf16-mixed", "fp16-mixed", "bf16-true")),
-    *((f"memory {s}", partial(check_memory, strategy=s)) for s in ("single", "fsdp")),
+    *((f"memory {s}", partial(check_memory, strategy=s)) for s in ("single", "ddp", "fsdp")),
     *((f"comm {c}", partial(check_comm, compression=c)) for c in ("none", "bf16")),
     ("comm fsdp", check_fsdp_comm),
     ("comm trace", check_comm_trace),

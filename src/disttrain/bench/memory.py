@@ -95,7 +95,7 @@ def _variants(args, world: int) -> list[tuple[str, str, bool, tuple[str, ...], i
     for spec in map(registry.get, registry.names()):
         if spec.name not in chosen or spec.name not in runnable:
             continue  # e.g. a precision the strategy refuses
-        extra = ()
+        extra = (f"data.global_batch_size={args.micro * world}",)  # one micro-batch per step, as measured
         if "deepspeed_config" in spec.options:  # partitioned and whole (persistent) ZeRO-3 parameters both occur
             extra += (f"parallel.deepspeed_config={ds_json}",)
         if "hsdp_shard_size" in spec.options:  # shard groups of 1 rank, replicated across them: not fsdp's layout

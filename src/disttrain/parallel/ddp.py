@@ -2,22 +2,53 @@
 
 Accumulation micro-batches run under DDP's own `no_sync()`, so only the last micro-batch of a step
 communicates. `parallel.grad_compression` picks DDP's communication hook (comm.py); every hook is timed.
+
+The step clears gradients to None (spec.py), so each backward's gradients are new tensors that DDP copies into its
+buckets. `batched_grad_copy` (torch >= 2.13) makes that one `_foreach_copy_` per bucket, not one copy per parameter:
+on a GPU the host issued one memcpy per parameter per step before.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from disttrain.errors import ConfigError
 from disttrain.parallel import comm, layout
 from disttrain.parallel.spec import Prepared, StrategySpec
 
 log = logging.getLogger(__name__)
+BATCHED_GRAD_COPY = "batched_grad_copy" in inspect.signature(DistributedDataParallel).parameters
+"""torch >= 2.13 (the floor): False only where disttrain runs from source on an older torch (a GPU image)."""
 
 OPTIONS = frozenset({"bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters",
                      "grad_compression", "powersgd_rank"})
+
+
+def static_graph_refusal(micro_batches: str, one_micro_batch: str) -> str:
+    """Why `parallel.static_graph` cannot accumulate: torch's DDP crashes under `no_sync()` with a static graph
+    (`expect_autograd_hooks_ INTERNAL ASSERT FAILED`), and the pending fix says that once past the crash it stops
+    all-reducing from the second step (pytorch/pytorch#143580, #187732)."""
+    return (f"parallel.static_graph = true with {micro_batches} micro-batches per optimizer step: torch's DDP "
+            "cannot accumulate gradients (no_sync) with a static graph (pytorch/pytorch#143580); set "
+            f"parallel.static_graph = false, or {one_micro_batch}")
+
+
+def check(cfg, data: int) -> None:
+    """Refuse a static graph where the Trainer accumulates (DDP runs only outside a model-parallel layout)."""
+    d, p = cfg.data, cfg.parallel
+    accumulation = d.global_batch_size // (d.micro_batch_size * data)
+    model_parallel = p.pipeline > 1 or p.tensor > 1 or p.context > 1  # (as mesh.MeshLayout.model_parallel)
+    if p.static_graph and accumulation > 1 and not model_parallel:
+        raise ConfigError(static_graph_refusal(
+            str(accumulation), f"data.micro_batch_size = {d.global_batch_size // data} (one per step)"))
+
+
+def _no_sync_refused():
+    raise ConfigError(static_graph_refusal("several", "one micro-batch per optimizer step (sync=True on each)"))
 
 
 def apply(model, runtime, cfg, mesh=None) -> Prepared:
@@ -40,12 +71,13 @@ def apply(model, runtime, cfg, mesh=None) -> Prepared:
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
         static_graph=cfg.static_graph,
         find_unused_parameters=cfg.find_unused_parameters,
+        **({"batched_grad_copy": True} if BATCHED_GRAD_COPY else {}),
     )
     meter = comm.meter_for(runtime.device, cfg.grad_compression)
     if meter is not None or cfg.grad_compression != "none":
         ddp.register_comm_hook(*comm.ddp_hook(cfg.grad_compression, meter, cfg.powersgd_rank))
-    return Prepared(module=ddp, model=model, no_sync=ddp.no_sync, grads_averaged_over=runtime.world_size,
-                    comm=meter)
+    return Prepared(module=ddp, model=model, no_sync=_no_sync_refused if cfg.static_graph else ddp.no_sync,
+                    grads_averaged_over=runtime.world_size, comm=meter)
 
 
 def memory(shapes, cfg, world: int, rank: int | None, mesh=None) -> layout.MemoryLayout:
@@ -54,10 +86,23 @@ def memory(shapes, cfg, world: int, rank: int | None, mesh=None) -> layout.Memor
 
         return fsdp.memory_replicate(shapes, cfg, world, rank)
     out = layout.replicated(shapes, cfg, world, rank)
-    if not cfg.parallel.gradient_as_bucket_view:
-        out.grads *= 2  # gradients plus DDP's communication buckets
+    with_buckets(out, cfg, world)
     return out
 
 
+def with_buckets(out: layout.MemoryLayout, cfg, world: int) -> None:
+    """DDP's communication buckets, as many bytes as the gradients, beside the gradients themselves where both are
+    held at once: always without `gradient_as_bucket_view`, and with it while a step accumulates. The step clears
+    the gradients to None, so the micro-batches before the last one (under `no_sync`) accumulate into new tensors
+    that DDP copies into its buckets only at the last one (memory.measure sees both)."""
+    d = cfg.data
+    accumulates = d.global_batch_size > d.micro_batch_size * world
+    if not cfg.parallel.gradient_as_bucket_view or accumulates:
+        out.grads *= 2
+        out.notes.append("ddp: gradients and their communication buckets held at once ("
+                         + ("parallel.gradient_as_bucket_view = false)" if not cfg.parallel.gradient_as_bucket_view
+                            else "accumulation: the gradients of the micro-batches before the last one)"))
+
+
 SPECS = (StrategySpec("ddp", apply, "DistributedDataParallel: replicated model, bucketed gradient all-reduce",
-                      memory, options=OPTIONS, data_axes=lambda p, data: (data, 1)),)
+                      memory, options=OPTIONS, check=check, data_axes=lambda p, data: (data, 1)),)

@@ -54,5 +54,11 @@ def apply(model: nn.Module, runtime, cfg) -> Prepared:
     return prepared
 
 
-SPECS = (StrategySpec("zero1", apply, "DDP + ZeroRedundancyOptimizer: optimizer state sharded", layout.zero1,
-                      options=ddp_strategy.OPTIONS),)
+def memory(shapes, cfg, world: int, rank: int | None) -> layout.MemoryLayout:
+    out = layout.zero1(shapes, cfg, world, rank)
+    ddp_strategy.with_buckets(out, cfg, world)  # DDP carries the gradients, as under ddp
+    return out
+
+
+SPECS = (StrategySpec("zero1", apply, "DDP + ZeroRedundancyOptimizer: optimizer state sharded", memory,
+                      options=ddp_strategy.OPTIONS, check=ddp_strategy.check),)
