@@ -68,9 +68,10 @@ def test_defaults_are_the_issues_sizes():
     assert args.out == "docs/benchmarks/gpu.md" and args.compile and args.mfu_precision == "bf16-mixed"
     assert [name for name, _ in gpu.CHECKS] == ["nccl", "steps bf16-mixed", "steps fp16-mixed", "steps bf16-true",
                                                 "memory single", "memory ddp", "memory fsdp", "comm none",
-                                                "comm bf16", "comm fsdp", "comm trace", "overhead", "tp", "pp 1f1b",
-                                                "pp interleaved-1f1b", "pp zbv", "pp dualpipev", "pp zbv x tp",
-                                                "cpu_offload", "mfu", "mfu fsdp", "service ray"]
+                                                "comm bf16", "comm fsdp", "comm trace", "overhead",
+                                                "overhead medium", "tp", "pp 1f1b", "pp interleaved-1f1b", "pp zbv",
+                                                "pp dualpipev", "pp zbv x tp", "cpu_offload", "mfu", "mfu fsdp",
+                                                "service ray"]
 
 
 @pytest.mark.parametrize("precision", ["fp16-mixed"])

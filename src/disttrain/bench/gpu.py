@@ -26,7 +26,9 @@ the others still run:
     overhead           `bench overhead`'s two loops on the default job's model over the one-rank nccl group, ddp and
                        fsdp: the step written by hand from the PyTorch tutorials against the Trainer's, which logs
                        every in-run figure each step (MFU, comm_s timed by nccl, CUDA peak memory, the ranks' summary),
-                       interleaved in rounds; target: ratio of median step times <= 1.02
+                       interleaved in rounds; target: ratio of median step times <= 1.02. `overhead medium`: the
+                       same at the medium size (24 x 1024, two micro-batches of 4 per step), where the device bounds
+                       the step
     tp, pp SCHEDULE,   the tensor-parallel plan (sequence and loss parallel) and the pipeline schedules 1f1b,
     pp zbv x tp        interleaved-1f1b, zbv, dualpipev, and zbv over tp, on a one-rank nccl mesh (both stages of a
                        virtual or V schedule on this rank): 5 steps of 4 micro-batches, fp32, losses within 1e-5 of
@@ -436,19 +438,22 @@ def check_comm_trace(args, check: Check, size: dict[str, int] = MEDIUM, micro: i
 
 
 def check_overhead(args, check: Check, strategies: tuple[str, ...] = ("ddp", "fsdp"), rounds: int = 16,
-                   steps: int = 40) -> None:
+                   steps: int = 40, size: dict[str, int] | None = None, micro: int = 16, global_batch: int = 32
+                   ) -> None:
     """The in-run figures' cost on CUDA, with `bench overhead`'s own loops and rounds (overhead._compare) in this
     process: the hand-written step against the Trainer's step with every figure logged, on the default job's model
-    (launch-bound on a GPU, so any host cost of the figures shows in full)."""
+    (launch-bound on a GPU, so any host cost of the figures shows in full) or on `size`."""
     from disttrain.bench import overhead
     from disttrain.data import GlobalSampler, build_datasets
 
     runtime = _runtime(args.device, group=True)
+    model = tuple(f"model.{k}={v}" for k, v in (size or {}).items())
     ratios = {}
     with tempfile.TemporaryDirectory() as out:
-        bench = argparse.Namespace(global_batch=32, micro=16, nproc=1, out=out, rounds=rounds, steps=steps)
+        bench = argparse.Namespace(global_batch=global_batch, micro=micro, nproc=1, out=out, rounds=rounds,
+                                   steps=steps)
         for strategy in strategies:
-            cfg = overhead._config(bench, strategy)
+            cfg = overhead._config(bench, strategy, model)
             train, _ = build_datasets(cfg.data, cfg.model.seq_len)
             times = overhead._compare(bench, cfg, runtime, train, GlobalSampler(len(train), cfg.run.seed))
             plain, ours = statistics.median(times["plain"]), statistics.median(times["disttrain"])
@@ -456,9 +461,9 @@ def check_overhead(args, check: Check, strategies: tuple[str, ...] = ("ddp", "fs
             check.figures[f"{strategy}: hand-written / disttrain, median step"] = (
                 f"{_ms(plain)} / {_ms(ours)}, ratio {ratios[strategy]:.3f}")
     m = cfg.model
-    check.figures["model"] = (f"GPT {m.n_layer} x {m.d_model}, seq {m.seq_len}, micro-batch 16, global batch 32, "
-                              f"{cfg.parallel.precision}, one-rank nccl group; {rounds} interleaved rounds of "
-                              f"{steps} steps per loop")
+    check.figures["model"] = (f"GPT {m.n_layer} x {m.d_model}, seq {m.seq_len}, micro-batch {micro}, global batch "
+                              f"{global_batch}, {cfg.parallel.precision}, one-rank nccl group; {rounds} interleaved "
+                              f"rounds of {steps} steps per loop")
     check.passed = all(r <= OVERHEAD_TARGET for r in ratios.values())
     check.reason = (f"ratio of median step times, disttrain / hand-written, <= {OVERHEAD_TARGET}" if check.passed else
                     "over " + str(OVERHEAD_TARGET) + ": " + ", ".join(f"{s} {r:.3f}" for s, r in ratios.items()))
@@ -729,6 +734,7 @@ CHECKS: list[tuple[str, Callable]] = [
     ("comm fsdp", check_fsdp_comm),
     ("comm trace", check_comm_trace),
     ("overhead", check_overhead),
+    ("overhead medium", partial(check_overhead, rounds=4, steps=10, size=MEDIUM, micro=4, global_batch=8)),
     ("tp", partial(check_split, tensor_parallel=True)),
     *((f"pp {s}", partial(check_split, tensor_parallel=False, schedule=s)) for s in ("1f1b", "interleaved-1f1b",
                                                                                      "zbv", "dualpipev")),

@@ -103,13 +103,13 @@ def check_strategies(args: argparse.Namespace) -> None:
             raise ConfigError(f"--strategies {name}: {exc}") from None
 
 
-def _config(args: argparse.Namespace, strategy: str = "ddp"):
+def _config(args: argparse.Namespace, strategy: str = "ddp", extra: tuple[str, ...] = ()):
     from disttrain.config import load_config
 
     return load_config(None, [f"data.global_batch_size={args.global_batch}", f"data.micro_batch_size={args.micro}",
                               "dist.threads_per_rank=1", "log.progress=false", "train.steps=100000",
                               f"dist.nproc={args.nproc}", f"run.out_dir={args.out}", "run.name=overhead_run",
-                              *settings(strategy)])
+                              *settings(strategy), *extra])
 
 
 def _plain_setup(cfg, strategy: str, device: torch.device | None = None):
