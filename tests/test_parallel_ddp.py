@@ -108,3 +108,5 @@ def test_a_static_graph_trains_one_micro_batch_per_step_and_refuses_to_accumulat
     assert losses[-1] < losses[0]
     with pytest.raises(ConfigError, match="static_graph"):
         backend.forward_backward({"input_ids": x, "labels": x}, sync=False)
+    backend.forward_backward({"input_ids": x, "labels": x})  # nothing was left half-done: training goes on
+    assert backend.optim_step()["loss"] < losses[0]

@@ -51,14 +51,15 @@ def test_same_seed_same_run_and_another_seed_differs(tmp_path):
 
 
 def test_a_training_step_reads_the_device_twice(tmp_path, monkeypatch):
-    """Reading a tensor back (`.item()`, `.tolist()`) makes a GPU's host wait for the work queued before it. The
-    Trainer's step reads the step's totals (loss, item count, non-finite flags) once and the gradient norm once, not
-    also each micro-batch's loss and count (two reads per micro-batch before). Counted as the reads of 5 steps minus
-    those of 3, so set-up and the end of the run cancel out; 4 micro-batches per step."""
+    """Reading a tensor back (`.item()`, `.tolist()`, `bool()`, `float()`, `int()`, `.numpy()`) makes a GPU's host
+    wait for the work queued before it. The Trainer's step reads the step's totals (loss, item count, non-finite
+    flags) once and the gradient norm once, not also each micro-batch's loss and count (two reads per micro-batch
+    before). Counted as the reads of 5 steps minus those of 3, so set-up and the end of the run cancel out; 4
+    micro-batches per step."""
     import torch
 
     calls = {"n": 0}
-    for name in ("item", "tolist"):
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "numpy"):
         original = getattr(torch.Tensor, name)
 
         def counted(self, *args, _original=original, **kwargs):

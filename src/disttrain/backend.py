@@ -113,9 +113,9 @@ class TrainingBackend:
 
         `sync=False` marks a micro-batch that is not the last of its optimizer step, so the strategy may
         skip gradient communication (DDP `no_sync`). The last micro-batch before `optim_step` must sync.
-        `values=False` returns {} and reads nothing back from the device, so on a GPU the host goes on queuing
-        work instead of waiting for this micro-batch's backward (the Trainer's loop: its step's loss comes from
-        `optim_step`).
+        `values=False` returns {} and does not itself read anything back from the device, so on a GPU the host
+        goes on queuing work instead of waiting for this micro-batch's backward (the Trainer's loop: its step's loss
+        comes from `optim_step`).
         """
         batch, loss_fn = self._chunk(to_device(batch, self.runtime.device, self.precision.param_dtype), loss_fn)
         self.prepared.module.train()
@@ -149,7 +149,7 @@ class TrainingBackend:
         self._unsynced = not sync
         if not values:
             return {}
-        local_loss, local_count = torch.stack([loss_sum.detach().double(), count.double()]).tolist()  # one read
+        local_loss, local_count = torch.stack([loss_sum.detach().to(count), count]).tolist()  # one read
         return {"loss": local_loss / max(local_count, 1.0), "count": local_count}
 
     def optim_step(self, *, grad_norm: bool = True) -> dict:

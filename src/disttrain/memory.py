@@ -379,8 +379,9 @@ def measure(build, batch) -> dict[str, int]:
     step (`SavedPeak`). Without a pipeline that is what one micro-batch's forward saves (the next forward starts
     after the previous backward freed it); under a pipeline schedule it is the most this stage held in flight.
 
-    Under DDP the grads also count those that the micro-batches before the last accumulated into tensors of their
-    own (the step cleared the gradients to None), held beside DDP's buckets until the last one copies them in.
+    The grads also count those that the micro-batches before the last accumulated into other tensors than the final
+    gradients: under DDP (ddp, zero1) the step cleared the gradients to None, and they are held beside DDP's
+    buckets until the last micro-batch copies them in.
 
     An engine strategy (deepspeed) keeps gradients in buffers of its own rather than in `param.grad`: there,
     grads are every tensor storage reachable from the engine (or a parameter's `.grad`) after backward that is
@@ -391,18 +392,18 @@ def measure(build, batch) -> dict[str, int]:
     param_ptrs = {local_tensor(p).untyped_storage().data_ptr() for p in owned}
     saved = SavedPeak(param_ptrs)
     batches = batch if isinstance(batch, list) else [batch]
-    accumulated = []  # under DDP: the gradients held after each micro-batch before the last, by storage
-    ddp = isinstance(backend.prepared.module, torch.nn.parallel.DistributedDataParallel)
+    accumulated = []  # the gradients held after each micro-batch before the last, by storage
     with saved.hooks():
         for i, micro in enumerate(batches):
             backend.forward_backward(micro, sync=i == len(batches) - 1, values=False)
-            if ddp and i < len(batches) - 1:
+            if i < len(batches) - 1:
                 accumulated.append({_key(g): g.numel() * g.element_size() for g in _grads(params)})
     engine = getattr(backend.prepared, "engine", None)
     if engine is None:
         grads = _tensor_bytes(_grads(params))
-        # DDP's buckets (the final gradients' storage) exist from the start, so the gradients accumulated into
-        # other tensors before the last micro-batch were held beside them (parallel/ddp.py, with_buckets)
+        # gradients accumulated before the last micro-batch into other storages than the final ones were held
+        # beside those (DDP's buckets exist from the start: parallel/ddp.py, with_buckets); elsewhere they are the
+        # same tensors and add nothing
         final = {g.untyped_storage().data_ptr() for g in _grads(params)}
         grads += max((sum(n for key, n in held.items() if key[0] not in final) for held in accumulated), default=0)
     else:  # classified after the step, once the master copies are known

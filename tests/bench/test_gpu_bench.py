@@ -139,3 +139,5 @@ def test_only_runs_the_named_checks_and_refuses_an_unknown_one(tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert "--only 'overhed'" in result.stderr and "overhead" in result.stderr and len(result.stderr.splitlines()) == 1
     assert not (tmp_path / "gpu.md").exists()
+    result = run_cli(["bench", "gpu", "--only", "overhead"], tmp_path, timeout=60)  # the full report is kept
+    assert result.returncode == 2 and "give --out FILE" in result.stderr, result.stderr

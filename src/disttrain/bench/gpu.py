@@ -77,6 +77,7 @@ OVERHEAD_TARGET = 1.02  # the issue's: the in-run figures cost at most 2% of the
 PARITY = 1e-5  # fp32 losses of a split model against one process's
 GIB = 2**30
 NOTES_END = "<!-- bench gpu: the report below is rewritten by each run -->"
+REPORT = "docs/benchmarks/gpu.md"
 
 
 class Skipped(Exception):
@@ -98,7 +99,8 @@ class Check:
 
 def _args(argv):
     p = argparse.ArgumentParser(prog="disttrain bench gpu", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="docs/benchmarks/gpu.md", help="where the markdown report goes")
+    p.add_argument("--out", default=None, help=f"where the markdown report goes (default {REPORT}; needed with "
+                   "--only, whose report holds the named checks alone)")
     p.add_argument("--only", default="", help="comma-separated checks to run, by their names in the report's "
                    "table (e.g. 'overhead,comm trace'); default: all")
     p.add_argument("--n-layer", type=int, default=24, help="MFU model: blocks")
@@ -113,7 +115,10 @@ def _args(argv):
     p.add_argument("--peak-tflops", type=float, default=0.0, help="the device's dense peak (0: perf.PEAK_TFLOPS)")
     p.add_argument("--memory-fraction", type=float, default=0.8,
                    help="share of the device's memory the MFU model's estimate may fill (temporaries come on top)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.out is None and not args.only:
+        args.out = REPORT
+    return args
 
 
 # ----------------------------------------------------------------------------------------------
@@ -344,7 +349,7 @@ def check_memory(args, check: Check, strategy: str, size: dict[str, int] = MEDIU
     from disttrain.memory import estimate
     from disttrain.parallel import registry
 
-    cfg = config(size, micro, strategy, "fp32")
+    cfg = config(size, micro, strategy, "fp32", (f"data.global_batch_size={2 * micro}",))  # the 2 micro-batches run
     est = estimate(cfg, 1, strategy)
     backend = _backend(cfg, _runtime(args.device, group=registry.get(strategy).needs_group))
     windows = _windows(size["seq_len"])
@@ -758,9 +763,9 @@ def environment(device) -> dict[str, str]:
             "NCCL": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)}
 
 
-def selected(only: str) -> list[tuple[str, Callable]]:
+def selected(only: str, out: str | None = REPORT) -> list[tuple[str, Callable]]:
     """The checks `--only` names (all when empty), in their usual order; ConfigError (one line) for a name that is
-    not a check."""
+    not a check, or for `--only` without `--out` (the default report holds every check's figures and notes)."""
     from disttrain.errors import ConfigError
 
     names = [n.strip() for n in only.split(",") if n.strip()]
@@ -768,12 +773,15 @@ def selected(only: str) -> list[tuple[str, Callable]]:
     for name in names:
         if name not in known:
             raise ConfigError(f"--only {name!r}: not a check of bench gpu; the checks are: {', '.join(known)}")
+    if names and out is None:
+        raise ConfigError(f"--only {only!r} reports the named checks alone: give --out FILE ({REPORT}, the default, "
+                          "holds every check's report)")
     return [c for c in CHECKS if not names or c[0] in names]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
-    checks_to_run = selected(args.only)
+    checks_to_run = selected(args.only, args.out)
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:

@@ -90,12 +90,13 @@ def _variants(args, world: int) -> list[tuple[str, str, bool, tuple[str, ...], i
     tmp = ds_json.with_suffix(f".{os.getpid()}.tmp")  # every rank writes the same file: atomically
     tmp.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": args.d_model ** 2}}))
     os.replace(tmp, ds_json)
-    runnable = set(strategies_for(_config(args, "auto", False), world))  # installed, valid at this world size
+    one_micro_batch = f"data.global_batch_size={args.micro * world}"  # per step, as the strategy rows measure
+    runnable = set(strategies_for(_config(args, "auto", False, (one_micro_batch,)), world))  # installed, valid here
     out = []
     for spec in map(registry.get, registry.names()):
         if spec.name not in chosen or spec.name not in runnable:
             continue  # e.g. a precision the strategy refuses
-        extra = (f"data.global_batch_size={args.micro * world}",)  # one micro-batch per step, as measured
+        extra = (one_micro_batch,)
         if "deepspeed_config" in spec.options:  # partitioned and whole (persistent) ZeRO-3 parameters both occur
             extra += (f"parallel.deepspeed_config={ds_json}",)
         if "hsdp_shard_size" in spec.options:  # shard groups of 1 rank, replicated across them: not fsdp's layout

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from typing import NoReturn
 
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -47,7 +48,7 @@ def check(cfg, data: int) -> None:
             str(accumulation), f"data.micro_batch_size = {d.global_batch_size // data} (one per step)"))
 
 
-def _no_sync_refused():
+def _no_sync_refused() -> NoReturn:
     raise ConfigError(static_graph_refusal("several", "one micro-batch per optimizer step (sync=True on each)"))
 
 
@@ -85,12 +86,10 @@ def memory(shapes, cfg, world: int, rank: int | None, mesh=None) -> layout.Memor
         from disttrain.parallel import fsdp
 
         return fsdp.memory_replicate(shapes, cfg, world, rank)
-    out = layout.replicated(shapes, cfg, world, rank)
-    with_buckets(out, cfg, world)
-    return out
+    return with_buckets(layout.replicated(shapes, cfg, world, rank), cfg, world)
 
 
-def with_buckets(out: layout.MemoryLayout, cfg, world: int) -> None:
+def with_buckets(out: layout.MemoryLayout, cfg, world: int) -> layout.MemoryLayout:
     """DDP's communication buckets, as many bytes as the gradients, beside the gradients themselves where both are
     held at once: always without `gradient_as_bucket_view`, and with it while a step accumulates. The step clears
     the gradients to None, so the micro-batches before the last one (under `no_sync`) accumulate into new tensors
@@ -102,6 +101,7 @@ def with_buckets(out: layout.MemoryLayout, cfg, world: int) -> None:
         out.notes.append("ddp: gradients and their communication buckets held at once ("
                          + ("parallel.gradient_as_bucket_view = false)" if not cfg.parallel.gradient_as_bucket_view
                             else "accumulation: the gradients of the micro-batches before the last one)"))
+    return out
 
 
 SPECS = (StrategySpec("ddp", apply, "DistributedDataParallel: replicated model, bucketed gradient all-reduce",

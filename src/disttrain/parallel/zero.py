@@ -55,9 +55,7 @@ def apply(model: nn.Module, runtime, cfg) -> Prepared:
 
 
 def memory(shapes, cfg, world: int, rank: int | None) -> layout.MemoryLayout:
-    out = layout.zero1(shapes, cfg, world, rank)
-    ddp_strategy.with_buckets(out, cfg, world)  # DDP carries the gradients, as under ddp
-    return out
+    return ddp_strategy.with_buckets(layout.zero1(shapes, cfg, world, rank), cfg, world)  # DDP carries the grads
 
 
 SPECS = (StrategySpec("zero1", apply, "DDP + ZeroRedundancyOptimizer: optimizer state sharded", memory,
