@@ -56,9 +56,11 @@ def test_every_line_carries_the_cost_of_the_step(runs):
     for record in ddp:
         assert record["comm_s"] > 0 and 0 <= record["comm_exposed_s"] <= record["comm_s"] < record["step_time_s"]
         assert record["comm_bytes"] > 0 and record["slowest_rank"] in (0, 1)
+        assert (record["step_time_max_s"] == record["step_time_s"]) == (record["slowest_rank"] == 0)  # rank 0's slot
         assert record["step_time_max_s"] >= record["step_time_s"]
         assert record["mem_peak_gib_max"] >= record["mem_peak_gib"] > 0
         assert record["mfu"] is None and record["tflops"] > 0  # no peak is known for a CPU
+    assert [r["step"] for r in ddp] == list(range(1, STEPS + 1))  # every step's line, in order
     for record in single:
         assert record["comm_s"] is None and record["slowest_rank"] == 0  # nothing to communicate
     # the same model and tokens: the same FLOPs per token, so TFLOP/s and tokens/s keep one ratio in both runs
