@@ -74,6 +74,8 @@ def test_bad_names_and_types_are_named(override, message):
      r"static_graph = true with 2 micro-batches .*pytorch#143580.*static_graph = false, or data.micro_batch_size = 16"),
     (["parallel.strategy=zero1", "parallel.static_graph=true", "data.micro_batch_size=4"], 2, 0,
      r"static_graph = true with 4 micro-batches"),
+    (["parallel.strategy=ddp", "parallel.pipeline=2", "parallel.bucket_cap_mb=100"], 4, 0,
+     r"parallel.bucket_cap_mb = 100.0 has no effect under parallel.pipeline .*FSDP2's replicate.*remove"),
 ])
 def test_validate_names_setting_value_and_fix(overrides, world, gpus, message):
     cfg = _cfg(*overrides)

@@ -38,12 +38,25 @@ def static_graph_refusal(micro_batches: str, one_micro_batch: str) -> str:
             f"parallel.static_graph = false, or {one_micro_batch}")
 
 
+DDP_ONLY = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters")
+"""Settings only torch's DDP reads: under a pipeline, tensor or context layout the data axis is FSDP2's replicate."""
+
+
 def check(cfg, data: int) -> None:
-    """Refuse a static graph where the Trainer accumulates (DDP runs only outside a model-parallel layout)."""
+    """Refuse DDP's own settings where no DDP runs (a model-parallel layout), and a static graph where the Trainer
+    accumulates."""
+    from disttrain.config import ParallelConfig
+
     d, p = cfg.data, cfg.parallel
+    if p.pipeline > 1 or p.tensor > 1 or p.context > 1:  # (as mesh.MeshLayout.model_parallel)
+        for key in DDP_ONLY:
+            if getattr(p, key) != getattr(ParallelConfig(), key):
+                raise ConfigError(f"parallel.{key} = {getattr(p, key)!r} has no effect under parallel.pipeline / "
+                                  "tensor / context > 1, where the data axis runs FSDP2's replicate, not DDP; "
+                                  f"remove parallel.{key}")
+        return
     accumulation = d.global_batch_size // (d.micro_batch_size * data)
-    model_parallel = p.pipeline > 1 or p.tensor > 1 or p.context > 1  # (as mesh.MeshLayout.model_parallel)
-    if p.static_graph and accumulation > 1 and not model_parallel:
+    if p.static_graph and accumulation > 1:
         raise ConfigError(static_graph_refusal(
             str(accumulation), f"data.micro_batch_size = {d.global_batch_size // data} (one per step)"))
 
