@@ -400,12 +400,13 @@ def measure(build, batch) -> dict[str, int]:
                 accumulated.append({_key(g): g.numel() * g.element_size() for g in _grads(params)})
     engine = getattr(backend.prepared, "engine", None)
     if engine is None:
-        grads = _tensor_bytes(_grads(params))
+        final = _grads(params)
+        grads = _tensor_bytes(final)
         # gradients accumulated before the last micro-batch into other storages than the final ones were held
         # beside those (DDP's buckets exist from the start: parallel/ddp.py, with_buckets); elsewhere they are the
         # same tensors and add nothing
-        final = {g.untyped_storage().data_ptr() for g in _grads(params)}
-        grads += max((sum(n for key, n in held.items() if key[0] not in final) for held in accumulated), default=0)
+        ptrs = {g.untyped_storage().data_ptr() for g in final}
+        grads += max((sum(n for key, n in held.items() if key[0] not in ptrs) for held in accumulated), default=0)
     else:  # classified after the step, once the master copies are known
         held = _reachable_storages([engine, *(p.grad for p in params)])
     backend.optim_step()
