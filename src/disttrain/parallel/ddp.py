@@ -10,6 +10,7 @@ on a GPU the host issued one memcpy per parameter per step before.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 from typing import NoReturn
@@ -45,12 +46,11 @@ DDP_ONLY = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_un
 def check(cfg, data: int) -> None:
     """Refuse DDP's own settings where no DDP runs (a model-parallel layout), and a static graph where the Trainer
     accumulates."""
-    from disttrain.config import ParallelConfig
-
     d, p = cfg.data, cfg.parallel
     if p.pipeline > 1 or p.tensor > 1 or p.context > 1:  # (as mesh.MeshLayout.model_parallel)
+        defaults = {f.name: f.default for f in dataclasses.fields(p)}  # (config is a layer above: not imported)
         for key in DDP_ONLY:
-            if getattr(p, key) != getattr(ParallelConfig(), key):
+            if getattr(p, key) != defaults[key]:
                 raise ConfigError(f"parallel.{key} = {getattr(p, key)!r} has no effect under parallel.pipeline / "
                                   "tensor / context > 1, where the data axis runs FSDP2's replicate, not DDP; "
                                   f"remove parallel.{key}")
