@@ -276,8 +276,8 @@ def summarise(raw: dict) -> tuple[list[dict], dict]:
         median = statistics.median(r["times_s"])
         algbw = r["bytes"] / median / 1e9
         table.append({"collective": r["collective"], "bytes": r["bytes"], "world_size": n, "backend": raw["backend"],
-                      "iterations": r["iterations"], "time_median_s": median, "time_mean_s": statistics.mean(
-                          r["times_s"]), "time_min_s": min(r["times_s"]),
+                      "iterations": r["iterations"], "time_median_s": median,
+                      "time_mean_s": statistics.mean(r["times_s"]), "time_min_s": min(r["times_s"]),
                       "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(r["collective"], n)})
     fits = {}
     for c in dict.fromkeys(r["collective"] for r in table):

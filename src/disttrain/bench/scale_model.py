@@ -305,7 +305,7 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
         sent += times * nbytes * bus_factor(collective, ranks)
         if across:
             link = net.inter[collective]
-            return (link.call_s + _ring(collective, nbytes, ranks, link)) if ranks > 1 and nbytes > 0 else 0.0
+            return link.call_s * (ranks > 1 and nbytes > 0) + _ring(collective, nbytes, ranks, link)
         return collective_time(collective, nbytes, ranks, net)
 
     sent = 0.0
