@@ -4,6 +4,7 @@ overlap, the node hierarchy, and the published scaling it must reproduce. No pro
 import math
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -64,9 +65,11 @@ def test_fsdp_moves_one_and_a_half_times_ddp_bytes_in_fp32():
     work = sm.Workload(LLAMA, 1.0, 8192, precision="fp32")
     ddp = sm.step_time("ddp", 64, work, NET).wire_bytes
     fsdp = sm.step_time("fsdp", 64, work, NET).wire_bytes
-    assert ddp == pytest.approx(2 * 63 / 64 * LLAMA.params * 4, rel=1e-9)
+    figures = 63 / 64 * 24 * 64  # each logged line (every step by default) all-gathers 3 float64 per rank
+    assert ddp == pytest.approx(2 * 63 / 64 * LLAMA.params * 4 + figures, rel=1e-12)
     blocks = LLAMA.n_layer * LLAMA.layer_params  # gathered for forward and again for backward, then reduce-scattered
-    assert fsdp == pytest.approx(63 / 64 * 4 * (3 * blocks + 2 * LLAMA.root_params), rel=1e-9)  # root: gathered once
+    norm = 2 * 63 / 64 * 8  # sharded gradients: their norm is all-reduced (float64) in the optimizer step
+    assert fsdp == pytest.approx(63 / 64 * 4 * (3 * blocks + 2 * LLAMA.root_params) + norm + figures, rel=1e-12)
     assert 1.4 * ddp < fsdp <= 1.5 * ddp  # ZeRO's 1.5x, less the root's second gather
     assert sm.step_time("zero2", 64, work, NET).wire_bytes < fsdp
 
@@ -77,11 +80,35 @@ def test_ddp_hides_the_all_reduce_behind_backward_except_the_last_bucket():
     work = sm.Workload(model, compute_s=10.0, tokens=1, precision="fp32")
     buckets = sm._buckets(model, 4, work.bucket_bytes)
     last = sm.collective_time("all_reduce", buckets[0], 2, flat(link))
+    figures = sm.collective_time("all_gather", 24 * 2, 2, flat(link))  # the logged line's, after the step
     step = sm.step_time("ddp", 2, work, flat(link))
-    assert step.step_s == pytest.approx(10.0 + last, rel=1e-9)  # everything else fits inside the 6.7 s backward
+    assert step.step_s == pytest.approx(10.0 + last + figures, rel=1e-9)  # the rest fits inside the 6.7 s backward
+    assert sm.step_time("ddp", 2, replace(work, log_every=10), flat(link)).step_s == pytest.approx(
+        10.0 + last + figures / 10, rel=1e-9)
     slow = sm.step_time("ddp", 2, sm.Workload(model, 0.03, 1, "fp32"), flat(link))
     first_ready = 0.02 * buckets[-1] / sum(buckets)  # backward (2/3 of 0.03 s) until the first bucket is complete
     assert slow.step_s == pytest.approx(0.01 + first_ready + slow.comm_s, rel=1e-9)  # then the collectives back to back
+
+
+def test_a_cpu_step_pays_a_call_for_each_blocking_collective():
+    # gloo on one host, every core running a rank: nothing overlaps, and each call costs its alpha however small
+    alpha, beta = 2e-3, 1e-9
+    net = sm.with_gpus_per_node(sm.interconnect_from_fit({"world_size": 2, "backend": "gloo", "device": "cpu",
+        "collectives": {c: {"alpha_s": alpha, "beta_s_per_byte": beta} for c in sm.COLLECTIVES}}), 3)
+    shape = sm.gpt_shape(2, 64, 32, 256)
+    work = sm.Workload(shape, 0.05, 1, "fp32", cpu_cores=2)
+    grads = shape.params * 4
+    figures = alpha + beta * 24 * 2  # the logged line's all-gather of the ranks' figures
+    ddp = sm.step_time("ddp", 2, work, net)  # one bucket
+    assert ddp.step_s == pytest.approx(0.05 + alpha + beta * grads + figures, rel=1e-12)
+    assert sm.step_time("ddp", 2, replace(work, log_every=0), net).step_s == pytest.approx(
+        0.05 + alpha + beta * grads, rel=1e-12)
+    fsdp = sm.step_time("fsdp", 2, work, net)  # 1 + 2 x 2 gathers, 3 reduce-scatters, the gradient norm's all-reduce
+    calls = (1 + 2 * 2) + 3 + 1 + 1
+    moved = 4 * (shape.root_params + 2 * 2 * shape.layer_params) + grads + 8 + 24 * 2
+    assert fsdp.comm_s == pytest.approx(calls * alpha + beta * moved, rel=1e-12)
+    assert sm.step_time("ddp", 3, work, net).step_s == pytest.approx(  # 3 ranks on 2 cores: all of it x 1.5
+        1.5 * (0.05 + alpha + beta * grads * (4 / 3) + alpha + beta * 24 * 3 * (2 / 3) / (1 / 2)), rel=1e-12)
 
 
 def test_efficiency_falls_with_the_count_for_every_strategy():

@@ -210,6 +210,9 @@ class Workload:
     backward_fraction: float = 2 / 3
     cpu_cores: int = 0
     """0 on accelerators. On CPU, ranks beyond the cores share them, and so do gloo's communication threads."""
+    log_every: int = 1
+    """Steps per logged line (`train.log_every`; 0 = none): each line all-gathers the ranks' figures
+    (perf.rank_summary: 3 float64 per rank) and waits for it."""
 
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
@@ -297,10 +300,10 @@ def _buckets(model: ModelShape, grad_bytes: int, bucket_bytes: float) -> list[fl
 
 
 def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[list[Unit], float, float]:
-    """(units in forward order, seconds of collectives after the optimizer step, wire bytes per step)."""
+    """(units in forward order, seconds of collectives after backward, wire bytes per step)."""
     model, (stored, gathered, reduced) = work.model, BYTES[work.precision]
 
-    def wire(collective: str, nbytes: float, ranks: int, times: int = 1, across: bool = False) -> float:
+    def wire(collective: str, nbytes: float, ranks: int, times: float = 1, across: bool = False) -> float:
         nonlocal sent
         sent += times * nbytes * bus_factor(collective, ranks)
         if across:
@@ -309,12 +312,22 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
         return collective_time(collective, nbytes, ranks, net)
 
     sent = 0.0
-    if strategy in ("ddp", "zero1"):
+    sharded = strategy not in ("ddp", "zero1")
+    shard = min(n, net.gpus_per_node) if strategy == "hsdp" else n
+    # The Trainer's small collectives that block a step, exposed after backward: on one CPU host each costs a call
+    # (a hand-off and wake-ups: skipping the figures' gather took 0.5-2.5 ms off a 2-rank ddp step here), on GPUs
+    # microseconds. The optimizer step all-reduces the squared gradient norm where the gradients are sharded
+    # (spec.total_norm, float64); a logged line gathers the ranks' figures. (The step's loss totals are all-reduced
+    # too, but that starts before the last backward and is done before anyone waits: skipping it changed a 2-rank
+    # ddp step here by nothing.)
+    after = wire("all_reduce", 8, shard) if sharded else 0.0
+    if work.log_every:
+        after += wire("all_gather", 24 * n, n, times=1 / work.log_every) / work.log_every
+    if not sharded:
         buckets = _buckets(model, stored, work.bucket_bytes)
         units = [Unit(b / sum(buckets), reduce=wire("all_reduce", b, n)) for b in buckets]
-        after = wire("all_gather", model.params * stored, n) if strategy == "zero1" else 0.0
+        after += wire("all_gather", model.params * stored, n) if strategy == "zero1" else 0.0
         return units, after, sent
-    shard = min(n, net.gpus_per_node) if strategy == "hsdp" else n
     replicas = n // shard
     units = []
     sizes = [model.root_params] + [model.layer_params] * model.n_layer
@@ -325,7 +338,7 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
         if replicas > 1:  # hsdp: the shard's gradient is all-reduced across the nodes' replicas
             reduce += wire("all_reduce", params * reduced / shard, replicas, across=True)
         units.append(Unit(share, gather, gather if again else 0.0, reduce))
-    return units, 0.0, sent
+    return units, after, sent
 
 
 def step_time(strategy: str, n: int, work: Workload, net: Interconnect) -> Step:
