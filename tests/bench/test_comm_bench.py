@@ -71,7 +71,7 @@ def test_report_without_matplotlib_writes_everything_else(run, tmp_path, monkeyp
     (["--min-size", "1KB"], "--min-size '1KB' is not a size"),
     (["--max-size", "lots"], "--max-size 'lots' is not a size"),
     (["--min-size", "1M", "--max-size", "1K"], "--min-size 1M is above --max-size 1K"),
-    (["--nproc", "1000"], "--nproc 1000: more than 4 ranks per core"),
+    (["--nproc", "1000"], "--nproc 1000: more ranks than this machine can start"),
     (["--nproc", "1"], "--nproc 1: a collective needs at least 2 ranks"),
     (["--busy", "step", "--compute-ms", "-1"], "--compute-ms -1: give milliseconds >= 0"),
     (["--compute-ms", "20"], "--compute-ms 20 applies to --busy step only"),

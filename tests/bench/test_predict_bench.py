@@ -107,6 +107,7 @@ def test_rounds_of_comm_runs_pool_their_calls():
     (["--model", "resnet50"], "the FLOPs of resnet50 are not modelled; give --compute-s"),
     (["--validate", "--measured", "x.csv"], "--validate --measured needs --interconnect measured:"),
     (["--measure", "--world-sizes", "1,two"], "--world-sizes '1,two': give counts"),
+    (["--measure", "--world-sizes", "1,1000"], "--world-sizes: 1000 ranks is more than this machine can start"),
     (["--measure", "--validate", "--rounds", "0"], "--rounds 0: give 1 or more"),
     (["--validate", "--measured", "busy.csv", "--interconnect", "measured:fit.json"], "--measured busy.csv: every row "
      "was measured while other processes kept more than 0.1 cores busy"),

@@ -23,6 +23,15 @@ def launch_workers(args: argparse.Namespace, name: str) -> tuple[int, Path]:
     return launch(args.nproc, worker_entry(f"disttrain.bench.{name}", args), out / f"{name}_run"), out
 
 
+def rank_limit(gpus: int) -> tuple[int, str]:
+    """(the most ranks a benchmark starts on this machine, what bounds it): one per visible GPU where `gpus` run the
+    ranks, else 4 per core (more would measure the scheduler, not the job)."""
+    if gpus:
+        return gpus, f"{gpus} visible GPU(s), one rank each"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return 4 * cores, f"{cores} core(s), at most 4 ranks per core"
+
+
 def busy_seconds() -> float:
     """CPU seconds the whole machine has been busy, all cores (Linux: /proc/stat; idle and iowait aside)."""
     ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]

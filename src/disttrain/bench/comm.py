@@ -43,6 +43,7 @@ import time
 import warnings
 from pathlib import Path
 
+from disttrain.bench import rank_limit
 from disttrain.bench.scale_model import COLLECTIVES, bus_factor, fit_alpha_beta
 from disttrain.errors import ConfigError
 
@@ -114,14 +115,11 @@ def check(args: argparse.Namespace) -> None:
         raise ConfigError("--iters and --min-iters must be >= 1 and --warmup >= 0")
     gpus = torch.cuda.device_count()
     args.nproc = args.nproc or gpus or 2
-    cores = len(os.sched_getaffinity(0))
     if args.nproc < 2:
         raise ConfigError(f"--nproc {args.nproc}: a collective needs at least 2 ranks")
-    if gpus and args.nproc > gpus:
-        raise ConfigError(f"--nproc {args.nproc}: this machine has {gpus} visible GPUs (one rank per GPU)")
-    if not gpus and args.nproc > 4 * cores:
-        raise ConfigError(f"--nproc {args.nproc}: more than 4 ranks per core ({cores} cores here) would measure the "
-                          f"scheduler, not the collectives; use at most {4 * cores}")
+    limit, what = rank_limit(gpus)
+    if args.nproc > limit:
+        raise ConfigError(f"--nproc {args.nproc}: more ranks than this machine can start ({what}); use at most {limit}")
 
 
 def main(argv: list[str] | None = None) -> int:

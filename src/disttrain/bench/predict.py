@@ -35,6 +35,7 @@ import statistics
 import time
 from pathlib import Path
 
+from disttrain.bench import rank_limit
 from disttrain.bench.published_scaling import PUBLISHED
 from disttrain.bench.scale_model import (
     BYTES,
@@ -145,6 +146,19 @@ def _precision(args: argparse.Namespace, default: str) -> str:
     return name
 
 
+def _startable(args: argparse.Namespace) -> None:
+    """--measure: refuse world sizes this machine cannot start (on the config's device)."""
+    import torch
+
+    from disttrain.config import load_config, uses_cuda
+
+    gpus = torch.cuda.device_count()
+    limit, what = rank_limit(gpus if uses_cuda(load_config(args.config, args.overrides), gpus) else 0)
+    if args.world_sizes[-1] > limit:
+        raise ConfigError(f"--world-sizes: {args.world_sizes[-1]} ranks is more than this machine can start ({what}); "
+                          f"use world sizes up to {limit}")
+
+
 def _cores(args: argparse.Namespace, fit: dict | None) -> int:
     if args.cpu_cores >= 0:
         return args.cpu_cores
@@ -159,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         from disttrain.bench.predict_measure import measure, sitting
 
         args.world_sizes = _counts(args.world_sizes, "--world-sizes")
+        _startable(args)
         for s in args.strategies.split(","):
             canonical_strategy(s)
         if not args.validate:

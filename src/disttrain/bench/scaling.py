@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from disttrain.bench import rank_limit
 from disttrain.bench.scaling_report import TARGETS
 from disttrain.errors import ConfigError
 
@@ -191,9 +192,8 @@ def _world_sizes(text: str, devices: int, cuda: bool) -> list[int]:
         raise ConfigError(f"--world-sizes {text}: expected comma-separated integers, e.g. 1,2,4") from None
     if not worlds or worlds[0] != 1:
         raise ConfigError(f"--world-sizes {text}: must include 1 (efficiency is measured against it), e.g. 1,2,4")
-    limit = devices if cuda else 4 * devices
+    limit, what = rank_limit(devices if cuda else 0)
     if worlds[-1] > limit:
-        what = f"{devices} visible GPU(s)" if cuda else f"{devices} core(s) (at most 4 ranks per core)"
         raise ConfigError(f"--world-sizes {text}: {worlds[-1]} ranks is more than this machine can start ({what}); "
                           f"use world sizes up to {limit}")
     return worlds
