@@ -45,6 +45,23 @@ def test_bad_config_is_one_line_and_exit_2(args, message, tmp_path, monkeypatch,
     assert not (tmp_path / "runs").exists()  # rejected before anything was written or started
 
 
+@pytest.mark.parametrize("args, message", [
+    (["train", "--bogus"], "unrecognized arguments: --bogus; see `disttrain --help`"),
+    (["bench", "nope"], "argument name: invalid choice: 'nope'"),
+    (["bench", "comm", "--factor", "3"], "argument --factor: invalid choice: 3 (choose from 2, 4); see `disttrain "
+     "bench comm --help`"),
+    (["bench", "scaling", "--steps", "two"], "argument --steps: invalid int value: 'two'"),
+])
+def test_a_bad_command_line_is_one_line_and_exit_2(args, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stopped:  # argparse's own errors, before anything runs
+        main(args)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("disttrain: error: ") and message in err[0], err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bad_config_in_a_real_process_has_no_traceback_and_leaves_nothing(tmp_path):
     marker = f"marker-{tmp_path.name}"
     result = run_cli(["train", "--nproc", "2", "--set", "data.global_batch_size=7", "--set",

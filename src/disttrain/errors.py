@@ -9,6 +9,7 @@ by class: `MemoryError` (host) and `torch.OutOfMemoryError`, which is a `Runtime
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 OOM_ADVICE = ("lower data.micro_batch_size, set parallel.activation_checkpointing = true, use a sharded strategy "
@@ -26,6 +27,15 @@ class ConfigError(UserError, ValueError):
     """A user mistake in the configuration or the command line. The message is one line: setting, value, fix."""
 
     exit_code = 2
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one line too (argparse prints its usage first): the setting, what is
+    wrong, where to look; exit 2, as for a ConfigError."""
+
+    def error(self, message: str):
+        print(f"{UserError.prefix}{message}; see `{self.prog} --help`", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -6,16 +6,15 @@ torchrun directly: `torchrun --nproc-per-node 2 -m disttrain.run runs/default/co
 
 from __future__ import annotations
 
-import argparse
 import logging
 
 from disttrain.config import load_config
-from disttrain.errors import exit_code
+from disttrain.errors import ArgumentParser, exit_code
 from disttrain.runtime import exit_process
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m disttrain.run")
+    parser = ArgumentParser(prog="python -m disttrain.run")
     parser.add_argument("config", nargs="?", help="TOML config (default: the built-in job)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = parser.parse_args(argv)

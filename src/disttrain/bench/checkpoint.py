@@ -12,7 +12,6 @@ wait for the background copy before the optimizer step.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -24,9 +23,11 @@ from pathlib import Path
 
 import torch
 
+from disttrain.errors import ArgumentParser
+
 
 def _args(argv):
-    p = argparse.ArgumentParser(prog="disttrain bench checkpoint", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="disttrain bench checkpoint", description=__doc__.split("\n")[0])
     p.add_argument("--n-layer", type=int, default=8)
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--rounds", type=int, default=5)

@@ -45,7 +45,7 @@ from pathlib import Path
 
 from disttrain.bench import rank_limit
 from disttrain.bench.scale_model import COLLECTIVES, bus_factor, fit_alpha_beta
-from disttrain.errors import ConfigError
+from disttrain.errors import ArgumentParser, ConfigError
 
 _UNITS = {"": 1, "K": 2**10, "KIB": 2**10, "M": 2**20, "MIB": 2**20, "G": 2**30, "GIB": 2**30}
 
@@ -61,7 +61,7 @@ def parse_size(text: str, flag: str) -> int:
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="disttrain bench comm", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="disttrain bench comm", description=__doc__.split("\n")[0])
     p.add_argument("--collectives", default=",".join(COLLECTIVES), help="comma-separated: " + ", ".join(COLLECTIVES))
     p.add_argument("--min-size", default="1K", help="smallest message, e.g. 1K")
     p.add_argument("--max-size", default="256M", help="largest message, e.g. 256M")

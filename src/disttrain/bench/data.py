@@ -28,9 +28,11 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from disttrain.errors import ArgumentParser
+
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="disttrain bench data", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="disttrain bench data", description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=6, help="interleaved rounds per variant (even)")
     p.add_argument("--steps", type=int, default=12, help="optimizer steps per round (the first is not timed)")
     p.add_argument("--sleep-ms", type=float, default=2.0, help="cost of one item of the slow dataset")

@@ -66,6 +66,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from disttrain.errors import ArgumentParser
+
 NO_GPU = "no CUDA GPU visible: bench gpu validates the CUDA paths and needs one; nothing was run"
 SMALL = {"n_layer": 4, "d_model": 256, "n_head": 4, "seq_len": 256, "vocab_size": 256}
 MEDIUM = {"n_layer": 24, "d_model": 1024, "n_head": 16, "seq_len": 1024, "vocab_size": 8192}  # activations lead
@@ -98,7 +100,7 @@ class Check:
 
 
 def _args(argv):
-    p = argparse.ArgumentParser(prog="disttrain bench gpu", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="disttrain bench gpu", description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None, help=f"where the markdown report goes (default {REPORT}; needed with "
                    "--only, whose report holds the named checks alone)")
     p.add_argument("--only", default="", help="comma-separated checks to run, by their names in the report's "

@@ -19,11 +19,11 @@ import statistics
 import time
 from pathlib import Path
 
-from disttrain.errors import ConfigError
+from disttrain.errors import ArgumentParser, ConfigError
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="disttrain bench loss-parallel", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="disttrain bench loss-parallel", description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=2, help="ranks = tensor-parallel degree")
     p.add_argument("--vocabs", default="256,8192,32768", help="vocabulary sizes, comma-separated")
     p.add_argument("--micro", type=int, default=8, help="sequences per step")

@@ -24,6 +24,8 @@ import math
 import os
 from pathlib import Path
 
+from disttrain.errors import ArgumentParser
+
 PARALLEL_DEGREES = ("parallel.pipeline", "parallel.tensor", "parallel.context")
 KINDS = ("params", "grads", "optimizer", "activations")
 LAYOUTS = {
@@ -48,7 +50,7 @@ MICRO_BATCHES = 4
 
 
 def _args(argv):
-    p = argparse.ArgumentParser(prog="disttrain bench memory", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="disttrain bench memory", description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--d-model", type=int, default=128)

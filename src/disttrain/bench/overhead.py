@@ -31,10 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from disttrain.bench import plain_model_parallel
+from disttrain.errors import ArgumentParser
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="disttrain bench overhead", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="disttrain bench overhead", description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--strategies", default="ddp", help="comma-separated: ddp, zero1, zero2, fsdp, hsdp, deepspeed, "
                    "and layouts over all --nproc ranks: ppN (pipeline, 1f1b), ppN-gpipe, tpN (tensor)")

@@ -32,14 +32,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from disttrain.errors import ConfigError
+from disttrain.errors import ArgumentParser, ConfigError
 
 SCHEDULES = ("gpipe", "1f1b")
 """Schedules with one stage per rank, whose bubble is (p - 1) / (m + p - 1)."""
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="disttrain bench pipeline", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="disttrain bench pipeline", description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=2, help="ranks = pipeline stages")
     p.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated: gpipe, 1f1b")
     p.add_argument("--microbatches", default="2,4,8", help="micro-batches per step, comma-separated")

@@ -54,14 +54,14 @@ from disttrain.bench.scale_model import (
     step_time,
     with_gpus_per_node,
 )
-from disttrain.errors import ConfigError
+from disttrain.errors import ArgumentParser, ConfigError
 
 LOCAL_BATCH = {"llama3-8b": 2, "llama3-70b": 1, "resnet50": 32, "bert-large": 32}
 """Sequences (images) per GPU per step of each preset model: torchtitan's Llama runs, the DDP paper's batch."""
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="disttrain bench predict", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="disttrain bench predict", description=__doc__.split("\n")[0])
     p.add_argument("config", nargs="?", help="TOML config of the reference GPT (default: the built-in job)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--model", default="", help="a preset instead of the config's GPT: " + ", ".join(MODELS))

@@ -24,6 +24,8 @@ import statistics
 import time
 from pathlib import Path
 
+from disttrain.errors import ArgumentParser
+
 COLUMNS = ["strategy", "mode", "world_size", "global_batch", "micro_batch", "step_time_s", "step_time_std_s",
            "tokens_per_s", "params", "cores", "rank_cpu", "other_cpu"]
 
@@ -124,7 +126,7 @@ def _write(path: Path, rows: list[dict]) -> None:
 
 
 def _worker_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="disttrain.bench.predict_measure")
+    p = ArgumentParser(prog="disttrain.bench.predict_measure")
     p.add_argument("config", nargs="?")
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--strategies", default="ddp,fsdp")

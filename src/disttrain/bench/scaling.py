@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 
 from disttrain.bench import rank_limit
 from disttrain.bench.scaling_report import TARGETS
-from disttrain.errors import ConfigError
+from disttrain.errors import ArgumentParser, ConfigError
 
 if TYPE_CHECKING:
     from disttrain.config import Config
@@ -62,7 +62,7 @@ NOT_SWEPT = {"parallel.strategy": "--strategies", "dist.nproc": "--world-sizes"}
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="disttrain bench scaling", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="disttrain bench scaling", description=__doc__.split("\n")[0])
     p.add_argument("config", nargs="?", help="TOML config file (default: the bench's CPU or GPU job)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one setting, after CONFIG (repeatable)")

@@ -15,7 +15,6 @@ the machine's drift; the report gives medians after `--warmup` steps and their r
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -25,9 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from disttrain.errors import ArgumentParser
+
 
 def _args(argv):
-    p = argparse.ArgumentParser(prog="disttrain bench service", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="disttrain bench service", description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)

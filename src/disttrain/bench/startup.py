@@ -22,9 +22,11 @@ import math
 import sys
 from pathlib import Path
 
+from disttrain.errors import ArgumentParser
+
 
 def _args(argv):
-    p = argparse.ArgumentParser(prog="disttrain bench startup", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="disttrain bench startup", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="", help="hf:DIR of the model to start (default: write a ~110M Llama)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--strategies", default="fsdp,deepspeed:3,ddp",

@@ -14,7 +14,6 @@ to that time for the bytes moved (one copy per engine), and the delta's bytes an
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import platform
@@ -25,9 +24,11 @@ import sys
 import time
 from pathlib import Path
 
+from disttrain.errors import ArgumentParser
+
 
 def _args(argv):
-    p = argparse.ArgumentParser(prog="disttrain bench weight-sync", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="disttrain bench weight-sync", description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--consumers", type=int, default=2)
     p.add_argument("--layers", type=int, default=8)

@@ -11,7 +11,6 @@ one warm-up call: what the driver's encoding, loopback TCP and the workers' deco
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import platform
@@ -19,9 +18,11 @@ import statistics
 import time
 from pathlib import Path
 
+from disttrain.errors import ArgumentParser
+
 
 def _args(argv):
-    p = argparse.ArgumentParser(prog="disttrain bench wire", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="disttrain bench wire", description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from disttrain.config import ConfigError, describe, dumps_toml, load_config, save_config
-from disttrain.errors import exit_code
+from disttrain.errors import ArgumentParser, exit_code
 
 
 def _launch_arguments(p: argparse.ArgumentParser, nproc_default: str | None) -> None:
@@ -88,7 +88,7 @@ def _plan(args: argparse.Namespace, nproc: int, cfg=None):
 def _parser() -> argparse.ArgumentParser:
     from disttrain._version import __version__
 
-    parser = argparse.ArgumentParser(prog="disttrain", description="Distributed PyTorch training.")
+    parser = ArgumentParser(prog="disttrain", description="Distributed PyTorch training.")
     parser.add_argument("--version", action="version", version=f"disttrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -27,7 +27,6 @@ the DISTTRAIN_SERVICE_TOKEN environment variable (the local backend does this; R
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import logging
 import os
@@ -40,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from disttrain.errors import ArgumentParser
 from disttrain.service.fork import die_with_parent
 from disttrain.service.wire import TOKEN_ENV, Connection, WireError, pack, split_batch, unpack
 
@@ -357,7 +357,7 @@ def serve_on(sock: socket.socket, token: str, rank: int, world: int, heartbeat_s
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m disttrain.service.worker")
+    parser = ArgumentParser(prog="python -m disttrain.service.worker")
     parser.add_argument("--connect", required=True, help="the driver's HOST:PORT")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
