@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 OOM_ADVICE = ("lower data.micro_batch_size, set parallel.activation_checkpointing = true, use a sharded strategy "
               "or parallel.cpu_offload, and see `disttrain estimate-memory`")
@@ -36,6 +37,18 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
         print(f"{UserError.prefix}{message}; see `{self.prog} --help`", file=sys.stderr)
         raise SystemExit(2)
+
+
+def make_folder(path: str | Path, setting: str) -> Path:
+    """The folder the user named with `setting` (e.g. `--out`, `run.out_dir`), created with its parents; a path that
+    cannot be a folder (a file is there, no permission) is a ConfigError naming the setting."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{setting} '{path}': cannot create the folder ({exc.strerror}); give a folder you can "
+                          "write") from None
+    return path
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -111,14 +111,33 @@ def test_rounds_of_comm_runs_pool_their_calls():
     (["--measure", "--validate", "--rounds", "0"], "--rounds 0: give 1 or more"),
     (["--validate", "--measured", "busy.csv", "--interconnect", "measured:fit.json"], "--measured busy.csv: every row "
      "was measured while other processes kept more than 0.1 cores busy"),
+    (["--strategy", ","], "--strategy ',' names no strategy"),
+    (["--mfu", "0"], "--mfu 0: give a fraction in (0, 1]"),
+    (["--tflops", "nan"], "--tflops nan: give a peak > 0"),
+    (["--compute-s", "-1"], "--compute-s -1: give seconds >= 0"),
+    (["--gpus-per-node", "-1"], "--gpus-per-node -1: give devices >= 0"),
+    (["--measure", "--steps", "0"], "--steps 0: give steps >= 1"),
+    (["--measure", "--validate", "--interconnect", "measured:fit.json"], "--interconnect measured:fit.json: --measure "
+     "--validate measures this machine's links itself"),
+    (["--interconnect", "measured:list.json"], "--interconnect measured:list.json: cannot read a comm_fit.json"),
+    (["--interconnect", "measured:one.json"], "measured:one.json: world_size 1: a fit of links needs 2 or more ranks"),
+    (["--validate", "--measured", "text.csv", "--interconnect", "measured:fit.json"], "--measured text.csv, line 2: "
+     "expected a world_size >= 1, a step_time_s > 0"),
+    (["--validate", "--measured", "tp.csv", "--interconnect", "measured:fit.json"], "--measured tp.csv: no row of a "
+     "modelled strategy"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "fit.json").write_text(json.dumps(FIT))
     (tmp_path / "busy.csv").write_text("strategy,world_size,step_time_s,other_cpu\nddp,1,0.1,0.5\n")
-    assert cli(["bench", "predict", *args, "--out", str(tmp_path)]) == 2
+    (tmp_path / "text.csv").write_text("strategy,world_size,step_time_s\nddp,1,fast\n")
+    (tmp_path / "tp.csv").write_text("strategy,world_size,step_time_s\ntp,1,0.1\n")
+    (tmp_path / "list.json").write_text(json.dumps({**FIT, "collectives": []}))
+    (tmp_path / "one.json").write_text(json.dumps({**FIT, "world_size": 1}))
+    assert cli(["bench", "predict", *args, "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("disttrain: error: " + message) and "\n" not in err, err
+    assert not (tmp_path / "out").exists()  # refused before anything was written
 
 
 def test_validate_reads_the_series_of_a_bench_scaling_csv(tmp_path):

@@ -17,9 +17,10 @@ def worker_entry(module: str, args: argparse.Namespace) -> list[str]:
 def launch_workers(args: argparse.Namespace, name: str) -> tuple[int, Path]:
     """Rerun benchmark `disttrain.bench.<name>` as a worker on `args.nproc` ranks (torchrun, run folder
     `<out>/<name>_run`): (its exit code, the absolute output folder)."""
+    from disttrain.errors import make_folder
     from disttrain.launch import launch
 
-    out = Path(args.out).resolve()
+    out = make_folder(Path(args.out).resolve(), "--out")
     return launch(args.nproc, worker_entry(f"disttrain.bench.{name}", args), out / f"{name}_run"), out
 
 

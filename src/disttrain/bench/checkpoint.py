@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from disttrain.errors import ArgumentParser
+from disttrain.errors import ArgumentParser, make_folder
 
 
 def _args(argv):
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _args(argv)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP in one process: intended
-    out = Path(args.out)
+    out = make_folder(Path(args.out), "--out")
     work = out / "checkpoint_bench_files"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from disttrain.errors import ArgumentParser
+from disttrain.errors import ArgumentParser, make_folder
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -163,8 +163,7 @@ def _report(args, cfg, slow_cfg, times: dict[str, list[float]], data_only: dict[
               "global_batch": cfg.data.global_batch_size,
               "micro_batch": cfg.data.micro_batch_size, "torch": torch.__version__, "disttrain": __version__,
               "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_folder(Path(args.out), "--out")
     (out / "data_loader.json").write_text(json.dumps(result, indent=2))
     m, d = cfg.model, cfg.data
     text = (

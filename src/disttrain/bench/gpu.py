@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from disttrain.errors import ArgumentParser
+from disttrain.errors import ArgumentParser, make_folder
 
 NO_GPU = "no CUDA GPU visible: bench gpu validates the CUDA paths and needs one; nothing was run"
 SMALL = {"n_layer": 4, "d_model": 256, "n_head": 4, "seq_len": 256, "vocab_size": 256}
@@ -794,7 +794,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(args.device)  # before any check can leave the device broken
     command = " ".join(["disttrain bench gpu", *(argv if argv is not None else sys.argv[1:])])
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    make_folder(out.parent, "--out")
     kept = kept_notes(out)
 
     def write(done: list[Check]) -> None:

@@ -19,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-from disttrain.errors import ArgumentParser, ConfigError
+from disttrain.errors import ArgumentParser, ConfigError, make_folder
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -93,8 +93,7 @@ def _worker(args: argparse.Namespace) -> None:
         gathered, split = _step_ms(args, runtime, vocab, "false"), _step_ms(args, runtime, vocab, "true")
         rows.append({"vocab": vocab, "gathered_ms": gathered, "split_ms": split, "ratio": split / gathered})
     if runtime.rank == 0:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+        out = make_folder(Path(args.out), "--out")
         meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "nproc": args.nproc, "micro": args.micro,
                 "steps": args.steps, "torch": torch.__version__, "python": platform.python_version()}
         (out / "loss_parallel.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))

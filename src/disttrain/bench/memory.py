@@ -24,7 +24,7 @@ import math
 import os
 from pathlib import Path
 
-from disttrain.errors import ArgumentParser
+from disttrain.errors import ArgumentParser, make_folder
 
 PARALLEL_DEGREES = ("parallel.pipeline", "parallel.tensor", "parallel.context")
 KINDS = ("params", "grads", "optimizer", "activations")
@@ -160,8 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     from disttrain.bench import worker_entry
     from disttrain.launch import launch
 
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_folder(Path(args.out).resolve(), "--out")
     for world in [int(w) for w in args.world_sizes.split(",")] if args.world_sizes else (1, args.nproc):
         code = launch(world, worker_entry("disttrain.bench.memory", args), out / "memory_run")
         if code:

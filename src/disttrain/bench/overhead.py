@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from disttrain.bench import plain_model_parallel
-from disttrain.errors import ArgumentParser
+from disttrain.errors import ArgumentParser, make_folder
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -340,8 +340,7 @@ def _report(args, cfg, times: dict[str, dict[str, list[float]]]) -> None:
               "global_batch": args.global_batch, "model": vars(cfg.model), "threads_per_rank": 1,
               "torch": torch.__version__, "disttrain": __version__,
               "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_folder(Path(args.out), "--out")
     (out / "overhead.json").write_text(json.dumps(result, indent=2))
     m = cfg.model
     (out / "overhead.md").write_text(

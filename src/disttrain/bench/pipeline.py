@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from disttrain.errors import ArgumentParser, ConfigError
+from disttrain.errors import ArgumentParser, ConfigError, make_folder
 
 SCHEDULES = ("gpipe", "1f1b")
 """Schedules with one stage per rank, whose bubble is (p - 1) / (m + p - 1)."""
@@ -188,8 +188,7 @@ def _report(args, cfg, measured: list) -> None:
               "torch": torch.__version__, "disttrain": __version__, "python": platform.python_version(),
               "machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_folder(Path(args.out), "--out")
     (out / "pipeline.json").write_text(json.dumps(result, indent=2))
     with open(out / "pipeline.csv", "w", newline="") as f:
         writer = csv.writer(f)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import platform
 import statistics
@@ -54,7 +55,9 @@ from disttrain.bench.scale_model import (
     step_time,
     with_gpus_per_node,
 )
-from disttrain.errors import ArgumentParser, ConfigError
+from disttrain.errors import ArgumentParser, ConfigError, make_folder
+
+DEFAULT_NET = "h100-nvlink+ib-ndr"
 
 LOCAL_BATCH = {"llama3-8b": 2, "llama3-70b": 1, "resnet50": 32, "bert-large": 32}
 """Sequences (images) per GPU per step of each preset model: torchtitan's Llama runs, the DDP paper's batch."""
@@ -67,8 +70,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="", help="a preset instead of the config's GPT: " + ", ".join(MODELS))
     p.add_argument("--strategy", default="fsdp", help="comma-separated: " + ", ".join(STRATEGIES) + " (zero3 = fsdp)")
     p.add_argument("--gpus", default="8,64,512,1024", help="GPU counts, comma-separated")
-    p.add_argument("--interconnect", default="h100-nvlink+ib-ndr",
-                   help=", ".join(PRESETS) + ", or measured:PATH (comm_fit.json of `disttrain bench comm`)")
+    p.add_argument("--interconnect", default="",
+                   help=", ".join(PRESETS) + ", or measured:PATH (comm_fit.json of `disttrain bench comm`); default "
+                   f"{DEFAULT_NET} (a sitting, --measure --validate, measures its own)")
     p.add_argument("--gpus-per-node", type=int, default=0, help="override the interconnect's devices per node")
     p.add_argument("--compute-s", type=float, default=0.0, help="seconds of one step's compute on one device")
     p.add_argument("--tflops", type=float, default=H100_BF16_TFLOPS, help="peak TFLOP/s (default: H100 bf16 dense)")
@@ -117,7 +121,9 @@ def interconnect(spec: str) -> tuple[Interconnect, dict | None]:
     try:
         fit = json.loads(path.read_text())
         return interconnect_from_fit(fit, spec), fit
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except ConfigError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(f"--interconnect {spec}: cannot read a comm_fit.json there ({exc}); run "
                           "`disttrain bench comm --out DIR` first") from None
 
@@ -167,35 +173,62 @@ def _cores(args: argparse.Namespace, fit: dict | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    _check_numbers(args)
+    strategies = list(dict.fromkeys(canonical_strategy(s) for s in args.strategy.split(",") if s.strip()))
+    if not strategies:
+        raise ConfigError(f"--strategy {args.strategy!r} names no strategy; e.g. --strategy fsdp or ddp,fsdp")
+    gpus = _counts(args.gpus, "--gpus")
+    shape, local_batch, precision = model_shape(args)
+    precision = _precision(args, precision)
+    sitting = args.measure and args.validate
+    if sitting and args.interconnect:
+        raise ConfigError(f"--interconnect {args.interconnect}: --measure --validate measures this machine's links "
+                          "itself; leave --interconnect out (or check a fit with --validate --measured CSV "
+                          "--interconnect measured:PATH)")
+    args.interconnect = args.interconnect or ("" if sitting else DEFAULT_NET)
+    net, fit = (None, None) if sitting else interconnect(args.interconnect)
     if args.measure:
-        from disttrain.bench.predict_measure import measure, sitting
+        from disttrain.bench import predict_measure
 
         args.world_sizes = _counts(args.world_sizes, "--world-sizes")
         _startable(args)
-        for s in args.strategies.split(","):
-            canonical_strategy(s)
-        if not args.validate:
-            print(f"disttrain: wrote {measure(args, out)}")
-            return 0
+        if not [canonical_strategy(s) for s in args.strategies.split(",") if s.strip()]:
+            raise ConfigError(f"--strategies {args.strategies!r} names no strategy; e.g. --strategies ddp,fsdp")
         if args.rounds < 1:
             raise ConfigError(f"--rounds {args.rounds}: give 1 or more (3 steadies the busy links)")
-        measured, fit_path = sitting(args, out)  # one sitting: step times and links measured together, then checked
+        args.micro_batch = args.micro_batch or local_batch  # the config's micro-batch unless given
+        out = make_folder(Path(args.out).resolve(), "--out")
+        if not sitting:
+            print(f"disttrain: wrote {predict_measure.measure(args, out)}")
+            return 0
+        measured, fit_path = predict_measure.sitting(args, out)  # step times and links measured together
         args.measured, args.interconnect = str(measured), f"measured:{fit_path}"
-    strategies = list(dict.fromkeys(canonical_strategy(s) for s in args.strategy.split(",") if s.strip()))
-    gpus = _counts(args.gpus, "--gpus")
-    net, fit = interconnect(args.interconnect)
+        net, fit = interconnect(args.interconnect)
     net = with_gpus_per_node(net, args.gpus_per_node) if args.gpus_per_node else net
-    shape, local_batch, precision = model_shape(args)
-    precision = _precision(args, precision)
     if args.validate:
         text, rows = validate(args, shape, precision, net, fit)
     else:
         text, rows = forecast(args, strategies, gpus, shape, local_batch, precision, net, fit)
-    _write(out, text, rows)
+    _write(make_folder(Path(args.out).resolve(), "--out"), text, rows)
     print(text)
     return 0
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Every numeric flag in its range, before anything is written or launched (0 = "the default" where a flag
+    says so)."""
+    checks = [("--compute-s", args.compute_s, 0.0, "seconds >= 0 (0: from FLOPs)"),
+              ("--tflops", args.tflops, 1e-9, "a peak > 0"),
+              ("--mfu", args.mfu, 1e-9, "a fraction in (0, 1]"),
+              ("--local-batch", args.local_batch, 0, "sequences >= 0 (0: the model's)"),
+              ("--micro-batch", args.micro_batch, 0, "sequences >= 0 (0: no accumulation, or the config's)"),
+              ("--gpus-per-node", args.gpus_per_node, 0, "devices >= 0 (0: the interconnect's)"),
+              ("--cpu-cores", args.cpu_cores, -1, "cores >= 0, or -1 for this machine's"),
+              ("--max-other-cpu", args.max_other_cpu, 0.0, "cores >= 0"),
+              ("--steps", args.steps, 1, "steps >= 1"), ("--warmup", args.warmup, 0, "steps >= 0")]
+    for flag, value, low, what in checks:
+        if not math.isfinite(value) or value < low or (flag == "--mfu" and value > 1):
+            raise ConfigError(f"{flag} {value:g}: give {what}")
 
 
 def forecast(args, strategies, gpus, shape, local_batch, precision, net, fit) -> tuple[str, list[dict]]:
@@ -260,6 +293,8 @@ def read_measured(path: Path, params: float, max_other_cpu: float) -> tuple[Meas
     if missing:
         raise ConfigError(f"--measured {path}: no column {', '.join(sorted(missing))} (needs strategy, world_size, "
                           "step_time_s)")
+    for line, row in enumerate(table, start=2):
+        _check_row(path, line, row)
     wrong = {r["params"] for r in table if r.get("params") and abs(float(r["params"]) - params) > 0.5}
     if wrong:
         raise ConfigError(f"--measured {path} was measured on a model of {', '.join(sorted(wrong))} parameters, the "
@@ -274,6 +309,9 @@ def read_measured(path: Path, params: float, max_other_cpu: float) -> tuple[Meas
         if row["strategy"] in STRATEGIES and row not in noisy:
             label = " ".join(row[k] for k in SERIES_KEYS if row.get(k))
             series.setdefault(label, (row["strategy"], {}))[1].setdefault(int(row["world_size"]), []).append(row)
+    if not series:
+        raise ConfigError(f"--measured {path}: no row of a modelled strategy ({', '.join(STRATEGIES)}); write it with "
+                          "`disttrain bench predict --measure` or `disttrain bench scaling`")
     result = {}
     for label, (strategy, worlds) in series.items():
         by_world = {}
@@ -284,6 +322,19 @@ def read_measured(path: Path, params: float, max_other_cpu: float) -> tuple[Meas
                                "local": local, "micro_steps": max(1, round(local / micro)) if micro else 1}
         result[label] = (strategy, by_world)
     return result, len(noisy)
+
+
+def _check_row(path: Path, line: int, row: dict) -> None:
+    """A measured row's figures are numbers: world size >= 1, step time > 0, the optional columns numeric."""
+    try:
+        world, step = int(row["world_size"]), float(row["step_time_s"])
+        numbers = [float(row[k]) for k in ("global_batch", "micro_batch", "params", "other_cpu") if row.get(k)]
+    except (TypeError, ValueError):
+        world, step, numbers = 0, 0.0, []
+    if world < 1 or not 0 < step < math.inf or not all(math.isfinite(x) and x >= 0 for x in numbers):
+        raise ConfigError(f"--measured {path}, line {line}: expected a world_size >= 1, a step_time_s > 0 (seconds) "
+                          "and numbers >= 0 in global_batch, micro_batch, params and other_cpu; got "
+                          + ", ".join(f"{k} {v!r}" for k, v in row.items() if k != "strategy"))
 
 
 def validate(args, shape, precision, net, fit) -> tuple[str, list[dict]]:

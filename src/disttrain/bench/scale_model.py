@@ -97,6 +97,9 @@ def interconnect_from_fit(fit: Mapping, name: str = "measured") -> Interconnect:
     a CPU host (`Link.call_s`: at 3 ranks a gloo call pays it once, not once per hop). Devices per node = the measured
     world size; beyond it the same links are assumed (one measurement says nothing about a network)."""
     world, per_call = int(fit["world_size"]), fit.get("device") == "cpu"
+    if world < 2:
+        raise ConfigError(f"{name}: world_size {world}: a fit of links needs 2 or more ranks; rerun `disttrain bench "
+                          "comm` with --nproc 2 or more")
     links = {}
     for c, f in fit["collectives"].items():
         bandwidth = bus_factor(c, world) / f["beta_s_per_byte"] if f["beta_s_per_byte"] > 0 else math.inf

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 
 from disttrain.bench import rank_limit
 from disttrain.bench.scaling_report import TARGETS
-from disttrain.errors import ArgumentParser, ConfigError
+from disttrain.errors import ArgumentParser, ConfigError, make_folder
 
 if TYPE_CHECKING:
     from disttrain.config import Config
@@ -105,9 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     from disttrain.launch import launch
 
     plan = make_plan(args)
-    out = Path(args.out).resolve()
-    run_dir = out / "scaling_run"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    out = make_folder(Path(args.out).resolve(), "--out")
+    run_dir = make_folder(out / "scaling_run", "--out")
     save_config(plan.base, run_dir / "base.toml")
     worker = argparse.Namespace(base=run_dir / "base.toml", strategies=",".join(plan.strategies), mode=args.mode,
                                 sweep=args.sweep, steps=args.steps, rounds=args.rounds, eval_steps=args.eval_steps,

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from disttrain.errors import ArgumentParser
+from disttrain.errors import ArgumentParser, make_folder
 
 
 def _args(argv):
@@ -83,8 +83,7 @@ async def service_step_times(args) -> list[float]:
 
 def main(argv=None) -> int:
     args = _args(argv or [])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_folder(Path(args.out), "--out")
     train_runs, service_runs = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):

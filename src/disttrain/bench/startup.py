@@ -22,7 +22,7 @@ import math
 import sys
 from pathlib import Path
 
-from disttrain.errors import ArgumentParser
+from disttrain.errors import ArgumentParser, make_folder
 
 
 def _args(argv):
@@ -136,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"disttrain: error: --strategies: {strategy!r}: a layout is +ppN or +tpN (e.g. ddp+pp2), "
                       f"not +{flag}", file=sys.stderr)
                 return 2
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_folder(Path(args.out).resolve(), "--out")
     if not args.model:
         write_model(out / "startup_model")
         args.model = f"hf:{out / 'startup_model'}"

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from disttrain.errors import ArgumentParser
+from disttrain.errors import ArgumentParser, make_folder
 
 
 def _args(argv):
@@ -137,8 +137,7 @@ def main(argv=None) -> int:
     from disttrain._version import __version__
 
     args = _args(argv or [])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_folder(Path(args.out), "--out")
     figures = asyncio.run(sync_figures(args))
     full_bytes = figures["full"][0]["full_bytes"]
     times = [r["seconds"] for r in figures["full"]]

@@ -18,7 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
-from disttrain.errors import ArgumentParser
+from disttrain.errors import ArgumentParser, make_folder
 
 
 def _args(argv):
@@ -61,8 +61,7 @@ def main(argv=None) -> int:
     from disttrain._version import __version__
 
     args = _args(argv or [])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_folder(Path(args.out), "--out")
     times, got = asyncio.run(call_times(args))
     mb = got / 1e6
     rate = mb / statistics.median(times)

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from disttrain.config import ConfigError, describe, dumps_toml, load_config, save_config
-from disttrain.errors import ArgumentParser, exit_code
+from disttrain.errors import ArgumentParser, exit_code, make_folder
 
 
 def _launch_arguments(p: argparse.ArgumentParser, nproc_default: str | None) -> None:
@@ -213,7 +213,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         print(describe_plan(cfg, plan))
         return 0
-    config_path = cfg.run_dir / "config.toml"
+    config_path = make_folder(cfg.run_dir, "run.out_dir / run.name") / "config.toml"
     save_config(cfg, config_path)
     if cfg.dist.launcher == "ray":
         from disttrain.launch_ray import launch_ray
