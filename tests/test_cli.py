@@ -45,6 +45,15 @@ def test_bad_config_is_one_line_and_exit_2(args, message, tmp_path, monkeypatch,
     assert not (tmp_path / "runs").exists()  # rejected before anything was written or started
 
 
+def test_a_run_folder_that_cannot_be_made_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("")
+    assert main(["train", "--set", "run.out_dir=a_file", "--set", "train.steps=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("disttrain: error: run.out_dir / run.name 'a_file/default': cannot create the folder"), err
+    assert "\n" not in err
+
+
 @pytest.mark.parametrize("args, message", [
     (["train", "--bogus"], "unrecognized arguments: --bogus; see `disttrain --help`"),
     (["bench", "nope"], "argument name: invalid choice: 'nope'"),

@@ -96,6 +96,11 @@ def test_bad_input_is_one_line(runs, tmp_path):
     (damaged / "metrics.jsonl").write_text("\n".join([good[0], good[1], '{"step": 3, "loss": 5.4', good[3]]) + "\n")
     _refused(run_cli(["plot", str(runs[0]), str(damaged)], tmp_path, timeout=60),
              str(damaged / "metrics.jsonl"), "line 3", "not JSON")
+    (damaged / "metrics.jsonl").write_bytes(b"\xff\xfe{}\n")
+    _refused(run_cli(["plot", str(damaged)], tmp_path, timeout=60), "cannot read it (not UTF-8 text)")
+    (tmp_path / "a_file").write_text("")
+    _refused(run_cli(["plot", str(runs[0]), "--out", str(tmp_path / "a_file")], tmp_path, timeout=60),
+             "--out", "cannot create the folder")
 
 
 def test_without_matplotlib_says_how_to_install(runs, tmp_path):

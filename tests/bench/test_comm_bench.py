@@ -74,6 +74,7 @@ def test_report_without_matplotlib_writes_everything_else(run, tmp_path, monkeyp
     (["--nproc", "1000"], "--nproc 1000: more ranks than this machine can start"),
     (["--nproc", "1"], "--nproc 1: a collective needs at least 2 ranks"),
     (["--busy", "step", "--compute-ms", "-1"], "--compute-ms -1: give milliseconds >= 0"),
+    (["--busy", "step", "--compute-ms", "nan"], "--compute-ms nan: give milliseconds >= 0"),
     (["--compute-ms", "20"], "--compute-ms 20 applies to --busy step only"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):

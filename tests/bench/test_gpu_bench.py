@@ -6,6 +6,7 @@ import torch
 
 from conftest import run_cli
 from disttrain.bench import gpu
+from disttrain.cli.main import main
 from disttrain.memory import estimate
 
 TINY = {"n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 64, "vocab_size": 256}
@@ -130,6 +131,19 @@ def test_the_overhead_check_runs_both_loops_over_a_one_rank_group_on_cpu():
     ratios = [v for k, v in check.figures.items() if k.endswith("median step")]
     assert len(ratios) == 2 and all(" ms, ratio " in v for v in ratios), check.figures
     assert check.reason.startswith("ratio of median" if check.passed else "over 1.02: ddp "), check.reason
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--steps", "0"], "--steps 0: must be >= 1"),
+    (["--memory-fraction", "nan"], "--memory-fraction nan: give a share"),
+    (["--peak-tflops", "-1"], "--peak-tflops -1: must be >= 0"), (["--only", ","], "--only ',' names no check"),
+    (["--d-model", "100"], "--d-model 100 is not divisible by --n-head 16"),
+])
+def test_bad_numbers_are_refused_before_the_device_is_looked_for(tmp_path, capsys, args, says):
+    assert main(["bench", "gpu", *args, "--out", str(tmp_path / "gpu.md")]) == 2  # (with or without a GPU)
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("disttrain: error: " + says) and "\n" not in err, err
+    assert not (tmp_path / "gpu.md").exists()
 
 
 def test_only_runs_the_named_checks_and_refuses_an_unknown_one(tmp_path):

@@ -42,9 +42,13 @@ def test_model_parallel_layouts_run_against_their_hand_written_loops(tmp_path):
     ("tp2-gpipe", "or a layout over all ranks: pp2, pp2-gpipe, tp2"),
     ("pp4", "--strategies pp4: the layout's degree 4 must equal --nproc 2"),
     ("", "--strategies is empty"),
+    ("ddp --rounds 3", "--rounds 3: must be >= 2 and even"),
+    ("ddp --steps 0", "--steps 0: must be >= 1"),
+    ("ddp --nproc 1000", "--nproc 1000: more ranks than this machine can start"),
 ])
 def test_unknown_layout_is_one_line_and_exit_2(tmp_path, capsys, strategies, says):
-    code = main(["bench", "overhead", "--strategies", strategies, "--out", str(tmp_path / "b")])
+    strategies, *more = strategies.split(" ")
+    code = main(["bench", "overhead", "--strategies", strategies, *more, "--out", str(tmp_path / "b")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("disttrain: error: ") and says in err and "\n" not in err, err
     assert not (tmp_path / "b").exists()

@@ -69,8 +69,13 @@ CORES = len(os.sched_getaffinity(0))
     (["--mode", "strong", "--world-sizes", "1,3", "--set", "data.global_batch_size=8"],
      "not divisible by world size 3"),
     (["--set", "data.global_batch_size=6", "--set", "data.micro_batch_size=4"], "not divisible by data.micro_batch"),
+    (["--set", "data.micro_batch_size=0"], "data.micro_batch_size = 0: must be > 0"),
+    (["--mode", "strong", "--set", "data.global_batch_size=0"], "data.global_batch_size = 0: must be > 0"),
+    (["--out", "a_file"], "--out '"),
 ])
-def test_bad_input_is_one_line_and_exit_2_before_anything_starts(tmp_path, capsys, args, says):
+def test_bad_input_is_one_line_and_exit_2_before_anything_starts(tmp_path, capsys, monkeypatch, args, says):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("")  # (an --out that cannot be a folder)
     code = main(["bench", "scaling", "--out", str(tmp_path / "b"), *args])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("disttrain: error: ") and says in err and "\n" not in err, err

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import platform
 import re
@@ -109,7 +110,7 @@ def check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--compute-ms {args.compute_ms:g} applies to --busy step only; add --busy step or leave it "
                           "out")
     args.compute_ms = 8.0 if args.compute_ms is None else args.compute_ms
-    if args.compute_ms < 0:
+    if not 0 <= args.compute_ms < math.inf:
         raise ConfigError(f"--compute-ms {args.compute_ms:g}: give milliseconds >= 0")
     if args.iters < 1 or args.min_iters < 1 or args.warmup < 0:
         raise ConfigError("--iters and --min-iters must be >= 1 and --warmup >= 0")

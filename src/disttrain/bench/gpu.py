@@ -120,7 +120,24 @@ def _args(argv):
     args = p.parse_args(argv)
     if args.out is None and not args.only:
         args.out = REPORT
+    _check_numbers(args)
     return args
+
+
+def _check_numbers(args) -> None:
+    """The MFU model's sizes and the run's numbers in range, before the device is touched (one line, exit 2)."""
+    from disttrain.errors import ConfigError
+
+    for flag, value, low in (("--n-layer", args.n_layer, 1), ("--d-model", args.d_model, 1),
+                             ("--n-head", args.n_head, 1), ("--seq-len", args.seq_len, 1), ("--vocab", args.vocab, 1),
+                             ("--micro", args.micro, 0), ("--steps", args.steps, 1),
+                             ("--peak-tflops", args.peak_tflops, 0.0)):
+        if not value >= low or value == math.inf:
+            raise ConfigError(f"{flag} {value:g}: must be >= {low:g}")
+    if args.d_model % args.n_head:
+        raise ConfigError(f"--d-model {args.d_model} is not divisible by --n-head {args.n_head}")
+    if not 0 < args.memory_fraction <= 1:
+        raise ConfigError(f"--memory-fraction {args.memory_fraction:g}: give a share of the device's memory in (0, 1]")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -772,6 +789,8 @@ def selected(only: str, out: str | None = REPORT) -> list[tuple[str, Callable]]:
 
     names = [n.strip() for n in only.split(",") if n.strip()]
     known = [name for name, _ in CHECKS]
+    if only.strip() and not names:
+        raise ConfigError(f"--only {only!r} names no check; the checks are: {', '.join(known)}")
     for name in names:
         if name not in known:
             raise ConfigError(f"--only {name!r}: not a check of bench gpu; the checks are: {', '.join(known)}")

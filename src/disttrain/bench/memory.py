@@ -24,7 +24,7 @@ import math
 import os
 from pathlib import Path
 
-from disttrain.errors import ArgumentParser, make_folder
+from disttrain.errors import ArgumentParser, ConfigError, make_folder
 
 PARALLEL_DEGREES = ("parallel.pipeline", "parallel.tensor", "parallel.context")
 KINDS = ("params", "grads", "optimizer", "activations")
@@ -152,6 +152,36 @@ def _worker(args) -> None:
     exit_process(0)
 
 
+def _check(args) -> list[int]:
+    """The world sizes to launch, after checking every flag (one line, exit 2, before anything starts)."""
+    from disttrain.bench import rank_limit
+    from disttrain.parallel import registry
+
+    for flag, value in (("--nproc", args.nproc), ("--n-layer", args.n_layer), ("--d-model", args.d_model),
+                        ("--micro", args.micro)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value}: must be >= 1")
+    try:
+        worlds = sorted({int(w) for w in args.world_sizes.split(",") if w.strip()}) if args.world_sizes else [
+            1, args.nproc]
+    except ValueError:
+        worlds = []
+    limit, what = rank_limit(0)
+    if not worlds or worlds[0] < 1 or worlds[-1] > limit:
+        raise ConfigError(f"--world-sizes {args.world_sizes!r}: give world sizes 1..{limit} separated by commas "
+                          f"({what}), e.g. --world-sizes 1,2")
+    names = [n for n in args.strategies.split(",") if n]
+    unknown = [n for n in names if args.strategies != "all" and n not in registry.names()]
+    if unknown or not names:
+        raise ConfigError(f"--strategies {args.strategies!r}: " + (f"{', '.join(unknown)} not known" if unknown else
+                          "names none") + f"; choose from {', '.join(registry.names())}, or all")
+    bad = [label for label in args.layouts.split(",") if label and label not in LAYOUTS]
+    if bad:
+        raise ConfigError(f"--layouts {', '.join(bad)}: not known; choose from {', '.join(LAYOUTS)}, or leave it "
+                          "empty for none")
+    return worlds
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
     if args.worker:
@@ -160,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     from disttrain.bench import worker_entry
     from disttrain.launch import launch
 
+    worlds = _check(args)
     out = make_folder(Path(args.out).resolve(), "--out")
-    for world in [int(w) for w in args.world_sizes.split(",")] if args.world_sizes else (1, args.nproc):
+    for world in worlds:
         code = launch(world, worker_entry("disttrain.bench.memory", args), out / "memory_run")
         if code:
             return code

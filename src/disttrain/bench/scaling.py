@@ -150,6 +150,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise ConfigError("--strategies is empty; name at least one, e.g. --strategies ddp")
     base = base_config(args.config, args.sets)
     gpus = torch.cuda.device_count()
+    validate(base, gpu_count=gpus, world=1)  # the batch sizes the rows are made from, before they divide them
     cuda = uses_cuda(base, gpus)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     worlds = _world_sizes(args.world_sizes, gpus if cuda else cores, cuda)

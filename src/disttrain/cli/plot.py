@@ -12,12 +12,13 @@ canvas, never through pyplot: no display, no global figure state.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from disttrain.errors import ConfigError
+from disttrain.errors import ConfigError, make_folder
 
 MFU_UNKNOWN = "MFU needs a known accelerator or log.peak_tflops"
 NO_COMM = "no collectives timed (one process without a process group)"
@@ -62,8 +63,13 @@ def read_run(run_dir: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise ConfigError(f"'{run_dir}' has no metrics.jsonl; pass the folder a `disttrain train` run wrote "
                           "(run.out_dir/run.name)")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(f"{path}: cannot read it ({reason}); pass the folder a `disttrain train` run wrote") from None
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -191,10 +197,9 @@ def plot_runs(run_dirs: list[Path], out: Path | None = None) -> list[Path]:
     runs = [Run(label, read_run(d)) for d, label in zip(run_dirs, labels(run_dirs), strict=True)]
     _matplotlib()  # before anything is written
     out = Path(out) if out is not None else Path(run_dirs[0]) / "plots"
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"--out '{out}': cannot create the folder ({exc.strerror}); pass a folder path") from None
+    make_folder(out, "--out")
+    if not os.access(out, os.W_OK):
+        raise ConfigError(f"--out '{out}': the folder is not writable; pass a folder you can write")
     combined = figure(runs, PANELS, grid=(2, 3), size=(16, 9))
     combined.suptitle(", ".join(run.label for run in runs))
     figures = [("plot", combined)] + [(name, figure(runs, [(name, draw)])) for name, draw in PANELS]
