@@ -58,8 +58,9 @@ def _args(argv):
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16-mixed", "bf16-true"),
                    help="fp16-mixed estimates like bf16-mixed; its first steps overflow and keep no optimizer state")
     p.add_argument("--strategies", default="all",
-                   help="comma-separated, or all (every registered strategy that is installed); each runs the option "
-                        "sets its spec lists (deepspeed: ZeRO stages 0-3, and 1-3 with offload)")
+                   help="comma-separated, all (every registered strategy that is installed), or none (--layouts "
+                        "only); each runs the option sets its spec lists (deepspeed: ZeRO stages 0-3, and 1-3 with "
+                        "offload)")
     p.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS),
                    help="comma-separated model-parallel layouts measured at world size --nproc where they fit "
                         f"({', '.join(LAYOUTS)}), each over {MICRO_BATCHES} micro-batches; empty: none")
@@ -171,10 +172,10 @@ def _check(args) -> list[int]:
         raise ConfigError(f"--world-sizes {args.world_sizes!r}: give world sizes 1..{limit} separated by commas "
                           f"({what}), e.g. --world-sizes 1,2")
     names = [n for n in args.strategies.split(",") if n]
-    unknown = [n for n in names if args.strategies != "all" and n not in registry.names()]
+    unknown = [n for n in names if args.strategies not in ("all", "none") and n not in registry.names()]
     if unknown or not names:
         raise ConfigError(f"--strategies {args.strategies!r}: " + (f"{', '.join(unknown)} not known" if unknown else
-                          "names none") + f"; choose from {', '.join(registry.names())}, or all")
+                          "names none") + f"; choose from {', '.join(registry.names())}, all, or none (layouts only)")
     bad = [label for label in args.layouts.split(",") if label and label not in LAYOUTS]
     if bad:
         raise ConfigError(f"--layouts {', '.join(bad)}: not known; choose from {', '.join(LAYOUTS)}, or leave it "
