@@ -127,6 +127,22 @@ def test_launch_refuses_a_missing_script(capsys):
     assert "script 'nope.py' not found" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, says", [
+    (["-m", "nosuchpkg.train"], "-m nosuchpkg.train: no such module"),
+    (["-m", ".relative"], "-m .relative: no such module"),
+    (["--master-port", "70000", "job.py"], "--rdzv-endpoint 127.0.0.1:70000: expected HOST:PORT with a port from 1"),
+    (["--rdzv-endpoint", "host:abc", "job.py"], "--rdzv-endpoint host:abc: expected HOST:PORT"),
+    (["--run-dir", "a_file/run", "job.py"], "--run-dir 'a_file/run': cannot create the folder"),
+])
+def test_launch_refuses_bad_flags_in_one_line(tmp_path, monkeypatch, capsys, args, says):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "job.py").write_text("print('ran')\n")
+    (tmp_path / "a_file").write_text("")
+    assert main(["launch", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("disttrain: error: " + says) and "\n" not in err, err
+
+
 def test_module_entry_point_runs(tmp_path):
     result = subprocess.run([sys.executable, "-m", "disttrain", "config", "--set", "optim.lr=0.5"],
                             capture_output=True, text=True, timeout=60, env=cli_env(tmp_path))

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from disttrain.config import NODE_CLAIM_ENV, ConfigError
 from disttrain.console import DRAWS_ENV, Console
+from disttrain.errors import make_folder
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +45,18 @@ class LaunchPlan:
         return self.nnodes == "1"
 
     def check(self) -> None:
+        if self.nproc < 1:
+            raise ConfigError(f"--nproc {self.nproc}: must be >= 1")
         parts = self.nnodes.split(":")
         if not (1 <= len(parts) <= 2 and all(p.isdigit() and int(p) >= 1 for p in parts)
                 and int(parts[0]) <= int(parts[-1])):
             raise ConfigError(f"--nnodes {self.nnodes}: use a number of nodes, or MIN:MAX for elastic, e.g. 2 or 1:4")
         if not self.single_node and not self.rdzv_endpoint:
             raise ConfigError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node)")
-        if self.rdzv_endpoint and ":" not in self.rdzv_endpoint:
-            raise ConfigError(f"--rdzv-endpoint {self.rdzv_endpoint}: expected HOST:PORT, e.g. 10.0.0.1:29400")
+        port = self.rdzv_endpoint.rpartition(":")[2] if self.rdzv_endpoint else "1"
+        if self.rdzv_endpoint and (":" not in self.rdzv_endpoint or not port.isdigit() or not 1 <= int(port) <= 65535):
+            raise ConfigError(f"--rdzv-endpoint {self.rdzv_endpoint}: expected HOST:PORT with a port from 1 to 65535, "
+                              "e.g. 10.0.0.1:29400")
         if not 0 <= self.node_rank < int(parts[-1]):
             raise ConfigError(f"--node-rank {self.node_rank}: must be from 0 to {int(parts[-1]) - 1} with --nnodes "
                               f"{self.nnodes}; give each node its own rank")
@@ -85,8 +90,8 @@ def launch(plan: LaunchPlan | int, entry: list[str], run_dir: Path, module: bool
     imported before it runs), else it runs as torchrun's subprocess."""
     plan = LaunchPlan(nproc=plan) if isinstance(plan, int) else plan
     plan.check()
-    tmp = run_dir / "tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
+    tmp = make_folder(run_dir, "the run folder") / "tmp"
+    tmp.mkdir(exist_ok=True)
     import tempfile
 
     # torchrun's per-run folders land in the run (it makes them here, in this process); the workers keep the

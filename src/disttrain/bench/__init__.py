@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 
@@ -22,6 +23,16 @@ def launch_workers(args: argparse.Namespace, name: str) -> tuple[int, Path]:
 
     out = make_folder(Path(args.out).resolve(), "--out")
     return launch(args.nproc, worker_entry(f"disttrain.bench.{name}", args), out / f"{name}_run"), out
+
+
+def check_numbers(*checks: tuple[str, float, float]) -> None:
+    """Each (flag, value, lowest allowed): a finite number >= the lowest, else one line naming the flag (before a
+    benchmark writes or launches anything)."""
+    from disttrain.errors import ConfigError
+
+    for flag, value, low in checks:
+        if not (math.isfinite(value) and value >= low):
+            raise ConfigError(f"{flag} {value:g}: give a number >= {low:g}")
 
 
 def rank_limit(gpus: int) -> tuple[int, str]:

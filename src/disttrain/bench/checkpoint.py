@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from disttrain.errors import ArgumentParser, make_folder
+from disttrain.bench import check_numbers
+from disttrain.errors import ArgumentParser, ConfigError, make_folder
 
 
 def _args(argv):
@@ -109,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     from disttrain.checkpoint.statefile import flatten
 
     args = _args(argv)
+    check_numbers(("--n-layer", args.n_layer, 1), ("--d-model", args.d_model, 8), ("--rounds", args.rounds, 1))
+    if args.d_model % 8:
+        raise ConfigError(f"--d-model {args.d_model}: must be a multiple of 8 (the model's 8 attention heads)")
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP in one process: intended
     out = make_folder(Path(args.out), "--out")
     work = out / "checkpoint_bench_files"

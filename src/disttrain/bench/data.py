@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from disttrain.errors import ArgumentParser, make_folder
+from disttrain.errors import ArgumentParser, ConfigError, make_folder
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -115,7 +115,8 @@ def _data_only(cfg, train, sampler, steps: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     from disttrain.backend import create_backend
-    from disttrain.config import load_config
+    from disttrain.bench import check_numbers
+    from disttrain.config import load_config, validate
     from disttrain.data import GlobalSampler, build_datasets
     from disttrain.models import build_model
     from disttrain.optim import optimizer_factory, scheduler_factory
@@ -123,10 +124,18 @@ def main(argv: list[str] | None = None) -> int:
     from disttrain.trainer import seed_everything
 
     args = _args(argv)
+    check_numbers(("--rounds", args.rounds, 1), ("--steps", args.steps, 2), ("--sleep-ms", args.sleep_ms, 0),
+                  ("--workers", args.workers, 0), ("--threads", args.threads, 1))
+    slow = [s for s in args.slow_model.split(",") if s]
+    try:
+        validate(load_config(None, slow))
+    except ConfigError as exc:
+        raise ConfigError(f"--slow-model {args.slow_model}: {exc}") from None
+    make_folder(Path(args.out), "--out")  # (before the rounds: a path that cannot be a folder ends them unrun)
     torch.set_num_threads(args.threads)
     runtime = None
     jobs = []
-    for overrides in ([], [s for s in args.slow_model.split(",") if s]):  # (a) the default job, (b) a small model
+    for overrides in ([], slow):  # (a) the default job, (b) a small model
         cfg = load_config(None, ["train.steps=100000", "log.progress=false", *overrides])  # schedule far away
         seed_everything(cfg.run.seed)
         runtime = runtime or init_runtime(cfg.dist)
@@ -163,7 +172,7 @@ def _report(args, cfg, slow_cfg, times: dict[str, list[float]], data_only: dict[
               "global_batch": cfg.data.global_batch_size,
               "micro_batch": cfg.data.micro_batch_size, "torch": torch.__version__, "disttrain": __version__,
               "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    out = make_folder(Path(args.out), "--out")
+    out = Path(args.out)
     (out / "data_loader.json").write_text(json.dumps(result, indent=2))
     m, d = cfg.model, cfg.data
     text = (

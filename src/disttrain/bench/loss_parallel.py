@@ -34,6 +34,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _vocabs(args: argparse.Namespace) -> list[int]:
+    from disttrain.bench import check_numbers, rank_limit
+
+    check_numbers(("--nproc", args.nproc, 1), ("--micro", args.micro, 1), ("--steps", args.steps, 1))
+    if args.nproc > rank_limit(0)[0]:
+        raise ConfigError(f"--nproc {args.nproc}: more ranks than this machine can start ({rank_limit(0)[1]})")
     try:
         vocabs = [int(v) for v in args.vocabs.split(",") if v]
     except ValueError:

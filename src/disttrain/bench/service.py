@@ -24,7 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from disttrain.errors import ArgumentParser, make_folder
+from disttrain.bench import check_numbers
+from disttrain.errors import ArgumentParser, ConfigError, make_folder
 
 
 def _args(argv):
@@ -83,6 +84,10 @@ async def service_step_times(args) -> list[float]:
 
 def main(argv=None) -> int:
     args = _args(argv or [])
+    check_numbers(("--nproc", args.nproc, 1), ("--steps", args.steps, 2), ("--warmup", args.warmup, 0),
+                  ("--repeats", args.repeats, 1))
+    if args.warmup >= args.steps:
+        raise ConfigError(f"--warmup {args.warmup}: must be below --steps {args.steps} (the steps after it are timed)")
     out = make_folder(Path(args.out), "--out")
     train_runs, service_runs = [], []
     with tempfile.TemporaryDirectory() as tmp:

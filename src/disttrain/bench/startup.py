@@ -22,7 +22,7 @@ import math
 import sys
 from pathlib import Path
 
-from disttrain.errors import ArgumentParser, make_folder
+from disttrain.errors import ArgumentParser, ConfigError, make_folder
 
 
 def _args(argv):
@@ -122,20 +122,38 @@ def _worker(args) -> None:
     exit_process(0)
 
 
+def _check_strategies(args) -> None:
+    """Each --strategies entry: a strategy (deepspeed:STAGE for DeepSpeed's ZeRO stage) with +ppN / +tpN layouts;
+    one line before the model is written or a worker starts."""
+    from disttrain.parallel import registry
+
+    entries = [s for s in args.strategies.split(",") if s]
+    if not entries or len(entries) != len(args.strategies.split(",")):
+        raise ConfigError(f"--strategies {args.strategies!r}: name strategies separated by commas, e.g. fsdp,ddp+pp2")
+    for strategy in entries:
+        name, *flags = strategy.split("+")
+        base, _, stage = name.partition(":")
+        if base not in [*registry.names(), *registry.aliases()] or (
+                stage and not (base == "deepspeed" and stage in ("0", "1", "2", "3"))):
+            raise ConfigError(f"--strategies {strategy!r}: {name!r} is not a strategy; use one of "
+                              f"{', '.join(registry.names())} (deepspeed:0..3 for a ZeRO stage)")
+        for flag in flags:
+            if flag[:2] not in ("pp", "tp") or not flag[2:].isdigit() or int(flag[2:]) < 1:
+                raise ConfigError(f"--strategies {strategy!r}: a layout is +ppN or +tpN (e.g. ddp+pp2), not +{flag}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
     if args.worker:
         _worker(args)
         return 0
-    from disttrain.bench import worker_entry
+    from disttrain.bench import check_numbers, worker_entry
     from disttrain.launch import launch
 
-    for strategy in args.strategies.split(","):
-        for flag in strategy.split("+")[1:]:
-            if flag[:2] not in ("pp", "tp") or not flag[2:].isdigit():
-                print(f"disttrain: error: --strategies: {strategy!r}: a layout is +ppN or +tpN (e.g. ddp+pp2), "
-                      f"not +{flag}", file=sys.stderr)
-                return 2
+    check_numbers(("--nproc", args.nproc, 1))
+    _check_strategies(args)
+    if args.model and not args.model.startswith("hf:"):
+        args.model = f"hf:{args.model}"  # (a directory given without the prefix)
     out = make_folder(Path(args.out).resolve(), "--out")
     if not args.model:
         write_model(out / "startup_model")

@@ -24,7 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from disttrain.errors import ArgumentParser, make_folder
+from disttrain.bench import check_numbers
+from disttrain.errors import ArgumentParser, ConfigError, make_folder
 
 
 def _args(argv):
@@ -137,6 +138,11 @@ def main(argv=None) -> int:
     from disttrain._version import __version__
 
     args = _args(argv or [])
+    check_numbers(("--nproc", args.nproc, 1), ("--consumers", args.consumers, 1), ("--layers", args.layers, 1),
+                  ("--d-model", args.d_model, 1), ("--repeats", args.repeats, 1), ("--lr", args.lr, 0),
+                  ("--bucket-mb", args.bucket_mb, 1e-3))
+    if args.d_model % max(1, args.d_model // 64):
+        raise ConfigError(f"--d-model {args.d_model}: must divide into heads of about 64 (e.g. 512, 1024)")
     out = make_folder(Path(args.out), "--out")
     figures = asyncio.run(sync_figures(args))
     full_bytes = figures["full"][0]["full_bytes"]

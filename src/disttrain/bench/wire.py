@@ -18,7 +18,8 @@ import statistics
 import time
 from pathlib import Path
 
-from disttrain.errors import ArgumentParser, make_folder
+from disttrain.bench import check_numbers
+from disttrain.errors import ArgumentParser, ConfigError, make_folder
 
 
 def _args(argv):
@@ -38,7 +39,6 @@ def received(shard) -> int:
 async def call_times(args) -> tuple[list[float], int]:
     import torch
 
-    from disttrain.errors import ConfigError
     from disttrain.service import TrainingService
 
     if args.nproc < 1 or args.mib < 1 or args.repeats < 1:
@@ -61,6 +61,7 @@ def main(argv=None) -> int:
     from disttrain._version import __version__
 
     args = _args(argv or [])
+    check_numbers(("--nproc", args.nproc, 1), ("--mib", args.mib, 1), ("--repeats", args.repeats, 1))
     out = make_folder(Path(args.out), "--out")
     times, got = asyncio.run(call_times(args))
     mb = got / 1e6

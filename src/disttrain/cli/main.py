@@ -73,10 +73,10 @@ def _plan(args: argparse.Namespace, nproc: int, cfg=None):
     from disttrain.launch import LaunchPlan
 
     endpoint = args.rdzv_endpoint
-    if args.master_addr or args.master_port:
+    if args.master_addr or args.master_port is not None:
         if endpoint:
             raise ConfigError("give either --rdzv-endpoint HOST:PORT or --master-addr/--master-port, not both")
-        endpoint = f"{args.master_addr or '127.0.0.1'}:{args.master_port or 29500}"
+        endpoint = f"{args.master_addr or '127.0.0.1'}:{29500 if args.master_port is None else args.master_port}"
     timing = {} if cfg is None else {"timeout_s": cfg.dist.timeout_s, "startup_timeout_s": cfg.dist.startup_timeout_s,
                                      "shutdown_grace_s": cfg.dist.shutdown_grace_s}
     plan = LaunchPlan(nproc=nproc, nnodes=str(args.nnodes), node_rank=args.node_rank, rdzv_endpoint=endpoint,
@@ -247,12 +247,17 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.module:
         import importlib.util
 
-        if importlib.util.find_spec(args.script) is None:
+        try:
+            found = importlib.util.find_spec(args.script) is not None
+        except (ImportError, ValueError):  # a parent package missing, an empty or relative name
+            found = False
+        if not found:
             raise ConfigError(f"-m {args.script}: no such module; check the name and PYTHONPATH")
     elif not Path(args.script).is_file():
         raise ConfigError(f"script '{args.script}' not found; pass the path of your training script (or -m MODULE)")
     from disttrain.launch import launch
 
+    make_folder(Path(args.run_dir), "--run-dir")
     return launch(_plan(args, nproc), [args.script, *args.args], Path(args.run_dir), module=args.module,
                   fork=args.fork)
 

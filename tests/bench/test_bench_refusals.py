@@ -1,0 +1,31 @@
+"""Every benchmark refuses a bad flag in one line (exit 2) before it writes, builds or launches anything. (The
+benchmarks of the cost of scale have their refusals beside their runs: test_scaling_bench.py, test_comm_bench.py,
+test_predict_bench.py, test_memory_bench.py, test_overhead.py, test_gpu_bench.py.)"""
+
+import pytest
+
+from disttrain.cli.main import main
+
+
+@pytest.mark.parametrize("args, says", [
+    (["startup", "--strategies", "ddp,"], "--strategies 'ddp,': name strategies separated by commas"),
+    (["startup", "--strategies", "deepspeed:9"], "--strategies 'deepspeed:9': 'deepspeed:9' is not a strategy"),
+    (["startup", "--strategies", "ddp+pp0"], "--strategies 'ddp+pp0': a layout is +ppN or +tpN"),
+    (["startup", "--nproc", "0"], "--nproc 0: give a number >= 1"),
+    (["wire", "--mib", "0"], "--mib 0: give a number >= 1"),
+    (["weight-sync", "--bucket-mb", "nan"], "--bucket-mb nan: give a number >= 0.001"),
+    (["weight-sync", "--d-model", "129"], "--d-model 129: must divide into heads"),
+    (["service", "--steps", "5", "--warmup", "5"], "--warmup 5: must be below --steps 5"),
+    (["data", "--threads", "0"], "--threads 0: give a number >= 1"),
+    (["data", "--slow-model", "model.n_head=3"], "--slow-model model.n_head=3: model.d_model = 128 is not divisible"),
+    (["checkpoint", "--rounds", "0"], "--rounds 0: give a number >= 1"),
+    (["checkpoint", "--d-model", "12"], "--d-model 12: must be a multiple of 8"),
+    (["loss-parallel", "--nproc", "0"], "--nproc 0: give a number >= 1"),
+    (["loss-parallel", "--steps", "0"], "--steps 0: give a number >= 1"),
+])
+def test_a_bad_flag_is_one_line_and_exit_2_before_anything_starts(tmp_path, capsys, args, says):
+    name, *flags = args
+    assert main(["bench", name, *flags, "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("disttrain: error: " + says) and "\n" not in err, err
+    assert not (tmp_path / "b").exists()
