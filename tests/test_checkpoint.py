@@ -88,6 +88,19 @@ def _newest_two(tmp_path):
     return manager, tmp_path / "step_2"
 
 
+@pytest.mark.parametrize("manifest", ["{not json", '{"files": {"a": 5}, "time": "t", "world_size": 1}', "[]"])
+def test_a_damaged_manifest_is_a_row_of_ckpt_list_and_bad_in_ckpt_verify(manifest, tmp_path, capsys):
+    _newest_two(tmp_path)
+    (tmp_path / "step_2" / MANIFEST).write_text(manifest)
+    assert main(["ckpt", "list", str(tmp_path)]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[1].split()[:2] == ["1", "committed"] and rows[2].split()[:2] == ["2", "damaged"], rows
+    assert main(["ckpt", "verify", str(tmp_path)]) == 1
+    assert "step_2: BAD" in capsys.readouterr().out
+    assert main(["ckpt", "verify", str(tmp_path / "step_9")]) == 2  # not there: a mistake, not a damaged save
+    assert capsys.readouterr().err.strip().startswith(f"disttrain: error: '{tmp_path / 'step_9'}' does not exist")
+
+
 def _flip_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF

@@ -45,6 +45,28 @@ def test_bad_config_is_one_line_and_exit_2(args, message, tmp_path, monkeypatch,
     assert not (tmp_path / "runs").exists()  # rejected before anything was written or started
 
 
+@pytest.mark.parametrize("args, message", [
+    (["config", "binary.toml"], "config file 'binary.toml': cannot read it (not UTF-8 text)"),
+    (["estimate-memory", "--world-size", "2", "--budget-gib", "0"], "--budget-gib 0: give a device's memory"),
+    (["estimate-memory", "--world-size", "2", "--budget-gib", "nan"], "--budget-gib nan: give a device's memory"),
+    (["deepspeed-config", "--set", "model.n_head=0", "-o", "ds.json"], "model.n_head = 0: must be > 0"),
+    (["deepspeed-config", "-o", "a_folder"], "-o a_folder is a folder"),
+    (["deepspeed-config", "--set", "parallel.strategy=deepspeed", "--set", "parallel.deepspeed_config=zero5.json",
+      "-o", "ds.json"], "'zero_optimization' = 5 is not a JSON object"),
+    (["verify", "--tolerance", "-1"], "verify --tolerance -1: give a finite difference >= 0"),
+    (["verify", "--strategies", ","], "verify --strategies ',' names none"),
+])
+def test_other_commands_refuse_bad_input_in_one_line(args, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "binary.toml").write_bytes(b"\xff\xfe[run]\n")
+    (tmp_path / "a_folder").mkdir()
+    (tmp_path / "zero5.json").write_text('{"zero_optimization": 5}')
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("disttrain: error: ") and message in err and "\n" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_folder", "binary.toml", "zero5.json"]  # nothing new
+
+
 def test_a_run_folder_that_cannot_be_made_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a_file").write_text("")

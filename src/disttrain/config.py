@@ -456,7 +456,11 @@ def from_env(environ: Mapping[str, str] | None = None, dist: DistConfig | None =
 def _read_file(path: Path) -> dict[str, Any]:
     """A config file's sections as a dict: TOML, YAML (.yaml/.yml, needs PyYAML) or JSON, by its suffix."""
     suffix = path.suffix.lower()
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(f"config file '{path}': cannot read it ({reason}); give a TOML, YAML or JSON file") from None
     if suffix in (".yaml", ".yml"):
         try:
             import yaml

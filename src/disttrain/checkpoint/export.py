@@ -37,7 +37,7 @@ from disttrain.checkpoint.dcp import load_sharded, tensor_metadata
 from disttrain.checkpoint.layout import parse_step, read_checkpoint_files
 from disttrain.checkpoint.manager import CheckpointError
 from disttrain.checkpoint.statefile import SAFETENSORS_DTYPES, TENSOR, ChecksumError, load_safetensors, unflatten
-from disttrain.errors import ConfigError
+from disttrain.errors import ConfigError, make_folder
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """`--dtype` names -> the dtype floating-point weights are written in (integer tensors keep theirs)."""
@@ -187,7 +187,7 @@ def export_safetensors(path: Path, out: Path, *, dtype: str = "fp32", force: boo
     weights = open_checkpoint(path)
     _refuse_existing(out, force, is_file=True)
     entries = _entries(weights, target, dedupe=False)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    make_folder(out.parent, "OUT's folder")
     tmp = out.with_name(f".{out.name}.partial")
     try:
         write_streamed(tmp, entries, weights.read, {"format": "pt", "step": str(weights.value("step")),
@@ -211,9 +211,9 @@ def export_hf(path: Path, out: Path, *, max_shard_size: str = DEFAULT_MAX_SHARD_
     shards = split_shards(_entries(weights, target, dedupe=True), max_bytes)
     names = [WEIGHTS] if len(shards) == 1 else [f"model-{i:05d}-of-{len(shards):05d}.safetensors"
                                                  for i in range(1, len(shards) + 1)]
-    staging = out.parent / f".{out.name}.partial"
+    staging = make_folder(out.parent, "OUT's folder") / f".{out.name}.partial"
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    staging.mkdir()
     try:
         for name, shard in zip(names, shards, strict=True):
             write_streamed(staging / name, shard, weights.read, {"format": "pt"})
@@ -243,7 +243,14 @@ def hf_config(weights: CheckpointWeights) -> tuple[dict[str, Any], Path | None]:
         if not file.is_file():
             raise ConfigError(f"{weights.path} has no Hugging Face config and {file} (from model.name) is missing; "
                               "restore that folder, or export with --format safetensors")
-        config = json.loads(file.read_text())
+        try:
+            config = json.loads(file.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise ConfigError(f"{file} (from model.name) cannot be read as JSON ({exc}); restore it, or export with "
+                              "--format safetensors") from None
+    if not isinstance(config, dict) and config is not None:
+        raise ConfigError(f"{weights.path}: its Hugging Face config is not a JSON object; export with --format "
+                          "safetensors")
     if config is None:
         raise ConfigError(f"{weights.path} is not a checkpoint of a Hugging Face model (no hf_config, model.name = "
                           f"{name or '?'!r}); export its weights with --format safetensors")

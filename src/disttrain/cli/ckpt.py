@@ -31,18 +31,31 @@ def _manager(directory: Path) -> CheckpointManager:
     return CheckpointManager(directory, cfg)
 
 
+DAMAGED = (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError)
+"""What reading a damaged manifest raises (missing, not JSON, wrong keys or types)."""
+
+
 def list(path: Path) -> int:  # noqa: A001 - named after the subcommand
     directory = _checkpoints_dir(path)
     manager = _manager(directory)
-    latest, best = manager.latest(), manager.best()
+    latest = manager.latest()
+    try:
+        best = manager.best()
+    except DAMAGED:  # a damaged manifest among them: its row says so below
+        best = None
     print(f"{'step':>8}  {'state':<11} {'saved':<25} {'world':>5}  {'size MiB':>8}  metrics")
     for step_dir in _step_dirs(directory):
         step = parse_step(step_dir)
         if not is_committed(step_dir):
             print(f"{step:>8}  {'uncommitted':<11}")
             continue
-        manifest = json.loads((step_dir / MANIFEST).read_text())
-        size = sum(f["size"] for f in manifest["files"].values()) / 2**20
+        try:
+            manifest = json.loads((step_dir / MANIFEST).read_text())
+            size = sum(f["size"] for f in manifest["files"].values()) / 2**20
+            manifest["time"], manifest["world_size"]  # noqa: B018 - read now: a row is printed whole or not at all
+        except DAMAGED as exc:
+            print(f"{step:>8}  {'damaged':<11} {MANIFEST}: {type(exc).__name__}: {exc} (`disttrain ckpt verify`)")
+            continue
         marks = "".join([" (latest)" if step == latest else "", " (best)" if step == best else ""])
         metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                             for k, v in manifest.get("metrics", {}).items() if k in ("loss", "eval_loss"))
@@ -52,6 +65,8 @@ def list(path: Path) -> int:  # noqa: A001 - named after the subcommand
 
 
 def verify(path: Path) -> int:
+    if not path.is_dir():
+        raise ConfigError(f"'{path}' does not exist; pass a run folder, its checkpoints folder or one step_N folder")
     folders = [path] if parse_step(path) is not None else _step_dirs(_checkpoints_dir(path))
     if not folders:
         print(f"no checkpoints in {path}")
@@ -65,7 +80,7 @@ def verify(path: Path) -> int:
         try:
             manifest = verify_folder(folder)
             print(f"{folder.name}: ok ({len(manifest['files'])} files verified by sha256)")
-        except (ChecksumError, OSError, ValueError, KeyError) as exc:
+        except (ChecksumError, *DAMAGED) as exc:
             print(f"{folder.name}: BAD: {exc}")
             bad += 1
     return 1 if bad else 0

@@ -290,6 +290,8 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.world_size < 1:
         raise ConfigError(f"--world-size {args.world_size}: must be >= 1")
+    if args.budget_gib is not None and not 0 < args.budget_gib < math.inf:
+        raise ConfigError(f"--budget-gib {args.budget_gib:g}: give a device's memory in GiB > 0, e.g. 80")
     cfg.dist.nproc = args.world_size
     if args.strategy:
         cfg.parallel.strategy = args.strategy
@@ -304,6 +306,7 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
 
 
 def cmd_deepspeed_config(args: argparse.Namespace) -> int:
+    from disttrain.config import validate
     from disttrain.memory import param_shapes
     from disttrain.parallel.deepspeed.config import DeepSpeedConfig
 
@@ -311,6 +314,10 @@ def cmd_deepspeed_config(args: argparse.Namespace) -> int:
     world = cfg.dist.nproc if args.nproc is None else args.nproc
     if world < 1:
         raise ConfigError(f"--nproc {world}: must be >= 1")
+    validate(cfg, gpu_count=world, world=world)  # (GPUs assumed: this writes a plan)
+    if Path(args.output).is_dir():
+        raise ConfigError(f"-o {args.output} is a folder; give the path of the JSON file to write")
+    make_folder(Path(args.output).parent, "-o")
     numel = sum(math.prod(shape) for shape in param_shapes(cfg.model))
     DeepSpeedConfig.from_config(cfg, world, numel).save_config(args.output)
     print(f"disttrain: wrote {args.output} (ZeRO stage {cfg.parallel.deepspeed_stage}, {world} ranks)",

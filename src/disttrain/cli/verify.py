@@ -21,11 +21,13 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import re
 import sys
 from pathlib import Path
 
 from disttrain.config import Config, ConfigError, load_config, save_config, strategies_for, validate
+from disttrain.errors import make_folder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,14 +92,23 @@ def run(args: argparse.Namespace) -> int:
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if args.steps < 1 or args.nproc < 1:
         raise ConfigError("verify: --steps and --nproc must be >= 1")
+    if not 0 <= args.tolerance < math.inf:
+        raise ConfigError(f"verify --tolerance {args.tolerance:g}: give a finite difference >= 0, e.g. 1e-5")
+    if args.strategies.strip() and not strategies:
+        raise ConfigError(f"verify --strategies {args.strategies!r} names none; leave it out for every strategy "
+                          "that can run the config, or name some, e.g. ddp,fsdp")
     if not strategies:
         strategies = [s for s in strategies_for(cfg, args.nproc) if registry.get(s).needs_group]
         strategies += _layouts(cfg, args.nproc) if args.nproc > 1 else []
+    if not strategies:
+        raise ConfigError(f"verify: no strategy can run this config on {args.nproc} ranks (the reference would run "
+                          "alone); name one with --strategies to see why, e.g. --strategies ddp")
     out = cfg.run_dir / "verify"
     jobs = {s: _job(cfg, args.steps, out, s, s, args.nproc) for s in strategies}
     reference = _job(cfg, args.steps, out, "single", "single", 1)
     for job in [reference, *jobs.values()]:
         validate(job, gpu_count=torch.cuda.device_count())  # every problem before anything starts
+    make_folder(out, "run.out_dir / run.name")
     for name, job in jobs.items():
         save_config(job, out / name / "config.toml")
 

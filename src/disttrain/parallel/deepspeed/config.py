@@ -195,8 +195,15 @@ def _read_json(path: str) -> dict[str, Any]:
     except FileNotFoundError:
         raise ConfigError(f"parallel.deepspeed_config = {path!r}: file not found; give an existing DeepSpeed "
                           "JSON, or \"\" to generate it from the config") from None
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"parallel.deepspeed_config = {path!r} is not valid JSON ({exc}); fix the file") from None
     if not isinstance(data, dict):
         raise ConfigError(f"parallel.deepspeed_config = {path!r}: expected a JSON object {{...}}")
+    zero = data.get("zero_optimization", {})
+    sections = [("zero_optimization", zero)] + ([(f"zero_optimization.{k}", zero[k]) for k in (
+        "offload_optimizer", "offload_param") if k in zero] if isinstance(zero, dict) else [])
+    for key, section in sections:
+        if not isinstance(section, dict):
+            raise ConfigError(f"parallel.deepspeed_config = {path!r}: '{key}' = {json.dumps(section)} is not a JSON "
+                              "object {...}; fix the file (DeepSpeed's sections are objects)")
     return data
