@@ -613,7 +613,7 @@ def validate(cfg: Config, gpu_count: int = 0, world: int | None = None) -> None:
         section, name = key.split(".")
         _check_choice(key, getattr(getattr(cfg, section), name), options)
     _validate_run(cfg)
-    _validate_model(cfg)
+    validate_model(cfg)
     layout = mesh.layout_for(cfg.parallel, world)  # the data-parallel degree divides the batch
     _validate_data(cfg, layout.data, "world size" if layout.data == world else "data-parallel degree")
     _validate_optim_train(cfg)
@@ -664,7 +664,8 @@ def _validate_run(cfg: Config) -> None:
     _check(bool(cfg.run.out_dir), "run.out_dir is empty; set it to a folder, e.g. run.out_dir = \"runs\"")
 
 
-def _validate_model(cfg: Config) -> None:
+def validate_model(cfg: Config) -> None:
+    """The model section alone (`deepspeed-config` writes a plan for any strategy)."""
     m = cfg.model
     if m.name != "gpt":
         module, _, factory = m.name.partition(":")

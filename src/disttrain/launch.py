@@ -46,7 +46,7 @@ class LaunchPlan:
 
     def check(self) -> None:
         if self.nproc < 1:
-            raise ConfigError(f"--nproc {self.nproc}: must be >= 1")
+            raise ConfigError(f"dist.nproc = {self.nproc}: must be >= 1; use --nproc 1 or more")
         parts = self.nnodes.split(":")
         if not (1 <= len(parts) <= 2 and all(p.isdigit() and int(p) >= 1 for p in parts)
                 and int(parts[0]) <= int(parts[-1])):

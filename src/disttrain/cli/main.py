@@ -306,7 +306,7 @@ def cmd_estimate_memory(args: argparse.Namespace) -> int:
 
 
 def cmd_deepspeed_config(args: argparse.Namespace) -> int:
-    from disttrain.config import validate
+    from disttrain.config import validate_model
     from disttrain.memory import param_shapes
     from disttrain.parallel.deepspeed.config import DeepSpeedConfig
 
@@ -314,7 +314,7 @@ def cmd_deepspeed_config(args: argparse.Namespace) -> int:
     world = cfg.dist.nproc if args.nproc is None else args.nproc
     if world < 1:
         raise ConfigError(f"--nproc {world}: must be >= 1")
-    validate(cfg, gpu_count=world, world=world)  # (GPUs assumed: this writes a plan)
+    validate_model(cfg)  # (the rest is DeepSpeed's: from_config checks it against the JSON's keys)
     if Path(args.output).is_dir():
         raise ConfigError(f"-o {args.output} is a folder; give the path of the JSON file to write")
     make_folder(Path(args.output).parent, "-o")
