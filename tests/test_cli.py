@@ -152,7 +152,9 @@ def test_launch_refuses_a_missing_script(capsys):
 @pytest.mark.parametrize("args, says", [
     (["-m", "nosuchpkg.train"], "-m nosuchpkg.train: no such module"),
     (["-m", ".relative"], "-m .relative: no such module"),
-    (["--master-port", "70000", "job.py"], "--rdzv-endpoint 127.0.0.1:70000: expected HOST:PORT with a port from 1"),
+    (["--master-port", "70000", "job.py"], "--master-port 70000: give a port from 1 to 65535"),
+    (["--master-port", "0", "job.py"], "--master-port 0: give a port from 1 to 65535"),
+    (["--rdzv-endpoint", "host:99999", "--run-dir", "runs/x", "job.py"], "--rdzv-endpoint host:99999"),
     (["--rdzv-endpoint", "host:abc", "job.py"], "--rdzv-endpoint host:abc: expected HOST:PORT"),
     (["--run-dir", "a_file/run", "job.py"], "--run-dir 'a_file/run': cannot create the folder"),
 ])
@@ -163,6 +165,7 @@ def test_launch_refuses_bad_flags_in_one_line(tmp_path, monkeypatch, capsys, arg
     assert main(["launch", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("disttrain: error: " + says) and "\n" not in err, err
+    assert not (tmp_path / "runs").exists()  # refused before its run folder was made
 
 
 def test_module_entry_point_runs(tmp_path):

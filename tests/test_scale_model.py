@@ -172,6 +172,10 @@ def test_measured_links_from_a_comm_fit():
     # of 1 MB in the node (1 ms at 0.5 GB/s bus), all-reduce of 0.5 MB across (0.5 ms at 1 GB/s), all-gather (1 ms)
     two_nodes = sm.interconnect_from_fit({**fit, "device": "cpu"})
     assert sm.collective_time("all_reduce", 1e6, 4, two_nodes) == pytest.approx(4e-4 + 2.5e-3, rel=1e-12)
+    for bad in (math.nan, -1e-3, "1e-3"):  # a fit's numbers are finite and >= 0, or it is refused
+        with pytest.raises(ConfigError, match="all_gather's alpha_s and beta_s_per_byte must be finite numbers >= 0"):
+            sm.interconnect_from_fit({**fit, "collectives": {**fit["collectives"], "all_gather": {
+                "alpha_s": bad, "beta_s_per_byte": 1e-9}}})
     del fit["collectives"]["reduce_scatter"]
     with pytest.raises(ConfigError, match="reduce_scatter"):
         sm.interconnect_from_fit(fit)

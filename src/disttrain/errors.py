@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 OOM_ADVICE = ("lower data.micro_batch_size, set parallel.activation_checkpointing = true, use a sharded strategy "
               "or parallel.cpu_offload, and see `disttrain estimate-memory`")
@@ -34,7 +35,7 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a bad command line is one line too (argparse prints its usage first): the setting, what is
     wrong, where to look; exit 2, as for a ConfigError."""
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         print(f"{UserError.prefix}{message}; see `{self.prog} --help`", file=sys.stderr)
         raise SystemExit(2)
 

@@ -8,7 +8,7 @@ from disttrain.cli.main import main
 @pytest.mark.parametrize("args, says", [
     (["--world-sizes", "a"], "--world-sizes 'a': give world sizes 1.."),
     (["--world-sizes", "0"], "--world-sizes '0': give world sizes 1.."),
-    (["--world-sizes", "1,1000"], "--world-sizes '1,1000': give world sizes 1.."),
+    (["--world-sizes", "1,100000"], "--world-sizes '1,100000': give world sizes 1.."),
     (["--layouts", "tp2,pp9"], "--layouts pp9: not known; choose from tp2"),
     (["--strategies", "ddp,zero9"], "--strategies 'ddp,zero9': zero9 not known; choose from"),
     (["--strategies", ","], "--strategies ',': names none"),

@@ -3,6 +3,7 @@ the measuring mode (one sitting on 1 and 2 ranks: step times, links, the check),
 
 import csv
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -107,7 +108,7 @@ def test_rounds_of_comm_runs_pool_their_calls():
     (["--model", "resnet50"], "the FLOPs of resnet50 are not modelled; give --compute-s"),
     (["--validate", "--measured", "x.csv"], "--validate --measured needs --interconnect measured:"),
     (["--measure", "--world-sizes", "1,two"], "--world-sizes '1,two': give counts"),
-    (["--measure", "--world-sizes", "1,1000"], "--world-sizes: 1000 ranks is more than this machine can start"),
+    (["--measure", "--world-sizes", "1,100000"], "--world-sizes: 100000 ranks is more than this machine can start"),
     (["--measure", "--validate", "--rounds", "0"], "--rounds 0: give 1 or more"),
     (["--validate", "--measured", "busy.csv", "--interconnect", "measured:fit.json"], "--measured busy.csv: every row "
      "was measured while other processes kept more than 0.1 cores busy"),
@@ -152,7 +153,11 @@ def test_validate_reads_the_series_of_a_bench_scaling_csv(tmp_path):
     assert [(r["case"], r["gpus"]) for r in rows] == [("ddp weak disttrain", "1"), ("ddp weak disttrain", "2"),
                                                       ("ddp weak hand-written", "1"), ("ddp weak hand-written", "2")]
     work = sm.Workload(sm.gpt_shape(2, 64, 32, 256), 0.12, 1.0, "fp32", micro_steps=6, cpu_cores=2)
-    assert float(rows[1]["predicted"]) == pytest.approx(sm.step_time("ddp", 2, work, sm.interconnect_from_fit(FIT))
-                                                        .step_s, rel=1e-9)  # 24 per rank in micro-batches of 4
+    net = sm.interconnect_from_fit(FIT)
+    assert float(rows[1]["predicted"]) == pytest.approx(sm.step_time("ddp", 2, work, net).step_s,
+                                                        rel=1e-9)  # 24 per rank in micro-batches of 4
+    assert float(rows[3]["predicted"]) == pytest.approx(  # the hand-written loop gathers no figures per step
+        sm.step_time("ddp", 2, replace(work, log_every=0), net).step_s, rel=1e-9)
+    assert float(rows[3]["predicted"]) < float(rows[1]["predicted"])
     report = (tmp_path / "predict.md").read_text()
     assert "Not predicted (no 1-rank row to start from): fsdp strong disttrain." in report

@@ -128,3 +128,10 @@ def test_step_stats_read_the_steps_keys_when_they_report_them():
     timed = [{"step_time_s": t, "comm_exposed_s": e, "comm_bytes": b, "mfu": 0.3}
              for t, e, b in ((0.2, 0.05, 100), (0.4, 0.04, 300), (0.1, 0.05, 200))]
     assert step_stats(timed, 2.0) == [0.25, 200, 0.3, 2.0]
+
+
+def test_a_setting_some_strategies_read_is_no_reason_to_refuse_the_base_config():
+    from disttrain.bench.scaling import _args, make_plan
+
+    plan = make_plan(_args(["--strategies", "ddp", "--world-sizes", "1,2", "--set", "parallel.bucket_cap_mb=1"]))
+    assert plan.strategies == ["ddp"] and plan.base.parallel.bucket_cap_mb == 1  # ('auto' at 1 rank reads none)

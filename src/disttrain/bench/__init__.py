@@ -32,7 +32,7 @@ def check_numbers(*checks: tuple[str, float, float]) -> None:
 
     for flag, value, low in checks:
         if not (math.isfinite(value) and value >= low):
-            raise ConfigError(f"{flag} {value:g}: give a number >= {low:g}")
+            raise ConfigError(f"{flag} {value:g}: must be >= {low:g}")
 
 
 def rank_limit(gpus: int) -> tuple[int, str]:

@@ -44,7 +44,7 @@ import time
 import warnings
 from pathlib import Path
 
-from disttrain.bench import rank_limit
+from disttrain.bench import check_numbers, rank_limit
 from disttrain.bench.scale_model import COLLECTIVES, bus_factor, fit_alpha_beta
 from disttrain.errors import ArgumentParser, ConfigError
 
@@ -112,8 +112,7 @@ def check(args: argparse.Namespace) -> None:
     args.compute_ms = 8.0 if args.compute_ms is None else args.compute_ms
     if not 0 <= args.compute_ms < math.inf:
         raise ConfigError(f"--compute-ms {args.compute_ms:g}: give milliseconds >= 0")
-    if args.iters < 1 or args.min_iters < 1 or args.warmup < 0:
-        raise ConfigError("--iters and --min-iters must be >= 1 and --warmup >= 0")
+    check_numbers(("--iters", args.iters, 1), ("--min-iters", args.min_iters, 1), ("--warmup", args.warmup, 0))
     gpus = torch.cuda.device_count()
     args.nproc = args.nproc or gpus or 2
     if args.nproc < 2:

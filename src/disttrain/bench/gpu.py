@@ -126,14 +126,12 @@ def _args(argv):
 
 def _check_numbers(args) -> None:
     """The MFU model's sizes and the run's numbers in range, before the device is touched (one line, exit 2)."""
+    from disttrain.bench import check_numbers
     from disttrain.errors import ConfigError
 
-    for flag, value, low in (("--n-layer", args.n_layer, 1), ("--d-model", args.d_model, 1),
-                             ("--n-head", args.n_head, 1), ("--seq-len", args.seq_len, 1), ("--vocab", args.vocab, 1),
-                             ("--micro", args.micro, 0), ("--steps", args.steps, 1),
-                             ("--peak-tflops", args.peak_tflops, 0.0)):
-        if not value >= low or value == math.inf:
-            raise ConfigError(f"{flag} {value:g}: must be >= {low:g}")
+    check_numbers(("--n-layer", args.n_layer, 1), ("--d-model", args.d_model, 1), ("--n-head", args.n_head, 1),
+                  ("--seq-len", args.seq_len, 1), ("--vocab", args.vocab, 1), ("--micro", args.micro, 0),
+                  ("--steps", args.steps, 1), ("--peak-tflops", args.peak_tflops, 0.0))
     if args.d_model % args.n_head:
         raise ConfigError(f"--d-model {args.d_model} is not divisible by --n-head {args.n_head}")
     if not 0 < args.memory_fraction <= 1:

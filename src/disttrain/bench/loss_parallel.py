@@ -33,12 +33,14 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _vocabs(args: argparse.Namespace) -> list[int]:
+def _check(args: argparse.Namespace) -> list[int]:
+    """The vocabularies to time, after checking every flag (one line, exit 2, before any launch)."""
     from disttrain.bench import check_numbers, rank_limit
 
     check_numbers(("--nproc", args.nproc, 1), ("--micro", args.micro, 1), ("--steps", args.steps, 1))
-    if args.nproc > rank_limit(0)[0]:
-        raise ConfigError(f"--nproc {args.nproc}: more ranks than this machine can start ({rank_limit(0)[1]})")
+    limit, what = rank_limit(0)
+    if args.nproc > limit:
+        raise ConfigError(f"--nproc {args.nproc}: more ranks than this machine can start ({what}); use at most {limit}")
     try:
         vocabs = [int(v) for v in args.vocabs.split(",") if v]
     except ValueError:
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from disttrain.bench import launch_workers
 
-    _vocabs(args)
+    _check(args)
     code, out = launch_workers(args, "loss_parallel")
     if code == 0:
         print((out / "loss_parallel.md").read_text())
@@ -94,7 +96,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     runtime = init_runtime(load_config(None, ["dist.threads_per_rank=1"]).dist, always_form_group=True)
     rows = []
-    for vocab in _vocabs(args):
+    for vocab in _check(args):
         gathered, split = _step_ms(args, runtime, vocab, "false"), _step_ms(args, runtime, vocab, "true")
         rows.append({"vocab": vocab, "gathered_ms": gathered, "split_ms": split, "ratio": split / gathered})
     if runtime.rank == 0:

@@ -155,22 +155,24 @@ def _worker(args) -> None:
 
 def _check(args) -> list[int]:
     """The world sizes to launch, after checking every flag (one line, exit 2, before anything starts)."""
-    from disttrain.bench import rank_limit
+    from disttrain.bench import check_numbers, rank_limit
+    from disttrain.config import validate_model
     from disttrain.parallel import registry
 
-    for flag, value in (("--nproc", args.nproc), ("--n-layer", args.n_layer), ("--d-model", args.d_model),
-                        ("--micro", args.micro)):
-        if value < 1:
-            raise ConfigError(f"{flag} {value}: must be >= 1")
+    check_numbers(("--nproc", args.nproc, 1), ("--n-layer", args.n_layer, 1), ("--d-model", args.d_model, 1),
+                  ("--micro", args.micro, 1))
+    limit, what = rank_limit(0)
+    if args.nproc > limit:
+        raise ConfigError(f"--nproc {args.nproc}: more ranks than this machine can start ({what}); use at most {limit}")
     try:
         worlds = sorted({int(w) for w in args.world_sizes.split(",") if w.strip()}) if args.world_sizes else [
             1, args.nproc]
     except ValueError:
         worlds = []
-    limit, what = rank_limit(0)
     if not worlds or worlds[0] < 1 or worlds[-1] > limit:
         raise ConfigError(f"--world-sizes {args.world_sizes!r}: give world sizes 1..{limit} separated by commas "
                           f"({what}), e.g. --world-sizes 1,2")
+    validate_model(_config(args, "auto", False))  # (--d-model against the heads, before a worker finds out)
     names = [n for n in args.strategies.split(",") if n]
     unknown = [n for n in names if args.strategies not in ("all", "none") and n not in registry.names()]
     if unknown or not names:

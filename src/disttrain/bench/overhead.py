@@ -81,15 +81,14 @@ def settings(name: str) -> list[str]:
 def check_strategies(args: argparse.Namespace) -> None:
     """The counts, and every --strategies entry against the registry, the layouts and the config's validation, before
     any process starts: ConfigError (one line) naming the flag or entry and the fix."""
-    from disttrain.bench import rank_limit
+    from disttrain.bench import check_numbers, rank_limit
     from disttrain.config import validate
     from disttrain.errors import ConfigError
     from disttrain.parallel import registry
 
-    for flag, value, low in (("--rounds", args.rounds, 2), ("--steps", args.steps, 1), ("--nproc", args.nproc, 1)):
-        if value < low or (flag == "--rounds" and value % 2):
-            raise ConfigError(f"{flag} {value}: must be >= {low}" + (" and even (each loop is built first in half of "
-                                                                   "them)" if flag == "--rounds" else ""))
+    check_numbers(("--rounds", args.rounds, 2), ("--steps", args.steps, 1), ("--nproc", args.nproc, 1))
+    if args.rounds % 2:
+        raise ConfigError(f"--rounds {args.rounds}: must be even (each loop is built first in half of them)")
     limit, what = rank_limit(0)  # (CPU ranks: the benchmark runs gloo)
     if args.nproc > limit:
         raise ConfigError(f"--nproc {args.nproc}: more ranks than this machine can start ({what}); use at most {limit}")

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from disttrain.bench import check_numbers
 from disttrain.errors import ArgumentParser, ConfigError, make_folder
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -65,9 +66,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, int]]:
         raise ConfigError(f"--microbatches {args.microbatches}: expected integers, e.g. 2,4,8") from None
     if not schedules or not counts:
         raise ConfigError("--schedules and --microbatches need at least one value each, e.g. gpipe,1f1b and 2,4,8")
-    for flag, value, low in (("--nproc", args.nproc, 2), ("--micro", args.micro, 1), ("--steps", args.steps, 1)):
-        if value < low:
-            raise ConfigError(f"{flag} {value}: must be >= {low}")
+    check_numbers(("--nproc", args.nproc, 2), ("--micro", args.micro, 1), ("--steps", args.steps, 1))
     for m in counts:
         if m < args.nproc:
             raise ConfigError(f"--microbatches {m}: fewer micro-batches than the {args.nproc} stages (1F1B needs at "

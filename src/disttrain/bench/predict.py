@@ -36,7 +36,6 @@ import statistics
 import time
 from pathlib import Path
 
-from disttrain.bench import rank_limit
 from disttrain.bench.published_scaling import PUBLISHED
 from disttrain.bench.scale_model import (
     BYTES,
@@ -128,21 +127,23 @@ def interconnect(spec: str) -> tuple[Interconnect, dict | None]:
                           "`disttrain bench comm --out DIR` first") from None
 
 
-def model_shape(args: argparse.Namespace) -> tuple[ModelShape, int, str]:
-    """(shape, default local batch, default precision) of --model, else of the config's reference GPT."""
+def model_shape(args: argparse.Namespace) -> tuple[ModelShape, int, str, int]:
+    """(shape, default local batch, default precision, steps per logged line) of --model (run by disttrain with its
+    default `train.log_every`), else of the config's reference GPT."""
+    from disttrain.config import TrainConfig, load_config
+
     if args.model:
         if args.model not in MODELS:
             raise ConfigError(f"--model {args.model!r} is not a preset; choose from {', '.join(MODELS)}, or leave it "
                               "out to model the reference GPT of CONFIG / --set")
-        return MODELS[args.model], LOCAL_BATCH[args.model], "bf16-mixed"
-    from disttrain.config import load_config
-
+        return MODELS[args.model], LOCAL_BATCH[args.model], "bf16-mixed", TrainConfig().log_every
     cfg = load_config(args.config, args.overrides)
     if cfg.model.name != "gpt":
         raise ConfigError(f"model.name = {cfg.model.name!r}: only the reference GPT's shape is known here; use "
                           "--model PRESET, or --compute-s with a preset of the same size")
     m = cfg.model
-    return gpt_shape(m.n_layer, m.d_model, m.seq_len, m.vocab_size), cfg.data.micro_batch_size, cfg.parallel.precision
+    return (gpt_shape(m.n_layer, m.d_model, m.seq_len, m.vocab_size), cfg.data.micro_batch_size, cfg.parallel.precision,
+            cfg.train.log_every)
 
 
 def _precision(args: argparse.Namespace, default: str) -> str:
@@ -150,19 +151,6 @@ def _precision(args: argparse.Namespace, default: str) -> str:
     if name not in BYTES:
         raise ConfigError(f"--precision {name!r}: choose from {', '.join(BYTES)}")
     return name
-
-
-def _startable(args: argparse.Namespace) -> None:
-    """--measure: refuse world sizes this machine cannot start (on the config's device)."""
-    import torch
-
-    from disttrain.config import load_config, uses_cuda
-
-    gpus = torch.cuda.device_count()
-    limit, what = rank_limit(gpus if uses_cuda(load_config(args.config, args.overrides), gpus) else 0)
-    if args.world_sizes[-1] > limit:
-        raise ConfigError(f"--world-sizes: {args.world_sizes[-1]} ranks is more than this machine can start ({what}); "
-                          f"use world sizes up to {limit}")
 
 
 def _cores(args: argparse.Namespace, fit: dict | None) -> int:
@@ -178,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if not strategies:
         raise ConfigError(f"--strategy {args.strategy!r} names no strategy; e.g. --strategy fsdp or ddp,fsdp")
     gpus = _counts(args.gpus, "--gpus")
-    shape, local_batch, precision = model_shape(args)
+    shape, local_batch, precision, log_every = model_shape(args)
     precision = _precision(args, precision)
     sitting = args.measure and args.validate
     if sitting and args.interconnect:
@@ -191,9 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         from disttrain.bench import predict_measure
 
         args.world_sizes = _counts(args.world_sizes, "--world-sizes")
-        _startable(args)
-        if not [canonical_strategy(s) for s in args.strategies.split(",") if s.strip()]:
-            raise ConfigError(f"--strategies {args.strategies!r} names no strategy; e.g. --strategies ddp,fsdp")
+        predict_measure.check(args)
         if args.rounds < 1:
             raise ConfigError(f"--rounds {args.rounds}: give 1 or more (3 steadies the busy links)")
         args.micro_batch = args.micro_batch or local_batch  # the config's micro-batch unless given
@@ -208,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.validate:
         text, rows = validate(args, shape, precision, net, fit)
     else:
-        text, rows = forecast(args, strategies, gpus, shape, local_batch, precision, net, fit)
+        text, rows = forecast(args, strategies, gpus, shape, (local_batch, log_every), precision, net, fit)
     _write(make_folder(Path(args.out).resolve(), "--out"), text, rows)
     print(text)
     return 0
@@ -231,7 +217,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} {value:g}: give {what}")
 
 
-def forecast(args, strategies, gpus, shape, local_batch, precision, net, fit) -> tuple[str, list[dict]]:
+def forecast(args, strategies, gpus, shape, batch_and_lines, precision, net, fit) -> tuple[str, list[dict]]:
+    local_batch, log_every = batch_and_lines
     local = args.local_batch or local_batch
     micro = args.micro_batch or local
     if local % micro:
@@ -245,7 +232,8 @@ def forecast(args, strategies, gpus, shape, local_batch, precision, net, fit) ->
     else:
         compute = compute_seconds(shape, tokens, args.tflops, args.mfu)
         source = f"{shape.flops_per_token():.3g} FLOPs/token / ({args.tflops:g} TFLOP/s x MFU {args.mfu:g})"
-    work = Workload(shape, compute, tokens, precision, local // micro, cpu_cores=_cores(args, fit))
+    work = Workload(shape, compute, tokens, precision, local // micro, cpu_cores=_cores(args, fit),
+                    log_every=log_every)
     rows = []
     for strategy in strategies:
         for p in predict(strategy, gpus, work, net):
@@ -319,7 +307,8 @@ def read_measured(path: Path, params: float, max_other_cpu: float) -> tuple[Meas
             local = float(rows[0]["global_batch"]) / world if rows[0].get("global_batch") else 0.0
             micro = float(rows[0]["micro_batch"]) if rows[0].get("micro_batch") else local
             by_world[world] = {"step_time_s": statistics.median(float(r["step_time_s"]) for r in rows),
-                               "local": local, "micro_steps": max(1, round(local / micro)) if micro else 1}
+                               "local": local, "micro_steps": max(1, round(local / micro)) if micro else 1,
+                               "log_every": 0 if rows[0].get("loop") == "hand-written" else 1}
         result[label] = (strategy, by_world)
     return result, len(noisy)
 
@@ -360,7 +349,8 @@ def validate(args, shape, precision, net, fit) -> tuple[str, list[dict]]:
             base = by_world[1]
             for world, m in sorted(by_world.items()):
                 scale = m["local"] / base["local"] if base["local"] else 1.0
-                work = Workload(shape, base["step_time_s"] * scale, 1.0, precision, m["micro_steps"], cpu_cores=cores)
+                work = Workload(shape, base["step_time_s"] * scale, 1.0, precision, m["micro_steps"], cpu_cores=cores,
+                                log_every=m["log_every"])  # (disttrain's rows log every step; a hand-written loop none)
                 s = step_time(strategy, world, work, net)
                 error = s.step_s / m["step_time_s"] - 1
                 rows.append({"check": "measured", "case": label, "gpus": world, "reference": m["step_time_s"],

@@ -24,7 +24,7 @@ import statistics
 import time
 from pathlib import Path
 
-from disttrain.errors import ArgumentParser
+from disttrain.errors import ArgumentParser, ConfigError
 
 COLUMNS = ["strategy", "mode", "world_size", "global_batch", "micro_batch", "step_time_s", "step_time_std_s",
            "tokens_per_s", "params", "cores", "rank_cpu", "other_cpu"]
@@ -34,6 +34,28 @@ def _overrides(args: argparse.Namespace, world: int) -> list[str]:
     return [*args.overrides, f"data.micro_batch_size={args.micro_batch}",
             f"data.global_batch_size={args.micro_batch * world}", "dist.threads_per_rank=1", "log.progress=false",
             "train.steps=100000", f"run.out_dir={args.out}", "run.name=predict_measure_run"]
+
+
+def check(args: argparse.Namespace) -> None:
+    """--measure's own flags, before anything starts: world sizes this machine can start (on the config's device)
+    and --strategies the scale model knows."""
+    import torch
+
+    from disttrain.bench import rank_limit
+    from disttrain.bench.scale_model import canonical_strategy
+    from disttrain.config import load_config, uses_cuda
+
+    gpus = torch.cuda.device_count()
+    limit, what = rank_limit(gpus if uses_cuda(load_config(args.config, args.overrides), gpus) else 0)
+    if args.world_sizes[-1] > limit:
+        raise ConfigError(f"--world-sizes: {args.world_sizes[-1]} ranks is more than this machine can start ({what}); "
+                          f"use world sizes up to {limit}")
+    try:
+        names = [canonical_strategy(s) for s in args.strategies.split(",") if s.strip()]
+    except ConfigError as exc:
+        raise ConfigError(f"--strategies {args.strategies}: {str(exc).removeprefix('--strategy ')}") from None
+    if not names:
+        raise ConfigError(f"--strategies {args.strategies!r} names no strategy; e.g. --strategies ddp,fsdp")
 
 
 def measure(args: argparse.Namespace, out: Path) -> Path:

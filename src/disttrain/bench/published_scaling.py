@@ -43,7 +43,7 @@ class Published:
         model = MODELS[self.model]
         tokens = self.local_batch * max(model.seq_len, 1)
         compute = self.compute_s or compute_seconds(model, tokens, H100_BF16_TFLOPS, self.mfu)
-        return Workload(model, compute, tokens, self.precision)
+        return Workload(model, compute, tokens, self.precision, log_every=0)  # (no disttrain figures to gather)
 
     def predicted(self) -> list[Prediction]:
         return predict(self.strategy, list(self.gpus), self.workload(), PRESETS[self.interconnect])

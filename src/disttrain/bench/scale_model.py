@@ -102,6 +102,10 @@ def interconnect_from_fit(fit: Mapping, name: str = "measured") -> Interconnect:
                           "comm` with --nproc 2 or more")
     links = {}
     for c, f in fit["collectives"].items():
+        numbers = [f["alpha_s"], f["beta_s_per_byte"]]
+        if not all(isinstance(x, int | float) and math.isfinite(x) and x >= 0 for x in numbers):
+            raise ConfigError(f"{name}: {c}'s alpha_s and beta_s_per_byte must be finite numbers >= 0, not "
+                              f"{numbers}; rerun `disttrain bench comm`")
         bandwidth = bus_factor(c, world) / f["beta_s_per_byte"] if f["beta_s_per_byte"] > 0 else math.inf
         links[c] = (Link(0.0, bandwidth, call_s=f["alpha_s"]) if per_call
                     else Link(f["alpha_s"] / max(ring_steps(c, world), 1), bandwidth))
@@ -319,10 +323,10 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
     shard = min(n, net.gpus_per_node) if strategy == "hsdp" else n
     # The Trainer's small collectives that block a step, exposed after backward: on one CPU host each costs a call
     # (a hand-off and wake-ups: skipping the figures' gather took 0.5-2.5 ms off a 2-rank ddp step here), on GPUs
-    # microseconds. The optimizer step all-reduces the squared gradient norm where the gradients are sharded
-    # (spec.total_norm, float64); a logged line gathers the ranks' figures. (The step's loss totals are all-reduced
-    # too, but that starts before the last backward and is done before anyone waits: skipping it changed a 2-rank
-    # ddp step here by nothing.)
+    # a ring's latency (tens of microseconds in a node, ~1 ms over 1024 GPUs). The optimizer step all-reduces the
+    # squared gradient norm where the gradients are sharded (spec.total_norm, float64); a logged line gathers the
+    # ranks' figures. (The step's loss totals are all-reduced too, but that starts before the last backward and is
+    # done before anyone waits: skipping it changed a 2-rank ddp step here by nothing.)
     after = wire("all_reduce", 8, shard) if sharded else 0.0
     if work.log_every:
         after += wire("all_gather", 24 * n, n, times=1 / work.log_every) / work.log_every

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from disttrain.bench import rank_limit
+from disttrain.bench import check_numbers, rank_limit
 from disttrain.bench.scaling_report import TARGETS
 from disttrain.errors import ArgumentParser, ConfigError, make_folder
 
@@ -138,10 +138,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
     if args.mode not in TARGETS:
         raise ConfigError(f"--mode {args.mode}: use weak (fixed batch per rank) or strong (fixed global batch)")
-    for flag, value, low in (("--steps", args.steps, 1), ("--rounds", args.rounds, 2),
-                             ("--eval-steps", args.eval_steps, 1), ("--repeats", args.repeats, 1)):
-        if value < low or (flag == "--rounds" and value % 2):
-            raise ConfigError(f"{flag} {value}: must be >= {low}" + (" and even" if flag == "--rounds" else ""))
+    check_numbers(("--steps", args.steps, 1), ("--rounds", args.rounds, 2), ("--eval-steps", args.eval_steps, 1),
+                  ("--repeats", args.repeats, 1))
+    if args.rounds % 2:
+        raise ConfigError(f"--rounds {args.rounds}: must be even (each loop is built first in half of them)")
     try:  # an unknown name is refused naming the valid ones; an alias becomes the strategy's name
         strategies = list(dict.fromkeys(registry.get(name).name for name in args.strategies.split(",") if name))
     except ConfigError as exc:
@@ -150,7 +150,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise ConfigError("--strategies is empty; name at least one, e.g. --strategies ddp")
     base = base_config(args.config, args.sets)
     gpus = torch.cuda.device_count()
-    validate(base, gpu_count=gpus, world=1)  # the batch sizes the rows are made from, before they divide them
+    for key, value in (("data.micro_batch_size", base.data.micro_batch_size),
+                       ("data.global_batch_size", base.data.global_batch_size)):
+        if value <= 0:  # (the rows divide by them before each row's config is validated)
+            raise ConfigError(f"{key} = {value}: must be > 0")
     cuda = uses_cuda(base, gpus)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     worlds = _world_sizes(args.world_sizes, gpus if cuda else cores, cuda)

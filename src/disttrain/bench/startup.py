@@ -27,7 +27,8 @@ from disttrain.errors import ArgumentParser, ConfigError, make_folder
 
 def _args(argv):
     p = ArgumentParser(prog="disttrain bench startup", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="", help="hf:DIR of the model to start (default: write a ~110M Llama)")
+    p.add_argument("--model", default="", help="hf:DIR (or DIR) of a saved Hugging Face model to start (default: "
+                   "write a ~110M Llama)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--strategies", default="fsdp,deepspeed:3,ddp",
                    help="comma-separated; deepspeed:N is DeepSpeed at ZeRO stage N; +ppN / +tpN add a layout")
@@ -152,13 +153,19 @@ def main(argv: list[str] | None = None) -> int:
 
     check_numbers(("--nproc", args.nproc, 1))
     _check_strategies(args)
-    if args.model and not args.model.startswith("hf:"):
-        args.model = f"hf:{args.model}"  # (a directory given without the prefix)
+    from disttrain.models.hf import hf_directory
+
+    if args.model:
+        given = args.model
+        args.model = given if given.startswith("hf:") else f"hf:{given}"
+        try:
+            hf_directory(args.model)
+        except ConfigError as exc:
+            raise ConfigError(f"--model {given}: {exc}") from None
     out = make_folder(Path(args.out).resolve(), "--out")
     if not args.model:
         write_model(out / "startup_model")
         args.model = f"hf:{out / 'startup_model'}"
-    from disttrain.models.hf import hf_directory
 
     full = full_fp32_bytes(hf_directory(args.model))
     rows = []

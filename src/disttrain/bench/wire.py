@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from disttrain.bench import check_numbers
-from disttrain.errors import ArgumentParser, ConfigError, make_folder
+from disttrain.errors import ArgumentParser, make_folder
 
 
 def _args(argv):
@@ -41,8 +41,6 @@ async def call_times(args) -> tuple[list[float], int]:
 
     from disttrain.service import TrainingService
 
-    if args.nproc < 1 or args.mib < 1 or args.repeats < 1:
-        raise ConfigError("--nproc, --mib and --repeats must be >= 1")
     batch = {"x": torch.ones(args.mib * 2**20 // 4 // 1024, 1024)}
     service = await TrainingService.options(nproc=args.nproc, threads_per_rank=1).as_service(
         "gpt", model_args={"n_layer": 1, "d_model": 16, "n_head": 2, "seq_len": 8}, strategy="ddp")

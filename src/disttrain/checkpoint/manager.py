@@ -148,7 +148,10 @@ class CheckpointManager:
         sign = 1.0 if self.cfg.best_mode == "min" else -1.0
         scored = []
         for step in self.list():
-            value = self.manifest(step).get("metrics", {}).get(self.cfg.best_metric)
+            try:
+                value = self.manifest(step).get("metrics", {}).get(self.cfg.best_metric)
+            except (OSError, ValueError, AttributeError):  # a damaged manifest is never best (`ckpt verify` says why)
+                continue
             if isinstance(value, (int, float)) and math.isfinite(value):
                 scored.append((sign * value, step))
         return [step for _, step in sorted(scored)]

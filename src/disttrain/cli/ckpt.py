@@ -38,11 +38,7 @@ DAMAGED = (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, Attribu
 def list(path: Path) -> int:  # noqa: A001 - named after the subcommand
     directory = _checkpoints_dir(path)
     manager = _manager(directory)
-    latest = manager.latest()
-    try:
-        best = manager.best()
-    except DAMAGED:  # a damaged manifest among them: its row says so below
-        best = None
+    latest, best = manager.latest(), manager.best()
     print(f"{'step':>8}  {'state':<11} {'saved':<25} {'world':>5}  {'size MiB':>8}  metrics")
     for step_dir in _step_dirs(directory):
         step = parse_step(step_dir)
@@ -50,23 +46,27 @@ def list(path: Path) -> int:  # noqa: A001 - named after the subcommand
             print(f"{step:>8}  {'uncommitted':<11}")
             continue
         try:
-            manifest = json.loads((step_dir / MANIFEST).read_text())
-            size = sum(f["size"] for f in manifest["files"].values()) / 2**20
-            manifest["time"], manifest["world_size"]  # noqa: B018 - read now: a row is printed whole or not at all
+            print(_row(step_dir, step, marks="".join([" (latest)" if step == latest else "",
+                                                       " (best)" if step == best else ""])))
         except DAMAGED as exc:
             print(f"{step:>8}  {'damaged':<11} {MANIFEST}: {type(exc).__name__}: {exc} (`disttrain ckpt verify`)")
-            continue
-        marks = "".join([" (latest)" if step == latest else "", " (best)" if step == best else ""])
-        metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                            for k, v in manifest.get("metrics", {}).items() if k in ("loss", "eval_loss"))
-        print(f"{step:>8}  {'committed':<11} {manifest['time']:<25} {manifest['world_size']:>5}  {size:>8.2f}  "
-              f"{metrics}{marks}")
     return 0
+
+
+def _row(step_dir: Path, step: int, marks: str) -> str:
+    """A committed checkpoint's line of `ckpt list`, from its manifest (raises one of DAMAGED if that is damaged)."""
+    manifest = json.loads((step_dir / MANIFEST).read_text())
+    size = sum(f["size"] for f in manifest["files"].values()) / 2**20
+    metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                        for k, v in manifest.get("metrics", {}).items() if k in ("loss", "eval_loss"))
+    return (f"{step:>8}  {'committed':<11} {manifest['time']:<25} {manifest['world_size']:>5}  {size:>8.2f}  "
+            f"{metrics}{marks}")
 
 
 def verify(path: Path) -> int:
     if not path.is_dir():
-        raise ConfigError(f"'{path}' does not exist; pass a run folder, its checkpoints folder or one step_N folder")
+        raise ConfigError(f"'{path}' " + ("is not a folder" if path.exists() else "does not exist")
+                          + "; pass a run folder, its checkpoints folder or one step_N folder")
     folders = [path] if parse_step(path) is not None else _step_dirs(_checkpoints_dir(path))
     if not folders:
         print(f"no checkpoints in {path}")

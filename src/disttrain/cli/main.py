@@ -73,6 +73,8 @@ def _plan(args: argparse.Namespace, nproc: int, cfg=None):
     from disttrain.launch import LaunchPlan
 
     endpoint = args.rdzv_endpoint
+    if args.master_port is not None and not 1 <= args.master_port <= 65535:
+        raise ConfigError(f"--master-port {args.master_port}: give a port from 1 to 65535, e.g. 29500")
     if args.master_addr or args.master_port is not None:
         if endpoint:
             raise ConfigError("give either --rdzv-endpoint HOST:PORT or --master-addr/--master-port, not both")
@@ -257,8 +259,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise ConfigError(f"script '{args.script}' not found; pass the path of your training script (or -m MODULE)")
     from disttrain.launch import launch
 
+    plan = _plan(args, nproc)
     make_folder(Path(args.run_dir), "--run-dir")
-    return launch(_plan(args, nproc), [args.script, *args.args], Path(args.run_dir), module=args.module,
+    return launch(plan, [args.script, *args.args], Path(args.run_dir), module=args.module,
                   fork=args.fork)
 
 
@@ -317,9 +320,13 @@ def cmd_deepspeed_config(args: argparse.Namespace) -> int:
     validate_model(cfg)  # (the rest is DeepSpeed's: from_config checks it against the JSON's keys)
     if Path(args.output).is_dir():
         raise ConfigError(f"-o {args.output} is a folder; give the path of the JSON file to write")
-    make_folder(Path(args.output).parent, "-o")
     numel = sum(math.prod(shape) for shape in param_shapes(cfg.model))
-    DeepSpeedConfig.from_config(cfg, world, numel).save_config(args.output)
+    plan = DeepSpeedConfig.from_config(cfg, world, numel)  # (every disagreement with a user JSON, before writing)
+    make_folder(Path(args.output).parent, "-o")
+    try:
+        plan.save_config(args.output)
+    except OSError as exc:
+        raise ConfigError(f"-o {args.output}: cannot write it ({exc.strerror}); give a path you can write") from None
     print(f"disttrain: wrote {args.output} (ZeRO stage {cfg.parallel.deepspeed_stage}, {world} ranks)",
           file=sys.stderr)
     return 0
