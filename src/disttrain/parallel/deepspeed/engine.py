@@ -25,6 +25,7 @@ import importlib
 import logging
 import math
 import os
+import warnings
 
 import torch
 from torch import nn
@@ -47,6 +48,10 @@ def apply(model: nn.Module, runtime, cfg) -> Prepared:
             compatible["deepspeed_shm_comm"] = False
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # it logs its whole config and every scale change
+    # DeepSpeed calls the collectives torch 2.13 renamed (all_gather_single, reduce_scatter_single) by their old
+    # names, which still work: without this each rank prints the rename notice at every ZeRO call site
+    warnings.filterwarnings("ignore", message=r".*`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
+                            "is deprecated", category=FutureWarning)
     prepared = EnginePrepared(module=model, model=model, grads_averaged_over=runtime.world_size, cfg=cfg,
                               world=runtime.world_size, ds=deepspeed, comm=comm.meter_for(runtime.device))
     if cfg.deepspeed_stage == 3 and any(p.is_meta for p in model.parameters()):
