@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.validate:
         text, rows = validate(args, shape, precision, net, fit)
     else:
-        text, rows = forecast(args, strategies, gpus, shape, (local_batch, log_every), precision, net, fit)
+        text, rows = forecast(args, strategies, gpus, shape, local_batch, precision, net, fit, log_every=log_every)
     _write(make_folder(Path(args.out).resolve(), "--out"), text, rows)
     print(text)
     return 0
@@ -217,8 +217,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} {value:g}: give {what}")
 
 
-def forecast(args, strategies, gpus, shape, batch_and_lines, precision, net, fit) -> tuple[str, list[dict]]:
-    local_batch, log_every = batch_and_lines
+def forecast(args, strategies, gpus, shape, local_batch, precision, net, fit, log_every: int = 1
+             ) -> tuple[str, list[dict]]:
     local = args.local_batch or local_batch
     micro = args.micro_batch or local
     if local % micro:
