@@ -270,9 +270,9 @@ def gpt_parity(tmp_path_factory) -> tuple[dict, dict]:
 
 @pytest.fixture
 def small_gpt() -> list[str]:
-    """Overrides for a GPT small enough for fast multi-process tests."""
+    """Overrides for a GPT small enough for fast multi-process tests, logging every step (tests compare the lines)."""
     return ["--set", "model.n_layer=2", "--set", "model.d_model=64", "--set", "model.n_head=4",
-            "--set", "model.seq_len=32", "--set", "log.progress=false"]
+            "--set", "model.seq_len=32", "--set", "log.progress=false", "--set", "train.log_every=1"]
 
 
 @pytest.fixture

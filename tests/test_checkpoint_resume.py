@@ -18,7 +18,7 @@ from disttrain.cli import main
 COMMON = ["--set", "model.n_layer=2", "--set", "model.d_model=64", "--set", "model.seq_len=32",
           "--set", "data.global_batch_size=16", "--set", "data.micro_batch_size=4", "--set", "train.steps=24",
           "--set", "train.eval_every=4", "--set", "train.eval_samples=32", "--set", "checkpoint.every=4",
-          "--set", "log.progress=false"]
+          "--set", "log.progress=false", "--set", "train.log_every=1"]
 
 
 def _train(tmp, name, nproc, *extra):

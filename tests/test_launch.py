@@ -17,7 +17,8 @@ import pytest
 from conftest import DISTTRAIN, cli_env, free_port, processes_mentioning, read_metrics, run_cli
 
 JOB = ["--set", "model.name=tiny_models:faulty", "--set", "optim.lr=0.05", "--set", "data.global_batch_size=8",
-       "--set", "data.micro_batch_size=4", "--set", "train.eval_every=0", "--set", "log.progress=false"]
+       "--set", "data.micro_batch_size=4", "--set", "train.eval_every=0", "--set", "log.progress=false",
+       "--set", "train.log_every=1"]  # a line every step: the tests wait for them
 
 
 def _job(tmp, name, steps=20, *extra):

@@ -48,7 +48,7 @@ def test_a_user_optimizer_keeps_its_learning_rate_unless_a_schedule_is_asked_for
     cfg = load_config(None, ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=16",
                              "data.global_batch_size=4", "data.micro_batch_size=4", "train.steps=5",
                              "train.eval_every=0", "log.progress=false", f"optim.schedule={schedule}",
-                             f"run.out_dir={tmp_path}", "dist.threads_per_rank=1"])
+                             f"run.out_dir={tmp_path}", "dist.threads_per_rank=1", "train.log_every=1"])
     Trainer(cfg, optimizer_factory=lambda model: torch.optim.SGD(model.parameters(), lr=0.05)).fit()
     rates = [m["lr"] for m in read_metrics(cfg.run_dir)]
     assert len(rates) == 5

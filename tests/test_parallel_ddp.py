@@ -16,7 +16,8 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ddp")
     common = ["--set", f"train.steps={STEPS}", "--set", "data.global_batch_size=16", "--set", "train.eval_every=10",
               "--set", "train.eval_samples=101", "--set", f"run.out_dir={tmp}", "--set", "model.n_layer=2",
-              "--set", "model.d_model=64", "--set", "model.seq_len=32", "--set", "log.progress=false"]
+              "--set", "model.d_model=64", "--set", "model.seq_len=32", "--set", "log.progress=false",
+              "--set", "train.log_every=1"]
     single = run_cli(["train", "--nproc", "1", "--set", "run.name=single", "--set", "data.micro_batch_size=16",
                       *common], tmp)
     assert single.returncode == 0, single.stderr

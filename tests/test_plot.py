@@ -13,7 +13,7 @@ from disttrain.cli.plot import MFU_UNKNOWN, NO_COMM, PANELS, Run, figure, labels
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TINY = ["--set", "model.n_layer=1", "--set", "model.d_model=32", "--set", "model.n_head=2", "--set", "model.seq_len=16",
         "--set", "train.steps=6", "--set", "train.eval_every=3", "--set", "train.eval_samples=16",
-        "--set", "log.progress=false", "--set", "checkpoint.every=0"]
+        "--set", "log.progress=false", "--set", "checkpoint.every=0", "--set", "train.log_every=1"]
 
 
 @pytest.fixture(scope="module")

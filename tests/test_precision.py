@@ -93,7 +93,7 @@ def _nan_job(tmp_path, policy):
     data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
     cfg = load_config(None, [f"run.out_dir={tmp_path}", "train.steps=5", "data.global_batch_size=8",
                              "data.micro_batch_size=8", f"train.on_nonfinite={policy}", "log.progress=false",
-                             "train.eval_every=0", "dist.threads_per_rank=1", "optim.lr=0.1"])
+                             "train.eval_every=0", "dist.threads_per_rank=1", "optim.lr=0.1", "train.log_every=1"])
     model = NaNAtStep()
     trainer = Trainer(cfg, model=model, train_dataset=data,
                       loss_fn=lambda out, batch: torch.nn.functional.mse_loss(out, batch[1]))

@@ -13,7 +13,8 @@ from conftest import cli_env, free_port
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 TINY = """run:\n  out_dir: {out}\nmodel:\n  n_layer: 1\n  d_model: 32\n  n_head: 2\n  seq_len: 16\ndata:
-  global_batch_size: 8\n  micro_batch_size: 4\ntrain:\n  steps: 4\n  eval_every: 0\nlog:\n  progress: false\n"""
+  global_batch_size: 8\n  micro_batch_size: 4\ntrain:\n  steps: 4\n  eval_every: 0\n  log_every: 1
+log:\n  progress: false\n"""
 
 
 def _env(tmp_path):

@@ -45,8 +45,8 @@ def test_validate_against_a_minimal_csv_and_the_published_cases(tmp_path):
                               "single,1,0.1\n")
     measured = [r for r in rows if r["check"] == "measured"]
     assert [(r["case"], r["gpus"]) for r in measured] == [("ddp", "1"), ("ddp", "2"), ("fsdp", "1"), ("fsdp", "2")]
-    work = sm.Workload(sm.gpt_shape(2, 64, 32, 256), 0.1, 1.0, "fp32", cpu_cores=2)
-    ddp2 = sm.step_time("ddp", 2, work, sm.interconnect_from_fit(FIT))
+    work = sm.Workload(sm.gpt_shape(2, 64, 32, 256), 0.1, 1.0, "fp32", cpu_cores=2, log_every=1)  # (a CSV without
+    ddp2 = sm.step_time("ddp", 2, work, sm.interconnect_from_fit(FIT))  # log_every: disttrain logged every step)
     assert float(measured[1]["predicted"]) == pytest.approx(ddp2.step_s, rel=1e-9)
     assert float(measured[1]["error"]) == pytest.approx(ddp2.step_s / 0.12 - 1, rel=1e-9)
     published = [r for r in rows if r["check"] == "published"]
@@ -144,15 +144,15 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path, monke
 def test_validate_reads_the_series_of_a_bench_scaling_csv(tmp_path):
     (tmp_path / "comm_fit.json").write_text(json.dumps(FIT))
     (tmp_path / "scaling.csv").write_text(
-        "strategy,loop,mode,world_size,sweep_key,sweep_value,global_batch,micro_batch,step_time_s\n"
-        "ddp,disttrain,weak,1,,,24,4,0.12\nddp,hand-written,weak,1,,,24,4,0.12\nddp,disttrain,weak,2,,,48,4,0.2\n"
-        "ddp,hand-written,weak,2,,,48,4,0.19\nfsdp,disttrain,strong,2,,,24,4,0.1\n")
+        "strategy,loop,mode,world_size,sweep_key,sweep_value,global_batch,micro_batch,log_every,step_time_s\n"
+        "ddp,disttrain,weak,1,,,24,4,10,0.12\nddp,hand-written,weak,1,,,24,4,0,0.12\nddp,disttrain,weak,2,,,48,4,10,0.2\n"
+        "ddp,hand-written,weak,2,,,48,4,0,0.19\nfsdp,disttrain,strong,2,,,24,4,10,0.1\n")
     assert cli(["bench", "predict", "--validate", *TINY, "--measured", str(tmp_path / "scaling.csv"),
                 "--interconnect", f"measured:{tmp_path}", "--cpu-cores", "2", "--out", str(tmp_path)]) == 0
     rows = [r for r in csv.DictReader(open(tmp_path / "predict.csv")) if r["check"] == "measured"]
     assert [(r["case"], r["gpus"]) for r in rows] == [("ddp weak disttrain", "1"), ("ddp weak disttrain", "2"),
                                                       ("ddp weak hand-written", "1"), ("ddp weak hand-written", "2")]
-    work = sm.Workload(sm.gpt_shape(2, 64, 32, 256), 0.12, 1.0, "fp32", micro_steps=6, cpu_cores=2)
+    work = sm.Workload(sm.gpt_shape(2, 64, 32, 256), 0.12, 1.0, "fp32", micro_steps=6, cpu_cores=2, log_every=10)
     net = sm.interconnect_from_fit(FIT)
     assert float(rows[1]["predicted"]) == pytest.approx(sm.step_time("ddp", 2, work, net).step_s,
                                                         rel=1e-9)  # 24 per rank in micro-batches of 4

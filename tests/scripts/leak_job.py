@@ -13,7 +13,7 @@ from disttrain.losses import lm_loss
 from disttrain.runtime import exit_process, init_runtime, shutdown
 
 JOB = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=16", "data.global_batch_size=8",
-       "data.micro_batch_size=4", "train.steps=200", "train.eval_every=0", "log.progress=false",
+       "data.micro_batch_size=4", "train.steps=200", "train.eval_every=0", "log.progress=false", "train.log_every=1",
        "dist.threads_per_rank=1", "parallel.strategy=ddp"]
 KEPT: list[torch.Tensor] = []
 

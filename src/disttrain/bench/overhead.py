@@ -250,7 +250,8 @@ def disttrain_setup(cfg, runtime, train, sampler):
 def _disttrain_job(cfg, runtime, train, sampler):
     """(backend, validation set, step): the Trainer's backend and its own step (the code `disttrain train` runs)
     with its DataLoader over the same data stream; `step(k)` returns the step's values (`Trainer._train_step`) with
-    the in-run cost figures of every logged line (perf.py: MFU, communication time, memory, the slowest rank).
+    the in-run cost figures (perf.py: MFU, communication time, memory; the slowest rank on the steps it logs, every
+    `train.log_every`).
     The stream simply continues: batches of the same sizes, so the step index does not matter for timing."""
     from disttrain.perf import rank_summary
 
@@ -258,7 +259,8 @@ def _disttrain_job(cfg, runtime, train, sampler):
 
     def step(k: int) -> dict:
         values = trainer._train_step(backend, batches, micro)
-        values.update(rank_summary(values, runtime.device, runtime.distributed))  # as logged (train.log_every = 1)
+        if (k + 1) % cfg.train.log_every == 0:  # a logged line, as the Trainer's (its steps count from 1)
+            values.update(rank_summary(values, runtime.device, runtime.distributed))
         return values
 
     return backend, val, step

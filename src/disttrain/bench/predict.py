@@ -308,21 +308,30 @@ def read_measured(path: Path, params: float, max_other_cpu: float) -> tuple[Meas
             micro = float(rows[0]["micro_batch"]) if rows[0].get("micro_batch") else local
             by_world[world] = {"step_time_s": statistics.median(float(r["step_time_s"]) for r in rows),
                                "local": local, "micro_steps": max(1, round(local / micro)) if micro else 1,
-                               "log_every": 0 if rows[0].get("loop") == "hand-written" else 1}
+                               "log_every": _log_every(rows[0])}
         result[label] = (strategy, by_world)
     return result, len(noisy)
+
+
+def _log_every(row: dict) -> int:
+    """Steps per logged line of a measured row (`bench scaling` writes it; older CSVs: disttrain logged every step,
+    a hand-written loop never)."""
+    if row.get("log_every") not in (None, ""):
+        return int(float(row["log_every"]))
+    return 0 if row.get("loop") == "hand-written" else 1
 
 
 def _check_row(path: Path, line: int, row: dict) -> None:
     """A measured row's figures are numbers: world size >= 1, step time > 0, the optional columns numeric."""
     try:
         world, step = int(row["world_size"]), float(row["step_time_s"])
-        numbers = [float(row[k]) for k in ("global_batch", "micro_batch", "params", "other_cpu") if row.get(k)]
+        numbers = [float(row[k]) for k in ("global_batch", "micro_batch", "log_every", "params", "other_cpu")
+                   if row.get(k)]
     except (TypeError, ValueError):
         world, step, numbers = 0, 0.0, []
     if world < 1 or not 0 < step < math.inf or not all(math.isfinite(x) and x >= 0 for x in numbers):
         raise ConfigError(f"--measured {path}, line {line}: expected a world_size >= 1, a step_time_s > 0 (seconds) "
-                          "and numbers >= 0 in global_batch, micro_batch, params and other_cpu; got "
+                          "and numbers >= 0 in global_batch, micro_batch, log_every, params and other_cpu; got "
                           + ", ".join(f"{k} {v!r}" for k, v in row.items() if k != "strategy"))
 
 

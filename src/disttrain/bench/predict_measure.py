@@ -26,8 +26,8 @@ from pathlib import Path
 
 from disttrain.errors import ArgumentParser, ConfigError
 
-COLUMNS = ["strategy", "mode", "world_size", "global_batch", "micro_batch", "step_time_s", "step_time_std_s",
-           "tokens_per_s", "params", "cores", "rank_cpu", "other_cpu"]
+COLUMNS = ["strategy", "mode", "world_size", "global_batch", "micro_batch", "log_every", "step_time_s",
+           "step_time_std_s", "tokens_per_s", "params", "cores", "rank_cpu", "other_cpu"]
 
 
 def _overrides(args: argparse.Namespace, world: int) -> list[str]:
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
         median = statistics.median(times[args.warmup:])
         if runtime.is_main_process():
             row = {"strategy": strategy, "mode": "weak", "world_size": world, "global_batch": args.micro_batch * world,
-                   "micro_batch": args.micro_batch, "step_time_s": median,
+                   "micro_batch": args.micro_batch, "log_every": cfg.train.log_every, "step_time_s": median,
                    "step_time_std_s": statistics.stdev(times[args.warmup:]) if args.steps > 1 else 0.0,
                    "tokens_per_s": args.micro_batch * world * cfg.model.seq_len / median, "params": params,
                    "cores": len(os.sched_getaffinity(0)), "rank_cpu": round(ours.item() / world / wall, 3),

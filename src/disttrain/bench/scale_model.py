@@ -217,8 +217,8 @@ class Workload:
     backward_fraction: float = 2 / 3
     cpu_cores: int = 0
     """0 on accelerators. On CPU, ranks beyond the cores share them, and so do gloo's communication threads."""
-    log_every: int = 1
-    """Steps per logged line (`train.log_every`; 0 = none): each line all-gathers the ranks' figures
+    log_every: int = 10
+    """Steps per logged line (`train.log_every`, 10 by default; 0 = none): each line all-gathers the ranks' figures
     (perf.rank_summary: 3 float64 per rank) and waits for it."""
 
 

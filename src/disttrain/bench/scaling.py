@@ -309,10 +309,11 @@ def _measure(args, cfg, runtime, plain: bool) -> list[dict]:
     n = len(times[names[0]])
     step_time = {name: statistics.median(slowest[i * n:(i + 1) * n]) for i, name in enumerate(names)}
     comm_fraction, comm_bytes, mfu, mem = slowest[len(names) * n:]
-    rows = [{"loop": "disttrain", "step_time_s": step_time["disttrain"], "comm_fraction": comm_fraction,
-             "comm_bytes": comm_bytes, "mfu": mfu, "mem_peak_gib": mem, "eval_loss": eval_loss}]
+    rows = [{"loop": "disttrain", "log_every": cfg.train.log_every, "step_time_s": step_time["disttrain"],
+             "comm_fraction": comm_fraction, "comm_bytes": comm_bytes, "mfu": mfu, "mem_peak_gib": mem,
+             "eval_loss": eval_loss}]
     if plain:
-        rows.append({"loop": "hand-written", "step_time_s": step_time["plain"]})
+        rows.append({"loop": "hand-written", "log_every": 0, "step_time_s": step_time["plain"]})
     return rows
 
 
@@ -345,7 +346,8 @@ def _fixed_run(args, cfg, runtime, train, sampler) -> tuple[float, float, list[d
     with Loaders(fixed.data, collate, runtime.device, fixed.run.seed) as loaders:
         loss, _ = evaluate(backend, val, runtime, fixed.data.micro_batch_size, fixed.train.eval_samples,
                            batches_of=lambda b: loaders.eval(val, b))
-    peak = max([peak_memory_gib(runtime.device)] + [v["mem_peak_gib"] for v in values])  # steps, then evaluation
+    # each logged step's reading covers the steps since the one before; the last reading, the rest and the evaluation
+    peak = max([peak_memory_gib(runtime.device)] + [v["mem_peak_gib"] for v in values if "mem_peak_gib" in v])
     del backend, step
     gc.collect()
     return loss, peak, values
