@@ -27,3 +27,12 @@ def test_progress_on_a_pipe_prints_about_twenty_lines():
         bar.update(step, {"loss": 1.0, "tokens_per_s": 2000.0})
     lines = stream.getvalue().splitlines()
     assert len(lines) == 20 and lines[-1].startswith("[" + "#" * 30 + "] 100/100 | loss 1.0000 | 2.0k tok/s")
+
+
+def test_progress_on_a_pipe_keeps_its_pace_when_only_every_tenth_step_is_logged():
+    stream = io.StringIO()
+    bar = ProgressBar(total=250, stream=stream)  # a line every 12 steps; the logged steps are multiples of 10
+    for step in [*range(10, 250, 10), 250]:
+        bar.update(step, {"loss": 1.0})
+    steps = [int(line.split("] ")[1].split("/")[0]) for line in stream.getvalue().splitlines()]
+    assert steps == [*range(20, 250, 20), 250]  # (multiples of 12 alone: 60, 120, 180, 240 and 250)

@@ -127,8 +127,8 @@ class Console(threading.Thread):
             step = int(record.get("step", 0))
             if step <= self._last_step:
                 continue
-            if self._last_step == 0:
-                self.bar.restart(step - 1)  # a resumed run: the rate and ETA count from here
+            if self._last_step == 0:  # the rate and ETA count from the first line (start-up, a resumed run's
+                self.bar.restart(step)  # steps before it, and the steps to the first logged one are not in it)
             self._last_step = step
             if self.bar.tty:
                 self._drawn = self.bar.render(step, record)

@@ -27,14 +27,16 @@ class NullMetrics:
 
 class ProgressBar:
     """`[####......] 40/100 loss 2.310 | 51.2k tok/s | MFU 41% | comm 3% | eta 0:00:12` redrawn in place on a terminal;
-    on a pipe (CI, log files) the same text as a new line about 20 times per run. A rank slower than rank 0 by more
-    than 20% is named (`slowest rank 3 1.4x`)."""
+    on a pipe (CI, log files) the same text as a new line about 20 times per run (at the first logged step a twentieth
+    of the run after the previous line, and at the last). A rank slower than rank 0 by more than 20% is named
+    (`slowest rank 3 1.4x`)."""
 
     def __init__(self, total: int, stream: TextIO = sys.stderr, start_step: int = 0):
         self.total, self.stream, self.start_step = total, stream, start_step
         self.tty = stream.isatty()
         self.every = max(1, total // 20)
         self.start = time.perf_counter()
+        self.printed = start_step  # the step of the last line on a pipe
 
     def restart(self, start_step: int) -> None:
         """Count the rate (and the ETA) from now, at `start_step`."""
@@ -63,8 +65,9 @@ class ProgressBar:
         return " | ".join(parts)
 
     def update(self, step: int, values: dict[str, Any]) -> None:
-        if not self.tty and step % self.every and step != self.total:
-            return
+        if not self.tty and step < self.printed + self.every and step != self.total:
+            return  # (not `step % every`: the logged steps, every train.log_every, may never be multiples of it)
+        self.printed = step
         line = self.render(step, values)
         self.stream.write(("\r" + line + "\x1b[K") if self.tty else line + "\n")
         if self.tty and step == self.total:

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from conftest import run_cli
-from disttrain.bench import predict_measure
+from disttrain.bench import predict, predict_measure
 from disttrain.bench import scale_model as sm
 from disttrain.bench.published_scaling import PUBLISHED
 from disttrain.cli.main import main as cli
@@ -81,7 +81,9 @@ def test_one_sitting_measures_steps_and_links_then_validates(tmp_path):
     assert f"each rank computing {fit['compute_ms']:g} ms before each call (--busy step)" in \
         (tmp_path / "s" / "predict.md").read_text()
     checked = [r for r in csv.DictReader(open(tmp_path / "s" / "predict.csv")) if r["check"] == "measured"]
-    work = sm.Workload(sm.gpt_shape(2, 64, 32, 256), float(rows[0]["step_time_s"]), 1.0, "fp32", cpu_cores=2)
+    assert {r["log_every"] for r in rows} == {"10"}  # the default: a median step gathers no figures
+    work = sm.Workload(sm.gpt_shape(2, 64, 32, 256), float(rows[0]["step_time_s"]), 1.0, "fp32", cpu_cores=2,
+                       log_every=0)
     fsdp2 = sm.step_time("fsdp", 2, work, sm.interconnect_from_fit(fit))
     assert float(checked[1]["predicted"]) == pytest.approx(fsdp2.step_s, rel=1e-9)  # from the pooled links
 
@@ -145,14 +147,14 @@ def test_validate_reads_the_series_of_a_bench_scaling_csv(tmp_path):
     (tmp_path / "comm_fit.json").write_text(json.dumps(FIT))
     (tmp_path / "scaling.csv").write_text(
         "strategy,loop,mode,world_size,sweep_key,sweep_value,global_batch,micro_batch,log_every,step_time_s\n"
-        "ddp,disttrain,weak,1,,,24,4,10,0.12\nddp,hand-written,weak,1,,,24,4,0,0.12\nddp,disttrain,weak,2,,,48,4,10,0.2\n"
+        "ddp,disttrain,weak,1,,,24,4,1,0.12\nddp,hand-written,weak,1,,,24,4,0,0.12\nddp,disttrain,weak,2,,,48,4,1,0.2\n"
         "ddp,hand-written,weak,2,,,48,4,0,0.19\nfsdp,disttrain,strong,2,,,24,4,10,0.1\n")
     assert cli(["bench", "predict", "--validate", *TINY, "--measured", str(tmp_path / "scaling.csv"),
                 "--interconnect", f"measured:{tmp_path}", "--cpu-cores", "2", "--out", str(tmp_path)]) == 0
     rows = [r for r in csv.DictReader(open(tmp_path / "predict.csv")) if r["check"] == "measured"]
     assert [(r["case"], r["gpus"]) for r in rows] == [("ddp weak disttrain", "1"), ("ddp weak disttrain", "2"),
                                                       ("ddp weak hand-written", "1"), ("ddp weak hand-written", "2")]
-    work = sm.Workload(sm.gpt_shape(2, 64, 32, 256), 0.12, 1.0, "fp32", micro_steps=6, cpu_cores=2, log_every=10)
+    work = sm.Workload(sm.gpt_shape(2, 64, 32, 256), 0.12, 1.0, "fp32", micro_steps=6, cpu_cores=2, log_every=1)
     net = sm.interconnect_from_fit(FIT)
     assert float(rows[1]["predicted"]) == pytest.approx(sm.step_time("ddp", 2, work, net).step_s,
                                                         rel=1e-9)  # 24 per rank in micro-batches of 4
@@ -160,4 +162,7 @@ def test_validate_reads_the_series_of_a_bench_scaling_csv(tmp_path):
         sm.step_time("ddp", 2, replace(work, log_every=0), net).step_s, rel=1e-9)
     assert float(rows[3]["predicted"]) < float(rows[1]["predicted"])
     report = (tmp_path / "predict.md").read_text()
+    # a row's step time is a median: with a line every 10 steps the median step gathers nothing
+    assert [predict._log_every(r) for r in ({"log_every": "10", "loop": "disttrain"}, {"log_every": "1"},
+                                            {"loop": "hand-written"}, {"loop": "disttrain"})] == [0, 1, 0, 1]
     assert "Not predicted (no 1-rank row to start from): fsdp strong disttrain." in report

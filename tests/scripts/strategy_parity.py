@@ -36,7 +36,7 @@ from disttrain.runtime import exit_process, init_runtime, shutdown
 
 JOB = ["model.n_layer=2", "model.d_model=64", "model.seq_len=32", "data.global_batch_size=16",
        "data.micro_batch_size=4", "train.steps=20", "train.eval_every=10", "train.eval_samples=33",
-       "log.progress=false", "dist.threads_per_rank=1", "dist.timeout_s=120"]
+       "log.progress=false", "dist.threads_per_rank=1", "dist.timeout_s=120", "train.log_every=1"]
 
 
 FLAGS = {"ac": "parallel.activation_checkpointing=true", "offload": "parallel.cpu_offload=true",

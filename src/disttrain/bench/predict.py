@@ -217,7 +217,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} {value:g}: give {what}")
 
 
-def forecast(args, strategies, gpus, shape, local_batch, precision, net, fit, log_every: int = 1
+def forecast(args, strategies, gpus, shape, local_batch, precision, net, fit, *, log_every: int
              ) -> tuple[str, list[dict]]:
     local = args.local_batch or local_batch
     micro = args.micro_batch or local
@@ -314,10 +314,12 @@ def read_measured(path: Path, params: float, max_other_cpu: float) -> tuple[Meas
 
 
 def _log_every(row: dict) -> int:
-    """Steps per logged line of a measured row (`bench scaling` writes it; older CSVs: disttrain logged every step,
-    a hand-written loop never)."""
+    """The logged lines a measured row's step pays for, as the scale model's `Workload.log_every`: 1 where every step
+    gathered the ranks' figures, else 0. A row's step time is a median over steps, which leaves out a step in
+    `train.log_every` (its CSV column) that gathers. (A CSV without the column: disttrain logged every step then, a
+    hand-written loop never.)"""
     if row.get("log_every") not in (None, ""):
-        return int(float(row["log_every"]))
+        return 1 if float(row["log_every"]) == 1 else 0
     return 0 if row.get("loop") == "hand-written" else 1
 
 
@@ -359,7 +361,7 @@ def validate(args, shape, precision, net, fit) -> tuple[str, list[dict]]:
             for world, m in sorted(by_world.items()):
                 scale = m["local"] / base["local"] if base["local"] else 1.0
                 work = Workload(shape, base["step_time_s"] * scale, 1.0, precision, m["micro_steps"], cpu_cores=cores,
-                                log_every=m["log_every"])  # (disttrain's rows log every step; a hand-written loop none)
+                                log_every=m["log_every"])  # (the gathers a row's median step pays)
                 s = step_time(strategy, world, work, net)
                 error = s.step_s / m["step_time_s"] - 1
                 rows.append({"check": "measured", "case": label, "gpus": world, "reference": m["step_time_s"],

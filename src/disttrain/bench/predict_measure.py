@@ -6,11 +6,11 @@ For each world size (one launch each) and strategy: the Trainer's step (`Trainer
 accumulation), 1 torch thread per rank, `--warmup` untimed steps then `--steps` timed ones; the figure is rank 0's
 median (every step ends in the backend's all-reduce of the loss totals, so rank 0 waits for the slowest).
 Writes `<out>/scaling.csv` with the columns `disttrain bench scaling` writes (strategy, mode, world_size,
-global_batch, micro_batch, step_time_s, tokens_per_s) plus step_time_std_s (over the timed steps), params, cores,
-`rank_cpu` (a rank's CPU time, gloo's threads included, over the wall time: 1.0 = a core kept busy) and `other_cpu`:
-the cores other processes kept busy during the timed steps (the machine's busy time from /proc/stat less this job's
-ranks' CPU time, over the wall time). On a shared machine a row with other_cpu well above 0 measured the neighbours
-too.
+global_batch, micro_batch, log_every, step_time_s, tokens_per_s) plus step_time_std_s (over the timed steps), params,
+cores, `rank_cpu` (a rank's CPU time, gloo's threads included, over the wall time: 1.0 = a core kept busy) and
+`other_cpu`: the cores other processes kept busy during the timed steps (the machine's busy time from /proc/stat less
+this job's ranks' CPU time, over the wall time). On a shared machine a row with other_cpu well above 0 measured the
+neighbours too.
 """
 
 from __future__ import annotations
