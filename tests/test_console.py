@@ -77,3 +77,28 @@ def test_a_reused_run_folder_shows_only_this_launchs_lines_and_steps(tmp_path):
     console.stop()
     assert err.getvalue().splitlines()[0] == "[rank 0] this launch"
     assert "earlier run" not in err.getvalue() and "loss 5.5" in err.getvalue() and "9.0" not in err.getvalue()
+
+
+def test_a_resumed_run_draws_from_its_newest_line_and_counts_its_rate_from_there(tmp_path):
+    """A resumed run's metrics.jsonl holds the earlier lines it kept (steps 10-50 of 100): the first read draws only
+    the newest of them, and the rate (the ETA) counts from it, not from step 0 in a moment."""
+    import io
+    import json
+
+    from disttrain.console import Console
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in range(10, 71, 10)))
+    err = io.StringIO()
+    console = Console(tmp_path / "logs", metrics, total=100, out=io.StringIO(), err=err)
+    console.pump()  # the interrupted launch's file: not shown
+    # rank 0 resumes from step 50: it keeps the lines up to there and appends from step 51
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in range(10, 51, 10)))
+    os.utime(metrics, ns=(0, 1))  # (a rewrite within the clock's resolution still differs)
+    console.pump()
+    assert [line.split("] ")[1].split(" ")[0] for line in err.getvalue().splitlines()] == ["50/100"]
+    assert console.bar.start_step == 50 and "eta" not in err.getvalue()  # no rate yet
+    with metrics.open("a") as f:
+        f.write(json.dumps({"step": 60, "loss": 8.0}) + "\n")
+    console.stop()
+    assert re.search(r"60/100 \| loss 8\.0000 \| eta \d:\d\d:\d\d", err.getvalue())

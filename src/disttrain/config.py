@@ -131,8 +131,9 @@ class TrainConfig:
     """Validation sequences per evaluation (0 = the whole validation set); each counted exactly once."""
     log_every: int = 10
     """Write a `metrics.jsonl` line and refresh the progress bar every N steps (and at an evaluation, a stop and the
-    last step). Each line gathers every rank's step time and peak memory (one small all-gather, about 1.5% of a
-    2-rank CPU step here when every step is logged); torchtitan and DeepSpeed log every 10 steps too."""
+    last step). Each line gathers every rank's step time, peak memory and exposed communication (one small
+    all-gather, about 1.5% of a 2-rank CPU step here when every step is logged); torchtitan and DeepSpeed log every
+    10 steps too."""
     on_nonfinite: str = "stop"
     """fp32/bf16: a non-finite loss or gradient `stop`s the run (naming step and rank) before the optimizer
     touches the parameters, or the step is `skip`ped and counted. (fp16 always skips, via loss scaling.)"""

@@ -119,16 +119,21 @@ class Console(threading.Thread):
             return
         complete = data[:data.rfind(b"\n") + 1]
         self._metrics_offset += len(complete)
+        records = []
         for line in complete.decode(errors="replace").splitlines():
             try:
-                record = json.loads(line)
+                records.append(json.loads(line))
             except json.JSONDecodeError:
                 continue
+        if self._last_step == 0 and records:
+            # The rate and ETA count from the newest line of the first read: neither start-up nor the lines a resumed
+            # run kept from before (read here at once) are in them, and only that newest line is drawn.
+            records = records[-1:]
+            self.bar.restart(int(records[0].get("step", 0)))
+        for record in records:
             step = int(record.get("step", 0))
             if step <= self._last_step:
                 continue
-            if self._last_step == 0:  # the rate and ETA count from the first line (start-up, a resumed run's
-                self.bar.restart(step)  # steps before it, and the steps to the first logged one are not in it)
             self._last_step = step
             if self.bar.tty:
                 self._drawn = self.bar.render(step, record)

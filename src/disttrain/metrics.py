@@ -27,9 +27,9 @@ class NullMetrics:
 
 class ProgressBar:
     """`[####......] 40/100 loss 2.310 | 51.2k tok/s | MFU 41% | comm 3% | eta 0:00:12` redrawn in place on a terminal;
-    on a pipe (CI, log files) the same text as a new line about 20 times per run (at the first logged step a twentieth
-    of the run after the previous line, and at the last). A rank slower than rank 0 by more than 20% is named
-    (`slowest rank 3 1.4x`)."""
+    on a pipe (CI, log files) the same text as a new line about 20 times per run, or at each logged step where there
+    are fewer (at the first logged step a twentieth of the run after the previous line, and at the last). A rank
+    slower than rank 0 by more than 20% is named (`slowest rank 3 1.4x`)."""
 
     def __init__(self, total: int, stream: TextIO = sys.stderr, start_step: int = 0):
         self.total, self.stream, self.start_step = total, stream, start_step
@@ -47,7 +47,6 @@ class ProgressBar:
         done = int(30 * min(step, self.total) / self.total)
         elapsed = time.perf_counter() - self.start
         done_here = step - self.start_step
-        eta = elapsed / done_here * max(self.total - step, 0) if done_here > 0 else 0.0
         parts = [f"[{'#' * done}{'.' * (30 - done)}] {step}/{self.total}"]
         if "loss" in values:
             parts.append(f"loss {values['loss']:.4f}")
@@ -61,7 +60,8 @@ class ProgressBar:
             parts.append("slowest " + straggler(values))
         if "eval_loss" in values:
             parts.append(f"eval {values['eval_loss']:.4f}")
-        parts.append(f"eta {hms(eta)}")
+        if done_here > 0:  # (no rate yet at the first line it counts from)
+            parts.append(f"eta {hms(elapsed / done_here * max(self.total - step, 0))}")
         return " | ".join(parts)
 
     def update(self, step: int, values: dict[str, Any]) -> None:

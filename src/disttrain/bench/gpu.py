@@ -24,8 +24,9 @@ the others still run:
                        time per step and the part no other kernel overlapped (exposed), where a one-rank group
                        launches any (it may launch none: then only the reading is checked)
     overhead           `bench overhead`'s two loops on the default job's model over the one-rank nccl group, ddp and
-                       fsdp: the step written by hand from the PyTorch tutorials against the Trainer's, which logs
-                       every in-run figure each step (MFU, comm_s timed by nccl, CUDA peak memory, the ranks' summary),
+                       fsdp: the step written by hand from the PyTorch tutorials against the Trainer's, with every
+                       in-run figure (MFU, comm_s timed by nccl, CUDA peak memory; the ranks' summary every
+                       `train.log_every` steps, 10 by default),
                        interleaved in rounds; target: ratio of median step times <= 1.02. `overhead medium`: the
                        same at the medium size (24 x 1024, two micro-batches of 4 per step), where the device bounds
                        the step
@@ -463,8 +464,8 @@ def check_overhead(args, check: Check, strategies: tuple[str, ...] = ("ddp", "fs
                    steps: int = 40, size: dict[str, int] | None = None, micro: int = 16, global_batch: int = 32
                    ) -> None:
     """The in-run figures' cost on CUDA, with `bench overhead`'s own loops and rounds (overhead._compare) in this
-    process: the hand-written step against the Trainer's step with every figure logged, on the default job's model
-    (launch-bound on a GPU, so any host cost of the figures shows in full) or on `size`."""
+    process: the hand-written step against the Trainer's step with its figures, as logged (`train.log_every`), on the
+    default job's model (launch-bound on a GPU, so any host cost of the figures shows in full) or on `size`."""
     from disttrain.bench import overhead
     from disttrain.data import GlobalSampler, build_datasets
 

@@ -252,7 +252,8 @@ def _disttrain_job(cfg, runtime, train, sampler):
     with its DataLoader over the same data stream; `step(k)` returns the step's values (`Trainer._train_step`) with
     the in-run cost figures (perf.py: MFU, communication time, memory; the slowest rank on the steps it logs, every
     `train.log_every`).
-    The stream simply continues: batches of the same sizes, so the step index does not matter for timing."""
+    The stream simply continues: batches of the same sizes; the step index `k` (the same on every rank) decides only
+    which steps gather the ranks' figures, step k + 1 as the Trainer counts."""
     from disttrain.perf import rank_summary
 
     trainer, backend, val, batches, micro = disttrain_setup(cfg, runtime, train, sampler)
