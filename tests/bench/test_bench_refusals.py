@@ -22,6 +22,10 @@ from disttrain.cli.main import main
     (["checkpoint", "--d-model", "12"], "--d-model 12: must be a multiple of 8"),
     (["loss-parallel", "--nproc", "0"], "--nproc 0: must be >= 1"),
     (["loss-parallel", "--steps", "0"], "--steps 0: must be >= 1"),
+    (["loss-parallel", "--vocabs", "256,1e3"], "--vocabs '256,1e3': give sizes >= 256 divisible by --nproc 2"),
+    (["loss-parallel", "--vocabs", "128,256"], "--vocabs '128,256': give sizes >= 256"),
+    (["pipeline", "--microbatches", ","], "--microbatches ',': give counts >= 1 separated by commas, e.g. "
+                                          "--microbatches 2,4,8"),
 ])
 def test_a_bad_flag_is_one_line_and_exit_2_before_anything_starts(tmp_path, capsys, args, says):
     name, *flags = args
@@ -29,3 +33,14 @@ def test_a_bad_flag_is_one_line_and_exit_2_before_anything_starts(tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert err.startswith("disttrain: error: " + says) and "\n" not in err, err
     assert not (tmp_path / "b").exists()
+
+
+def test_integer_lists_are_distinct_sorted_and_bounded():
+    from disttrain.bench import integers
+    from disttrain.errors import ConfigError
+
+    assert integers(" 8, 2,8,,4 ", "--gpus", "counts >= 1", "8,64") == [2, 4, 8]
+    assert integers("3", "--n", "x", "3", low=3, high=3) == [3]
+    for text in ("", "2,x", "0,2", "2,9"):
+        with pytest.raises(ConfigError, match=f"^--gpus '{text}': give counts 1..8 separated by commas, e.g. --gpus 1"):
+            integers(text, "--gpus", "counts 1..8", "1", high=8)

@@ -116,6 +116,7 @@ def test_rounds_of_comm_runs_pool_their_calls():
      "was measured while other processes kept more than 0.1 cores busy"),
     (["--strategy", ","], "--strategy ',' names no strategy"),
     (["--mfu", "0"], "--mfu 0: give a fraction in (0, 1]"),
+    (["--mfu", "1.5"], "--mfu 1.5: give a fraction in (0, 1]"),
     (["--tflops", "nan"], "--tflops nan: give a peak > 0"),
     (["--compute-s", "-1"], "--compute-s -1: give seconds >= 0"),
     (["--gpus-per-node", "-1"], "--gpus-per-node -1: give devices >= 0"),

@@ -25,14 +25,29 @@ def launch_workers(args: argparse.Namespace, name: str) -> tuple[int, Path]:
     return launch(args.nproc, worker_entry(f"disttrain.bench.{name}", args), out / f"{name}_run"), out
 
 
-def check_numbers(*checks: tuple[str, float, float]) -> None:
-    """Each (flag, value, lowest allowed): a finite number >= the lowest, else one line naming the flag (before a
-    benchmark writes or launches anything)."""
+def check_numbers(*checks: tuple) -> None:
+    """Each (flag, value, lowest allowed[, what to give[, highest allowed]]): a finite number in range, else one line
+    naming the flag and `what` (before a benchmark writes or launches anything)."""
     from disttrain.errors import ConfigError
 
-    for flag, value, low in checks:
-        if not (math.isfinite(value) and value >= low):
-            raise ConfigError(f"{flag} {value:g}: must be >= {low:g}")
+    for flag, value, low, *rest in checks:
+        what, high = (rest[0] if rest else None), (rest[1] if len(rest) > 1 else math.inf)
+        if not (math.isfinite(value) and low <= value <= high):
+            raise ConfigError(f"{flag} {value:g}: " + (f"give {what}" if what else f"must be >= {low:g}"))
+
+
+def integers(text: str, flag: str, what: str, example: str, low: int = 1, high: float = math.inf) -> list[int]:
+    """The distinct integers of a comma-separated flag, sorted; one line naming the flag and what to give (e.g.
+    "counts >= 1") where one is not an integer, none is given, or one lies outside low..high."""
+    from disttrain.errors import ConfigError
+
+    try:
+        values = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        values = []
+    if not values or values[0] < low or values[-1] > high:
+        raise ConfigError(f"{flag} {text!r}: give {what} separated by commas, e.g. {flag} {example}")
+    return values
 
 
 def rank_limit(gpus: int) -> tuple[int, str]:

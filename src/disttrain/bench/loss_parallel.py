@@ -35,19 +35,17 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 
 def _check(args: argparse.Namespace) -> list[int]:
     """The vocabularies to time, after checking every flag (one line, exit 2, before any launch)."""
-    from disttrain.bench import check_numbers, rank_limit
+    from disttrain.bench import check_numbers, integers, rank_limit
 
     check_numbers(("--nproc", args.nproc, 1), ("--micro", args.micro, 1), ("--steps", args.steps, 1))
     limit, what = rank_limit(0)
     if args.nproc > limit:
         raise ConfigError(f"--nproc {args.nproc}: more ranks than this machine can start ({what}); use at most {limit}")
-    try:
-        vocabs = [int(v) for v in args.vocabs.split(",") if v]
-    except ValueError:
-        vocabs = []
-    if not vocabs or any(v < 256 or v % args.nproc for v in vocabs):
-        raise ConfigError(f"--vocabs {args.vocabs}: give sizes >= 256 divisible by --nproc {args.nproc}, e.g. "
-                          "256,8192,32768")
+    vocabs = integers(args.vocabs, "--vocabs", f"sizes >= 256 divisible by --nproc {args.nproc}", "256,8192,32768",
+                      low=256)
+    if any(v % args.nproc for v in vocabs):
+        raise ConfigError(f"--vocabs {args.vocabs!r}: give sizes >= 256 divisible by --nproc {args.nproc}, e.g. "
+                          "--vocabs 256,8192,32768")
     return vocabs
 
 

@@ -155,7 +155,7 @@ def _worker(args) -> None:
 
 def _check(args) -> list[int]:
     """The world sizes to launch, after checking every flag (one line, exit 2, before anything starts)."""
-    from disttrain.bench import check_numbers, rank_limit
+    from disttrain.bench import check_numbers, integers, rank_limit
     from disttrain.config import validate_model
     from disttrain.parallel import registry
 
@@ -164,14 +164,8 @@ def _check(args) -> list[int]:
     limit, what = rank_limit(0)
     if args.nproc > limit:
         raise ConfigError(f"--nproc {args.nproc}: more ranks than this machine can start ({what}); use at most {limit}")
-    try:
-        worlds = sorted({int(w) for w in args.world_sizes.split(",") if w.strip()}) if args.world_sizes else [
-            1, args.nproc]
-    except ValueError:
-        worlds = []
-    if not worlds or worlds[0] < 1 or worlds[-1] > limit:
-        raise ConfigError(f"--world-sizes {args.world_sizes!r}: give world sizes 1..{limit} separated by commas "
-                          f"({what}), e.g. --world-sizes 1,2")
+    worlds = integers(args.world_sizes, "--world-sizes", f"world sizes 1..{limit} ({what})", "1,2",
+                      high=limit) if args.world_sizes else sorted({1, args.nproc})
     validate_model(_config(args, "auto", False))  # (--d-model against the heads, before a worker finds out)
     names = [n for n in args.strategies.split(",") if n]
     unknown = [n for n in names if args.strategies not in ("all", "none") and n not in registry.names()]

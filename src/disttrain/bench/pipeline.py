@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from disttrain.bench import check_numbers
+from disttrain.bench import check_numbers, integers
 from disttrain.errors import ArgumentParser, ConfigError, make_folder
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -60,12 +60,9 @@ def plan(args: argparse.Namespace) -> list[tuple[str, int]]:
         if s not in SCHEDULES:
             raise ConfigError(f"--schedules {s}: use {' or '.join(SCHEDULES)} (one stage per rank; their bubble is "
                               "(p - 1) / (m + p - 1))")
-    try:
-        counts = [int(m) for m in args.microbatches.split(",") if m]
-    except ValueError:
-        raise ConfigError(f"--microbatches {args.microbatches}: expected integers, e.g. 2,4,8") from None
-    if not schedules or not counts:
-        raise ConfigError("--schedules and --microbatches need at least one value each, e.g. gpipe,1f1b and 2,4,8")
+    counts = integers(args.microbatches, "--microbatches", "counts >= 1", "2,4,8")
+    if not schedules:
+        raise ConfigError("--schedules names none: give one or more, e.g. gpipe,1f1b")
     check_numbers(("--nproc", args.nproc, 2), ("--micro", args.micro, 1), ("--steps", args.steps, 1))
     for m in counts:
         if m < args.nproc:

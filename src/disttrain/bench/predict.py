@@ -36,6 +36,7 @@ import statistics
 import time
 from pathlib import Path
 
+from disttrain.bench import check_numbers, integers
 from disttrain.bench.published_scaling import PUBLISHED
 from disttrain.bench.scale_model import (
     BYTES,
@@ -98,16 +99,6 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _counts(text: str, flag: str) -> list[int]:
-    try:
-        counts = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        counts = []
-    if not counts or min(counts) < 1:
-        raise ConfigError(f"{flag} {text!r}: give counts >= 1 separated by commas, e.g. {flag} 8,64,512")
-    return sorted(set(counts))
-
-
 def interconnect(spec: str) -> tuple[Interconnect, dict | None]:
     """A preset, or the links of a comm_fit.json (`measured:PATH`, PATH a file or the folder holding it)."""
     if spec in PRESETS:
@@ -165,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     strategies = list(dict.fromkeys(canonical_strategy(s) for s in args.strategy.split(",") if s.strip()))
     if not strategies:
         raise ConfigError(f"--strategy {args.strategy!r} names no strategy; e.g. --strategy fsdp or ddp,fsdp")
-    gpus = _counts(args.gpus, "--gpus")
+    gpus = integers(args.gpus, "--gpus", "counts >= 1", "8,64,512")
     shape, local_batch, precision, log_every = model_shape(args)
     precision = _precision(args, precision)
     sitting = args.measure and args.validate
@@ -178,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.measure:
         from disttrain.bench import predict_measure
 
-        args.world_sizes = _counts(args.world_sizes, "--world-sizes")
+        args.world_sizes = integers(args.world_sizes, "--world-sizes", "counts >= 1", "1,2,3")
         predict_measure.check(args)
         if args.rounds < 1:
             raise ConfigError(f"--rounds {args.rounds}: give 1 or more (3 steadies the busy links)")
@@ -203,18 +194,15 @@ def main(argv: list[str] | None = None) -> int:
 def _check_numbers(args: argparse.Namespace) -> None:
     """Every numeric flag in its range, before anything is written or launched (0 = "the default" where a flag
     says so)."""
-    checks = [("--compute-s", args.compute_s, 0.0, "seconds >= 0 (0: from FLOPs)"),
-              ("--tflops", args.tflops, 1e-9, "a peak > 0"),
-              ("--mfu", args.mfu, 1e-9, "a fraction in (0, 1]"),
-              ("--local-batch", args.local_batch, 0, "sequences >= 0 (0: the model's)"),
-              ("--micro-batch", args.micro_batch, 0, "sequences >= 0 (0: no accumulation, or the config's)"),
-              ("--gpus-per-node", args.gpus_per_node, 0, "devices >= 0 (0: the interconnect's)"),
-              ("--cpu-cores", args.cpu_cores, -1, "cores >= 0, or -1 for this machine's"),
-              ("--max-other-cpu", args.max_other_cpu, 0.0, "cores >= 0"),
-              ("--steps", args.steps, 1, "steps >= 1"), ("--warmup", args.warmup, 0, "steps >= 0")]
-    for flag, value, low, what in checks:
-        if not math.isfinite(value) or value < low or (flag == "--mfu" and value > 1):
-            raise ConfigError(f"{flag} {value:g}: give {what}")
+    check_numbers(("--compute-s", args.compute_s, 0.0, "seconds >= 0 (0: from FLOPs)"),
+                  ("--tflops", args.tflops, 1e-9, "a peak > 0"),
+                  ("--mfu", args.mfu, 1e-9, "a fraction in (0, 1]", 1.0),
+                  ("--local-batch", args.local_batch, 0, "sequences >= 0 (0: the model's)"),
+                  ("--micro-batch", args.micro_batch, 0, "sequences >= 0 (0: no accumulation, or the config's)"),
+                  ("--gpus-per-node", args.gpus_per_node, 0, "devices >= 0 (0: the interconnect's)"),
+                  ("--cpu-cores", args.cpu_cores, -1, "cores >= 0, or -1 for this machine's"),
+                  ("--max-other-cpu", args.max_other_cpu, 0.0, "cores >= 0"),
+                  ("--steps", args.steps, 1, "steps >= 1"), ("--warmup", args.warmup, 0, "steps >= 0"))
 
 
 def forecast(args, strategies, gpus, shape, local_batch, precision, net, fit, *, log_every: int

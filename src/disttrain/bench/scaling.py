@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from disttrain.bench import check_numbers, rank_limit
+from disttrain.bench import check_numbers, integers, rank_limit
 from disttrain.bench.scaling_report import TARGETS
 from disttrain.errors import ArgumentParser, ConfigError, make_folder
 
@@ -189,11 +189,8 @@ def _world_sizes(text: str, devices: int, cuda: bool) -> list[int]:
     if not text:
         worlds = [2**i for i in range(devices.bit_length()) if 2**i <= devices]
         return worlds + ([devices] if devices not in worlds else [])
-    try:
-        worlds = sorted({int(w) for w in text.split(",") if w})
-    except ValueError:
-        raise ConfigError(f"--world-sizes {text}: expected comma-separated integers, e.g. 1,2,4") from None
-    if not worlds or worlds[0] != 1:
+    worlds = integers(text, "--world-sizes", "world sizes >= 1", "1,2,4")
+    if worlds[0] != 1:
         raise ConfigError(f"--world-sizes {text}: must include 1 (efficiency is measured against it), e.g. 1,2,4")
     limit, what = rank_limit(devices if cuda else 0)
     if worlds[-1] > limit:
