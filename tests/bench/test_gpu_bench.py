@@ -133,6 +133,21 @@ def test_the_overhead_check_runs_both_loops_over_a_one_rank_group_on_cpu():
     assert check.reason.startswith("ratio of median" if check.passed else "over 1.02: ddp "), check.reason
 
 
+def test_the_overhead_checks_profile_says_where_each_loops_host_time_goes():
+    """Run where a strategy is over its target (forced here): both loops profiled in this process. On a CPU there
+    are no CUDA runtime calls; the operators are the loops' own (aten's)."""
+    args = gpu._args([])
+    args.device = torch.device("cpu")
+    [check] = gpu.run_checks([("overhead", lambda a, c: gpu.check_overhead(a, c, ("ddp",), 2, 1, profile=True))],
+                             args)
+    assert check.figures["ddp: CUDA runtime calls per step (hand-written / disttrain)"] == "none (no CUDA)"
+    walls = check.figures["ddp: profiled, per step (hand-written / disttrain)"]
+    assert " wall under the profiler, " in walls and walls.endswith("over 10 steps"), walls
+    differ = check.figures["ddp: host time per step, the operators that differ most (hand-written / disttrain, us; "
+                           "calls)"].split("; ")
+    assert len(differ) == 8 and any(d.startswith("aten::") for d in differ), differ
+
+
 @pytest.mark.parametrize("args, says", [
     (["--steps", "0"], "--steps 0: must be >= 1"),
     (["--memory-fraction", "nan"], "--memory-fraction nan: give a share"),

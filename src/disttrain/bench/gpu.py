@@ -29,7 +29,8 @@ the others still run:
                        `train.log_every` steps, 10 by default),
                        interleaved in rounds; target: ratio of median step times <= 1.02. `overhead medium`: the
                        same at the medium size (24 x 1024, two micro-batches of 4 per step), where the device bounds
-                       the step
+                       the step. A strategy over the target is profiled (`host_profile`): each loop's host time per
+                       step, its CUDA runtime calls by name, the operators whose host time differs most
     tp, pp SCHEDULE,   the tensor-parallel plan (sequence and loss parallel) and the pipeline schedules 1f1b,
     pp zbv x tp        interleaved-1f1b, zbv, dualpipev, and zbv over tp, on a one-rank nccl mesh (both stages of a
                        virtual or V schedule on this rank): 5 steps of 4 micro-batches, fp32, losses within 1e-5 of
@@ -466,11 +467,13 @@ def check_comm_trace(args, check: Check, size: dict[str, int] = MEDIUM, micro: i
 
 
 def check_overhead(args, check: Check, strategies: tuple[str, ...] = ("ddp", "fsdp"), rounds: int = 16,
-                   steps: int = 40, size: dict[str, int] | None = None, micro: int = 16, global_batch: int = 32
-                   ) -> None:
+                   steps: int = 40, size: dict[str, int] | None = None, micro: int = 16, global_batch: int = 32,
+                   profile: bool = False) -> None:
     """The in-run figures' cost on CUDA, with `bench overhead`'s own loops and rounds (overhead._compare) in this
     process: the hand-written step against the Trainer's step with its figures, as logged (`train.log_every`), on the
-    default job's model (launch-bound on a GPU, so any host cost of the figures shows in full) or on `size`."""
+    default job's model (launch-bound on a GPU, so any host cost of the figures shows in full) or on `size`. A
+    strategy over the target (or every one with `profile`) gets a profile of where the two loops' host time goes
+    (`host_profile`), so that one run on a lent GPU also says why."""
     from disttrain.bench import overhead
     from disttrain.data import GlobalSampler, build_datasets
 
@@ -488,6 +491,9 @@ def check_overhead(args, check: Check, strategies: tuple[str, ...] = ("ddp", "fs
             ratios[strategy] = ours / plain
             check.figures[f"{strategy}: hand-written / disttrain, median step"] = (
                 f"{_ms(plain)} / {_ms(ours)}, ratio {ratios[strategy]:.3f}")
+            if profile or ratios[strategy] > OVERHEAD_TARGET:
+                check.figures.update({f"{strategy}: {k}": v for k, v in host_profile(
+                    cfg, runtime, train, GlobalSampler(len(train), cfg.run.seed)).items()})
     m = cfg.model
     check.figures["model"] = (f"GPT {m.n_layer} x {m.d_model}, seq {m.seq_len}, micro-batch {micro}, global batch "
                               f"{global_batch}, {cfg.parallel.precision}, one-rank nccl group; {rounds} interleaved "
@@ -495,6 +501,70 @@ def check_overhead(args, check: Check, strategies: tuple[str, ...] = ("ddp", "fs
     check.passed = all(r <= OVERHEAD_TARGET for r in ratios.values())
     check.reason = (f"ratio of median step times, disttrain / hand-written, <= {OVERHEAD_TARGET}" if check.passed else
                     "over " + str(OVERHEAD_TARGET) + ": " + ", ".join(f"{s} {r:.3f}" for s, r in ratios.items()))
+
+
+def host_profile(cfg, runtime, train, sampler, steps: int = 10, top: int = 8) -> dict[str, str]:
+    """Where each loop's time goes, per step over `steps` profiled steps (after 3 unprofiled ones) of the
+    hand-written loop and of disttrain's: the wall time, the host time inside operators (and in the CUDA runtime
+    calls they make), those calls by name (launches, copies, synchronisations), the `top` operators whose host
+    time differs most between them, and on a GPU the same for the device's time in kernels."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    from disttrain.bench import overhead
+
+    cuda = runtime.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    seen = {}
+    for name, build in (("hand-written", overhead._plain_loop), ("disttrain", overhead._disttrain_loop)):
+        step = build(cfg, runtime, train, sampler)
+        for k in range(3):
+            step(k)
+        _sync(runtime.device)
+        with profiler(activities=activities) as prof:
+            start = time.perf_counter()
+            for k in range(3, 3 + steps):
+                step(k)
+            _sync(runtime.device)
+            wall = time.perf_counter() - start
+        seen[name] = (wall / steps, {e.key: (e.self_cpu_time_total / steps, e.count / steps,
+                                             getattr(e, "self_device_time_total", 0.0) / steps)
+                                     for e in prof.key_averages()})
+        del step, prof
+        gc.collect()
+    (wall_a, a), (wall_b, b) = seen["hand-written"], seen["disttrain"]
+
+    def of(ops, key, i):
+        return ops[key][i] if key in ops else 0.0
+
+    def total_ms(ops, i):  # self times: each microsecond counted once
+        return sum(v[i] for v in ops.values()) / 1e3
+
+    def most_different(i):
+        keys = sorted({*a, *b}, key=lambda k: -abs(of(b, k, i) - of(a, k, i)))[:top]
+        return "; ".join(f"{k} {of(a, k, i):.0f} / {of(b, k, i):.0f} ({of(a, k, 1):g} / {of(b, k, 1):g})"
+                         for k in keys)
+
+    figures = {
+        "profiled, per step (hand-written / disttrain)": (
+            f"{_ms(wall_a)} / {_ms(wall_b)} wall under the profiler, {total_ms(a, 0):.2f} / {total_ms(b, 0):.2f} ms "
+            "of host time in operators" + (f", {total_ms(a, 2):.2f} / {total_ms(b, 2):.2f} ms of device time in "
+                                           "kernels" if cuda else "") + f", over {steps} steps"),
+        "CUDA runtime calls per step (hand-written / disttrain)": ", ".join(
+            f"{k} {of(a, k, 1):g} / {of(b, k, 1):g}" for k in sorted(k for k in {*a, *b} if k.startswith("cuda"))
+        ) or "none (no CUDA)",
+        "host time per step, the operators that differ most (hand-written / disttrain, us; calls)": most_different(0)}
+    if cuda:
+        figures["device time per step, the operators that differ most (hand-written / disttrain, us; calls)"] = (
+            most_different(2))
+    return figures
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def check_fsdp_comm(args, check: Check, calls: int = 50) -> None:
