@@ -24,7 +24,7 @@ from disttrain.cli.main import main
     (["loss-parallel", "--steps", "0"], "--steps 0: must be >= 1"),
     (["loss-parallel", "--vocabs", "256,1e3"], "--vocabs '256,1e3': give sizes >= 256 divisible by --nproc 2"),
     (["loss-parallel", "--vocabs", "128,256"], "--vocabs '128,256': give sizes >= 256"),
-    (["pipeline", "--microbatches", ","], "--microbatches ',': give counts >= 1 separated by commas, e.g. "
+    (["pipeline", "--microbatches", ","], "--microbatches ',': give counts >= the 2 stages separated by commas, e.g. "
                                           "--microbatches 2,4,8"),
 ])
 def test_a_bad_flag_is_one_line_and_exit_2_before_anything_starts(tmp_path, capsys, args, says):
@@ -44,3 +44,14 @@ def test_integer_lists_are_distinct_sorted_and_bounded():
     for text in ("", "2,x", "0,2", "2,9"):
         with pytest.raises(ConfigError, match=f"^--gpus '{text}': give counts 1..8 separated by commas, e.g. --gpus 1"):
             integers(text, "--gpus", "counts 1..8", "1", high=8)
+
+
+def test_a_number_out_of_its_range_names_the_range_or_what_to_give():
+    from disttrain.bench import check_numbers
+    from disttrain.errors import ConfigError
+
+    check_numbers(("--a", 4, 1, None, 4), ("--b", 0.5, 0, "a fraction", 1))
+    for flag, says in (("--a", "--a 5: must be in 1..4"), ("--b", "--b 1.5: give a fraction")):
+        with pytest.raises(ConfigError, match=f"^{says}$"):
+            check_numbers(("--a", 5 if flag == "--a" else 4, 1, None, 4), ("--b", 1.5 if flag == "--b" else 1, 0,
+                                                                           "a fraction", 1))

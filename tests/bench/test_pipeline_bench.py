@@ -36,7 +36,7 @@ def test_bubble_rows_for_each_schedule_and_micro_batch_count(tmp_path):
 @pytest.mark.parametrize("args, says", [
     (["--schedules", "interleaved-1f1b"], "--schedules interleaved-1f1b: use gpipe or 1f1b"),
     (["--microbatches", "1,4"], "--microbatches 1: fewer micro-batches than the 2 stages"),
-    (["--microbatches", "two"], "--microbatches 'two': give counts >= 1 separated by commas"),
+    (["--microbatches", "two"], "--microbatches 'two': give counts >= the 2 stages separated by commas"),
     (["--nproc", "1"], "--nproc 1: must be >= 2"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, says):

@@ -33,7 +33,8 @@ def check_numbers(*checks: tuple) -> None:
     for flag, value, low, *rest in checks:
         what, high = (rest[0] if rest else None), (rest[1] if len(rest) > 1 else math.inf)
         if not (math.isfinite(value) and low <= value <= high):
-            raise ConfigError(f"{flag} {value:g}: " + (f"give {what}" if what else f"must be >= {low:g}"))
+            bound = f"must be >= {low:g}" if high == math.inf else f"must be in {low:g}..{high:g}"
+            raise ConfigError(f"{flag} {value:g}: " + (f"give {what}" if what else bound))
 
 
 def integers(text: str, flag: str, what: str, example: str, low: int = 1, high: float = math.inf) -> list[int]:

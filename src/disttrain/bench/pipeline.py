@@ -60,10 +60,10 @@ def plan(args: argparse.Namespace) -> list[tuple[str, int]]:
         if s not in SCHEDULES:
             raise ConfigError(f"--schedules {s}: use {' or '.join(SCHEDULES)} (one stage per rank; their bubble is "
                               "(p - 1) / (m + p - 1))")
-    counts = integers(args.microbatches, "--microbatches", "counts >= 1", "2,4,8")
     if not schedules:
         raise ConfigError("--schedules names none: give one or more, e.g. gpipe,1f1b")
     check_numbers(("--nproc", args.nproc, 2), ("--micro", args.micro, 1), ("--steps", args.steps, 1))
+    counts = integers(args.microbatches, "--microbatches", f"counts >= the {args.nproc} stages", "2,4,8")
     for m in counts:
         if m < args.nproc:
             raise ConfigError(f"--microbatches {m}: fewer micro-batches than the {args.nproc} stages (1F1B needs at "
