@@ -122,30 +122,25 @@ def test_the_comm_trace_check_profiles_ddp_steps_and_finds_no_kernels_on_cpu():
     assert not check.passed and check.reason == "the trace has no kernels", check.reason
 
 
-def test_the_overhead_check_runs_both_loops_over_a_one_rank_group_on_cpu():
+def test_the_overhead_check_runs_both_loops_over_a_one_rank_group_on_cpu_and_profiles_them():
     """`bench overhead`'s loops in this process over a one-rank group (at --nproc 1 `bench overhead` itself failed:
-    its hand-written DDP found no process group). On a CPU only the path is checked, not the ratio."""
+    its hand-written DDP found no process group). On a CPU only the path is checked, not the ratio. A strategy over
+    its target gets a profile of both loops (forced here); on a CPU there are no CUDA runtime calls, and the
+    operators are the loops' own (aten's)."""
     args = gpu._args([])
     args.device = torch.device("cpu")
-    [check] = gpu.run_checks([("overhead", lambda a, c: gpu.check_overhead(a, c, ("ddp", "fsdp"), 2, 1))], args)
+    [check] = gpu.run_checks([("overhead", lambda a, c: gpu.check_overhead(a, c, ("ddp", "fsdp"), 2, 1, profile=True,
+                                                                          profile_steps=2))], args)
     ratios = [v for k, v in check.figures.items() if k.endswith("median step")]
     assert len(ratios) == 2 and all(" ms, ratio " in v for v in ratios), check.figures
     assert check.reason.startswith("ratio of median" if check.passed else "over 1.02: ddp "), check.reason
-
-
-def test_the_overhead_checks_profile_says_where_each_loops_host_time_goes():
-    """Run where a strategy is over its target (forced here): both loops profiled in this process. On a CPU there
-    are no CUDA runtime calls; the operators are the loops' own (aten's)."""
-    args = gpu._args([])
-    args.device = torch.device("cpu")
-    [check] = gpu.run_checks([("overhead", lambda a, c: gpu.check_overhead(a, c, ("ddp",), 2, 1, profile=True))],
-                             args)
-    assert check.figures["ddp: CUDA runtime calls per step (hand-written / disttrain)"] == "none (no CUDA)"
-    walls = check.figures["ddp: profiled, per step (hand-written / disttrain)"]
-    assert " wall under the profiler, " in walls and walls.endswith("10 steps each, built first and built second")
-    differ = check.figures["ddp: host time per step, the operators that differ most (hand-written / disttrain, us; "
-                           "calls)"].split("; ")
-    assert len(differ) == 8 and any(d.startswith("aten::") for d in differ), differ
+    for strategy in ("ddp", "fsdp"):
+        assert check.figures[f"{strategy}: CUDA runtime calls per step (hand-written / disttrain)"] == "none (no CUDA)"
+        walls = check.figures[f"{strategy}: profiled, per step (hand-written / disttrain)"]
+        assert " wall under the profiler, " in walls and walls.endswith("2 steps each, built first and built second")
+        differ = check.figures[f"{strategy}: host time per step, the operators that differ most (hand-written / "
+                               "disttrain, us; calls)"].split("; ")
+        assert len(differ) == 8 and any(d.startswith("aten::") for d in differ), differ
 
 
 @pytest.mark.parametrize("args, says", [

@@ -469,7 +469,7 @@ def check_comm_trace(args, check: Check, size: dict[str, int] = MEDIUM, micro: i
 
 def check_overhead(args, check: Check, strategies: tuple[str, ...] = ("ddp", "fsdp"), rounds: int = 16,
                    steps: int = 40, size: dict[str, int] | None = None, micro: int = 16, global_batch: int = 32,
-                   profile: bool = False) -> None:
+                   profile: bool = False, profile_steps: int = 10) -> None:
     """The in-run figures' cost on CUDA, with `bench overhead`'s own loops and rounds (overhead._compare) in this
     process: the hand-written step against the Trainer's step with its figures, as logged (`train.log_every`), on the
     default job's model (launch-bound on a GPU, so any host cost of the figures shows in full) or on `size`. A
@@ -496,7 +496,7 @@ def check_overhead(args, check: Check, strategies: tuple[str, ...] = ("ddp", "fs
         for strategy, (cfg, train) in jobs.items():  # after every comparison: none runs after the profiler has
             if profile or ratios[strategy] > OVERHEAD_TARGET:
                 check.figures.update({f"{strategy}: {k}": v for k, v in host_profile(
-                    cfg, runtime, train, GlobalSampler(len(train), cfg.run.seed)).items()})
+                    cfg, runtime, train, GlobalSampler(len(train), cfg.run.seed), profile_steps).items()})
     m = cfg.model
     check.figures["model"] = (f"GPT {m.n_layer} x {m.d_model}, seq {m.seq_len}, micro-batch {micro}, global batch "
                               f"{global_batch}, {cfg.parallel.precision}, one-rank nccl group; {rounds} interleaved "
