@@ -29,8 +29,8 @@ the others still run:
                        `train.log_every` steps, 10 by default),
                        interleaved in rounds; target: ratio of median step times <= 1.02. `overhead medium`: the
                        same at the medium size (24 x 1024, two micro-batches of 4 per step), where the device bounds
-                       the step. A strategy over the target is profiled (`host_profile`): each loop's host time per
-                       step, its CUDA runtime calls by name, the operators whose host time differs most
+                       the step. A strategy over the target is profiled (`host_profile`): each loop's host and
+                       device time per step, its CUDA calls by name, the operators and kernels that differ most
     tp, pp SCHEDULE,   the tensor-parallel plan (sequence and loss parallel) and the pipeline schedules 1f1b,
     pp zbv x tp        interleaved-1f1b, zbv, dualpipev, and zbv over tp, on a one-rank nccl mesh (both stages of a
                        virtual or V schedule on this rank): 5 steps of 4 micro-batches, fp32, losses within 1e-5 of
@@ -493,7 +493,7 @@ def check_overhead(args, check: Check, strategies: tuple[str, ...] = ("ddp", "fs
             ratios[strategy] = ours / plain
             check.figures[f"{strategy}: hand-written / disttrain, median step"] = (
                 f"{_ms(plain)} / {_ms(ours)}, ratio {ratios[strategy]:.3f}")
-        for strategy, (cfg, train) in jobs.items():  # after every comparison: none runs after the profiler has
+        for strategy, (cfg, train) in jobs.items():  # after every comparison: none times steps after a profile
             if profile or ratios[strategy] > OVERHEAD_TARGET:
                 check.figures.update({f"{strategy}: {k}": v for k, v in host_profile(
                     cfg, runtime, train, GlobalSampler(len(train), cfg.run.seed), profile_steps).items()})
@@ -522,7 +522,7 @@ def host_profile(cfg, runtime, train, sampler, steps: int = 10, top: int = 8) ->
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     builds = {"hand-written": overhead._plain_loop, "disttrain": overhead._disttrain_loop}
     walls = {name: 0.0 for name in builds}
-    seen: dict[str, dict[str, list[float]]] = {name: {} for name in builds}  # key -> [host us, calls, device us]
+    seen: dict[str, dict[str, list]] = {name: {} for name in builds}  # key -> [host us, calls, device us, kind]
     for order in (list(builds), list(builds)[::-1]):
         for name in order:
             step = builds[name](cfg, runtime, train, sampler)
