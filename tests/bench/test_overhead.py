@@ -10,7 +10,7 @@ from disttrain.cli.main import main
 
 def test_overhead_benchmark_runs_and_saves_its_figures(tmp_path):
     result = run_cli(["bench", "overhead", "--rounds", "2", "--steps", "1", "--strategies", "ddp,zero1,fsdp",
-                      "--out", str(tmp_path / "b")], tmp_path, timeout=240)
+                      "--profile", "1", "--out", str(tmp_path / "b")], tmp_path, timeout=240)
     assert result.returncode == 0, result.stderr
     figures = json.loads((tmp_path / "b" / "overhead.json").read_text())
     assert set(figures["strategies"]) == {"ddp", "zero1", "fsdp"} and figures["steps_per_loop"] == 2
@@ -20,6 +20,13 @@ def test_overhead_benchmark_runs_and_saves_its_figures(tmp_path):
         assert row["ratio_vs_plain"] == row["disttrain_s"] / row["plain_s"]
         assert row["disttrain_vs_ddp"] == row["disttrain_s"] / ddp["disttrain_s"]
     assert "ratio disttrain / hand-written" in result.stdout
+    for strategy, profile in figures["profile"].items():  # where rank 0's time goes, after the timed rounds
+        assert profile["profiled, per step (hand-written / disttrain)"].endswith("1 steps each, built first and built "
+                                                                                 "second"), profile
+        assert len(profile["host time per step, the operators that differ most (hand-written / disttrain, us; "
+                           "calls)"].split("; ")) == 8
+        assert f"## Where {strategy}'s time goes (rank 0, profiled)" in result.stdout
+    assert list(figures["profile"]) == ["ddp", "zero1", "fsdp"]
 
 
 def test_model_parallel_layouts_run_against_their_hand_written_loops(tmp_path):

@@ -29,7 +29,7 @@ the others still run:
                        `train.log_every` steps, 10 by default),
                        interleaved in rounds; target: ratio of median step times <= 1.02. `overhead medium`: the
                        same at the medium size (24 x 1024, two micro-batches of 4 per step), where the device bounds
-                       the step. A strategy over the target is profiled (`host_profile`): each loop's host and
+                       the step. A strategy over the target is profiled (`overhead.host_profile`): each loop's host and
                        device time per step, its CUDA calls by name, the operators and kernels that differ most
     tp, pp SCHEDULE,   the tensor-parallel plan (sequence and loss parallel) and the pipeline schedules 1f1b,
     pp zbv x tp        interleaved-1f1b, zbv, dualpipev, and zbv over tp, on a one-rank nccl mesh (both stages of a
@@ -474,7 +474,7 @@ def check_overhead(args, check: Check, strategies: tuple[str, ...] = ("ddp", "fs
     process: the hand-written step against the Trainer's step with its figures, as logged (`train.log_every`), on the
     default job's model (launch-bound on a GPU, so any host cost of the figures shows in full) or on `size`. A
     strategy over the target (or every one with `profile`) gets a profile of where the two loops' host time goes
-    (`host_profile`), so that one run on a lent GPU also says why."""
+    (`overhead.host_profile`), so that one run on a lent GPU also says why."""
     from disttrain.bench import overhead
     from disttrain.data import GlobalSampler, build_datasets
 
@@ -495,7 +495,7 @@ def check_overhead(args, check: Check, strategies: tuple[str, ...] = ("ddp", "fs
                 f"{_ms(plain)} / {_ms(ours)}, ratio {ratios[strategy]:.3f}")
         for strategy, (cfg, train) in jobs.items():  # after every comparison: none times steps after a profile
             if profile or ratios[strategy] > OVERHEAD_TARGET:
-                check.figures.update({f"{strategy}: {k}": v for k, v in host_profile(
+                check.figures.update({f"{strategy}: {k}": v for k, v in overhead.host_profile(
                     cfg, runtime, train, GlobalSampler(len(train), cfg.run.seed), profile_steps).items()})
     m = cfg.model
     check.figures["model"] = (f"GPT {m.n_layer} x {m.d_model}, seq {m.seq_len}, micro-batch {micro}, global batch "
@@ -504,87 +504,6 @@ def check_overhead(args, check: Check, strategies: tuple[str, ...] = ("ddp", "fs
     check.passed = all(r <= OVERHEAD_TARGET for r in ratios.values())
     check.reason = (f"ratio of median step times, disttrain / hand-written, <= {OVERHEAD_TARGET}" if check.passed else
                     "over " + str(OVERHEAD_TARGET) + ": " + ", ".join(f"{s} {r:.3f}" for s, r in ratios.items()))
-
-
-def host_profile(cfg, runtime, train, sampler, steps: int = 10, top: int = 8) -> dict[str, str]:
-    """Where each loop's time goes, per step of the hand-written loop and of disttrain's, each profiled for `steps`
-    steps (after 3 unprofiled ones) built first and again built second (whichever loop is built second runs
-    slower: overhead._compare): the wall time; the host time in operators and in the CUDA runtime and driver calls
-    they make; those calls by name (launches, copies, synchronisations); the `top` host operators whose host time
-    differs most; on a GPU the device's time in kernels and the `top` kernels whose time differs most."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as profiler
-
-    from disttrain.bench import overhead
-
-    cuda = runtime.device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    builds = {"hand-written": overhead._plain_loop, "disttrain": overhead._disttrain_loop}
-    walls = {name: 0.0 for name in builds}
-    seen: dict[str, dict[str, list]] = {name: {} for name in builds}  # key -> [host us, calls, device us, kind]
-    for order in (list(builds), list(builds)[::-1]):
-        for name in order:
-            step = builds[name](cfg, runtime, train, sampler)
-            for k in range(3):
-                step(k)
-            _sync(runtime.device)
-            # one cycle, no schedule: acc_events only quiets torch's warning that a cycle's end clears them
-            with profiler(activities=activities, acc_events=True) as prof:
-                start = time.perf_counter()
-                for k in range(3, 3 + steps):
-                    step(k)
-                _sync(runtime.device)
-                walls[name] += (time.perf_counter() - start) / (2 * steps)
-            for e in prof.key_averages():
-                # a kernel's time also shows on the operator that launched it and on annotations around it: count
-                # device time on the kernels alone (as torch's own table totals do), host time on host events
-                kernel = e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)
-                kind = "kernel" if kernel else "host"
-                row = seen[name].setdefault(e.key, [0.0, 0.0, 0.0, kind])
-                row[0] += 0.0 if kernel else e.self_cpu_time_total / (2 * steps)
-                row[1] += e.count / (2 * steps)
-                row[2] += e.self_device_time_total / (2 * steps) if kernel else 0.0
-            del step, prof
-            gc.collect()
-    a, b = seen["hand-written"], seen["disttrain"]
-
-    def of(ops, key, i):
-        return ops[key][i] if key in ops else 0.0
-
-    def keys(kind):
-        return sorted(k for k in {*a, *b} if (a.get(k) or b.get(k))[3] == kind)
-
-    def total_ms(ops, i):  # self times: each microsecond counted once
-        return sum(v[i] for v in ops.values()) / 1e3
-
-    def most_different(kind, i):
-        ranked = sorted(keys(kind), key=lambda k: -abs(of(b, k, i) - of(a, k, i)))[:top]
-        return "; ".join(f"{k} {of(a, k, i):.0f} / {of(b, k, i):.0f} ({of(a, k, 1):g} / {of(b, k, 1):g})"
-                         for k in ranked)
-
-    calls = [k for k in keys("host") if k.startswith("cu")]  # cudaLaunchKernel, cudaMemcpyAsync, cuLaunchKernel...
-    figures = {
-        "profiled, per step (hand-written / disttrain)": (
-            f"{_ms(walls['hand-written'])} / {_ms(walls['disttrain'])} wall under the profiler, "
-            f"{total_ms(a, 0):.2f} / {total_ms(b, 0):.2f} ms of host time in operators"
-            + (f", {total_ms(a, 2):.2f} / {total_ms(b, 2):.2f} ms of device time in kernels" if cuda else "")
-            + f"; {steps} steps each, built first and built second"),
-        "CUDA runtime calls per step (hand-written / disttrain)": ", ".join(
-            f"{k} {of(a, k, 1):g} / {of(b, k, 1):g}" for k in calls) or "none (no CUDA)",
-        "host time per step, the operators that differ most (hand-written / disttrain, us; calls)":
-            most_different("host", 0)}
-    if cuda:
-        figures["device time per step, the kernels that differ most (hand-written / disttrain, us; calls)"] = (
-            most_different("kernel", 2))
-    return figures
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def check_fsdp_comm(args, check: Check, calls: int = 50) -> None:

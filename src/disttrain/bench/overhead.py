@@ -2,7 +2,7 @@
 and threads; for several strategies, also each strategy's step time relative to ddp.
 
     disttrain bench overhead [--strategies ddp,zero1,zero2,fsdp,hsdp,deepspeed,pp2,pp2-gpipe,tp2] [--nproc 2]
-                             [--rounds 8] [--steps 10]
+                             [--rounds 8] [--steps 10] [--profile STEPS]
 
 Besides the strategies, `--strategies` takes model-parallel layouts over all `--nproc` ranks (N = --nproc):
 `ppN` = parallel.pipeline = N with the 1f1b schedule, `ppN-gpipe` the same with GPipe, `tpN` = parallel.tensor = N.
@@ -12,7 +12,9 @@ Their hand-written loops are in bench/plain_model_parallel.py; both sides run th
 Both loops run in the same processes, interleaved in rounds (A B B A ...) so that machine noise hits
 both alike, and each is built first for half of the rounds. The figure is the ratio of median step
 times, disttrain / plain (target <= 1.02). Results go to `<out>/overhead.json` and `<out>/overhead.md`
-with the config and versions.
+with the config and versions. `--profile STEPS` adds, per strategy, where rank 0's time goes (`host_profile`,
+after all the timed rounds): each loop's wall and host time per step under torch.profiler (and on a GPU its device
+time and CUDA calls), and the operators that differ most.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per round")
     p.add_argument("--micro", type=int, default=16, help="micro-batch per rank")
     p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="also profile STEPS steps of each loop (built first, then second) per strategy and report "
+                        "where rank 0's time goes: host time, CUDA calls, the operators that differ most (0: none)")
     p.add_argument("--out", default="bench_results")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -86,7 +91,8 @@ def check_strategies(args: argparse.Namespace) -> None:
     from disttrain.errors import ConfigError
     from disttrain.parallel import registry
 
-    check_numbers(("--rounds", args.rounds, 2), ("--steps", args.steps, 1), ("--nproc", args.nproc, 1))
+    check_numbers(("--rounds", args.rounds, 2), ("--steps", args.steps, 1), ("--nproc", args.nproc, 1),
+                  ("--profile", args.profile, 0))
     if args.rounds % 2:
         raise ConfigError(f"--rounds {args.rounds}: must be even (each loop is built first in half of them)")
     limit, what = rank_limit(0)  # (CPU ranks: the benchmark runs gloo)
@@ -305,6 +311,83 @@ def _compare(args, cfg, runtime, train, sampler, builders=None, results=None) ->
     return times
 
 
+def host_profile(cfg, runtime, train, sampler, steps: int = 10, top: int = 8) -> dict[str, str]:
+    """Where each loop's time goes, per step of the hand-written loop and of disttrain's, each profiled for `steps`
+    steps (after 3 unprofiled ones) built first and again built second (whichever loop is built second runs
+    slower: _compare): the wall time; the host time in operators and in the CUDA runtime and driver calls
+    they make; those calls by name (launches, copies, synchronisations); the `top` host operators whose host time
+    differs most; on a GPU the device's time in kernels and the `top` kernels whose time differs most."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    cuda = runtime.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    builds = {"hand-written": _plain_loop, "disttrain": _disttrain_loop}
+    walls = {name: 0.0 for name in builds}
+    seen: dict[str, dict[str, list]] = {name: {} for name in builds}  # key -> [host us, calls, device us, kind]
+    for order in (list(builds), list(builds)[::-1]):
+        for name in order:
+            step = builds[name](cfg, runtime, train, sampler)
+            for k in range(3):
+                step(k)
+            _sync(runtime.device)
+            # one cycle, no schedule: acc_events only quiets torch's warning that a cycle's end clears them
+            with profiler(activities=activities, acc_events=True) as prof:
+                start = time.perf_counter()
+                for k in range(3, 3 + steps):
+                    step(k)
+                _sync(runtime.device)
+                walls[name] += (time.perf_counter() - start) / (2 * steps)
+            for e in prof.key_averages():
+                # a kernel's time also shows on the operator that launched it and on annotations around it: count
+                # device time on the kernels alone (as torch's own table totals do), host time on host events
+                kernel = e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)
+                kind = "kernel" if kernel else "host"
+                row = seen[name].setdefault(e.key, [0.0, 0.0, 0.0, kind])
+                row[0] += 0.0 if kernel else e.self_cpu_time_total / (2 * steps)
+                row[1] += e.count / (2 * steps)
+                row[2] += e.self_device_time_total / (2 * steps) if kernel else 0.0
+            del step, prof
+            gc.collect()
+    a, b = seen["hand-written"], seen["disttrain"]
+
+    def of(ops, key, i):
+        return ops[key][i] if key in ops else 0.0
+
+    def keys(kind):
+        return sorted(k for k in {*a, *b} if (a.get(k) or b.get(k))[3] == kind)
+
+    def total_ms(ops, i):  # self times: each microsecond counted once
+        return sum(v[i] for v in ops.values()) / 1e3
+
+    def most_different(kind, i):
+        ranked = sorted(keys(kind), key=lambda k: -abs(of(b, k, i) - of(a, k, i)))[:top]
+        return "; ".join(f"{k} {of(a, k, i):.0f} / {of(b, k, i):.0f} ({of(a, k, 1):g} / {of(b, k, 1):g})"
+                         for k in ranked)
+
+    calls = [k for k in keys("host") if k.startswith("cu")]  # cudaLaunchKernel, cudaMemcpyAsync, cuLaunchKernel...
+    figures = {
+        "profiled, per step (hand-written / disttrain)": (
+            f"{walls['hand-written'] * 1e3:.2f} / {walls['disttrain'] * 1e3:.2f} ms wall under the profiler, "
+            f"{total_ms(a, 0):.2f} / {total_ms(b, 0):.2f} ms of host time in operators"
+            + (f", {total_ms(a, 2):.2f} / {total_ms(b, 2):.2f} ms of device time in kernels" if cuda else "")
+            + f"; {steps} steps each, built first and built second"),
+        "CUDA runtime calls per step (hand-written / disttrain)": ", ".join(
+            f"{k} {of(a, k, 1):g} / {of(b, k, 1):g}" for k in calls) or "none (no CUDA)",
+        "host time per step, the operators that differ most (hand-written / disttrain, us; calls)":
+            most_different("host", 0)}
+    if cuda:
+        figures["device time per step, the kernels that differ most (hand-written / disttrain, us; calls)"] = (
+            most_different("kernel", 2))
+    return figures
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def start_worker(cfg):
     """(runtime, training set, sampler) of a benchmark's rank: the process group, one core per rank where the cores
     suffice (less scheduler noise in the figures), the data stream."""
@@ -326,13 +409,15 @@ def _worker(args: argparse.Namespace) -> None:
     runtime, train, sampler = start_worker(cfg)
     strategies = [s for s in args.strategies.split(",") if s]
     times = {s: _compare(args, _config(args, s), runtime, train, sampler) for s in strategies}
+    profiles = {s: host_profile(_config(args, s), runtime, train, sampler, args.profile) for s in strategies
+                if args.profile}  # after every comparison: none times steps after a profile
     if runtime.is_main_process():
-        _report(args, cfg, times)
+        _report(args, cfg, times, profiles)
     shutdown(runtime)
     exit_process(0)
 
 
-def _report(args, cfg, times: dict[str, dict[str, list[float]]]) -> None:
+def _report(args, cfg, times: dict[str, dict[str, list[float]]], profiles: dict[str, dict[str, str]]) -> None:
     from disttrain._version import __version__
 
     med = {s: {loop: statistics.median(t) for loop, t in loops.items()} for s, loops in times.items()}
@@ -347,7 +432,7 @@ def _report(args, cfg, times: dict[str, dict[str, list[float]]]) -> None:
     steps = len(next(iter(times.values()))["plain"])
     result = {"strategies": figures, "ratio_disttrain_over_plain": figures[next(iter(figures))]["ratio_vs_plain"],
               "steps_per_loop": steps, "nproc": args.nproc, "micro_batch": args.micro,
-              "global_batch": args.global_batch, "model": vars(cfg.model), "threads_per_rank": 1,
+              "global_batch": args.global_batch, "model": vars(cfg.model), "threads_per_rank": 1, "profile": profiles,
               "torch": torch.__version__, "disttrain": __version__,
               "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     out = make_folder(Path(args.out), "--out")
@@ -362,7 +447,10 @@ def _report(args, cfg, times: dict[str, dict[str, list[float]]]) -> None:
         f"{args.nproc} ranks x 1 thread, gloo; GPT {m.n_layer} layers, d_model {m.d_model}, seq_len "
         f"{m.seq_len}; micro-batch {args.micro}, global batch {args.global_batch}; {steps} timed steps per loop "
         f"in {args.rounds} interleaved rounds; torch {torch.__version__}, disttrain {__version__}, "
-        f"Python {platform.python_version()}.\n")
+        f"Python {platform.python_version()}.\n" + "".join(
+            f"\n## Where {strategy}'s time goes (rank 0, profiled)\n\n" + "".join(f"- {k}: {v}\n" for k, v in
+                                                                              figures.items())
+            for strategy, figures in profiles.items()))
 
 
 _LAYOUTS_NOTE = (
