@@ -31,10 +31,12 @@ def test_overhead_benchmark_runs_and_saves_its_figures(tmp_path):
 
 def test_model_parallel_layouts_run_against_their_hand_written_loops(tmp_path):
     result = run_cli(["bench", "overhead", "--rounds", "2", "--steps", "1", "--strategies", "pp2,pp2-gpipe,tp2",
-                      "--micro", "4", "--global-batch", "8", "--out", str(tmp_path / "b")], tmp_path, timeout=240)
+                      "--micro", "4", "--global-batch", "8", "--profile", "1", "--out", str(tmp_path / "b")], tmp_path,
+                     timeout=240)
     assert result.returncode == 0, result.stderr
     figures = json.loads((tmp_path / "b" / "overhead.json").read_text())
     assert list(figures["strategies"]) == ["pp2", "pp2-gpipe", "tp2"] and figures["steps_per_loop"] == 2
+    assert list(figures["profile"]) == ["pp2", "pp2-gpipe", "tp2"]  # the layouts' loops profile too
     for row in figures["strategies"].values():
         assert row["plain_s"] > 0 and row["disttrain_s"] > 0
         assert row["ratio_vs_plain"] == row["disttrain_s"] / row["plain_s"]
@@ -52,6 +54,7 @@ def test_model_parallel_layouts_run_against_their_hand_written_loops(tmp_path):
     ("ddp --rounds 3", "--rounds 3: must be even"),
     ("ddp --steps 0", "--steps 0: must be >= 1"),
     ("ddp --nproc 1000", "--nproc 1000: more ranks than this machine can start"),
+    ("ddp --profile -1", "--profile -1: must be >= 0"),
 ])
 def test_unknown_layout_is_one_line_and_exit_2(tmp_path, capsys, strategies, says):
     strategies, *more = strategies.split(" ")

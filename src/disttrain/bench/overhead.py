@@ -332,6 +332,8 @@ def host_profile(cfg, runtime, train, sampler, steps: int = 10, top: int = 8) ->
             for k in range(3):
                 step(k)
             _sync(runtime.device)
+            if torch.distributed.is_initialized():
+                torch.distributed.barrier()  # the profiled steps start together on every rank, as _compare's rounds
             # one cycle, no schedule: acc_events only quiets torch's warning that a cycle's end clears them
             with profiler(activities=activities, acc_events=True) as prof:
                 start = time.perf_counter()
@@ -412,12 +414,13 @@ def _worker(args: argparse.Namespace) -> None:
     profiles = {s: host_profile(_config(args, s), runtime, train, sampler, args.profile) for s in strategies
                 if args.profile}  # after every comparison: none times steps after a profile
     if runtime.is_main_process():
-        _report(args, cfg, times, profiles)
+        _report(args, cfg, times, profiles, runtime.backend)
     shutdown(runtime)
     exit_process(0)
 
 
-def _report(args, cfg, times: dict[str, dict[str, list[float]]], profiles: dict[str, dict[str, str]]) -> None:
+def _report(args, cfg, times: dict[str, dict[str, list[float]]], profiles: dict[str, dict[str, str]],
+            backend: str = "gloo") -> None:
     from disttrain._version import __version__
 
     med = {s: {loop: statistics.median(t) for loop, t in loops.items()} for s, loops in times.items()}
@@ -444,13 +447,13 @@ def _report(args, cfg, times: dict[str, dict[str, list[float]]], profiles: dict[
         "|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
         "Target: ratio <= 1.00 for every strategy (disttrain no slower than the loop written by hand); <= 1.03 for "
         "the model-parallel layouts.\n\n" + (_LAYOUTS_NOTE if any(LAYOUT.fullmatch(s) for s in times) else "") +
-        f"{args.nproc} ranks x 1 thread, gloo; GPT {m.n_layer} layers, d_model {m.d_model}, seq_len "
+        f"{args.nproc} ranks x 1 thread, {backend}; GPT {m.n_layer} layers, d_model {m.d_model}, seq_len "
         f"{m.seq_len}; micro-batch {args.micro}, global batch {args.global_batch}; {steps} timed steps per loop "
         f"in {args.rounds} interleaved rounds; torch {torch.__version__}, disttrain {__version__}, "
         f"Python {platform.python_version()}.\n" + "".join(
             f"\n## Where {strategy}'s time goes (rank 0, profiled)\n\n" + "".join(f"- {k}: {v}\n" for k, v in
-                                                                              figures.items())
-            for strategy, figures in profiles.items()))
+                                                                              found.items())
+            for strategy, found in profiles.items()))
 
 
 _LAYOUTS_NOTE = (
