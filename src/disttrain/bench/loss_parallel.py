@@ -41,11 +41,10 @@ def _check(args: argparse.Namespace) -> list[int]:
     limit, what = rank_limit(0)
     if args.nproc > limit:
         raise ConfigError(f"--nproc {args.nproc}: more ranks than this machine can start ({what}); use at most {limit}")
-    vocabs = integers(args.vocabs, "--vocabs", f"sizes >= 256 divisible by --nproc {args.nproc}", "256,8192,32768",
-                      low=256)
+    what, example = f"sizes >= 256 divisible by --nproc {args.nproc}", "256,8192,32768"
+    vocabs = integers(args.vocabs, "--vocabs", what, example, low=256)
     if any(v % args.nproc for v in vocabs):
-        raise ConfigError(f"--vocabs {args.vocabs!r}: give sizes >= 256 divisible by --nproc {args.nproc}, e.g. "
-                          "--vocabs 256,8192,32768")
+        raise ConfigError(f"--vocabs {args.vocabs!r}: give {what}, e.g. --vocabs {example}")
     return vocabs
 
 

@@ -420,7 +420,7 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _report(args, cfg, times: dict[str, dict[str, list[float]]], profiles: dict[str, dict[str, str]],
-            backend: str = "gloo") -> None:
+            backend: str) -> None:
     from disttrain._version import __version__
 
     med = {s: {loop: statistics.median(t) for loop, t in loops.items()} for s, loops in times.items()}
