@@ -183,3 +183,83 @@ def test_a_step_that_needs_no_norm_skips_it_and_updates_the_same():
         assert torch.equal(a, b)
     assert any(not torch.equal(a, b) for a, b in zip(with_norm.model.parameters(), _backend().model.parameters(),
                                                       strict=True))
+
+
+def _clipped_backend(on_nonfinite: str = "stop", factory=None):
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=16))
+    return create_backend(model, factory or optimizer_factory(OptimConfig(lr=1e-2)), ParallelConfig(strategy="single"),
+                          runtime=_runtime(), grad_clip=0.05, on_nonfinite=on_nonfinite)
+
+
+def _snapshot(backend) -> list[torch.Tensor]:
+    state = [t for s in backend.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return [p.detach().clone() for p in backend.model.parameters()] + [t.clone() for t in state]
+
+
+def test_the_queued_step_updates_as_the_step_that_reads_the_device_first(monkeypatch):
+    """torch's fused AdamW lets the step be queued whole (`steps_on_device`: clip coefficient and refusal stay on
+    the device); the step that reads the totals and the norm first gives the same parameters and optimizer state,
+    bit for bit, with clipping at work, and the same losses and norms."""
+    queued, read = _clipped_backend(), _clipped_backend()
+    assert queued.prepared.steps_on_device()
+    monkeypatch.setattr(read.prepared, "steps_on_device", lambda: False)
+    results = {}
+    for name, backend in (("queued", queued), ("read", read)):
+        results[name] = []
+        for step in range(3):
+            _accumulate(backend, _variable_length_batch(8, seed=step), 4)
+            out = backend.optim_step()
+            results[name].append((out["loss"], out["grad_norm"], out["skipped"]))
+    assert results["queued"] == results["read"]
+    assert all(norm > 0.05 for _, norm, _ in results["read"])  # the clip was at work
+    assert all(torch.equal(a, b) for a, b in zip(_snapshot(queued), _snapshot(read), strict=True))
+
+
+@pytest.mark.parametrize("bad", ["loss", "gradient"])
+@pytest.mark.parametrize("implementation", ["fused", "foreach"])
+def test_a_refused_step_leaves_parameters_and_optimizer_state_as_they_were(bad, implementation):
+    """A non-finite loss, or a finite loss with non-finite gradients, under train.on_nonfinite = 'skip': the step
+    is skipped, the parameters, Adam's moments and its step count stay as they were (under the fused kernel, which
+    skips on the device, and under torch's foreach implementation, where the host decides), and the next step
+    updates as in a run that never saw the bad batch."""
+    def factory(model):
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, **{implementation: True})
+
+    backend, reference = _clipped_backend("skip", factory), _clipped_backend("skip", factory)
+    assert backend.prepared.steps_on_device() == (implementation == "fused")
+    for b in (backend, reference):
+        _accumulate(b, _variable_length_batch(8, seed=0), 4)
+        b.optim_step()
+    before = _snapshot(backend)
+    items = _variable_length_batch(8, seed=1)
+    if bad == "loss":
+        backend.forward_backward(collate(items), loss_fn=lambda out, batch: out.float().mean() * float("nan"))
+    else:
+        handle = backend.model.tok_emb.weight.register_hook(lambda g: torch.full_like(g, float("inf")))
+        backend.forward_backward(collate(items))
+        handle.remove()
+    out = backend.optim_step()
+    assert out["skipped"] and out["skipped_steps"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(backend), strict=True))
+    for b in (backend, reference):
+        _accumulate(b, _variable_length_batch(8, seed=2), 4)
+        assert not b.optim_step()["skipped"]
+    assert all(torch.equal(a, b) for a, b in zip(_snapshot(backend), _snapshot(reference), strict=True))
+
+
+def test_a_loaded_state_keeps_the_optimizer_implementation_built_here():
+    """A state saved by a foreach AdamW (as under DeepSpeed, whose optimizer is never fused) loads into a fused one
+    without turning it into a foreach one (torch's load_state_dict takes the saved groups' flags), so its step
+    is still queued whole; the moments are the saved ones."""
+    saved = _clipped_backend(factory=lambda model: torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True))
+    _accumulate(saved, _variable_length_batch(8), 4)
+    saved.optim_step()
+    loaded = _clipped_backend()
+    loaded.load_state_dict(saved.state_dict())
+    assert all(g["fused"] and not g["foreach"] for g in loaded.optimizer.param_groups)
+    assert loaded.prepared.steps_on_device()
+    for (name, a), b in zip(saved.model.named_parameters(), loaded.model.parameters(), strict=True):
+        assert torch.equal(a, b), name
+        mine, theirs = loaded.optimizer.state[b], saved.optimizer.state[a]
+        assert all(torch.equal(mine[k], theirs[k]) for k in ("exp_avg", "exp_avg_sq", "step")), name

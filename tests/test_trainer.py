@@ -50,34 +50,45 @@ def test_same_seed_same_run_and_another_seed_differs(tmp_path):
     assert losses(1) != first
 
 
-def test_a_training_step_reads_the_device_twice(tmp_path, monkeypatch):
+def test_a_training_step_reads_the_device_once_after_queuing_its_update(tmp_path, monkeypatch):
     """Reading a tensor back (`.item()`, `.tolist()`, `bool()`, `float()`, `int()`, `.numpy()`) makes a GPU's host
-    wait for the work queued before it. The Trainer's step reads the step's totals (loss, item count, non-finite
-    flags) once and the gradient norm once, not also each micro-batch's loss and count (two reads per micro-batch
-    before). Counted as the reads of 5 steps minus those of 3, so set-up and the end of the run cancel out; 4
-    micro-batches per step."""
+    wait for the work queued before it. The Trainer's step reads the device once, after the optimizer's update is
+    queued (the step's totals, gradient norm and outcome together, as a hand-written loop's `loss.item()`): not each
+    micro-batch's loss and count, nor the totals and the norm before the update. Counted as the reads of 5 steps minus
+    those of 3, so set-up and the end of the run cancel out; 4 micro-batches per step."""
     import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    calls = {"n": 0}
+    events: list[str] = []
     for name in ("item", "tolist", "__bool__", "__float__", "__int__", "numpy"):
         original = getattr(torch.Tensor, name)
 
         def counted(self, *args, _original=original, **kwargs):
-            calls["n"] += 1
+            events.append("read")
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
+    handle = register_optimizer_step_post_hook(lambda *_: events.append("update"))
 
-    def reads(steps: int) -> int:
+    def run(steps: int) -> list[str]:
         cfg = load_config(None, [f"run.out_dir={tmp_path / str(steps)}", f"train.steps={steps}", "model.n_layer=1",
                                  "model.d_model=32", "model.seq_len=16", "data.global_batch_size=8",
                                  "data.micro_batch_size=2", "train.eval_every=0", "log.progress=false",
                                  "dist.threads_per_rank=1"])
-        before = calls["n"]
+        before = len(events)
         Trainer(cfg).fit()
-        return calls["n"] - before
+        return events[before:]
 
-    assert (reads(5) - reads(3)) / 2 == 2
+    try:
+        five, three = run(5), run(3)
+    finally:
+        handle.remove()
+    assert (five.count("read") - three.count("read")) / 2 == 1
+    updates = [i for i, e in enumerate(five) if e == "update"]
+    assert len(updates) == 5
+    for k in (1, 2, 3):  # a middle step's one read lies between its update and the next step's
+        assert five[updates[k] + 1:updates[k + 1]].count("read") == 1
+        assert five[updates[k] + 1] == "read"
 
 
 @pytest.mark.parametrize("policy", ["abort", "continue"])

@@ -44,6 +44,10 @@ class NonFiniteError(UserError, RuntimeError):
     """Training produced a non-finite loss or gradient (or too many skipped steps); the message says where."""
 
 
+OPTIMIZER_IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
+"""Keys of torch's optimizer groups that choose how the update is computed, not what it is."""
+
+
 class TrainingBackend:
     def __init__(self, prepared: Prepared, runtime: Runtime, precision: Precision, scheduler=None,
                  loss_fn: LossFn | None = None, on_nonfinite: str = "stop", max_consecutive_skips: int = 25,
@@ -165,15 +169,19 @@ class TrainingBackend:
                                "gradients were never reduced across ranks; pass sync=True on the last micro-batch")
         self.on_phase("optimizer")
         self.before_update()
-        loss_sum, count, bad_ranks, stop = self._reduce_totals()
         lr = self.optimizer.param_groups[0]["lr"]
-        loss = loss_sum / count
-        skip = bool(bad_ranks) and self.scaler is None  # under fp16 a non-finite loss is an overflow like any other
-        if skip and self.on_nonfinite == "stop":
-            self._refuse(bad_ranks, loss)  # raises before the strategy touches the parameters
-        norm, applied = self.prepared.step(self.prepared.grads_averaged_over / count, skip, grad_norm)
+        if self.prepared.steps_on_device():  # queued whole, then read once (as a hand-written loop's loss.item())
+            loss_sum, count, bad_ranks, stop, norm, applied = self._queued_step(grad_norm)
+            loss, skip = loss_sum / count, bool(bad_ranks)
+        else:
+            loss_sum, count, bad_ranks, stop = self._parse_totals(self._totals_done().tolist())
+            loss = loss_sum / count
+            skip = bool(bad_ranks) and self.scaler is None  # under fp16 a non-finite loss is an overflow like others
+            if skip and self.on_nonfinite == "stop":
+                self._refuse(bad_ranks, loss)  # raises before the strategy touches the parameters
+            norm, applied = self.prepared.step(self.prepared.grads_averaged_over / count, skip, grad_norm)
         if not applied and self.scaler is None and self.on_nonfinite == "stop":
-            self._refuse(bad_ranks, loss)
+            self._refuse(bad_ranks, loss)  # (a queued step has left the parameters as they were)
         skipped = skip or not applied
         self._count_skip(skipped, bad_ranks, loss)
         if self.scheduler is not None and not skipped:
@@ -212,19 +220,35 @@ class TrainingBackend:
             work = None
         self._totals = (work, totals, micro_batches)
 
-    def _reduce_totals(self) -> tuple[float, float, list[int], bool]:
-        """(global loss sum, global item count, ranks whose loss was non-finite, stop requested anywhere),
-        from the all-reduce the last micro-batch started (again if micro-batches came after it)."""
-        world = self.runtime.world_size
+    def _totals_done(self) -> torch.Tensor:
+        """The step's totals (global loss sum, global item count, a flag per rank whose loss was non-finite, stop
+        requested anywhere) on the device, from the all-reduce the last micro-batch started (again if micro-batches
+        came after it), once it has finished."""
         if self._totals is None or self._totals[2] != self._micro_batches:
             self._start_totals(self._loss_sum, self._count, self._nonfinite, self._micro_batches)
         work, totals, _ = self._totals
         if work is not None:
             work.wait()
-        values = totals.tolist()
+        return totals
+
+    def _parse_totals(self, values: list[float]) -> tuple[float, float, list[int], bool]:
+        """(global loss sum, global item count, ranks whose loss was non-finite, stop requested anywhere)."""
+        world = self.runtime.world_size
         if values[1] <= 0:
             raise RuntimeError(f"step {self.step + 1}: the global batch has no valid items (all padding?)")
         return values[0], values[1], [r for r in range(world) if values[2 + r] > 0], values[2 + world] > 0
+
+    def _queued_step(self, grad_norm: bool) -> tuple[float, float, list[int], bool, float, bool]:
+        """The strategy's step queued on the device from the totals there (`Prepared.steps_on_device`), then the
+        totals, the gradient norm and whether the update was applied, read back together: the step's one wait for
+        the device, after all of its work is queued. A step refused there (a non-finite loss on any rank, non-finite
+        gradients, or no valid items) left the parameters and the optimizer's state as they were."""
+        totals = self._totals_done()
+        world = self.runtime.world_size
+        refused = (totals[2:2 + world].amax() > 0) | (totals[1] <= 0)
+        norm, applied = self.prepared.step(self.prepared.grads_averaged_over / totals[1], refused, grad_norm)
+        values = torch.cat([totals, norm.reshape(1).double(), applied.reshape(1).double()]).tolist()
+        return (*self._parse_totals(values[:-2]), values[-2], values[-1] > 0)
 
     def _refuse(self, bad_ranks: list[int], loss: float) -> None:
         raise NonFiniteError(self._nonfinite_message(bad_ranks, loss)
@@ -309,7 +333,13 @@ class TrainingBackend:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a `state_dict()` saved under any strategy and world size. The optimizer keeps the implementation it
+        was built with here (a state saved under DeepSpeed, whose optimizer is never fused, leaves a fused one
+        fused): torch's `load_state_dict` would take those flags from the saved groups too."""
+        built = [{k: g[k] for k in OPTIMIZER_IMPLEMENTATION if k in g} for g in self.optimizer.param_groups]
         self.prepared.load_state_dict(self.optimizer, state["model"], state["optimizer"])
+        for group, flags in zip(self.optimizer.param_groups, built, strict=False):
+            group.update(flags)
         if self.scaler is not None and "grad_scaler" in state:
             self.scaler.load_state_dict(state["grad_scaler"])
         self.skipped_steps = int(state.get("skipped_steps", 0))

@@ -10,8 +10,10 @@ from disttrain.cli.main import main
 
 def test_overhead_benchmark_runs_and_saves_its_figures(tmp_path):
     result = run_cli(["bench", "overhead", "--rounds", "2", "--steps", "1", "--strategies", "ddp,zero1,fsdp",
-                      "--profile", "1", "--out", str(tmp_path / "b")], tmp_path, timeout=240)
+                      "--profile", "1", "--set", "model.d_model=64", "--set", "model.n_head=2", "--out",
+                      str(tmp_path / "b")], tmp_path, timeout=240)
     assert result.returncode == 0, result.stderr
+    assert "GPT 4 layers, d_model 64, seq_len 64" in result.stdout  # the job as --set changed it
     figures = json.loads((tmp_path / "b" / "overhead.json").read_text())
     assert set(figures["strategies"]) == {"ddp", "zero1", "fsdp"} and figures["steps_per_loop"] == 2
     ddp = figures["strategies"]["ddp"]
@@ -55,6 +57,10 @@ def test_model_parallel_layouts_run_against_their_hand_written_loops(tmp_path):
     ("ddp --steps 0", "--steps 0: must be >= 1"),
     ("ddp --nproc 1000", "--nproc 1000: more ranks than this machine can start"),
     ("ddp --profile -1", "--profile -1: must be >= 0"),
+    ("ddp --set data.micro_batch_size=2", "--set data.micro_batch_size=2: data.micro_batch_size is the bench's own "
+                                          "flag; use --micro instead"),
+    ("ddp --set model.d_model=30", "model.d_model = 30 is not divisible by model.n_head = 4"),
+    ("ddp --set model.d_model", "--set 'model.d_model': expected section.key=value"),
 ])
 def test_unknown_layout_is_one_line_and_exit_2(tmp_path, capsys, strategies, says):
     strategies, *more = strategies.split(" ")

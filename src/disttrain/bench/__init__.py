@@ -10,9 +10,10 @@ from pathlib import Path
 
 def worker_entry(module: str, args: argparse.Namespace) -> list[str]:
     """The `disttrain launch` entry that reruns benchmark `module` as a worker on every rank, with the same
-    arguments (`--out` made absolute)."""
+    arguments (`--out` made absolute; a repeatable flag's list once per item, under its `dest`)."""
     values = {**vars(args), "out": Path(args.out).resolve()}
-    return [module, "--worker", *[f"--{k.replace('_', '-')}={v}" for k, v in values.items() if k != "worker"]]
+    flags = [(k, item) for k, v in values.items() if k != "worker" for item in (v if isinstance(v, list) else [v])]
+    return [module, "--worker", *[f"--{k.replace('_', '-')}={v}" for k, v in flags]]
 
 
 def launch_workers(args: argparse.Namespace, name: str) -> tuple[int, Path]:

@@ -2,7 +2,9 @@
 and threads; for several strategies, also each strategy's step time relative to ddp.
 
     disttrain bench overhead [--strategies ddp,zero1,zero2,fsdp,hsdp,deepspeed,pp2,pp2-gpipe,tp2] [--nproc 2]
-                             [--rounds 8] [--steps 10] [--profile STEPS]
+                             [--rounds 8] [--steps 10] [--profile STEPS] [--set SECTION.KEY=VALUE ...]
+
+`--set` changes the job both loops train (the model's size, precision, ...; not what the bench's own flags give).
 
 Besides the strategies, `--strategies` takes model-parallel layouts over all `--nproc` ranks (N = --nproc):
 `ppN` = parallel.pipeline = N with the 1f1b schedule, `ppN-gpipe` the same with GPipe, `tpN` = parallel.tensor = N.
@@ -48,9 +50,16 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="also profile STEPS steps of each loop (built first, then second) per strategy and report "
                         "where rank 0's time goes: host time, CUDA calls, the operators that differ most (0: none)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one setting of the job (repeatable), e.g. --set model.d_model=256")
     p.add_argument("--out", default="bench_results")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+OWNED = {"data.global_batch_size": "--global-batch", "data.micro_batch_size": "--micro", "dist.nproc": "--nproc",
+         "parallel.strategy": "--strategies", "run.out_dir": "--out"}
+"""Settings the bench's own flags give: `--set` refuses them."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,11 +102,16 @@ def check_strategies(args: argparse.Namespace) -> None:
 
     check_numbers(("--rounds", args.rounds, 2), ("--steps", args.steps, 1), ("--nproc", args.nproc, 1),
                   ("--profile", args.profile, 0))
+    for item in args.set:
+        key = item.partition("=")[0].strip()
+        if key in OWNED:
+            raise ConfigError(f"--set {item}: {key} is the bench's own flag; use {OWNED[key]} instead")
     if args.rounds % 2:
         raise ConfigError(f"--rounds {args.rounds}: must be even (each loop is built first in half of them)")
     limit, what = rank_limit(0)  # (CPU ranks: the benchmark runs gloo)
     if args.nproc > limit:
         raise ConfigError(f"--nproc {args.nproc}: more ranks than this machine can start ({what}); use at most {limit}")
+    validate(_config(args), 0, args.nproc)  # the job as --set leaves it (its message names the setting)
     names = [s for s in args.strategies.split(",") if s]
     if not names:
         raise ConfigError("--strategies is empty; name at least one, e.g. --strategies ddp,pp2,tp2")
@@ -120,7 +134,8 @@ def check_strategies(args: argparse.Namespace) -> None:
 def _config(args: argparse.Namespace, strategy: str = "ddp", extra: tuple[str, ...] = ()):
     from disttrain.config import load_config
 
-    return load_config(None, [f"data.global_batch_size={args.global_batch}", f"data.micro_batch_size={args.micro}",
+    return load_config(None, [*getattr(args, "set", ()), f"data.global_batch_size={args.global_batch}",
+                              f"data.micro_batch_size={args.micro}",
                               "dist.threads_per_rank=1", "log.progress=false", "train.steps=100000",
                               f"dist.nproc={args.nproc}", f"run.out_dir={args.out}", "run.name=overhead_run",
                               *settings(strategy), *extra])

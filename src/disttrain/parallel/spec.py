@@ -6,6 +6,9 @@ The backend has one step path and never asks which strategy it has:
     prepared.forward_backward(inputs, loss_terms, on_loss, sync, autocast)  # every micro-batch
     grad_norm, applied = prepared.step(factor, skip, need_norm)           # once per optimizer step
 
+(`factor` and `skip` as device tensors where `prepared.steps_on_device()`: the step is then queued whole, and its
+norm and outcome come back as device tensors, read by the backend once with the step's totals.)
+
 `Prepared` implements the torch-native default (normalise, clip, GradScaler unscale/step/update) in one
 place; an engine that owns backward and step (DeepSpeed, `parallel/deepspeed/`) overrides `backward`, `step`
 and the state dict; a pipeline schedule, which runs forward and backward together over all micro-batches of
@@ -168,14 +171,27 @@ class Prepared:
     def backward(self, loss: torch.Tensor, sync: bool) -> None:
         loss.backward()
 
-    def step(self, factor: float, skip: bool = False, need_norm: bool = True) -> tuple[float, bool]:
+    def steps_on_device(self) -> bool:
+        """Whether `step` takes its factor and skip flag as device tensors (and returns the norm and whether it
+        applied the update as ones): the host then queues the whole step without waiting for the device, as a
+        hand-written loop does, and torch's fused optimizer kernel skips a refused update on the device
+        (`found_inf`, as under GradScaler). Not under fp16's scaler (its own step reads the device), nor with an
+        optimizer that has no such kernel (torch's foreach and single-tensor ones, ZeRO-1's, DeepSpeed's)."""
+        optimizer = self.optimizer
+        return (self.scaler is None and bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+                and all(group.get("fused") for group in optimizer.param_groups))
+
+    def step(self, factor: Any, skip: Any = False, need_norm: bool = True) -> tuple[Any, Any]:
         """Multiply the reduced gradients by `factor` (the global-mean normalisation), clip to `grad_clip`,
         and step the optimizer unless `skip` or the gradients are non-finite; then clear them. Returns
         (norm of the normalised gradients, applied); the norm is NaN when neither clipping, `need_norm` nor
         the non-finite check needs it. The norm is the same on every rank (replicated gradients, or a norm
-        reduced over the shards)."""
+        reduced over the shards). `factor` a device tensor (float64, 0-dim) and `skip` a boolean one, where
+        `steps_on_device()`: the same step, queued without reading the device, returning device tensors."""
         import torch
 
+        if isinstance(factor, torch.Tensor):
+            return self._step_queued(factor, skip, need_norm)
         optimizer, scaler = self.optimizer, self.scaler
         if scaler is not None:
             scaler.unscale_(optimizer)  # records inf/NaN (agreed across ranks, see precision.py)
@@ -202,11 +218,45 @@ class Prepared:
         optimizer.zero_grad(set_to_none=True)
         return norm, applied
 
+    def _step_queued(self, factor: Any, skip: Any, need_norm: bool) -> tuple[Any, Any]:
+        """`step` with nothing read back: the clip coefficient is a device tensor, and a refused update (`skip`,
+        or non-finite gradients) is skipped by the fused kernel (`found_inf`; its step count is not advanced)."""
+        import torch
+
+        optimizer = self.optimizer
+        grads = [p.grad for p in self._params if p.grad is not None]
+        norm = torch.full((), math.nan, dtype=torch.float64, device=factor.device)
+        refused = torch.as_tensor(skip, device=factor.device)
+        if need_norm or self.grad_clip > 0:
+            normed = [p.grad for p in self._params if p.grad is not None and id(p) not in self.norm_skip]
+            if grads:
+                norm = squared_norm(normed, self.norm_group).sqrt() * factor
+            finite = torch.isfinite(norm)
+            refused = refused | ~finite
+            if self.grad_clip > 0:
+                factor = factor * torch.where(finite, (self.grad_clip / (norm + 1e-6)).clamp(max=1.0), 1.0)
+        if grads:
+            local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+            torch._foreach_mul_(local, factor.to(local[0].device))
+        optimizer.found_inf = refused.to(torch.float32)
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+        optimizer.zero_grad(set_to_none=True)
+        return norm, ~refused
+
 
 def total_norm(grads: list, group=None) -> float:
-    """The 2-norm of all `grads` on every rank. Plain tensors and DTensors (on several meshes or placements: tensor
-    parallelism leaves norms and positions whole) are normed in groups of one kind, each DTensor group reduced over
-    its mesh; `group` then sums the squares over ranks that hold other parameters (pipeline stages)."""
+    """The 2-norm of all `grads` on every rank (`squared_norm`, read back)."""
+    return math.sqrt(squared_norm(grads, group).item())
+
+
+def squared_norm(grads: list, group=None) -> Any:
+    """The squared 2-norm of all `grads` on every rank, a float64 device tensor. Plain tensors and DTensors (on
+    several meshes or placements: tensor parallelism leaves norms and positions whole) are normed in groups of one
+    kind, each DTensor group reduced over its mesh; `group` then sums the squares over ranks that hold other
+    parameters (pipeline stages)."""
     import torch
 
     kinds: dict[Any, list] = {}
@@ -222,7 +272,7 @@ def total_norm(grads: list, group=None) -> float:
         import torch.distributed as dist
 
         dist.all_reduce(square, group=group)
-    return math.sqrt(square.item())
+    return square
 
 
 def unfused(factory: Callable[[Any], Any]) -> Callable[[Any], Any]:

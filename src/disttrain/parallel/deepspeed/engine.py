@@ -97,6 +97,9 @@ class EnginePrepared(Prepared):
         self.module = self.engine
         return optimizer
 
+    def steps_on_device(self) -> bool:
+        return False  # the engine's own step decides and reads back (its optimizer is never fused)
+
     def backward(self, loss: torch.Tensor, sync: bool) -> None:
         self.engine.set_gradient_accumulation_boundary(sync)
         self.engine.backward(loss, scale_wrt_gas=False)
