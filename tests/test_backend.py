@@ -202,8 +202,8 @@ def test_the_queued_step_updates_as_the_step_that_reads_the_device_first(monkeyp
     the device); the step that reads the totals and the norm first gives the same parameters and optimizer state,
     bit for bit, with clipping at work, and the same losses and norms."""
     queued, read = _clipped_backend(), _clipped_backend()
-    assert queued.prepared.steps_on_device()
-    monkeypatch.setattr(read.prepared, "steps_on_device", lambda: False)
+    assert queued.prepared.steps_on_device("cpu")
+    monkeypatch.setattr(read.prepared, "steps_on_device", lambda device: False)
     results = {}
     for name, backend in (("queued", queued), ("read", read)):
         results[name] = []
@@ -217,17 +217,20 @@ def test_the_queued_step_updates_as_the_step_that_reads_the_device_first(monkeyp
 
 
 @pytest.mark.parametrize("bad", ["loss", "gradient"])
-@pytest.mark.parametrize("implementation", ["fused", "foreach"])
+@pytest.mark.parametrize("implementation", ["fused", "foreach", "fused sgd"])
 def test_a_refused_step_leaves_parameters_and_optimizer_state_as_they_were(bad, implementation):
     """A non-finite loss, or a finite loss with non-finite gradients, under train.on_nonfinite = 'skip': the step
-    is skipped, the parameters, Adam's moments and its step count stay as they were (under the fused kernel, which
-    skips on the device, and under torch's foreach implementation, where the host decides), and the next step
+    is skipped, the parameters and the optimizer's state (Adam's moments and step count; SGD's momentum) stay as
+    they were (under the fused AdamW kernel, which skips on the device; under torch's foreach AdamW and under
+    fused SGD, which would store momentum buffers it never filled, the host decides first), and the next step
     updates as in a run that never saw the bad batch."""
     def factory(model):
+        if implementation == "fused sgd":
+            return torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, fused=True)
         return torch.optim.AdamW(model.parameters(), lr=1e-2, **{implementation: True})
 
     backend, reference = _clipped_backend("skip", factory), _clipped_backend("skip", factory)
-    assert backend.prepared.steps_on_device() == (implementation == "fused")
+    assert backend.prepared.steps_on_device("cpu") == (implementation == "fused")
     for b in (backend, reference):
         _accumulate(b, _variable_length_batch(8, seed=0), 4)
         b.optim_step()
@@ -258,8 +261,31 @@ def test_a_loaded_state_keeps_the_optimizer_implementation_built_here():
     loaded = _clipped_backend()
     loaded.load_state_dict(saved.state_dict())
     assert all(g["fused"] and not g["foreach"] for g in loaded.optimizer.param_groups)
-    assert loaded.prepared.steps_on_device()
+    assert loaded.prepared.steps_on_device("cpu")
     for (name, a), b in zip(saved.model.named_parameters(), loaded.model.parameters(), strict=True):
         assert torch.equal(a, b), name
         mine, theirs = loaded.optimizer.state[b], saved.optimizer.state[a]
         assert all(torch.equal(mine[k], theirs[k]) for k in ("exp_avg", "exp_avg_sq", "step")), name
+
+
+def test_the_step_is_queued_only_where_every_parameter_is_on_the_device():
+    """A parameter elsewhere (FSDP2's cpu_offload on a GPU keeps them on the host) would have the fused CPU kernel
+    read the refusal flag before its copy from the device lands: that step reads the device first."""
+    backend = _clipped_backend()
+    assert backend.prepared.steps_on_device("cpu") and not backend.prepared.steps_on_device("meta")
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_loaded_step_counts_are_placed_for_the_implementation_built_here(fused):
+    """Where a fused (or capturable) group reads its step counts, on the parameter's device in float32, whatever
+    the saved state's implementation put there; on the host otherwise (torch's rule for the saved group's flags,
+    applied to the group as built). Shown with a parameter on the meta device."""
+    from disttrain.backend import place_steps
+
+    param = torch.nn.Parameter(torch.empty(3, device="meta"))
+    optimizer = torch.optim.AdamW([param], lr=1e-2)
+    group = {**optimizer.param_groups[0], "fused": fused}
+    optimizer.state[param] = {"step": torch.tensor(7.0, dtype=torch.float64)}  # where a foreach state keeps it
+    place_steps(optimizer, group)
+    step = optimizer.state[param]["step"]
+    assert (step.device.type, step.dtype) == (("meta", torch.float32) if fused else ("cpu", torch.float64))

@@ -48,6 +48,19 @@ OPTIMIZER_IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
 """Keys of torch's optimizer groups that choose how the update is computed, not what it is."""
 
 
+def place_steps(optimizer: Any, group: dict) -> None:
+    """Put each parameter's step count of `group` where its implementation reads it, as torch's `load_state_dict`
+    does for the saved group's implementation: on the parameter's device in float32 for a fused or capturable one
+    (torch's CUDA fused kernel reads it there, unchecked), on the host otherwise."""
+    on_device = bool(group.get("fused") or group.get("capturable"))
+    for param in group["params"]:
+        state = optimizer.state.get(param)
+        step = state.get("step") if isinstance(state, dict) else None  # (ZeRO-1 keeps None for others' shards)
+        if isinstance(step, torch.Tensor):
+            local = param.to_local() if hasattr(param, "to_local") else param
+            state["step"] = step.to(dtype=torch.float32, device=local.device) if on_device else step.cpu()
+
+
 class TrainingBackend:
     def __init__(self, prepared: Prepared, runtime: Runtime, precision: Precision, scheduler=None,
                  loss_fn: LossFn | None = None, on_nonfinite: str = "stop", max_consecutive_skips: int = 25,
@@ -170,7 +183,7 @@ class TrainingBackend:
         self.on_phase("optimizer")
         self.before_update()
         lr = self.optimizer.param_groups[0]["lr"]
-        if self.prepared.steps_on_device():  # queued whole, then read once (as a hand-written loop's loss.item())
+        if self.prepared.steps_on_device(self.runtime.device):  # queued whole, read once (as a loop's loss.item())
             loss_sum, count, bad_ranks, stop, norm, applied = self._queued_step(grad_norm)
             loss, skip = loss_sum / count, bool(bad_ranks)
         else:
@@ -340,6 +353,7 @@ class TrainingBackend:
         self.prepared.load_state_dict(self.optimizer, state["model"], state["optimizer"])
         for group, flags in zip(self.optimizer.param_groups, built, strict=False):
             group.update(flags)
+            place_steps(self.optimizer, group)
         if self.scaler is not None and "grad_scaler" in state:
             self.scaler.load_state_dict(state["grad_scaler"])
         self.skipped_steps = int(state.get("skipped_steps", 0))

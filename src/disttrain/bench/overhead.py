@@ -4,7 +4,8 @@ and threads; for several strategies, also each strategy's step time relative to 
     disttrain bench overhead [--strategies ddp,zero1,zero2,fsdp,hsdp,deepspeed,pp2,pp2-gpipe,tp2] [--nproc 2]
                              [--rounds 8] [--steps 10] [--profile STEPS] [--set SECTION.KEY=VALUE ...]
 
-`--set` changes the job both loops train (the model's size, precision, ...; not what the bench's own flags give).
+`--set` changes the job both loops train (the model's size, the optimizer's settings, ...), not what the bench
+sets itself (the batch, ranks, threads, precision: `OWNED`).
 
 Besides the strategies, `--strategies` takes model-parallel layouts over all `--nproc` ranks (N = --nproc):
 `ppN` = parallel.pipeline = N with the 1f1b schedule, `ppN-gpipe` the same with GPipe, `tpN` = parallel.tensor = N.
@@ -57,9 +58,13 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-OWNED = {"data.global_batch_size": "--global-batch", "data.micro_batch_size": "--micro", "dist.nproc": "--nproc",
-         "parallel.strategy": "--strategies", "run.out_dir": "--out"}
-"""Settings the bench's own flags give: `--set` refuses them."""
+OWNED = {"data.global_batch_size": "use --global-batch", "data.micro_batch_size": "use --micro",
+         "dist.nproc": "use --nproc", "parallel.strategy": "use --strategies", "run.out_dir": "use --out",
+         "run.name": "the bench names its run", "train.steps": "the bench times --rounds x --steps steps",
+         "dist.threads_per_rank": "both loops run one thread per rank", "log.progress": "the bench shows none",
+         "parallel.precision": "the hand-written loops train in fp32"}
+"""Settings the bench gives itself, and what to do instead: `--set` refuses them (as it does the `parallel.*` and
+`optim.grad_clip` settings a layout in --strategies fixes)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,10 +107,10 @@ def check_strategies(args: argparse.Namespace) -> None:
 
     check_numbers(("--rounds", args.rounds, 2), ("--steps", args.steps, 1), ("--nproc", args.nproc, 1),
                   ("--profile", args.profile, 0))
-    for item in args.set:
-        key = item.partition("=")[0].strip()
+    given = {item.partition("=")[0].strip(): item for item in args.set}
+    for key, item in given.items():
         if key in OWNED:
-            raise ConfigError(f"--set {item}: {key} is the bench's own flag; use {OWNED[key]} instead")
+            raise ConfigError(f"--set {item}: the bench sets {key} itself ({OWNED[key]}); leave it out")
     if args.rounds % 2:
         raise ConfigError(f"--rounds {args.rounds}: must be even (each loop is built first in half of them)")
     limit, what = rank_limit(0)  # (CPU ranks: the benchmark runs gloo)
@@ -118,6 +123,10 @@ def check_strategies(args: argparse.Namespace) -> None:
     for name in names:
         found = LAYOUT.fullmatch(name)
         degree = int(found["pp"] or found["tp"]) if found else None
+        fixed = [given[k] for k in (x.partition("=")[0] for x in settings(name)) if k in given]
+        if found and fixed:
+            raise ConfigError(f"--set {fixed[0]}: --strategies {name} sets it (as the hand-written loop runs); leave "
+                              "it out, or name another layout")
         if found is None and name not in [*registry.names(), *registry.aliases()]:
             raise ConfigError(f"--strategies {name}: unknown; use a strategy ({', '.join(registry.names())}) or a "
                               f"layout over all ranks: pp{args.nproc}, pp{args.nproc}-gpipe, tp{args.nproc}")
@@ -244,7 +253,8 @@ def _plain_loop(cfg, runtime, train, sampler):
                 logits = model(batch["input_ids"])
                 loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()) / accum
                 loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        if cfg.optim.grad_clip > 0:  # (0: no clipping, as in disttrain; e.g. --set optim.grad_clip=0)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)

@@ -140,6 +140,7 @@ class Prepared:
     children first, once its parameters are real; None: the strategy has sharded the meta model already."""
 
     def __post_init__(self):
+        self._placed: tuple | None = None  # ((optimizer id, device), every trainable parameter on that device)
         if self.state_dict is None:
             from disttrain.parallel.state import full_state_dict_fns
 
@@ -153,6 +154,7 @@ class Prepared:
             factory = unfused(factory)
         self.optimizer = self.make_optimizer(factory) if self.make_optimizer else factory(self.model)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self._placed = None
         return self.optimizer
 
     def forward_backward(self, inputs: Any, loss_terms: Callable, on_loss: Callable, sync: bool,
@@ -171,15 +173,27 @@ class Prepared:
     def backward(self, loss: torch.Tensor, sync: bool) -> None:
         loss.backward()
 
-    def steps_on_device(self) -> bool:
-        """Whether `step` takes its factor and skip flag as device tensors (and returns the norm and whether it
+    def steps_on_device(self, device: Any) -> bool:
+        """Whether `step` takes its factor and skip flag as tensors on `device` (and returns the norm and whether it
         applied the update as ones): the host then queues the whole step without waiting for the device, as a
-        hand-written loop does, and torch's fused optimizer kernel skips a refused update on the device
-        (`found_inf`, as under GradScaler). Not under fp16's scaler (its own step reads the device), nor with an
-        optimizer that has no such kernel (torch's foreach and single-tensor ones, ZeRO-1's, DeepSpeed's)."""
+        hand-written loop does, and torch's fused Adam/AdamW kernel skips a refused update on the device
+        (`found_inf`, as under GradScaler). Only where every trainable parameter is on `device` (not FSDP2's
+        `cpu_offload` on a GPU, whose CPU kernel would read the flag before its copy from the GPU lands), never
+        under fp16's scaler (its own step reads the device), and not for other optimizers: torch's foreach and
+        single-tensor ones have no such kernel, nor have ZeRO-1's and DeepSpeed's, and fused SGD stores the
+        momentum buffers it made for a skipped first update uninitialised."""
+        import torch
+
         optimizer = self.optimizer
-        return (self.scaler is None and bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-                and all(group.get("fused") for group in optimizer.param_groups))
+        if (self.scaler is not None or not isinstance(optimizer, torch.optim.Adam)
+                or not getattr(optimizer, "_step_supports_amp_scaling", False)
+                or not all(group.get("fused") for group in optimizer.param_groups)):
+            return False
+        key = (id(optimizer), torch.device(device))
+        if self._placed is None or self._placed[0] != key:  # (asked every step: DTensor's to_local is not free)
+            placed = all((p.to_local() if hasattr(p, "to_local") else p).device == key[1] for p in self._params)
+            self._placed = (key, placed)
+        return self._placed[1]
 
     def step(self, factor: Any, skip: Any = False, need_norm: bool = True) -> tuple[Any, Any]:
         """Multiply the reduced gradients by `factor` (the global-mean normalisation), clip to `grad_clip`,
@@ -237,7 +251,8 @@ class Prepared:
                 factor = factor * torch.where(finite, (self.grad_clip / (norm + 1e-6)).clamp(max=1.0), 1.0)
         if grads:
             local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-            torch._foreach_mul_(local, factor.to(local[0].device))
+            torch._foreach_mul_(local, factor.float())  # (float32: the fast path for float32 gradients, and the
+            # factor as precise as the host step's Python float, which the kernel computes with in float32)
         optimizer.found_inf = refused.to(torch.float32)
         try:
             optimizer.step()

@@ -97,7 +97,7 @@ class EnginePrepared(Prepared):
         self.module = self.engine
         return optimizer
 
-    def steps_on_device(self) -> bool:
+    def steps_on_device(self, device) -> bool:
         return False  # the engine's own step decides and reads back (its optimizer is never fused)
 
     def backward(self, loss: torch.Tensor, sync: bool) -> None:
