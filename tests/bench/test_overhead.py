@@ -21,7 +21,8 @@ def test_overhead_benchmark_runs_and_saves_its_figures(tmp_path):
         assert row["plain_s"] > 0 and row["disttrain_s"] > 0
         assert row["ratio_vs_plain"] == row["disttrain_s"] / row["plain_s"]
         assert row["disttrain_vs_ddp"] == row["disttrain_s"] / ddp["disttrain_s"]
-    assert "ratio disttrain / hand-written" in result.stdout
+        assert row["bare_s"] > 0 and row["figures_cost"] == row["disttrain_s"] / row["bare_s"]
+    assert "ratio disttrain / hand-written" in result.stdout and "| the figures' cost |" in result.stdout
     for strategy, profile in figures["profile"].items():  # where rank 0's time goes, after the timed rounds
         assert profile["profiled, per step (hand-written / disttrain)"].endswith("1 steps each, built first and built "
                                                                                  "second"), profile

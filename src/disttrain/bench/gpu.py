@@ -23,11 +23,13 @@ the others still run:
     comm trace         3 ddp steps under log.profile_steps: the trace's kernels read (perf.comm_overlap); nccl's
                        time per step and the part no other kernel overlapped (exposed), where a one-rank group
                        launches any (it may launch none: then only the reading is checked)
-    overhead           `bench overhead`'s two loops on the default job's model over the one-rank nccl group, ddp and
+    overhead           `bench overhead`'s loops on the default job's model over the one-rank nccl group, ddp and
                        fsdp: the step written by hand from the PyTorch tutorials against the Trainer's, with every
                        in-run figure (MFU, comm_s timed by nccl, CUDA peak memory; the ranks' summary every
                        `train.log_every` steps, 10 by default),
-                       interleaved in rounds; target: ratio of median step times <= 1.02. `overhead medium`: the
+                       interleaved in rounds; target: ratio of median step times <= 1.02. Also the figures' own
+                       cost: the Trainer's step with them against the same step without them (the third loop,
+                       `overhead._bare_loop`). `overhead medium`: the
                        same at the medium size (24 x 1024, two micro-batches of 4 per step), where the device bounds
                        the step. A strategy over the target is profiled (`overhead.host_profile`): each loop's host and
                        device time per step, its CUDA calls by name, the operators and kernels that differ most
@@ -489,10 +491,12 @@ def check_overhead(args, check: Check, strategies: tuple[str, ...] = ("ddp", "fs
             train, _ = build_datasets(cfg.data, cfg.model.seq_len)
             jobs[strategy] = cfg, train
             times = overhead._compare(bench, cfg, runtime, train, GlobalSampler(len(train), cfg.run.seed))
-            plain, ours = statistics.median(times["plain"]), statistics.median(times["disttrain"])
+            plain, ours, bare = (statistics.median(times[loop]) for loop in ("plain", "disttrain", "bare"))
             ratios[strategy] = ours / plain
             check.figures[f"{strategy}: hand-written / disttrain, median step"] = (
                 f"{_ms(plain)} / {_ms(ours)}, ratio {ratios[strategy]:.3f}")
+            check.figures[f"{strategy}: the figures' cost, disttrain without / with them"] = (
+                f"{_ms(bare)} / {_ms(ours)}, ratio {ours / bare:.3f} (the issue's figure: <= 1.02)")
         for strategy, (cfg, train) in jobs.items():  # after every comparison: none times steps after a profile
             if profile or ratios[strategy] > OVERHEAD_TARGET:
                 check.figures.update({f"{strategy}: {k}": v for k, v in overhead.host_profile(
