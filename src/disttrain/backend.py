@@ -351,9 +351,12 @@ class TrainingBackend:
         fused): torch's `load_state_dict` would take those flags from the saved groups too."""
         built = [{k: g[k] for k in OPTIMIZER_IMPLEMENTATION if k in g} for g in self.optimizer.param_groups]
         self.prepared.load_state_dict(self.optimizer, state["model"], state["optimizer"])
-        for group, flags in zip(self.optimizer.param_groups, built, strict=False):
-            group.update(flags)
-            place_steps(self.optimizer, group)
+        inner = getattr(self.optimizer, "optim", None)  # ZeRO-1's local optimizer, the one that steps: torch's
+        # load took its flags from the saved groups too and put its step counts on the host
+        for optimizer in (self.optimizer, *([inner] if isinstance(inner, torch.optim.Optimizer) else [])):
+            for group, flags in zip(optimizer.param_groups, built, strict=False):
+                group.update(flags)
+                place_steps(optimizer, group)
         if self.scaler is not None and "grad_scaler" in state:
             self.scaler.load_state_dict(state["grad_scaler"])
         self.skipped_steps = int(state.get("skipped_steps", 0))

@@ -145,6 +145,31 @@ def test_the_overhead_check_runs_both_loops_over_a_one_rank_group_on_cpu_and_pro
         assert len(differ) == 8 and any(d.startswith("aten::") for d in differ), differ
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_bare_loop_is_disttrains_step_without_its_figures(tmp_path, strategy):
+    """`bench overhead`'s third loop: the same step with no communication meter (comm_s and comm_bytes null where
+    the step as it runs measures them), and `comm.meter_for` as it was once the loop is built."""
+    import argparse
+
+    from disttrain.bench import overhead
+    from disttrain.data import GlobalSampler, build_datasets
+    from disttrain.parallel import comm
+
+    runtime = gpu._runtime(torch.device("cpu"), group=True)  # the one-rank group of the overhead check
+    bench = argparse.Namespace(global_batch=4, micro=2, nproc=1, out=str(tmp_path), rounds=2, steps=1, set=[])
+    cfg = overhead._config(bench, strategy, ("model.n_layer=1", "model.d_model=32", "model.n_head=2"))
+    train, _ = build_datasets(cfg.data, cfg.model.seq_len)
+    metered = comm.meter_for
+    figures = {name: overhead.LOOPS[name](cfg, runtime, train, GlobalSampler(len(train), cfg.run.seed))(0)
+               for name in ("disttrain", "bare")}
+    assert comm.meter_for is metered
+    assert figures["disttrain"]["comm_s"] is not None and figures["disttrain"]["comm_bytes"] is not None
+    if strategy == "ddp":  # (FSDP2 at one rank issues no collective: 0 s, 0 bytes)
+        assert figures["disttrain"]["comm_s"] > 0 and figures["disttrain"]["comm_bytes"] > 0
+    assert figures["bare"]["comm_s"] is None and figures["bare"]["comm_bytes"] is None
+    assert figures["bare"]["loss"] == figures["disttrain"]["loss"]  # the same step otherwise
+
+
 @pytest.mark.parametrize("args, says", [
     (["--steps", "0"], "--steps 0: must be >= 1"),
     (["--memory-fraction", "nan"], "--memory-fraction nan: give a share"),

@@ -58,10 +58,11 @@ def test_model_parallel_layouts_run_against_their_hand_written_loops(tmp_path):
     ("ddp --steps 0", "--steps 0: must be >= 1"),
     ("ddp --nproc 1000", "--nproc 1000: more ranks than this machine can start"),
     ("ddp --profile -1", "--profile -1: must be >= 0"),
-    ("ddp --set data.micro_batch_size=2", "--set data.micro_batch_size=2: the bench sets data.micro_batch_size "
-                                          "itself (use --micro); leave it out"),
-    ("ddp --set parallel.precision=bf16-mixed", "the bench sets parallel.precision itself (the hand-written loops "
-                                                "train in fp32)"),
+    ("ddp --set data.micro_batch_size=2", "--set data.micro_batch_size=2: the bench cannot take "
+                                          "data.micro_batch_size (use --micro); leave it out"),
+    ("ddp --set optim.name=sgd", "the bench cannot take optim.name (the hand-written loops use AdamW)"),
+    ("ddp --set parallel.precision=bf16-mixed", "--set parallel.precision=bf16-mixed: the hand-written loops would "
+                                                "not follow parallel.precision; --set takes model.*, data.*"),
     ("tp2 --set optim.grad_clip=1.0", "--set optim.grad_clip=1.0: --strategies tp2 sets it"),
     ("ddp --set model.d_model=30", "model.d_model = 30 is not divisible by model.n_head = 4"),
     ("ddp --set model.d_model", "--set 'model.d_model': expected section.key=value"),

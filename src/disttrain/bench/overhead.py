@@ -5,8 +5,8 @@ relative to ddp.
     disttrain bench overhead [--strategies ddp,zero1,zero2,fsdp,hsdp,deepspeed,pp2,pp2-gpipe,tp2] [--nproc 2]
                              [--rounds 8] [--steps 10] [--profile STEPS] [--set SECTION.KEY=VALUE ...]
 
-`--set` changes the job both loops train (the model's size, the optimizer's settings, ...), not what the bench
-sets itself (the batch, ranks, threads, precision: `OWNED`).
+`--set` changes the job both loops train: the model, the data, AdamW's and the schedule's settings, DDP's bucket size,
+the DeepSpeed stage (`FOLLOWED`); anything else would change disttrain's side alone and is refused.
 
 Besides the strategies, `--strategies` takes model-parallel layouts over all `--nproc` ranks (N = --nproc):
 `ppN` = parallel.pipeline = N with the 1f1b schedule, `ppN-gpipe` the same with GPipe, `tpN` = parallel.tensor = N.
@@ -18,7 +18,8 @@ strategy's collectives, no gather of the ranks' figures), so that their own cost
 disttrain without them (the issue's figure, target <= 1.02).
 
 The loops run in the same processes, interleaved in rounds (A B C C B A ...) so that machine noise hits
-them alike, and each is built first for half of the rounds. The figure is the ratio of median step
+them alike, built in one order for half of the rounds and in the reverse order for the other half (every pair in
+both orders). The figure is the ratio of median step
 times, disttrain / plain (target <= 1.02). Results go to `<out>/overhead.json` and `<out>/overhead.md`
 with the config and versions. `--profile STEPS` adds, per strategy, where rank 0's time goes (`host_profile`,
 after all the timed rounds): each loop's wall and host time per step under torch.profiler (and on a GPU its device
@@ -28,12 +29,14 @@ time and CUDA calls), and the operators that differ most.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import platform
 import re
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -65,11 +68,14 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 
 OWNED = {"data.global_batch_size": "use --global-batch", "data.micro_batch_size": "use --micro",
          "dist.nproc": "use --nproc", "parallel.strategy": "use --strategies", "run.out_dir": "use --out",
-         "run.name": "the bench names its run", "train.steps": "the bench times --rounds x --steps steps",
-         "dist.threads_per_rank": "both loops run one thread per rank", "log.progress": "the bench shows none",
-         "parallel.precision": "the hand-written loops train in fp32"}
-"""Settings the bench gives itself, and what to do instead: `--set` refuses them (as it does the `parallel.*` and
-`optim.grad_clip` settings a layout in --strategies fixes)."""
+         "optim.name": "the hand-written loops use AdamW"}
+"""Settings `--set` refuses with a reason: the bench's own flags give them, or the hand-written loops cannot follow."""
+
+FOLLOWED = ("model.", "data.", "optim.", "parallel.bucket_cap_mb", "parallel.deepspeed_stage", "run.seed",
+            "train.log_every", "log.peak_tflops")
+"""What `--set` may change: settings both loops follow (the hand-written ones read the model, the data, AdamW's and
+the schedule's settings, DDP's bucket size and the DeepSpeed stage; the last three change only disttrain's figures).
+Any other setting would change disttrain's side alone."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,7 +121,10 @@ def check_strategies(args: argparse.Namespace) -> None:
     given = {item.partition("=")[0].strip(): item for item in args.set}
     for key, item in given.items():
         if key in OWNED:
-            raise ConfigError(f"--set {item}: the bench sets {key} itself ({OWNED[key]}); leave it out")
+            raise ConfigError(f"--set {item}: the bench cannot take {key} ({OWNED[key]}); leave it out")
+        if not key.startswith(FOLLOWED):
+            raise ConfigError(f"--set {item}: the hand-written loops would not follow {key}; --set takes "
+                              f"{', '.join(k + '*' if k.endswith('.') else k for k in FOLLOWED)}")
     if args.rounds % 2:
         raise ConfigError(f"--rounds {args.rounds}: must be even (each loop is built first in half of them)")
     limit, what = rank_limit(0)  # (CPU ranks: the benchmark runs gloo)
@@ -229,7 +238,7 @@ def _plain_deepspeed_loop(cfg, runtime, train, sampler):
         scheduler.step()
         return loss.item()
 
-    return step
+    return _untimed(step)
 
 
 def _plain_loop(cfg, runtime, train, sampler):
@@ -307,6 +316,30 @@ def _disttrain_loop(cfg, runtime, train, sampler):
     return _disttrain_job(cfg, runtime, train, sampler)[2]
 
 
+@contextlib.contextmanager
+def _untimed_deepspeed():
+    """deepspeed.comm's collectives as its class defines them, for the duration: disttrain's DeepSpeed engine times
+    them by setting wrappers on the process-wide `cdb` (`comm.deepspeed_comms`), which would otherwise time the
+    loops built after it too."""
+    cdb = getattr(sys.modules.get("deepspeed.comm.comm"), "cdb", None)
+    from disttrain.parallel.comm import DEEPSPEED_COLLECTIVES
+
+    saved = {name: vars(cdb).pop(name) for name in DEEPSPEED_COLLECTIVES if cdb is not None and name in vars(cdb)}
+    try:
+        yield
+    finally:
+        for name, wrapper in saved.items():
+            setattr(cdb, name, wrapper)
+
+
+def _untimed(step):
+    """`step`, run with deepspeed.comm's collectives untimed (`_untimed_deepspeed`)."""
+    def run(k: int):
+        with _untimed_deepspeed():
+            return step(k)
+    return run
+
+
 def _bare_loop(cfg, runtime, train, sampler):
     """disttrain's step without its in-run figures: the strategy's collectives not wrapped by the communication
     meter (`comm.meter_for` gives None while the backend is built, as on a device it does not time: no comm_s, no
@@ -321,7 +354,7 @@ def _bare_loop(cfg, runtime, train, sampler):
         trainer, backend, _, batches, micro = disttrain_setup(cfg, runtime, train, sampler)
     finally:
         comm.meter_for = timed
-    return lambda k: trainer._train_step(backend, batches, micro)
+    return _untimed(lambda k: trainer._train_step(backend, batches, micro))
 
 
 LOOPS = {"plain": _plain_loop, "disttrain": _disttrain_loop, "bare": _bare_loop}
@@ -347,7 +380,9 @@ def _compare(args, cfg, runtime, train, sampler, builders=None, results=None) ->
     builders = builders or LOOPS
     times: dict[str, list[float]] = {name: [] for name in builders}
     # Whichever loop is built second runs ~7% slower here (measured plain vs plain: memory placement),
-    # so half of the rounds build the loops in one order and half in the other.
+    # so half of the rounds build the loops in one order and half in the reverse: every pair of loops is built
+    # in both orders, and each loop's mean place in the build order is the same (with three loops, the middle
+    # one, disttrain's, is built second both times).
     for order in (list(builders), list(builders)[::-1]):
         loops = {name: builders[name](cfg, runtime, train, sampler) for name in order}
         for step in loops.values():  # warm-up: allocator, DDP bucket rebuild, first-touch pages
