@@ -6,7 +6,7 @@ The backend has one step path and never asks which strategy it has:
     prepared.forward_backward(inputs, loss_terms, on_loss, sync, autocast)  # every micro-batch
     grad_norm, applied = prepared.step(factor, skip, need_norm)           # once per optimizer step
 
-(`factor` and `skip` as device tensors where `prepared.steps_on_device()`: the step is then queued whole, and its
+(`factor` and `skip` as device tensors where `prepared.steps_on_device(device)`: the step is then queued whole, and its
 norm and outcome come back as device tensors, read by the backend once with the step's totals.)
 
 `Prepared` implements the torch-native default (normalise, clip, GradScaler unscale/step/update) in one
@@ -201,7 +201,7 @@ class Prepared:
         (norm of the normalised gradients, applied); the norm is NaN when neither clipping, `need_norm` nor
         the non-finite check needs it. The norm is the same on every rank (replicated gradients, or a norm
         reduced over the shards). `factor` a device tensor (float64, 0-dim) and `skip` a boolean one, where
-        `steps_on_device()`: the same step, queued without reading the device, returning device tensors."""
+        `steps_on_device(device)`: the same step, queued without reading the device, returning device tensors."""
         import torch
 
         if isinstance(factor, torch.Tensor):
@@ -239,12 +239,13 @@ class Prepared:
 
         optimizer = self.optimizer
         grads = [p.grad for p in self._params if p.grad is not None]
-        norm = torch.full((), math.nan, dtype=torch.float64, device=factor.device)
         refused = torch.as_tensor(skip, device=factor.device)
-        if need_norm or self.grad_clip > 0:
+        if grads and (need_norm or self.grad_clip > 0):
             normed = [p.grad for p in self._params if p.grad is not None and id(p) not in self.norm_skip]
-            if grads:
-                norm = squared_norm(normed, self.norm_group).sqrt() * factor
+            norm = squared_norm(normed, self.norm_group).sqrt() * factor
+        else:
+            norm = torch.full((), math.nan, dtype=torch.float64, device=factor.device)
+        if need_norm or self.grad_clip > 0:
             finite = torch.isfinite(norm)
             refused = refused | ~finite
             if self.grad_clip > 0:
