@@ -251,6 +251,36 @@ def test_a_refused_step_leaves_parameters_and_optimizer_state_as_they_were(bad, 
     assert all(torch.equal(a, b) for a, b in zip(_snapshot(backend), _snapshot(reference), strict=True))
 
 
+@pytest.mark.parametrize("queued", [True, False])
+def test_a_global_batch_with_no_valid_item_is_one_line_and_the_backend_goes_on(monkeypatch, queued):
+    """Every label ignored (-100) in every micro-batch: one line, exit 2 (bad data, as bad config); the parameters
+    and the optimizer's state are as they were, and the next step (its accumulators and gradients fresh) updates as
+    in a run that never saw the empty batch, whether the step was queued on the device or read it first."""
+    from disttrain.backend import EmptyBatchError
+    from disttrain.errors import UserError
+
+    backend, reference = _clipped_backend(), _clipped_backend()
+    if not queued:
+        monkeypatch.setattr(backend.prepared, "steps_on_device", lambda device: False)
+        monkeypatch.setattr(reference.prepared, "steps_on_device", lambda device: False)
+    for b in (backend, reference):
+        _accumulate(b, _variable_length_batch(8, seed=0), 4)
+        b.optim_step()
+    before = _snapshot(backend)
+    empty = [{**item, "labels": torch.full_like(item["labels"], -100)} for item in _variable_length_batch(8, seed=1)]
+    _accumulate(backend, empty, 4)
+    with pytest.raises(EmptyBatchError, match="step 2: the global batch has no valid items") as raised:
+        backend.optim_step()
+    assert isinstance(raised.value, UserError) and raised.value.exit_code == 2
+    assert "\n" not in str(raised.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(backend), strict=True))
+    assert all(p.grad is None for p in backend.model.parameters())
+    for b in (backend, reference):
+        _accumulate(b, _variable_length_batch(8, seed=2), 4)
+        assert b.optim_step()["step"] == 2
+    assert all(torch.equal(a, b) for a, b in zip(_snapshot(backend), _snapshot(reference), strict=True))
+
+
 def test_a_loaded_state_keeps_the_optimizer_implementation_built_here():
     """A state saved by a foreach AdamW (as under DeepSpeed, whose optimizer is never fused) loads into a fused one
     without turning it into a foreach one (torch's load_state_dict takes the saved groups' flags), so its step

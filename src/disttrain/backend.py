@@ -44,6 +44,13 @@ class NonFiniteError(UserError, RuntimeError):
     """Training produced a non-finite loss or gradient (or too many skipped steps); the message says where."""
 
 
+class EmptyBatchError(UserError, RuntimeError):
+    """A global batch with no item to learn from (every label ignored, or a loss that counted none): the data's
+    fault, so exit 2. The step was refused and the backend can go on with the next batch."""
+
+    exit_code = 2
+
+
 OPTIMIZER_IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
 """Keys of torch's optimizer groups that choose how the update is computed, not what it is."""
 
@@ -185,9 +192,11 @@ class TrainingBackend:
         lr = self.optimizer.param_groups[0]["lr"]
         if self.prepared.steps_on_device(self.runtime.device):  # queued whole, read once (as a loop's loss.item())
             loss_sum, count, bad_ranks, stop, norm, applied = self._queued_step(grad_norm)
+            self._refuse_if_empty(count)  # (the queued step was refused on the device, its gradients cleared)
             loss, skip = loss_sum / count, bool(bad_ranks)
         else:
             loss_sum, count, bad_ranks, stop = self._parse_totals(self._totals_done().tolist())
+            self._refuse_if_empty(count)
             loss = loss_sum / count
             skip = bool(bad_ranks) and self.scaler is None  # under fp16 a non-finite loss is an overflow like others
             if skip and self.on_nonfinite == "stop":
@@ -247,9 +256,18 @@ class TrainingBackend:
     def _parse_totals(self, values: list[float]) -> tuple[float, float, list[int], bool]:
         """(global loss sum, global item count, ranks whose loss was non-finite, stop requested anywhere)."""
         world = self.runtime.world_size
-        if values[1] <= 0:
-            raise RuntimeError(f"step {self.step + 1}: the global batch has no valid items (all padding?)")
         return values[0], values[1], [r for r in range(world) if values[2 + r] > 0], values[2 + world] > 0
+
+    def _refuse_if_empty(self, count: float) -> None:
+        """Refuse a step whose global batch counted no item (nothing to normalise by): its gradients are dropped and
+        the step's accumulators reset, so the caller may go on with the next batch; one line says why."""
+        if count > 0:
+            return
+        self.prepared.drop_gradients(self.optimizer)
+        self._reset_accumulators()
+        raise EmptyBatchError(f"step {self.step + 1}: the global batch has no valid items (every label is padding "
+                              "or ignored, e.g. -100, on every rank); the optimizer did not touch the parameters. "
+                              "Check the data's labels, or the item count the loss function returns")
 
     def _queued_step(self, grad_norm: bool) -> tuple[float, float, list[int], bool, float, bool]:
         """The strategy's step queued on the device from the totals there (`Prepared.steps_on_device`), then the

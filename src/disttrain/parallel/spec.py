@@ -232,6 +232,10 @@ class Prepared:
         optimizer.zero_grad(set_to_none=True)
         return norm, applied
 
+    def drop_gradients(self, optimizer) -> None:
+        """Clear the step's gradients without an update (a step refused before `step`)."""
+        optimizer.zero_grad(set_to_none=True)
+
     def _step_queued(self, factor: Any, skip: Any, need_norm: bool) -> tuple[Any, Any]:
         """`step` with nothing read back: the clip coefficient is a device tensor, and a refused update (`skip`,
         or non-finite gradients) is skipped by the fused kernel (`found_inf`; its step count is not advanced)."""

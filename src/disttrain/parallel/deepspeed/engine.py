@@ -115,6 +115,9 @@ class EnginePrepared(Prepared):
             update_scale(self.scaler, found_inf=not applied)
         return norm, applied
 
+    def drop_gradients(self, optimizer) -> None:
+        self.engine.zero_grad()  # as a refused stage-0 step clears them (stages 1-3: what the engine clears)
+
     def _engine_step(self, factor: float, skip: bool) -> tuple[float, bool]:
         if self.stage == 0:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
