@@ -366,7 +366,11 @@ class TrainingBackend:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a `state_dict()` saved under any strategy and world size. The optimizer keeps the implementation it
         was built with here (a state saved under DeepSpeed, whose optimizer is never fused, leaves a fused one
-        fused): torch's `load_state_dict` would take those flags from the saved groups too."""
+        fused): torch's `load_state_dict` would take those flags from the saved groups too.
+
+        As torch's `Optimizer.load_state_dict`, the optimizer may keep the given tensors themselves where their device
+        and dtype already fit (a checkpoint's are read fresh): to start a second backend from the `state_dict()` of one
+        that goes on training, pass `copy.deepcopy(state)`, or both will step the same moments and step counts."""
         built = [{k: g[k] for k in OPTIMIZER_IMPLEMENTATION if k in g} for g in self.optimizer.param_groups]
         self.prepared.load_state_dict(self.optimizer, state["model"], state["optimizer"])
         inner = getattr(self.optimizer, "optim", None)  # ZeRO-1's local optimizer, the one that steps: torch's

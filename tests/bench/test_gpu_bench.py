@@ -68,8 +68,8 @@ def test_defaults_are_the_issues_sizes():
                                   "vocab_size": 50304}
     assert args.out == "docs/benchmarks/gpu.md" and args.compile and args.mfu_precision == "bf16-mixed"
     assert [name for name, _ in gpu.CHECKS] == ["nccl", "steps bf16-mixed", "steps fp16-mixed", "steps bf16-true",
-                                                "memory single", "memory ddp", "memory fsdp", "comm none",
-                                                "comm bf16", "comm fsdp", "comm trace", "overhead",
+                                                "queued step", "memory single", "memory ddp", "memory fsdp",
+                                                "comm none", "comm bf16", "comm fsdp", "comm trace", "overhead",
                                                 "overhead medium", "tp", "pp 1f1b", "pp interleaved-1f1b", "pp zbv",
                                                 "pp dualpipev", "pp zbv x tp", "cpu_offload", "mfu", "mfu fsdp",
                                                 "service ray"]
@@ -83,6 +83,27 @@ def test_the_steps_check_trains_on_cpu(precision):
     [check] = gpu.run_checks([(precision, lambda a, c: gpu.check_steps(a, c, precision, size=TINY, micro=4))], args)
     assert check.passed, (check.reason, check.figures)
     assert 0 < int(check.figures["skipped steps"]) < 20 and float(check.figures["final loss scale"]) < 65536
+
+
+def test_the_queued_step_check_runs_on_a_one_rank_cpu_group():
+    """What `queued step` checks on the GPU, on a one-rank gloo group under ddp and fsdp: the queued step against
+    the one that reads first, refused steps, a foreach state resumed by the fused optimizer (the host waits are
+    counted on CUDA only)."""
+    import torch.distributed as dist
+
+    args = gpu._args([])
+    args.device = torch.device("cpu")
+    try:
+        [check] = gpu.run_checks([("queued step", lambda a, c: gpu.check_queued_step(a, c, size=TINY, micro=4))],
+                                 args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert check.passed, (check.reason, check.figures)
+    for strategy in ("ddp", "fsdp"):
+        assert check.figures[f"{strategy}: a refused step (NaN loss / NaN gradients) leaves the state as it was"] == (
+            "True / True")
+        assert not any(k.startswith(f"{strategy}: host waits") for k in check.figures)
 
 
 @pytest.mark.parametrize("tensor_parallel,schedule", [(True, ""), (True, "dualpipev")])

@@ -11,6 +11,11 @@ the others still run:
                        time), barrier
     steps PRECISION    bf16-mixed, fp16-mixed (GradScaler), bf16-true: 40 steps of a small reference GPT through
                        `create_backend`: finite losses that fall; step time
+    queued step        ddp and fsdp (one-rank nccl group), a small GPT, fp32, fused AdamW, clipping at work: the step
+                       queued whole on the device against the step that reads it first (bit for bit), the host's
+                       waits per step (CUDA's sync debug mode; target 1), a refused step (NaN loss, NaN gradients)
+                       changing nothing, and a foreach AdamW's state loaded into the fused one (step counts on the
+                       device; its next step within 1e-5 of foreach's)
     memory STRATEGY    single, ddp, fsdp (one-rank nccl group): `memory.estimate` against
                        torch.cuda.max_memory_allocated of the third step of two micro-batches (gradients are held
                        while the second one's activations are, the sum the estimate counts; under ddp beside its
@@ -56,6 +61,7 @@ existing --out file are kept. Without a CUDA device it prints one line, writes n
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import datetime
 import gc
@@ -253,7 +259,7 @@ def _runtime(device, group: bool):
     return Runtime(LaunchInfo("single"), device, "nccl" if device.type == "cuda" else "gloo", distributed=False)
 
 
-def _backend(cfg, runtime, grad_clip: float = 0.0):
+def _backend(cfg, runtime, grad_clip: float = 0.0, factory=None, **kwargs):
     import torch
 
     from disttrain.backend import create_backend
@@ -263,7 +269,8 @@ def _backend(cfg, runtime, grad_clip: float = 0.0):
     torch.manual_seed(0)
     with torch.device(runtime.device):  # initialised where it runs (a GPU initialises 1 B parameters in a blink)
         model = GPT(cfg.model)
-    return create_backend(model, optimizer_factory(cfg.optim), cfg.parallel, runtime=runtime, grad_clip=grad_clip)
+    return create_backend(model, factory or optimizer_factory(cfg.optim), cfg.parallel, runtime=runtime,
+                          grad_clip=grad_clip, **kwargs)
 
 
 def _windows(seq_len: int):
@@ -361,6 +368,133 @@ def check_steps(args, check: Check, precision: str, size: dict[str, int] = SMALL
                     if check.passed else
                     "non-finite loss" if not finite else f"losses did not fall ({first:.4f} -> {last:.4f}) "
                     f"or too many skipped steps ({out['skipped_steps']} of {steps})")
+
+
+def _state(backend) -> list:
+    """The parameters and the optimizer's state, copied (a rank's local shards under FSDP2)."""
+    import torch
+
+    def local(t):
+        return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+
+    state = [local(t) for s in backend.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return [local(p) for p in backend.model.parameters()] + state
+
+
+def _equal(a: list, b: list) -> bool:
+    import torch
+
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _max_difference(a: list, b: list) -> float:
+    return max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b, strict=True) if x.numel())
+
+
+def _syncs(device, step: Callable[[], None], steps: int) -> tuple[float, list[str]]:
+    """The host's waits for the device per step, as CUDA's sync debug mode reports them (each one a warning from the
+    Python line that asked), and where they came from."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    seen = [w for w in caught if "synchroniz" in str(w.message)]
+    return len(seen) / steps, sorted({f"{Path(w.filename).name}:{w.lineno}" for w in seen})
+
+
+def check_queued_step(args, check: Check, strategies: tuple[str, ...] = ("ddp", "fsdp"),
+                      size: dict[str, int] = SMALL, micro: int = 8, clip: float = 0.1) -> None:
+    """The optimizer step queued whole on the device (docs/architecture.md, "The queued step") on CUDA: under fused
+    AdamW it updates as the step that reads the device first, bit for bit, with the clip at work; it waits for the
+    device once per step; a refused step (a NaN loss; NaN gradients with a finite loss) leaves the parameters and
+    the optimizer's state as they were; and a state saved by a foreach AdamW (as under DeepSpeed) loads into the
+    fused one with its step counts on the device, where torch's CUDA kernel reads them unchecked."""
+    import torch
+
+    from disttrain.batches import to_device
+    from disttrain.parallel import registry
+
+    device, results = args.device, []
+    windows = _windows(size["seq_len"])
+    batches = [to_device(_batch(windows, i, micro), device) for i in range(12)]
+
+    def step(backend, index: int) -> dict:
+        backend.forward_backward(batches[index])
+        return backend.optim_step()
+
+    def next_step(backend) -> dict:  # batches 3, 4, 5 (its steps 4-6)
+        return step(backend, 3 + backend.step % 3)
+
+    def foreach(model):  # what a DeepSpeed or foreach run saves: step counts on the host
+        return torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+
+    def fused(model):
+        return torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+
+    for strategy in strategies:
+        cfg = config(size, micro, strategy, "fp32", ("optim.lr=0.001",))
+        runtime = _runtime(device, group=registry.get(strategy).needs_group)
+        queued, read = (_backend(cfg, runtime, grad_clip=clip) for _ in range(2))
+        on_device = queued.prepared.steps_on_device(device)
+        read.prepared.steps_on_device = lambda device: False
+        outs = {name: [(o["loss"], o["grad_norm"], o["skipped"]) for o in (step(b, i) for i in range(3))]
+                for name, b in (("queued", queued), ("read", read))}
+        same = outs["queued"] == outs["read"] and _equal(_state(queued), _state(read))
+        clipped = all(norm > clip for _, norm, _ in outs["read"])
+        check.figures[f"{strategy}: queued whole / same as the step that reads first, bit for bit / clip at work"] = (
+            f"{on_device} / {same} / {clipped}")
+        syncs_ok = True
+        if device.type == "cuda":
+            per_step, where = _syncs(device, partial(next_step, queued), 3)
+            read_per_step, _ = _syncs(device, partial(next_step, read), 3)
+            check.figures[f"{strategy}: host waits per step, queued / reads first"] = (
+                f"{per_step:g} / {read_per_step:g} (from {', '.join(where) or 'nowhere'})")
+            syncs_ok = per_step <= 1
+        refusals = []
+        for bad in ("loss", "gradient"):
+            backend = _backend(cfg, runtime, grad_clip=clip, on_nonfinite="skip")
+            step(backend, 0)
+            before = _state(backend)
+            # NaN loss; or a loss of 0 whose gradient is NaN (sqrt's slope at 0 is inf, times the mean's 0)
+            loss_fn = ((lambda out, batch: out.float().mean() * float("nan")) if bad == "loss" else
+                       (lambda out, batch: (out.float().mean() * 0.0).sqrt()))
+            backend.forward_backward(batches[1], loss_fn=loss_fn)
+            out = backend.optim_step()
+            refusals.append(out["skipped"] and _equal(before, _state(backend)))
+        check.figures[f"{strategy}: a refused step (NaN loss / NaN gradients) leaves the state as it was"] = (
+            " / ".join(map(str, refusals)))
+        saved = _backend(cfg, runtime, factory=foreach)
+        for i in range(2):
+            step(saved, i)
+        loaded = _backend(cfg, runtime, factory=fused)
+        loaded.load_state_dict(copy.deepcopy(saved.state_dict()))  # (both go on: neither may hold the other's)
+        steps_placed = all(
+            s["step"].device == (p.to_local() if hasattr(p, "to_local") else p).device
+            and s["step"].dtype == torch.float32 for p, s in loaded.optimizer.state.items())
+        step(saved, 2)
+        step(loaded, 2)
+        difference = _max_difference(_state(saved), _state(loaded))
+        check.figures[f"{strategy}: foreach state loaded into fused AdamW: step counts on the device / queued / "
+                      "next step's largest difference from foreach's"] = (
+            f"{steps_placed} / {loaded.prepared.steps_on_device(device)} / {difference:.2e}")
+        results.append(on_device and same and clipped and syncs_ok and all(refusals) and steps_placed
+                       and loaded.prepared.steps_on_device(device) and difference < 1e-5)
+        del queued, read, backend, saved, loaded
+        _release(device)
+    check.figures["model"] = _describe(size, micro) + f", fp32, fused AdamW, grad_clip {clip}"
+    check.passed = all(results)
+    check.reason = ("queued and read-first steps equal bit for bit, one host wait per step (CUDA), refused steps "
+                    "change nothing, a foreach state resumes in the fused step within 1e-5" if check.passed else
+                    "failed for " + ", ".join(s for s, ok in zip(strategies, results, strict=True) if not ok)
+                    + " (the figures say which part)")
 
 
 def check_memory(args, check: Check, strategy: str, size: dict[str, int] = MEDIUM, micro: int = 4) -> None:
@@ -770,6 +904,7 @@ def _describe(size: dict[str, int], micro: int) -> str:
 CHECKS: list[tuple[str, Callable]] = [
     ("nccl", check_nccl),
     *((f"steps {p}", partial(check_steps, precision=p)) for p in ("bf16-mixed", "fp16-mixed", "bf16-true")),
+    ("queued step", check_queued_step),
     *((f"memory {s}", partial(check_memory, strategy=s)) for s in ("single", "ddp", "fsdp")),
     *((f"comm {c}", partial(check_comm, compression=c)) for c in ("none", "bf16")),
     ("comm fsdp", check_fsdp_comm),
