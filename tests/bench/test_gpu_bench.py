@@ -150,8 +150,8 @@ def test_the_overhead_check_runs_both_loops_over_a_one_rank_group_on_cpu_and_pro
     operators are the loops' own (aten's)."""
     args = gpu._args([])
     args.device = torch.device("cpu")
-    [check] = gpu.run_checks([("overhead", lambda a, c: gpu.check_overhead(a, c, ("ddp", "fsdp"), 2, 1, profile=True,
-                                                                          profile_steps=2))], args)
+    [check] = gpu.run_checks([("overhead", lambda a, c: gpu.check_overhead(a, c, ("ddp", "fsdp"), 2, 1, size=TINY,
+                                                                          profile=True, profile_steps=2))], args)
     ratios = [v for k, v in check.figures.items() if k.endswith("median step")]
     assert len(ratios) == 2 and all(" ms, ratio " in v for v in ratios), check.figures
     costs = [v for k, v in check.figures.items() if "the figures' cost, disttrain without / with them" in k]
