@@ -32,9 +32,9 @@ the others still run:
                        fsdp: the step written by hand from the PyTorch tutorials against the Trainer's, with every
                        in-run figure (MFU, comm_s timed by nccl, CUDA peak memory; the ranks' summary every
                        `train.log_every` steps, 10 by default),
-                       interleaved in rounds; target: ratio of median step times <= 1.02. Also the figures' own
-                       cost: the Trainer's step with them against the same step without them (the third loop,
-                       `overhead._bare_loop`). `overhead medium`: the
+                       interleaved in rounds; target: ratio of median step times <= 1.02, and the same for the
+                       figures' own cost: the Trainer's step with them against the same step without them (the third
+                       loop, `overhead._bare_loop`). `overhead medium`: the
                        same at the medium size (24 x 1024, two micro-batches of 4 per step), where the device bounds
                        the step. A strategy over the target is profiled (`overhead.host_profile`): each loop's host and
                        device time per step, its CUDA calls by name, the operators and kernels that differ most
@@ -616,7 +616,7 @@ def check_overhead(args, check: Check, strategies: tuple[str, ...] = ("ddp", "fs
 
     runtime = _runtime(args.device, group=True)
     model = tuple(f"model.{k}={v}" for k, v in (size or {}).items())
-    ratios, jobs = {}, {}
+    ratios, costs, jobs = {}, {}, {}
     with tempfile.TemporaryDirectory() as out:
         bench = argparse.Namespace(global_batch=global_batch, micro=micro, nproc=1, out=out, rounds=rounds,
                                    steps=steps)
@@ -626,11 +626,11 @@ def check_overhead(args, check: Check, strategies: tuple[str, ...] = ("ddp", "fs
             jobs[strategy] = cfg, train
             times = overhead._compare(bench, cfg, runtime, train, GlobalSampler(len(train), cfg.run.seed))
             plain, ours, bare = (statistics.median(times[loop]) for loop in ("plain", "disttrain", "bare"))
-            ratios[strategy] = ours / plain
+            ratios[strategy], costs[strategy] = ours / plain, ours / bare
             check.figures[f"{strategy}: hand-written / disttrain, median step"] = (
                 f"{_ms(plain)} / {_ms(ours)}, ratio {ratios[strategy]:.3f}")
             check.figures[f"{strategy}: the figures' cost, disttrain without / with them"] = (
-                f"{_ms(bare)} / {_ms(ours)}, ratio {ours / bare:.3f} (the issue's figure: <= 1.02)")
+                f"{_ms(bare)} / {_ms(ours)}, ratio {costs[strategy]:.3f} (the issue's figure: <= 1.02)")
         for strategy, (cfg, train) in jobs.items():  # after every comparison: none times steps after a profile
             if profile or ratios[strategy] > OVERHEAD_TARGET:
                 check.figures.update({f"{strategy}: {k}": v for k, v in overhead.host_profile(
@@ -639,9 +639,11 @@ def check_overhead(args, check: Check, strategies: tuple[str, ...] = ("ddp", "fs
     check.figures["model"] = (f"GPT {m.n_layer} x {m.d_model}, seq {m.seq_len}, micro-batch {micro}, global batch "
                               f"{global_batch}, {cfg.parallel.precision}, one-rank nccl group; {rounds} interleaved "
                               f"rounds of {steps} steps per loop")
-    check.passed = all(r <= OVERHEAD_TARGET for r in ratios.values())
-    check.reason = (f"ratio of median step times, disttrain / hand-written, <= {OVERHEAD_TARGET}" if check.passed else
-                    "over " + str(OVERHEAD_TARGET) + ": " + ", ".join(f"{s} {r:.3f}" for s, r in ratios.items()))
+    over = [f"{s} {r:.3f} against the hand-written loop" for s, r in ratios.items() if r > OVERHEAD_TARGET]
+    over += [f"{s} {r:.3f} with its figures against without" for s, r in costs.items() if r > OVERHEAD_TARGET]
+    check.passed = not over
+    check.reason = (f"ratios of median step times, disttrain / hand-written and with / without its figures, <= "
+                    f"{OVERHEAD_TARGET}" if check.passed else f"over {OVERHEAD_TARGET}: " + ", ".join(over))
 
 
 def check_fsdp_comm(args, check: Check, calls: int = 50) -> None:
