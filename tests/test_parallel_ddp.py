@@ -56,9 +56,8 @@ def test_every_line_carries_the_cost_of_the_step(runs):
     single, ddp = read_metrics(tmp / "single"), read_metrics(tmp / "ddp")
     for record in ddp:
         assert record["comm_s"] > 0 and 0 <= record["comm_exposed_s"] <= record["comm_s"] < record["step_time_s"]
-        assert record["comm_bytes"] > 0 and record["slowest_rank"] in (0, 1)
-        assert (record["step_time_max_s"] == record["step_time_s"]) == (record["slowest_rank"] == 0)  # rank 0's slot
-        assert record["step_time_max_s"] >= record["step_time_s"]
+        assert record["comm_bytes"] > 0 and record["slowest_rank"] in (0, 1) and record["slowest_ratio"] >= 1
+        assert record["step_time_max_s"] >= record["step_time_s"] >= record["work_s"] > 0
         assert record["mem_peak_gib_max"] >= record["mem_peak_gib"] > 0
         assert record["mfu"] is None and record["tflops"] > 0  # no peak is known for a CPU
     assert [r["step"] for r in ddp] == list(range(1, STEPS + 1))  # every step's line, in order

@@ -12,7 +12,15 @@ slowest rank. The Trainer adds these to each `metrics.jsonl` line (docs/architec
     comm_bytes      bytes handed to those collectives (nccl-tests' sizes), in the dtype on the wire
     mem_peak_gib    this rank's peak memory since the previous line: CUDA max allocated, or the process's peak
                     resident set (Linux: VmHWM, reset after each reading)
-    *_max, slowest_rank   the same over all ranks (one all-gather of three numbers per logged step)
+    work_s          the step's time less what this rank waited for the others, the mean over the steps since the
+                    previous line: step_time_s - comm_exposed_s on a CPU rank; on CUDA step_time_s - comm_s
+                    (nccl's kernels of a rank that arrives first spin until the last one comes, so that also takes
+                    away time spent on the wire: close, not exact); the step time where nothing is measured. In
+                    synchronous training every rank's step takes as long as the slowest one's, so step times cannot
+                    tell a straggler; work does
+    *_max           step_time_s, mem_peak_gib, comm_exposed_s over all ranks
+    slowest_rank    the rank with the most work, and slowest_ratio its work / the median of the other ranks' (a
+                    straggler is named on the progress line from 1.2); one all-gather of four numbers per logged line
 
 The measurement costs a few clock reads per step and one small all-gather per logged line (`bench overhead`
 measures it against a hand-written loop).
@@ -120,6 +128,7 @@ class StepMeter:
         self.peak = peak_override or peak_tflops(device, precision)
         self.world, self.device, self.comm = world, device, comm
         self._wall = self._cpu = 0.0
+        self._work, self._steps = 0.0, 0  # since the last logged line
 
     def start(self) -> None:
         if self.comm is not None:
@@ -141,32 +150,48 @@ class StepMeter:
             host_timed = comm_s is not None and not self.comm.on_device  # its intervals lie on the host's clock
             exposed = min(comm_s, blocked) if host_timed else None
             out.update(comm_s=comm_s, comm_exposed_s=exposed, comm_bytes=nbytes)
+        waited = out["comm_exposed_s"] if out["comm_exposed_s"] is not None else out["comm_s"] or 0.0
+        out["work_s"] = max(0.0, elapsed - waited)
+        self._work, self._steps = self._work + out["work_s"], self._steps + 1
+        return out
+
+    def line(self) -> dict[str, float]:
+        """For a logged line: `work_s` as the mean over the steps since the previous line (one step's is noisy
+        where steps are short), then counted afresh."""
+        out = {"work_s": self._work / self._steps} if self._steps else {}
+        self._work, self._steps = 0.0, 0
         return out
 
 
 def rank_summary(values: dict[str, Any], device: torch.device, distributed: bool) -> dict[str, Any]:
-    """This rank's peak memory, and the slowest rank's step time and the largest peak over all ranks (a collective:
-    every rank calls it at the same steps)."""
+    """This rank's peak memory; over all ranks the longest step, the largest peak and exposed communication, and the
+    rank with the most work (`work_s`) against the median of the others' (a collective: every rank calls it at the
+    same steps)."""
     exposed = values.get("comm_exposed_s")  # None where not measured (CUDA): NaN on the wire, None again after
-    mine = [values["step_time_s"], peak_memory_gib(device), math.nan if exposed is None else exposed]
+    step = values["step_time_s"]
+    mine = [step, peak_memory_gib(device), math.nan if exposed is None else exposed, values.get("work_s", step)]
     rows = [mine]
     if distributed and dist.get_world_size() > 1:  # (a one-rank group: nothing to gather, no device round trip)
         local = torch.tensor(mine, dtype=torch.float64, device=device)
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, local)
         rows = [t.tolist() for t in gathered]
-    slowest = max(range(len(rows)), key=lambda r: rows[r][0])
+    slowest = max(range(len(rows)), key=lambda r: rows[r][3])
+    others = sorted(r[3] for i, r in enumerate(rows) if i != slowest)
+    median = (others[(len(others) - 1) // 2] + others[len(others) // 2]) / 2 if others else rows[slowest][3]
     return {"mem_peak_gib": mine[1], "mem_peak_gib_max": max(r[1] for r in rows),
-            "step_time_max_s": rows[slowest][0], "slowest_rank": slowest,
+            "step_time_max_s": max(r[0] for r in rows), "slowest_rank": slowest,
+            "slowest_ratio": rows[slowest][3] / median if median > 0 else 1.0,
             "comm_exposed_s_max": max((r[2] for r in rows if not math.isnan(r[2])), default=None)}
 
 
 def straggler(values: dict[str, Any], factor: float = 1.2) -> str:
-    """'rank R 1.4x' when the slowest rank took more than `factor` x rank 0's step time, else ''."""
-    slow, mine = values.get("step_time_max_s"), values.get("step_time_s")
-    if not slow or not mine or values.get("slowest_rank", 0) == 0 or slow < factor * mine or not math.isfinite(slow):
+    """'rank R 1.4x' when the rank with the most work per step did at least `factor` x the median of the others'
+    (`slowest_ratio`), else ''."""
+    ratio = values.get("slowest_ratio")
+    if ratio is None or not math.isfinite(ratio) or ratio < factor:
         return ""
-    return f"rank {values['slowest_rank']} {slow / mine:.1f}x"
+    return f"rank {values['slowest_rank']} {ratio:.1f}x"
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

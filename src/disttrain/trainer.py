@@ -203,6 +203,7 @@ class Trainer:
                                               cfg.train.eval_samples, batches_of=lambda b: loaders.eval(val, b))
             result.eval_losses[step] = values["eval_loss"]
         if step % cfg.train.log_every == 0 or step == last or "eval_loss" in values or stopping:
+            values.update(self.meter.line())  # (the work per step since the previous line)
             values.update(rank_summary(values, runtime.device, runtime.distributed))  # every rank, same steps
             metrics.log(step, values)
         if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == last or stopping):

@@ -306,6 +306,7 @@ def _disttrain_job(cfg, runtime, train, sampler):
     def step(k: int) -> dict:
         values = trainer._train_step(backend, batches, micro)
         if (k + 1) % cfg.train.log_every == 0:  # a logged line, as the Trainer's (its steps count from 1)
+            values.update(trainer.meter.line())
             values.update(rank_summary(values, runtime.device, runtime.distributed))
         return values
 

@@ -219,7 +219,7 @@ class Workload:
     """0 on accelerators. On CPU, ranks beyond the cores share them, and so do gloo's communication threads."""
     log_every: int = 10
     """Steps per logged line (`train.log_every`, 10 by default; 0 = none): each line all-gathers the ranks' figures
-    (perf.rank_summary: 3 float64 per rank) and waits for it."""
+    (perf.rank_summary: 4 float64 per rank) and waits for it."""
 
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
