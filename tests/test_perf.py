@@ -18,6 +18,7 @@ from disttrain.perf import (
     StepMeter,
     comm_overlap,
     flops_per_token,
+    peak_for_name,
     peak_memory_gib,
     peak_tflops,
     rank_summary,
@@ -154,6 +155,15 @@ def test_mfu_needs_a_peak_and_uses_the_given_one():
     expected_tflops = flops_per_token(model, 16) * figures["tokens_per_s"] / 2 / 1e12
     assert figures["tflops"] == pytest.approx(expected_tflops)
     assert figures["mfu"] == pytest.approx(expected_tflops / 0.5)
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H200", 989.0),
+    ("NVIDIA GH200 480GB", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA L4", 121.0), ("NVIDIA L40", 181.0),
+    ("NVIDIA L40S", 362.0), ("NVIDIA A10", None), ("NVIDIA GeForce RTX 4090", None)])
+def test_the_peak_is_the_named_devices_not_one_whose_name_begins_the_same(name, peak):
+    """torch.cuda.get_device_name() as CUDA gives it: an L40 is not an L4 (its bf16 peak is 1.5 x the L4's)."""
+    assert peak_for_name(name, "bf16") == peak
 
 
 def test_a_straggler_is_named_only_when_clearly_slower():

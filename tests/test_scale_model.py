@@ -190,6 +190,15 @@ def test_bad_names_are_config_errors():
     assert math.isfinite(sm.compute_seconds(LLAMA, 8192, 989, 0.4))
 
 
+def test_hsdp_takes_whole_nodes_beyond_one():
+    """Its replicas are nodes: 12 GPUs of 8 per node would be modelled as 8 (one replica); refused in one line."""
+    net, work = sm.PRESETS["h100-nvlink+ib-ndr"], sm.Workload(LLAMA, 1.0, 8192, "bf16-mixed", log_every=0)
+    assert [p.gpus for p in sm.predict("hsdp", [4, 8, 16], work, net)] == [4, 8, 16]
+    with pytest.raises(ConfigError, match="--gpus 12: hsdp shards within a node of 8 devices"):
+        sm.predict("hsdp", [8, 12], work, net)
+    assert [p.gpus for p in sm.predict("fsdp", [8, 12], work, net)] == [8, 12]  # a partial node is a ring's hop
+
+
 def test_the_model_imports_no_torch():
     code = ("import sys, disttrain.bench.scale_model, disttrain.bench.published_scaling; "
             "assert 'torch' not in sys.modules, 'torch imported'")

@@ -7,8 +7,8 @@ slowest rank. The Trainer adds these to each `metrics.jsonl` line (docs/architec
                     (on CUDA: nccl's own device timing of each collective, summed)
     comm_exposed_s  the part of it the step waited for: on a CPU rank (one torch thread, gloo's own threads do the
                     communication) the time the training thread was blocked, wall time - its CPU time, capped at
-                    comm_s; the rest (comm_hidden_s) overlapped compute. Null on CUDA per step; the steps of
-                    `log.profile_steps` get it from their trace's kernels (`comm_overlap`: profile/rank<R>_comm.json)
+                    comm_s; the rest overlapped compute. Null on CUDA per step; the steps of `log.profile_steps`
+                    get it, and comm_hidden_s, from their trace's kernels (`comm_overlap`: profile/rank<R>_comm.json)
     comm_bytes      bytes handed to those collectives (nccl-tests' sizes), in the dtype on the wire
     mem_peak_gib    this rank's peak memory since the previous line: CUDA max allocated, or the process's peak
                     resident set (Linux: VmHWM, reset after each reading)
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import resource
 import sys
 import time
@@ -41,7 +42,8 @@ import torch.distributed as dist
 from torch import nn
 
 # Dense peak TFLOP/s of one device by the dtype its matmuls run in (vendor data sheets, without sparsity).
-# Matched against torch.cuda.get_device_name() in this order (the first substring that matches).
+# Matched against torch.cuda.get_device_name() in this order: the first key found in the name that no letter or
+# digit follows ("L4" is not the "NVIDIA L40"; "H200" is the "NVIDIA GH200 480GB"'s GPU).
 PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0}),
     ("H100 NVL", {"bf16": 835.0, "fp16": 835.0, "tf32": 418.0, "fp32": 60.0}),
@@ -50,6 +52,7 @@ PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     ("B200", {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 75.0}),
     ("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
     ("L40S", {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6}),
+    ("L40", {"bf16": 181.0, "fp16": 181.0, "tf32": 90.5, "fp32": 90.5}),
     ("L4", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
 )
 
@@ -62,8 +65,13 @@ def peak_tflops(device: torch.device, precision: str) -> float | None:
     dtype = {"bf16-mixed": "bf16", "bf16-true": "bf16", "fp16-mixed": "fp16"}.get(precision)
     if dtype is None:  # fp32: TensorFloat-32 matmuls when torch allows them
         dtype = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
+    return peak_for_name(name, dtype)
+
+
+def peak_for_name(name: str, dtype: str) -> float | None:
+    """The table's dense peak in `dtype` ("bf16", "fp16", "tf32", "fp32") for a device named `name`, or None."""
     for key, peaks in PEAK_TFLOPS:
-        if key in name:
+        if re.search(re.escape(key) + r"(?![0-9A-Za-z])", name):
             return peaks[dtype]
     return None
 

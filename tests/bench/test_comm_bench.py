@@ -68,6 +68,7 @@ def test_report_without_matplotlib_writes_everything_else(run, tmp_path, monkeyp
 
 @pytest.mark.parametrize("args, message", [
     (["--collectives", "all_reduce,allreduce"], "--collectives: allreduce unknown; choose from all_reduce, "),
+    (["--collectives", ","], "--collectives: none given; choose from all_reduce, "),
     (["--min-size", "1KB"], "--min-size '1KB' is not a size"),
     (["--max-size", "lots"], "--max-size 'lots' is not a size"),
     (["--min-size", "1M", "--max-size", "1K"], "--min-size 1M is above --max-size 1K"),

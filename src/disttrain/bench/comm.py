@@ -101,8 +101,8 @@ def check(args: argparse.Namespace) -> None:
     args.collectives = ",".join(names)
     unknown = [c for c in names if c not in COLLECTIVES]
     if unknown or not names:
-        raise ConfigError(f"--collectives: {', '.join(unknown) or 'none given'} unknown; choose from "
-                          f"{', '.join(COLLECTIVES)}")
+        what = f"{', '.join(unknown)} unknown" if unknown else "none given"
+        raise ConfigError(f"--collectives: {what}; choose from {', '.join(COLLECTIVES)}")
     low, high = parse_size(args.min_size, "--min-size"), parse_size(args.max_size, "--max-size")
     if low > high:
         raise ConfigError(f"--min-size {args.min_size} is above --max-size {args.max_size}")

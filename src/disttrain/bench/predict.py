@@ -41,6 +41,7 @@ from disttrain.bench.published_scaling import PUBLISHED
 from disttrain.bench.scale_model import (
     BYTES,
     H100_BF16_TFLOPS,
+    H100_FP32_TFLOPS,
     MODELS,
     PRESETS,
     STRATEGIES,
@@ -75,7 +76,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    f"{DEFAULT_NET} (a sitting, --measure --validate, measures its own)")
     p.add_argument("--gpus-per-node", type=int, default=0, help="override the interconnect's devices per node")
     p.add_argument("--compute-s", type=float, default=0.0, help="seconds of one step's compute on one device")
-    p.add_argument("--tflops", type=float, default=H100_BF16_TFLOPS, help="peak TFLOP/s (default: H100 bf16 dense)")
+    p.add_argument("--tflops", type=float, default=0.0, help="peak TFLOP/s (default: the H100 SXM's dense peak in "
+                   "the precision's matmul dtype: 989 in bf16 / fp16, 67 in fp32)")
     p.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilisation of one device")
     p.add_argument("--local-batch", type=int, default=0, help="sequences per GPU per step (default: the model's)")
     p.add_argument("--micro-batch", type=int, default=0,
@@ -195,7 +197,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
     """Every numeric flag in its range, before anything is written or launched (0 = "the default" where a flag
     says so)."""
     check_numbers(("--compute-s", args.compute_s, 0.0, "seconds >= 0 (0: from FLOPs)"),
-                  ("--tflops", args.tflops, 1e-9, "a peak > 0"),
+                  ("--tflops", args.tflops, 0.0, "a peak > 0 (0: the H100's in the precision)"),
                   ("--mfu", args.mfu, 1e-9, "a fraction in (0, 1]", 1.0),
                   ("--local-batch", args.local_batch, 0, "sequences >= 0 (0: the model's)"),
                   ("--micro-batch", args.micro_batch, 0, "sequences >= 0 (0: no accumulation, or the config's)"),
@@ -218,8 +220,10 @@ def forecast(args, strategies, gpus, shape, local_batch, precision, net, fit, *,
         raise ConfigError("--interconnect measured:...: give --compute-s (one device's step time, e.g. the 1-rank "
                           "step_time_s of `disttrain bench predict --measure`)")
     else:
-        compute = compute_seconds(shape, tokens, args.tflops, args.mfu)
-        source = f"{shape.flops_per_token():.3g} FLOPs/token / ({args.tflops:g} TFLOP/s x MFU {args.mfu:g})"
+        tflops = args.tflops or (H100_FP32_TFLOPS if precision == "fp32" else H100_BF16_TFLOPS)
+        compute = compute_seconds(shape, tokens, tflops, args.mfu)
+        source = (f"{shape.flops_per_token():.3g} FLOPs/token / ({tflops:g} TFLOP/s x MFU {args.mfu:g}"
+                  + ("" if args.tflops else f"; the H100's dense peak in {precision}") + ")")
     work = Workload(shape, compute, tokens, precision, local // micro, cpu_cores=_cores(args, fit),
                     log_every=log_every)
     rows = []

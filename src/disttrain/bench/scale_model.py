@@ -380,6 +380,11 @@ class Prediction:
 
 
 def predict(strategy: str, counts: list[int], work: Workload, net: Interconnect) -> list[Prediction]:
+    per_node = net.gpus_per_node
+    partial_nodes = [n for n in counts if n > per_node and n % per_node]
+    if strategy == "hsdp" and partial_nodes:  # (its replicas are whole nodes: 12 would be modelled as 8)
+        raise ConfigError(f"--gpus {partial_nodes[0]}: hsdp shards within a node of {per_node} devices and "
+                          f"replicates across nodes; give at most {per_node} or a multiple of {per_node}")
     steps = [(n, step_time(strategy, n, work, net)) for n in sorted(counts)]
     base = steps[0][1].step_s
     return [Prediction(n, s, work.tokens / s.step_s, base / s.step_s) for n, s in steps]
@@ -395,6 +400,8 @@ def compute_seconds(model: ModelShape, tokens: float, tflops: float, mfu: float)
 
 H100_BF16_TFLOPS = 989.0
 """H100 SXM dense bf16 peak (NVIDIA's datasheet; 1979 is with sparsity)."""
+H100_FP32_TFLOPS = 67.0
+"""H100 SXM fp32 peak, for fp32 matmuls (TensorFloat-32, 494, only where torch is allowed to use it)."""
 
 
 def with_gpus_per_node(net: Interconnect, gpus: int) -> Interconnect:

@@ -25,8 +25,10 @@ so e.g. a gradient compression's accuracy cost against `none` is in the table.
 
 The in-run figures of each step (perf.py, as every logged line carries them): `comm_exposed_s` (comm_fraction =
 comm_exposed_s / step_time_s, median over the timed steps), `comm_bytes` (median per step), `mfu` (median); NaN
-where the step does not report one (nothing is timed in one process, DeepSpeed, CUDA). `mem_peak_gib`: the peak
-of the fixed run, steps and evaluation (perf.peak_memory_gib, reset before it). All are the max over ranks.
+where the step does not report one (nothing is timed in one process; `comm_exposed_s` on CUDA). A one-rank row of
+a strategy that issues its collectives anyway (DDP, DeepSpeed) counts their bytes, though none crosses a link.
+`mem_peak_gib`: the peak of the fixed run, steps and evaluation (perf.peak_memory_gib, reset before it). All are the
+max over ranks.
 
 Output (`--out`): scaling.csv, scaling.md (printed at the end) and, with matplotlib, efficiency.png and
 throughput.png.
