@@ -329,7 +329,7 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
     # done before anyone waits: skipping it changed a 2-rank ddp step here by nothing.)
     after = wire("all_reduce", 8, shard) if sharded else 0.0
     if work.log_every:
-        after += wire("all_gather", 24 * n, n, times=1 / work.log_every) / work.log_every
+        after += wire("all_gather", 32 * n, n, times=1 / work.log_every) / work.log_every
     if not sharded:
         buckets = _buckets(model, stored, work.bucket_bytes)
         units = [Unit(b / sum(buckets), reduce=wire("all_reduce", b, n)) for b in buckets]
