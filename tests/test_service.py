@@ -225,6 +225,14 @@ def test_service_ddp_matches_reference_saves_loads_and_runs_collectives(tmp_path
             # a user error on every rank is reported with the worker's traceback; the service goes on
             with pytest.raises(RemoteError, match="loss_fn = 'service_job:nope'"):
                 await service.forward_backward(batch, loss_fn="service_job:nope")
+            # a global batch with no valid item: refused on every rank, gradients dropped; the service saves at once
+            # (the refused step's micro-batches are no longer counted as pending) and goes on
+            await service.forward_backward({**batch, "labels": torch.full_like(batch["labels"], -100)})
+            with pytest.raises(RemoteError, match="EmptyBatchError: step 13: the global batch has no valid items"):
+                await service.optim_step()
+            assert Path(await service.save(tmp_path / "after_empty")).name == "step_12"
+            await service.forward_backward(batch)
+            assert (await service.optim_step())["step"] == 13
             weights = await service.state_dict()
             assert set(weights) == set(job.GPT(job.ModelConfig(**job.MODEL)).state_dict())
             status = await service.status()

@@ -28,8 +28,8 @@ class NullMetrics:
 class ProgressBar:
     """`[####......] 40/100 loss 2.310 | 51.2k tok/s | MFU 41% | comm 3% | eta 0:00:12` redrawn in place on a terminal;
     on a pipe (CI, log files) the same text as a new line about 20 times per run, or at each logged step where there
-    are fewer (at the first logged step a twentieth of the run after the previous line, and at the last). A rank
-    slower than rank 0 by more than 20% is named (`slowest rank 3 1.4x`)."""
+    are fewer (at the first logged step a twentieth of the run after the previous line, and at the last). A rank whose
+    work per step is at least 1.2 x the median of the others' is named (`slowest rank 3 1.4x`; perf.rank_summary)."""
 
     def __init__(self, total: int, stream: TextIO = sys.stderr, start_step: int = 0):
         self.total, self.stream, self.start_step = total, stream, start_step

@@ -12,15 +12,18 @@ slowest rank. The Trainer adds these to each `metrics.jsonl` line (docs/architec
     comm_bytes      bytes handed to those collectives (nccl-tests' sizes), in the dtype on the wire
     mem_peak_gib    this rank's peak memory since the previous line: CUDA max allocated, or the process's peak
                     resident set (Linux: VmHWM, reset after each reading)
-    work_s          the step's time less what this rank waited for the others, the mean over the steps since the
-                    previous line: step_time_s - comm_exposed_s on a CPU rank; on CUDA step_time_s - comm_s
-                    (nccl's kernels of a rank that arrives first spin until the last one comes, so that also takes
-                    away time spent on the wire: close, not exact); the step time where nothing is measured. In
-                    synchronous training every rank's step takes as long as the slowest one's, so step times cannot
-                    tell a straggler; work does
+    waited_s        the time this rank spent in its collectives per step, the mean over the steps since the
+                    previous line: comm_exposed_s on a CPU rank; on CUDA comm_s (nccl's kernels of a rank that comes
+                    first spin until the last one does, and run alongside compute where they overlap it); 0 where
+                    nothing is measured
+    work_s          the step's time less waited_s (the same mean). In synchronous training every rank's step takes
+                    as long as the slowest one's, so step times cannot tell a straggler; work can
     *_max           step_time_s, mem_peak_gib, comm_exposed_s over all ranks
-    slowest_rank    the rank with the most work, and slowest_ratio its work / the median of the other ranks' (a
-                    straggler is named on the progress line from 1.2); one all-gather of four numbers per logged line
+    slowest_rank    the rank with the most work, each counted with the least waited_s of any rank added back (what
+                    every rank spends in collectives alike is nobody's straggling), and slowest_ratio its work / the
+                    median of the other ranks' (the progress line names it from 1.2); one all-gather of five numbers
+                    per logged line. Collectives the meter does not see (a pipeline's sends, tensor parallelism's
+                    activation collectives) count as work: there a straggler is not told
 
 The measurement costs a few clock reads per step and one small all-gather per logged line (`bench overhead`
 measures it against a hand-written loop).
@@ -136,7 +139,7 @@ class StepMeter:
         self.peak = peak_override or peak_tflops(device, precision)
         self.world, self.device, self.comm = world, device, comm
         self._wall = self._cpu = 0.0
-        self._work, self._steps = 0.0, 0  # since the last logged line
+        self._step_sum, self._waited_sum, self._steps = 0.0, 0.0, 0  # since the last logged line
 
     def start(self) -> None:
         if self.comm is not None:
@@ -159,38 +162,52 @@ class StepMeter:
             exposed = min(comm_s, blocked) if host_timed else None
             out.update(comm_s=comm_s, comm_exposed_s=exposed, comm_bytes=nbytes)
         waited = out["comm_exposed_s"] if out["comm_exposed_s"] is not None else out["comm_s"] or 0.0
-        out["work_s"] = max(0.0, elapsed - waited)
-        self._work, self._steps = self._work + out["work_s"], self._steps + 1
+        self._step_sum, self._waited_sum, self._steps = self._step_sum + elapsed, self._waited_sum + waited, \
+            self._steps + 1
         return out
 
     def line(self) -> dict[str, float]:
-        """For a logged line: `work_s` as the mean over the steps since the previous line (one step's is noisy
-        where steps are short), then counted afresh."""
-        out = {"work_s": self._work / self._steps} if self._steps else {}
-        self._work, self._steps = 0.0, 0
+        """For a logged line: `waited_s` and `work_s`, means over the steps since the previous line (one step's are
+        noisy where steps are short), then counted afresh; {} when no step ran since."""
+        if not self._steps:
+            return {}
+        waited = self._waited_sum / self._steps
+        out = {"work_s": self._step_sum / self._steps - waited, "waited_s": waited}
+        self._step_sum, self._waited_sum, self._steps = 0.0, 0.0, 0
         return out
 
 
 def rank_summary(values: dict[str, Any], device: torch.device, distributed: bool) -> dict[str, Any]:
     """This rank's peak memory; over all ranks the longest step, the largest peak and exposed communication, and the
-    rank with the most work (`work_s`) against the median of the others' (a collective: every rank calls it at the
-    same steps)."""
+    straggler (`slowest`) from each rank's `work_s` and `waited_s` (a collective: every rank calls it at the same
+    steps)."""
     exposed = values.get("comm_exposed_s")  # None where not measured (CUDA): NaN on the wire, None again after
     step = values["step_time_s"]
-    mine = [step, peak_memory_gib(device), math.nan if exposed is None else exposed, values.get("work_s", step)]
+    mine = [step, peak_memory_gib(device), math.nan if exposed is None else exposed, values.get("work_s", step),
+            values.get("waited_s", 0.0)]
     rows = [mine]
     if distributed and dist.get_world_size() > 1:  # (a one-rank group: nothing to gather, no device round trip)
         local = torch.tensor(mine, dtype=torch.float64, device=device)
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, local)
         rows = [t.tolist() for t in gathered]
-    slowest = max(range(len(rows)), key=lambda r: rows[r][3])
-    others = sorted(r[3] for i, r in enumerate(rows) if i != slowest)
-    median = (others[(len(others) - 1) // 2] + others[len(others) // 2]) / 2 if others else rows[slowest][3]
+    rank, ratio = slowest([r[3] for r in rows], [r[4] for r in rows])
     return {"mem_peak_gib": mine[1], "mem_peak_gib_max": max(r[1] for r in rows),
-            "step_time_max_s": max(r[0] for r in rows), "slowest_rank": slowest,
-            "slowest_ratio": rows[slowest][3] / median if median > 0 else 1.0,
+            "step_time_max_s": max(r[0] for r in rows), "slowest_rank": rank, "slowest_ratio": ratio,
             "comm_exposed_s_max": max((r[2] for r in rows if not math.isnan(r[2])), default=None)}
+
+
+def slowest(work: list[float], waited: list[float]) -> tuple[int, float]:
+    """(the rank that did the most work, its work / the median of the other ranks'). Each rank's work is counted
+    with the least wait of any rank added back: the time every rank spends in collectives alike (data on the wire,
+    and, where a device times them, collectives that overlapped compute) is nobody's straggling, and only what a
+    rank waited beyond the rank that waited least is the others' lateness."""
+    least = min(waited)
+    adjusted = [w + least for w in work]
+    rank = max(range(len(adjusted)), key=adjusted.__getitem__)
+    others = sorted(a for i, a in enumerate(adjusted) if i != rank)
+    median = (others[(len(others) - 1) // 2] + others[len(others) // 2]) / 2 if others else adjusted[rank]
+    return rank, adjusted[rank] / median if median > 0 and math.isfinite(median) else 1.0
 
 
 def straggler(values: dict[str, Any], factor: float = 1.2) -> str:

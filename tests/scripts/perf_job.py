@@ -3,8 +3,8 @@
 - two 200-step runs: the default loop, and the same loop with a loss function that leaks 512 KiB per call (the
   control: the leak check must see it);
 - a run whose rank 1 is a straggler: its loss function burns 20 ms of CPU time per micro-batch, as a slower
-  device computes (busy, not asleep: a sleeping rank would look like one that waits), a line every step; and the
-  a balanced job of ~25 ms steps, a line every 10 steps (the default), the control.
+  device computes (busy, not asleep: a sleeping rank would look like one that waits), a line every step; and a
+  balanced job of 14-20 ms steps, a line every 10 steps (the default), the control.
 
     disttrain launch --nproc 2 perf_job.py OUT
 """
@@ -23,7 +23,7 @@ JOB = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.seq_len=1
        "dist.threads_per_rank=1", "parallel.strategy=ddp"]
 KEPT: list[torch.Tensor] = []
 STRAGGLER_STEPS = 20
-BALANCED = ("model.n_layer=2", "model.d_model=128", "model.n_head=4", "model.seq_len=64")  # ~25 ms steps
+BALANCED = ("model.n_layer=2", "model.d_model=128", "model.n_head=4", "model.seq_len=64")  # 14-20 ms steps here
 
 
 def leaky_loss(outputs, batch):

@@ -391,13 +391,14 @@ def _max_difference(a: list, b: list) -> float:
     return max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b, strict=True) if x.numel())
 
 
-def _syncs(device, step: Callable[[], None], steps: int) -> tuple[float, list[str]]:
+def _syncs(step: Callable[[], None], steps: int) -> tuple[float, list[str]]:
     """The host's waits for the device per step, as CUDA's sync debug mode reports them (each one a warning from the
     Python line that asked), and where they came from."""
     import warnings
 
     import torch
 
+    before = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -405,7 +406,7 @@ def _syncs(device, step: Callable[[], None], steps: int) -> tuple[float, list[st
             for _ in range(steps):
                 step()
         finally:
-            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.set_sync_debug_mode(before)
     seen = [w for w in caught if "synchroniz" in str(w.message)]
     return len(seen) / steps, sorted({f"{Path(w.filename).name}:{w.lineno}" for w in seen})
 
@@ -427,7 +428,7 @@ def check_queued_step(args, check: Check, strategies: tuple[str, ...] = ("ddp", 
     batches = [to_device(_batch(windows, i, micro), device) for i in range(12)]
 
     def step(backend, index: int) -> dict:
-        backend.forward_backward(batches[index])
+        backend.forward_backward(batches[index], values=False)  # (as the Trainer: no read of the micro-batch's loss)
         return backend.optim_step()
 
     def next_step(backend) -> dict:  # batches 3, 4, 5 (its steps 4-6)
@@ -453,8 +454,8 @@ def check_queued_step(args, check: Check, strategies: tuple[str, ...] = ("ddp", 
             f"{on_device} / {same} / {clipped}")
         syncs_ok = True
         if device.type == "cuda":
-            per_step, where = _syncs(device, partial(next_step, queued), 3)
-            read_per_step, _ = _syncs(device, partial(next_step, read), 3)
+            per_step, where = _syncs(partial(next_step, queued), 3)
+            read_per_step, _ = _syncs(partial(next_step, read), 3)
             check.figures[f"{strategy}: host waits per step, queued / reads first"] = (
                 f"{per_step:g} / {read_per_step:g} (from {', '.join(where) or 'nowhere'})")
             syncs_ok = per_step <= 1

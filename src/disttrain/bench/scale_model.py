@@ -219,7 +219,7 @@ class Workload:
     """0 on accelerators. On CPU, ranks beyond the cores share them, and so do gloo's communication threads."""
     log_every: int = 10
     """Steps per logged line (`train.log_every`, 10 by default; 0 = none): each line all-gathers the ranks' figures
-    (perf.rank_summary: 4 float64 per rank) and waits for it."""
+    (perf.rank_summary: 5 float64 per rank) and waits for it."""
 
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
@@ -329,7 +329,7 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
     # done before anyone waits: skipping it changed a 2-rank ddp step here by nothing.)
     after = wire("all_reduce", 8, shard) if sharded else 0.0
     if work.log_every:
-        after += wire("all_gather", 32 * n, n, times=1 / work.log_every) / work.log_every
+        after += wire("all_gather", 40 * n, n, times=1 / work.log_every) / work.log_every
     if not sharded:
         buckets = _buckets(model, stored, work.bucket_bytes)
         units = [Unit(b / sum(buckets), reduce=wire("all_reduce", b, n)) for b in buckets]

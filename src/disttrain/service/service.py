@@ -375,7 +375,12 @@ class TrainingService:
         """Normalise, clip, step and zero the gradients on every rank; returns the step's metrics."""
 
         async def action():
-            replies = await self._every_rank({"op": "optim_step"})
+            try:
+                replies = await self._every_rank({"op": "optim_step"})
+            except RemoteError as exc:
+                if exc.kind == "EmptyBatchError":  # every rank refused the step and dropped its gradients
+                    self._micro_batches = 0
+                raise
             metrics = replies[0][0]["metrics"]
             self.step, self._micro_batches = int(metrics["step"]), 0
             return metrics

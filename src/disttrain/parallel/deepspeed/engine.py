@@ -116,7 +116,11 @@ class EnginePrepared(Prepared):
         return norm, applied
 
     def drop_gradients(self, optimizer) -> None:
-        self.engine.zero_grad()  # as a refused stage-0 step clears them (stages 1-3: what the engine clears)
+        """As a refused stage-0 step clears them. One gap: at stages 1-3 the engine keeps the reduced partitions
+        until its own step, so the next step adds to them; a global batch with no item gives zero gradients under
+        disttrain's losses (a sum over no item), so nothing is added, but a loss that counts no item and returns a
+        non-zero sum would leak into the next update."""
+        self.engine.zero_grad()
 
     def _engine_step(self, factor: float, skip: bool) -> tuple[float, bool]:
         if self.stage == 0:
