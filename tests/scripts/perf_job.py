@@ -3,7 +3,8 @@
 - two 200-step runs: the default loop, and the same loop with a loss function that leaks 512 KiB per call (the
   control: the leak check must see it);
 - a run whose rank 1 is a straggler: its loss function burns 20 ms of CPU time per micro-batch, as a slower
-  device computes (busy, not asleep: a sleeping rank would look like one that waits), a line every step; and a
+  device computes (busy, not asleep: a sleeping rank would look like one that waits), a line every step, under
+  ddp and under fsdp (whose waits are spread over every block's collectives); and a
   balanced job of 14-20 ms steps, a line every 10 steps (the default), the control.
 
     disttrain launch --nproc 2 perf_job.py OUT
@@ -43,6 +44,8 @@ def main() -> None:
     runtime = init_runtime(load_config(None, JOB).dist)
     runs = [("steady", None, 200, 1, ()), ("leaky", leaky_loss, 200, 1, ()),
             ("straggler", slow_loss if runtime.rank == 1 else None, STRAGGLER_STEPS, 1, ()),
+            ("straggler_fsdp", slow_loss if runtime.rank == 1 else None, STRAGGLER_STEPS, 1,
+             ("parallel.strategy=fsdp",)),
             ("balanced", None, 60, 10, BALANCED)]
     for name, loss_fn, steps, every, model in runs:
         cfg = load_config(None, [*JOB, f"run.out_dir={out}", f"run.name={name}", f"train.steps={steps}",
