@@ -241,6 +241,7 @@ def perf_runs(tmp_path_factory):
     result = run_cli(["launch", "--fork", "--nproc", "2", "--run-dir", str(tmp / "launch"),
                       str(SCRIPTS / "perf_job.py"), str(tmp)], tmp, timeout=240)
     assert result.returncode == 0, result.stderr
+    (tmp / "launch.log").write_text(result.stdout + result.stderr)
     return tmp
 
 
@@ -271,3 +272,7 @@ def test_a_rank_that_computes_longer_is_named_though_every_rank_steps_as_long(pe
             assert record["slowest_rank"] == 1 and straggler(record).startswith("rank 1 "), (run, record)
     named = [straggler(r) for r in read_metrics(perf_runs / "balanced")]
     assert len(named) == 6 and sum(map(bool, named)) <= 1, named
+    # the end-of-run line says it too: the straggler runs name rank 1 on every line but the first few, the others none
+    summaries = [line for line in (perf_runs / "launch.log").read_text().splitlines() if "done: steps" in line]
+    assert len(summaries) == 5, summaries  # steady, leaky, straggler, straggler_fsdp, balanced (rank 0 logs them)
+    assert [("straggler: rank 1 on " in line) for line in summaries] == [False, False, True, True, False], summaries

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import random
+import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from disttrain.models.hf import is_hf_model
 from disttrain.monitor import RankStatus, peer_failed
 from disttrain.optim import OptimizerFactory, optimizer_factory, scheduler_factory
 from disttrain.parallel import registry
-from disttrain.perf import StepMeter, StepProfiler, rank_summary
+from disttrain.perf import StepMeter, StepProfiler, rank_summary, straggler
 from disttrain.runtime import Preempted, Runtime, StopSignals, check_ranks_agree, detect_launch, init_runtime, shutdown
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,10 @@ class TrainResult:
     """Validation loss by step."""
     grad_norms: list[float] = field(default_factory=list)
     """Global gradient norm of every step (of the token-mean gradient, before clipping)."""
+    lines: int = 0
+    """Lines logged (each gathers the ranks' figures)."""
+    stragglers: dict[int, list[float]] = field(default_factory=dict)
+    """By rank, its `slowest_ratio` on each line that named it a straggler (perf.straggler)."""
 
 
 class Trainer:
@@ -205,6 +210,9 @@ class Trainer:
         if step % cfg.train.log_every == 0 or step == last or "eval_loss" in values or stopping:
             values.update(self.meter.line())  # (the work per step since the previous line)
             values.update(rank_summary(values, runtime.device, runtime.distributed))  # every rank, same steps
+            result.lines += 1
+            if straggler(values):
+                result.stragglers.setdefault(values["slowest_rank"], []).append(values["slowest_ratio"])
             metrics.log(step, values)
         if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == last or stopping):
             status.phase("checkpoint")
@@ -348,6 +356,11 @@ def run_summary(cfg, start: int, last: int, seconds: float, result: TrainResult,
     if result.eval_losses:
         step, best = min(result.eval_losses.items(), key=lambda kv: kv[1])
         parts.append(f"best eval_loss {best:.4f} at step {step}")
+    if result.stragglers:  # the rank named most often, where that was a quarter of the lines or more
+        rank, ratios = max(result.stragglers.items(), key=lambda kv: len(kv[1]))
+        if len(ratios) * 4 >= result.lines:
+            parts.append(f"straggler: rank {rank} on {len(ratios)} of {result.lines} lines (median "
+                         f"{statistics.median(ratios):.1f}x the others' work)")
     latest = manager.latest() if cfg.checkpoint.every else None
     parts.append(f"last checkpoint {manager.path(latest)}" if latest is not None else "no checkpoint")
     return "; ".join(parts)

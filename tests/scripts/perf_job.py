@@ -10,6 +10,7 @@
     disttrain launch --nproc 2 perf_job.py OUT
 """
 
+import logging
 import sys
 import time
 
@@ -41,6 +42,7 @@ def slow_loss(outputs, batch):
 
 def main() -> None:
     out = sys.argv[1]
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # (the end-of-run line is an INFO message)
     runtime = init_runtime(load_config(None, JOB).dist)
     runs = [("steady", None, 200, 1, ()), ("leaky", leaky_loss, 200, 1, ()),
             ("straggler", slow_loss if runtime.rank == 1 else None, STRAGGLER_STEPS, 1, ()),
