@@ -262,14 +262,16 @@ def test_a_rank_that_computes_longer_is_named_though_every_rank_steps_as_long(pe
     (rank 0 waits in the gradients' collectives), so step times cannot tell the straggler; the work (the step less
     the time waited) does: rank 1 is named on every line after the first steps. A balanced job of 14-20 ms steps, a
     line every 10 steps (the default; a line's work is the mean since the previous one): no rank is named, but for
-    one line at most (the 3 ms steps of the other runs, on 2 shared cores, vary by 20% from step to step)."""
+    one line at most (the 3 ms steps of the other runs, on 2 shared cores, vary by 20% from step to step). The
+    end-of-run line names the straggler where it was named on a quarter of the lines or more."""
     for run in ("straggler", "straggler_fsdp"):  # (fsdp: the waits are spread over every block's collectives)
         records = read_metrics(perf_runs / run)[3:]
-        assert len(records) >= 15
+        assert len(records) == 17
         steps = [r["step_time_max_s"] / r["step_time_s"] for r in records]
         assert statistics.median(steps) < 1.2  # rank 0's step is as long as the slowest's
-        for record in records:  # (named from 1.2; seen here: ddp 3-6 x, fsdp 1.4-3.5 x)
-            assert record["slowest_rank"] == 1 and straggler(record).startswith("rank 1 "), (run, record)
+        # named from 1.2; seen here: ddp 3-8 x, fsdp 1.7-2.9 x on every line (one may miss: a preempted rank 0)
+        missed = [r for r in records if r["slowest_rank"] != 1 or not straggler(r).startswith("rank 1 ")]
+        assert len(missed) <= 1, (run, missed)
     named = [straggler(r) for r in read_metrics(perf_runs / "balanced")]
     assert len(named) == 6 and sum(map(bool, named)) <= 1, named
     # the end-of-run line says it too: the straggler runs name rank 1 on every line but the first few, the others none

@@ -347,7 +347,8 @@ def _flat_config(cfg) -> dict:
 
 
 def run_summary(cfg, start: int, last: int, seconds: float, result: TrainResult, manager: CheckpointManager) -> str:
-    """The end-of-run line: steps, tokens, wall time, tokens/s, best eval, last checkpoint."""
+    """The end-of-run line: steps, tokens, wall time, tokens/s, best eval, a straggler named on a quarter of the
+    logged lines or more, last checkpoint."""
     steps = last - start
     tokens = steps * cfg.data.global_batch_size * cfg.model.seq_len
     hours, rest = divmod(int(seconds), 3600)
