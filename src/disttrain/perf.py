@@ -35,6 +35,7 @@ import contextlib
 import math
 import re
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -162,8 +163,9 @@ class StepMeter:
             exposed = min(comm_s, blocked) if host_timed else None
             out.update(comm_s=comm_s, comm_exposed_s=exposed, comm_bytes=nbytes)
         waited = out["comm_exposed_s"] if out["comm_exposed_s"] is not None else out["comm_s"] or 0.0
-        self._step_sum, self._waited_sum, self._steps = self._step_sum + elapsed, self._waited_sum + waited, \
-            self._steps + 1
+        self._step_sum += elapsed
+        self._waited_sum += waited
+        self._steps += 1
         return out
 
     def line(self) -> dict[str, float]:
@@ -205,8 +207,8 @@ def slowest(work: list[float], waited: list[float]) -> tuple[int, float]:
     least = min(waited)
     adjusted = [w + least for w in work]
     rank = max(range(len(adjusted)), key=adjusted.__getitem__)
-    others = sorted(a for i, a in enumerate(adjusted) if i != rank)
-    median = (others[(len(others) - 1) // 2] + others[len(others) // 2]) / 2 if others else adjusted[rank]
+    others = [a for i, a in enumerate(adjusted) if i != rank]
+    median = statistics.median(others) if others else adjusted[rank]
     return rank, adjusted[rank] / median if median > 0 and math.isfinite(median) else 1.0
 
 
