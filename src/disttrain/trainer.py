@@ -208,8 +208,7 @@ class Trainer:
                                               cfg.train.eval_samples, batches_of=lambda b: loaders.eval(val, b))
             result.eval_losses[step] = values["eval_loss"]
         if step % cfg.train.log_every == 0 or step == last or "eval_loss" in values or stopping:
-            values.update(self.meter.line())  # (the work per step since the previous line)
-            values.update(rank_summary(values, runtime.device, runtime.distributed))  # every rank, same steps
+            self._line_figures(values, runtime)
             result.lines += 1
             if straggler(values):
                 result.stragglers.setdefault(values["slowest_rank"], []).append(values["slowest_ratio"])
@@ -270,6 +269,12 @@ class Trainer:
                             "(per rank, tied to DDP's bucket layout), so the resumed run is close to, not bitwise "
                             "equal to, an uninterrupted one")
         return int(state["step"]), int(state["trainer"]["cursor"])
+
+    def _line_figures(self, values: dict[str, Any], runtime: Runtime) -> None:
+        """Add a logged line's figures to `values`: this rank's work and wait since the previous line, then the
+        ranks' summary (a collective: every rank calls it at the same steps)."""
+        values.update(self.meter.line())
+        values.update(rank_summary(values, runtime.device, runtime.distributed))
 
     def _train_step(self, backend: TrainingBackend, batches: Iterator[Any], micro_per_step: int) -> dict[str, Any]:
         """One optimizer step over this rank's next `micro_per_step` micro-batches of the stream."""

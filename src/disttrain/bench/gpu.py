@@ -483,11 +483,12 @@ def check_queued_step(args, check: Check, strategies: tuple[str, ...] = ("ddp", 
         step(saved, 2)
         step(loaded, 2)
         difference = _max_difference(_state(saved), _state(loaded))
+        resumed_queued = loaded.prepared.steps_on_device(device)
         check.figures[f"{strategy}: foreach state loaded into fused AdamW: step counts on the device / queued / "
                       "next step's largest difference from foreach's"] = (
-            f"{steps_placed} / {loaded.prepared.steps_on_device(device)} / {difference:.2e}")
+            f"{steps_placed} / {resumed_queued} / {difference:.2e}")
         results.append(on_device and same and clipped and syncs_ok and all(refusals) and steps_placed
-                       and loaded.prepared.steps_on_device(device) and difference < 1e-5)
+                       and resumed_queued and difference < 1e-5)
         del queued, read, backend, saved, loaded
         _release(device)
     check.figures["model"] = _describe(size, micro) + f", fp32, fused AdamW, grad_clip {clip}"

@@ -299,15 +299,12 @@ def _disttrain_job(cfg, runtime, train, sampler):
     `train.log_every`).
     The stream simply continues: batches of the same sizes; the step index `k` (the same on every rank) decides only
     which steps gather the ranks' figures, step k + 1 as the Trainer counts."""
-    from disttrain.perf import rank_summary
-
     trainer, backend, val, batches, micro = disttrain_setup(cfg, runtime, train, sampler)
 
     def step(k: int) -> dict:
         values = trainer._train_step(backend, batches, micro)
         if (k + 1) % cfg.train.log_every == 0:  # a logged line, as the Trainer's (its steps count from 1)
-            values.update(trainer.meter.line())
-            values.update(rank_summary(values, runtime.device, runtime.distributed))
+            trainer._line_figures(values, runtime)
         return values
 
     return backend, val, step
