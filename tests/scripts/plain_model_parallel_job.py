@@ -1,5 +1,7 @@
 """Two ranks: the hand-written pipeline (1f1b, gpipe) and tensor-parallel loops of `bench overhead` train four steps;
-rank 0 writes their losses and those of the same GPT, data and AdamW in one process to OUT/losses.json."""
+rank 1 writes their losses and those of the same GPT, data and AdamW in one process to OUT/losses.json. Then the
+hand-written ddp and fsdp loops in fp32 and bf16-mixed, and disttrain's own step in bf16-mixed (mean losses over the
+ranks): OUT/precision.json."""
 
 import json
 import sys
@@ -17,9 +19,9 @@ from disttrain.runtime import exit_process, shutdown
 
 out = Path(sys.argv[1])
 small = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=16"]
-config = lambda name, micro: load_config(  # noqa: E731
+config = lambda name, micro, precision="fp32": load_config(  # noqa: E731
     None, [*small, "data.global_batch_size=8", f"data.micro_batch_size={micro}", "dist.threads_per_rank=1",
-           "train.steps=100", "dist.nproc=2", *overhead.settings(name)])
+           "train.steps=100", "dist.nproc=2", f"parallel.precision={precision}", *overhead.settings(name)])
 runtime, train, sampler = overhead.start_worker(config("pp2", 4))
 losses = {}
 for name, micro in (("pp2", 4), ("pp2-gpipe", 4), ("tp2", 8)):  # tp2: one micro-batch, so its loss is the step's
@@ -41,5 +43,22 @@ for k in range(4):
     losses["one process"].append(loss.item())
 if runtime.rank == 1:  # the last stage holds the pipeline's loss
     (out / "losses.json").write_text(json.dumps(losses))
+
+
+def world_mean(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    return t.item() / runtime.world_size
+
+
+precision = {}
+for strategy in ("ddp", "fsdp"):
+    for name in ("fp32", "bf16-mixed"):
+        hand = overhead._plain_loop(config(strategy, 4, name), runtime, train, sampler)
+        precision[f"{strategy} {name} hand-written"] = [world_mean(hand(k)) for k in range(4)]
+    ours = overhead._disttrain_loop(config(strategy, 4, "bf16-mixed"), runtime, train, sampler)
+    precision[f"{strategy} bf16-mixed disttrain"] = [ours(k)["loss"] for k in range(4)]
+if runtime.rank == 0:
+    (out / "precision.json").write_text(json.dumps(precision))
 shutdown(runtime)
 exit_process(0)  # (gloo's threads abort a normal interpreter exit now and then: runtime.exit_process)

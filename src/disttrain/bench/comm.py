@@ -7,9 +7,10 @@
 `--nproc` ranks (default 2 on CPU with gloo, every visible GPU with nccl) run each collective on float32 buffers of
 each size, `--factor` apart. Sizes follow nccl-tests: S is the whole buffer (all_gather's output, reduce_scatter's
 input, all_to_all's buffer per rank), rounded down to a multiple of 4 x ranks bytes. Every timed call starts after a
-barrier; its time is the slowest rank's; the figure is the median over the iterations after warm-up (fewer for big
-sizes: `--iters` up to 4 MiB, then in proportion to the size, at least `--min-iters`). The sizes of a collective take
-turns, one call each per round, so that a slow spell of a shared machine does not bend the curve at one size.
+barrier; its time (on CUDA the device's, by events: `_measure`) is the slowest rank's; the figure is the median over
+the iterations after warm-up (fewer for big sizes: `--iters` up to 4 MiB, then in proportion to the size, at least
+`--min-iters`). The sizes of a collective take turns, one call each per round, so that a slow spell of a shared
+machine does not bend the curve at one size.
 algbw = S / time; busbw = algbw x 2(n-1)/n for all_reduce, x (n-1)/n for all_gather, reduce_scatter and
 all_to_all, x 1 for broadcast.
 
@@ -167,11 +168,13 @@ def _measure(runs: list, iters: list[int], warmup: int, device, before=None) -> 
     """Per-call seconds of the slowest rank for each of `runs`, each call started after a barrier (and `before()`,
     untimed, when given). The sizes take turns (one call of each per round, a size leaving once it has its
     iterations), so that a slow spell of the machine lands on all of them rather than bending the curve at one
-    size."""
+    size. On CUDA a call is timed by two events on the caller's stream, which a collective without `async_op` holds
+    until nccl's stream has done it: the device's time, without the host's launch and synchronisation (about 10 us,
+    which would inflate the small sizes' latency, as nccl-tests' own timing does not)."""
     import torch
     import torch.distributed as dist
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    cuda = device.type == "cuda"
     times: list[list[float]] = [[] for _ in runs]
     for i in range(warmup + max(iters)):
         for k, run in enumerate(runs):
@@ -180,12 +183,20 @@ def _measure(runs: list, iters: list[int], warmup: int, device, before=None) -> 
             dist.barrier()
             if before is not None:
                 before()
-            sync()
-            start = time.perf_counter()
-            run()
-            sync()
+            if cuda:
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                begin.record()
+                run()
+                end.record()
+                end.synchronize()
+                seconds = begin.elapsed_time(end) / 1e3
+            else:
+                start = time.perf_counter()
+                run()
+                seconds = time.perf_counter() - start
             if i >= warmup:
-                times[k].append(time.perf_counter() - start)
+                times[k].append(seconds)
     slowest = torch.tensor([t for ts in times for t in ts], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     flat = iter(slowest.tolist())
@@ -245,7 +256,7 @@ def _worker(args: argparse.Namespace) -> None:
                  for (nbytes, _), k, t in zip(ops, iters, times, strict=True)]
         del ops
     stop.set()
-    ours = torch.tensor([own_seconds() - own], dtype=torch.float64)
+    ours = torch.tensor([own_seconds() - own], dtype=torch.float64, device=runtime.device)  # nccl: CUDA only
     torch.distributed.all_reduce(ours)
     others = other_cpu(busy_seconds() - busy, ours.item(), time.perf_counter() - wall)
     if runtime.is_main_process():

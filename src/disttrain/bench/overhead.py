@@ -127,10 +127,15 @@ def check_strategies(args: argparse.Namespace) -> None:
                               f"{', '.join(k + '*' if k.endswith('.') else k for k in FOLLOWED)}")
     if args.rounds % 2:
         raise ConfigError(f"--rounds {args.rounds}: must be even (each loop is built first in half of them)")
-    limit, what = rank_limit(0)  # (CPU ranks: the benchmark runs gloo)
+    import torch
+
+    from disttrain.config import uses_cuda
+
+    gpus = torch.cuda.device_count()  # the ranks run where the job does: one GPU each where there are GPUs
+    limit, what = rank_limit(gpus if uses_cuda(_config(args), gpus) else 0)
     if args.nproc > limit:
         raise ConfigError(f"--nproc {args.nproc}: more ranks than this machine can start ({what}); use at most {limit}")
-    validate(_config(args), 0, args.nproc)  # the job as --set leaves it (its message names the setting)
+    validate(_config(args), gpus, args.nproc)  # the job as --set leaves it (its message names the setting)
     names = [s for s in args.strategies.split(",") if s]
     if not names:
         raise ConfigError("--strategies is empty; name at least one, e.g. --strategies ddp,pp2,tp2")
@@ -149,7 +154,7 @@ def check_strategies(args: argparse.Namespace) -> None:
                               f"hand-written loops split the model over every rank); use {name[:2]}{args.nproc} or "
                               f"--nproc {degree}")
         try:
-            validate(_config(args, name), 0, args.nproc)
+            validate(_config(args, name), gpus, args.nproc)
         except ConfigError as exc:
             raise ConfigError(f"--strategies {name}: {exc}") from None
 
@@ -164,11 +169,17 @@ def _config(args: argparse.Namespace, strategy: str = "ddp", extra: tuple[str, .
                               *settings(strategy), *extra])
 
 
-def _plain_setup(cfg, strategy: str, device: torch.device | None = None):
-    """(module, optimizer, no_sync) wired by hand with torch's own engines, as their tutorials do."""
+PLAIN_PRECISIONS = ("fp32", "bf16-mixed")
+"""The precisions the hand-written loops follow (bf16-mixed: the forward under autocast; FSDP2 also gathers in bf16
+through its MixedPrecisionPolicy)."""
+
+
+def _plain_setup(cfg, strategy: str, device: torch.device | None = None, precision: str = "fp32"):
+    """(module, optimizer, no_sync) wired by hand with torch's own engines, as their tutorials do; `precision` one of
+    `PLAIN_PRECISIONS` (the caller runs the forward under autocast)."""
     import contextlib
 
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -185,7 +196,9 @@ def _plain_setup(cfg, strategy: str, device: torch.device | None = None):
                                                 optimizer_class=torch.optim.AdamW, lr=cfg.optim.lr,
                                                 betas=(cfg.optim.beta1, cfg.optim.beta2))
         return module, optimizer, module.no_sync
-    kwargs = {"reshard_after_forward": strategy != "zero2"}
+    kwargs: dict = {"reshard_after_forward": strategy != "zero2"}
+    if precision == "bf16-mixed":  # gathered in bf16, gradients reduced in fp32
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if strategy == "hsdp":  # replicate x shard; one group of all ranks (parallel.hsdp_shard_size = 0)
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -208,7 +221,7 @@ def _plain_setup(cfg, strategy: str, device: torch.device | None = None):
 def _plain_deepspeed_loop(cfg, runtime, train, sampler):
     """The loop a DeepSpeed user writes from its tutorials: `deepspeed.initialize` with a torch AdamW and
     a ZeRO config, then engine(x), engine.backward(loss), engine.step() per micro-batch."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("DS_ACCELERATOR", runtime.device.type)  # as disttrain's engine sets it (read at import)
     import deepspeed
 
     from disttrain.data import fetch, split_micro
@@ -216,7 +229,7 @@ def _plain_deepspeed_loop(cfg, runtime, train, sampler):
     from disttrain.optim import scheduler_factory
 
     torch.manual_seed(cfg.run.seed)
-    model = GPT(cfg.model)
+    model = GPT(cfg.model).to(runtime.device)
     optimizer = plain_model_parallel.hand_written_adamw(model, cfg.optim)
     d = cfg.data
     accum = d.global_batch_size // (d.micro_batch_size * runtime.world_size)
@@ -230,7 +243,7 @@ def _plain_deepspeed_loop(cfg, runtime, train, sampler):
         indices = sampler.rank_indices(k * d.global_batch_size, d.global_batch_size, runtime.world_size,
                                        runtime.rank)
         for idx in split_micro(indices, d.micro_batch_size):
-            batch = fetch(train, idx)
+            batch = {k: v.to(runtime.device) for k, v in fetch(train, idx).items()}
             logits = engine(batch["input_ids"])
             loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
             engine.backward(loss)  # DeepSpeed divides by the accumulation steps
@@ -251,10 +264,15 @@ def _plain_loop(cfg, runtime, train, sampler):
     if cfg.parallel.pipeline > 1 or cfg.parallel.tensor > 1:
         loop = plain_model_parallel.pipeline_loop if cfg.parallel.pipeline > 1 else plain_model_parallel.tensor_loop
         return loop(cfg, runtime, train, sampler)
-    model, optimizer, no_sync = _plain_setup(cfg, cfg.parallel.strategy, runtime.device)
+    precision = cfg.parallel.precision
+    if precision not in PLAIN_PRECISIONS:
+        raise ValueError(f"the hand-written loop follows parallel.precision {' or '.join(PLAIN_PRECISIONS)}, not "
+                         f"{precision}")  # (the benches refuse or skip it first: bench overhead's --set, scaling)
+    model, optimizer, no_sync = _plain_setup(cfg, cfg.parallel.strategy, runtime.device, precision)
     scheduler = scheduler_factory(cfg.optim, cfg.train.steps)(optimizer)
     d = cfg.data
     accum = d.global_batch_size // (d.micro_batch_size * runtime.world_size)
+    bf16 = precision == "bf16-mixed"  # the forward under autocast, as disttrain runs it under every strategy
 
     def step(k: int) -> float:
         cursor = k * d.global_batch_size
@@ -264,8 +282,9 @@ def _plain_loop(cfg, runtime, train, sampler):
             batch = {k: v.to(runtime.device) for k, v in fetch(train, idx).items()}
             ctx = no_sync() if i < len(micro) - 1 else torch.enable_grad()
             with ctx:
-                logits = model(batch["input_ids"])
-                loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()) / accum
+                with torch.autocast(runtime.device.type, torch.bfloat16, enabled=bf16):
+                    logits = model(batch["input_ids"])
+                    loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()) / accum
                 loss.backward()
         if cfg.optim.grad_clip > 0:  # (0: no clipping, as in disttrain; e.g. --set optim.grad_clip=0)
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
@@ -483,8 +502,8 @@ def start_worker(cfg):
 
     runtime = init_runtime(cfg.dist, always_form_group=True)  # --nproc 1: DDP / FSDP over a one-rank group
     cores = sorted(os.sched_getaffinity(0))
-    if len(cores) >= runtime.launch.local_world_size:
-        os.sched_setaffinity(0, {cores[runtime.local_rank]})
+    if runtime.device.type == "cpu" and len(cores) >= runtime.launch.local_world_size:  # (a GPU rank's host
+        os.sched_setaffinity(0, {cores[runtime.local_rank]})  # threads, nccl's among them, keep every core)
     train, _ = build_datasets(cfg.data, cfg.model.seq_len)
     return runtime, train, GlobalSampler(len(train), cfg.run.seed)
 

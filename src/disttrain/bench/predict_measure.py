@@ -47,6 +47,9 @@ def check(args: argparse.Namespace) -> None:
 
     gpus = torch.cuda.device_count()
     limit, what = rank_limit(gpus if uses_cuda(load_config(args.config, args.overrides), gpus) else 0)
+    if args.validate and args.world_sizes[-1] < 2:
+        raise ConfigError(f"--world-sizes {','.join(map(str, args.world_sizes))}: --validate predicts steps on 2 ranks "
+                          "or more from the 1-rank step; add one, e.g. --world-sizes 1,2")
     if args.world_sizes[-1] > limit:
         raise ConfigError(f"--world-sizes: {args.world_sizes[-1]} ranks is more than this machine can start ({what}); "
                           f"use world sizes up to {limit}")
@@ -94,10 +97,16 @@ def sitting(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
     moves with their mix; pooling rounds steadies it. (`--busy 1`, a thread computing throughout, fitted by medians,
     moved the fsdp prediction from -27% to +19% between sittings; this way it stayed within -8% / +7% in thirteen:
     docs/benchmarks/predict.md.)"""
-    from disttrain.bench import comm
-    from disttrain.config import load_config
+    import torch
 
-    n_layer = load_config(args.config, args.overrides).model.n_layer
+    from disttrain.bench import comm
+    from disttrain.config import load_config, uses_cuda
+
+    cfg = load_config(args.config, args.overrides)
+    n_layer = cfg.model.n_layer
+    # on GPUs the compute runs on the devices: no host phase; and the links are fitted over every rank measured
+    # (nccl picks its algorithm by the number of ranks), where on CPU 2 ranks fit what 3 share (the cores)
+    cuda = uses_cuda(cfg, torch.cuda.device_count())
     raws, rows = [], []
     for k in range(args.rounds):
         here = out / f"round{k + 1}"
@@ -105,8 +114,9 @@ def sitting(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
         with open(measure(args, here), newline="") as f:
             measured = list(csv.DictReader(f))
         rows += measured
-        code = comm.main(["--busy", "step", "--compute-ms", f"{phase_ms(measured, n_layer):.2f}", "--collectives",
-                          "all_reduce,all_gather,reduce_scatter", "--nproc", "2", "--min-size", FIT_SIZES[0],
+        busy = ["--busy", "0"] if cuda else ["--busy", "step", "--compute-ms", f"{phase_ms(measured, n_layer):.2f}"]
+        code = comm.main([*busy, "--collectives", "all_reduce,all_gather,reduce_scatter",
+                          "--nproc", str(max(args.world_sizes) if cuda else 2), "--min-size", FIT_SIZES[0],
                           "--max-size", FIT_SIZES[1], "--out", str(here / "comm")])
         if code:
             raise SystemExit(code)
@@ -189,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
             step(k)
             times.append(time.perf_counter() - start)
         runtime.barrier()
-        ours = torch.tensor([own_seconds() - own], dtype=torch.float64)
+        ours = torch.tensor([own_seconds() - own], dtype=torch.float64, device=runtime.device)  # nccl: CUDA only
         torch.distributed.all_reduce(ours)  # every rank's CPU time, gloo's threads included
         wall = time.perf_counter() - wall
         others = other_cpu(busy_seconds() - busy, ours.item(), wall)

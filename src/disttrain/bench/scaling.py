@@ -1,7 +1,8 @@
 """Benchmark: the cost of scale, i.e. throughput and scaling efficiency of each strategy over world sizes.
 
 Each strategy is measured against its own world-size-1 run and, for ddp, against a hand-written DDP loop timed in
-the same processes.
+the same processes (in fp32 or bf16-mixed, as the job's `parallel.precision`; under another precision ddp has no
+hand-written row).
 
     disttrain bench scaling [CONFIG] [--set section.key=value ...] [--strategies ddp,zero2,fsdp]
                             [--world-sizes 1,2,4] [--mode weak|strong] [--sweep section.key=v1,v2,...]
@@ -265,6 +266,7 @@ def row_config(base, strategy: str, key: str, value: str, mode: str, world: int)
 
 
 def _worker(args: argparse.Namespace) -> None:
+    from disttrain.bench.overhead import PLAIN_PRECISIONS
     from disttrain.config import load_config
     from disttrain.runtime import exit_process, init_runtime, shutdown
 
@@ -277,7 +279,8 @@ def _worker(args: argparse.Namespace) -> None:
     rows = []
     for strategy, value in jobs(args.strategies.split(","), key, values):
         cfg = row_config(base, strategy, key, value, args.mode, runtime.world_size)
-        for row in _measure(args, cfg, runtime, plain=strategy == "ddp"):
+        plain = strategy == "ddp" and cfg.parallel.precision in PLAIN_PRECISIONS  # what the hand-written loop follows
+        for row in _measure(args, cfg, runtime, plain=plain):
             rows.append({"strategy": strategy, "mode": args.mode, "world_size": runtime.world_size,
                          "sweep_key": key if value else "", "sweep_value": value,
                          "global_batch": cfg.data.global_batch_size, "micro_batch": cfg.data.micro_batch_size,
