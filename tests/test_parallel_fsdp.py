@@ -145,3 +145,8 @@ def test_in_run_cost_figures_are_recorded_per_step(results):
     # per micro-batch the root is gathered once and each block twice; gradients are reduce-scattered once per step
     assert fsdp == 4 * micro * (2 * blocks + (numel - blocks)) + 4 * numel
     assert fsdp - fsdp_bf16 == pytest.approx(2 * numel, rel=0.01)  # half of the 4-byte reduce-scatter
+    # HSDP with shards of one rank: no all-gather, no reduce-scatter; FSDP2 all-reduces every gradient over the
+    # replicate group itself, which its hook counts. No reduce-scatter ended before it to time it from: comm_s is
+    # None, not a part of the step's communication passed off as all of it
+    hsdp = two["hsdp:1"]["metrics"]
+    assert {m["comm_bytes"] for m in hsdp} == {4 * numel} and {m["comm_s"] for m in hsdp} == {None}

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SCRIPTS, cli_env, run_alongside, run_cli
+from conftest import SCRIPTS, cli_env, read_metrics, run_alongside, run_cli
 from disttrain.config import ConfigError, load_config, validate
 from disttrain.parallel.mesh import MeshLayout, layout_for
 
@@ -50,6 +50,8 @@ def load(tmp, world: int) -> dict:
         for part in (tmp / str(world)).glob(f"{glob.escape(variant)}.*safetensors"):
             run["params"].update(load_file(part))
         run["pieces"] = sorted((tmp / str(world) / "pieces").glob(f"{glob.escape(run_dir(variant))}.rank*"))
+        if world > 1:
+            run["metrics"] = read_metrics(tmp / run_dir(variant))
     return runs
 
 
@@ -94,6 +96,22 @@ def runs(tmp_path_factory):
                 proc.communicate()
     references = load(tmp, 1)
     return references, {2: load(tmp, 2), 4: load(tmp, 4)}, one
+
+
+def test_hsdp_all_reduce_over_the_replicate_groups_is_metered(runs):
+    """HSDP 2 x 2: FSDP2 all-reduces the reduce-scattered gradients over the replicate groups itself (no custom
+    collective); its all-reduce hook counts the bytes (half the reduce-scatter's input) and the time, from the
+    reduce-scatter's end."""
+    _, multi, _ = runs
+    run = multi[4]["hsdp:2"]
+    numel = sum(t.numel() for t in run["params"].values()) - run["params"]["tok_emb.weight"].numel()  # tied: once
+    blocks = sum(t.numel() for name, t in run["params"].items() if name.startswith("blocks."))
+    # one micro-batch per rank and step (16 / (4 x 4)): the root gathered once, each block twice, fp32; the
+    # gradients reduce-scattered (all of them) and then all-reduced (this rank's half)
+    expected = 4 * (2 * blocks + (numel - blocks)) + 4 * numel + 4 * numel // 2
+    for m in run["metrics"]:
+        assert m["comm_bytes"] == pytest.approx(expected, rel=0.01), (m["comm_bytes"], expected)
+        assert 0 <= m["comm_exposed_s"] <= m["comm_s"] < m["step_time_s"], m
 
 
 def reference_of(references: dict, variant: str) -> dict:

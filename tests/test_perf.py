@@ -121,6 +121,41 @@ def test_device_meter_holds_only_unfinished_collectives_and_sums_their_durations
     assert meter.take() == (0.0, 0)  # the next step starts from zero
 
 
+class _DeviceEvent:
+    """What the meter reads of a CUDA event: whether the device has passed it, and the ms between two of them."""
+
+    def __init__(self, at_ms: float, passed: bool = True):
+        self.at_ms, self.passed = at_ms, passed
+
+    def query(self) -> bool:
+        return self.passed
+
+    def elapsed_time(self, end: "_DeviceEvent") -> float:
+        if not (self.passed and end.passed):
+            raise RuntimeError("an event has not completed")
+        return end.at_ms - self.at_ms
+
+
+def test_device_meter_counts_overlapping_event_timed_collectives_once():
+    """FSDP2's all-gathers and reduce-scatters, each timed by events on its own stream, can overlap on the device:
+    their union counts, plus the durations of the Works (whose place on the clock nccl does not give)."""
+    from disttrain.parallel.comm import _Timing
+
+    meter = CommMeter(on_device=True)
+    gather = _Timing(begin=_DeviceEvent(10.0), end=_DeviceEvent(16.0))
+    scatter = _Timing(begin=_DeviceEvent(13.0), end=_DeviceEvent(20.0))  # waits for the gather's tail, then runs
+    earlier = _Timing(begin=_DeviceEvent(2.0), end=_DeviceEvent(4.0))  # began before the window's first event
+    late = _Timing(begin=_DeviceEvent(30.0), end=_DeviceEvent(31.0, passed=False))  # still running when looked at
+    for timing in (gather, scatter, earlier, late):
+        meter.timed(timing, 8, 0.0)
+    assert meter.in_flight() == 1  # the finished ones are spans already, the running one is held
+    late.end.passed = True
+    meter.timed(_DeviceWork(1.5), 8, 0.0)  # a DDP bucket or the step's totals, timed by nccl
+    seconds, nbytes = meter.take()
+    assert seconds == pytest.approx((20 - 10 + 4 - 2 + 31 - 30 + 1.5) / 1e3) and nbytes == 40  # a sum: 18.5 ms
+    assert meter.take() == (0.0, 0)
+
+
 def test_exposed_communication_from_a_profiled_trace_counts_collective_time_no_kernel_overlaps():
     """`log.profile_steps` on an accelerator: exposed communication from the trace's kernels (microseconds)."""
     def kernel(name, start, end, stream=7):

@@ -228,7 +228,10 @@ class TrainingBackend:
 
         On gloo it runs while the backward computes. Under NCCL the compute stream waits for it at once
         (the CPU does not): torch requires that before another communicator (DeepSpeed's, HSDP's groups)
-        is used, and the backward's reductions would otherwise run concurrently with it."""
+        is used, and the backward's reductions would otherwise run concurrently with it. So on a GPU a rank
+        that finished its micro-batches' forwards first waits here for the slowest: the device-timed
+        communication meter counts this all-reduce's time (not its bytes) in `comm_s`, which a GPU's straggler
+        figure reads as the rank's wait (perf.StepMeter)."""
         if self._totals is not None and self._totals[0] is not None:
             self._totals[0].wait()  # one started by an earlier sync=True micro-batch: finish it (every rank has)
         world, rank = self.runtime.world_size, self.runtime.rank
@@ -238,6 +241,9 @@ class TrainingBackend:
         totals = torch.cat([torch.stack([loss_sum, count]), flags])
         work = dist.all_reduce(totals, async_op=True) if self.runtime.distributed else None
         if work is not None and self.runtime.device.type != "cpu":
+            meter = getattr(self.prepared, "comm", None)
+            if meter is not None and meter.on_device:
+                meter.timed(work, 0, 0.0)  # nccl's timing of it; the step's bookkeeping, not the model's bytes
             work.wait()
             work = None
         self._totals = (work, totals, micro_batches)

@@ -100,8 +100,8 @@ def test_hand_written_model_parallel_loops_train_like_one_process(tmp_path):
     # FSDP2 gathering in bf16), nearer disttrain's bf16 losses than their own fp32 losses are
     precision = json.loads((tmp_path / "precision.json").read_text())
     for strategy in ("ddp", "fsdp"):
-        ours, hand, fp32 = (precision[f"{strategy} {name}"] for name in ("bf16-mixed disttrain",
-                                                                          "bf16-mixed hand-written", "fp32 hand-written"))
+        names = ("bf16-mixed disttrain", "bf16-mixed hand-written", "fp32 hand-written")
+        ours, hand, fp32 = (precision[f"{strategy} {name}"] for name in names)
         apart = max(abs(a - b) for a, b in zip(ours, hand, strict=True))
         bf16_cost = max(abs(a - b) for a, b in zip(ours, fp32, strict=True))
         assert apart < bf16_cost / 10 and bf16_cost > 1e-6, (strategy, precision)

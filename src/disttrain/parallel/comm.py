@@ -16,15 +16,22 @@ synchronised for the measurement:
 overlapping buckets are not counted twice); `comm_bytes` is the size of the buffers handed to them, as nccl-tests
 counts sizes (all-reduce: the buffer; all-gather: the gathered output; reduce-scatter: the input), in the dtype on
 the wire. Which part the step waited for (`comm_exposed_s`) is worked out by the caller (perf.py). The step's own
-small all-reduce of the loss totals is not counted.
+small all-reduce of the loss totals is not counted on a CPU (it runs beside the backward, whose buckets wait for a
+late rank). On CUDA its time is (not its bytes): the compute stream waits for it before the backward, so there it is
+where a rank waits for the slowest one's forwards (backend.TrainingBackend._start_totals).
 
 On CUDA a collective's future completes when the work is queued, not done, so host clocks cannot time it. There
 the device times it: an asynchronous collective by nccl itself, with CUDA events on its own stream
 (`TORCH_NCCL_ENABLE_TIMING`, which `runtime.init_runtime` sets unless the user did; read as `Work._get_duration`);
-a synchronous one (FSDP2's reduce-scatter) by two CUDA events around the call on the caller's stream, which the call
-holds until the collective is done. The meter keeps a collective until it has completed, then only its duration
-(collectives are drained as new ones arrive and at `take()`, so nothing piles up where no one calls `take()`), and
-`comm_s` is the sum of the durations (one process group's collectives run one after another). `comm_exposed_s`
+a synchronous one (FSDP2's all-gather and reduce-scatter) by two CUDA events around the call on the caller's stream,
+which the call holds until the collective is done. The meter keeps a collective until it has completed, then only its
+duration, or for one timed by events its span on the device's clock (measured from the window's first event), so that
+nothing piles up where no one calls `take()` (collectives are drained as new ones arrive and at `take()`). `comm_s` is
+the union of the spans plus the sum of the durations. FSDP2 calls its all-gathers and reduce-scatters on streams of
+their own: a reduce-scatter's span can overlap the next block's all-gather (it may even wait for it, nccl running one
+communicator's collectives in turn), and a sum would count that time twice. nccl's own timing gives a Work's duration
+alone, not its place on the clock: those collectives (DDP's buckets, in the order of the group's one stream, and
+the step's totals) are summed. `comm_exposed_s`
 stays None on CUDA per step (a device-side overlap needs a trace: the steps of `log.profile_steps` get it from
 their kernels, perf.comm_overlap). DDP's hooks are replaced there by
 `device_timed_hook` (torch's allreduce / fp16 / bf16 hooks with the Work in view: the same division and
@@ -59,8 +66,11 @@ class CommMeter:
         self._lock = threading.Lock()
         self._intervals: list[tuple[float, float]] = []
         self._pending: list[_Timing] = []
-        self._device_s: float | None = 0.0
+        self._device_s: float | None = 0.0  # the Works' durations since `take()`
+        self._spans: list[tuple[float, float]] = []  # the event-timed collectives', from `self._origin`
+        self._origin: Any = None  # the window's first begin event, the clock the spans are read on
         self._bytes = 0
+        self._untimed = False  # a collective of this window went untimed (`untimed`)
 
     def timed(self, work: Any, nbytes: int, start: float) -> Any:
         """Record a collective started at `start`. `work`: a Future (returned chained: whoever waits on it wakes
@@ -84,6 +94,12 @@ class CommMeter:
         work.get_future().add_done_callback(lambda _: self._done(start))
         return work
 
+    def untimed(self, nbytes: int) -> None:
+        """A collective whose bytes are known and whose time is not: the seconds of this window are None."""
+        with self._lock:
+            self._bytes += nbytes
+            self._untimed = True
+
     def in_flight(self) -> int:
         """Device collectives not finished when last looked at (all that the meter holds)."""
         with self._lock:
@@ -95,8 +111,14 @@ class CommMeter:
             torch.cuda.synchronize()  # the step has read its loss back, so this waits for little or nothing
         keep = []
         for timing in self._pending:
-            if not wait and not timing.done():
+            if timing.begin is not None and self._origin is None:
+                self._origin = timing.begin
+            if not wait and not (timing.done() and (timing.begin is None or self._origin.query())):
                 keep.append(timing)
+                continue
+            span = timing.span(self._origin) if timing.begin is not None else None
+            if span is not None:
+                self._spans.append(span)
                 continue
             seconds = timing.seconds()  # None for one still running after the wait: not timed, not guessed
             self._device_s = None if seconds is None or self._device_s is None else self._device_s + seconds
@@ -111,18 +133,26 @@ class CommMeter:
         """(seconds with a collective in flight, bytes) since the previous call; resets both. On the device the
         seconds are None where a collective could not be timed (nccl's timing off, or gloo)."""
         with self._lock:
-            intervals, nbytes = sorted(self._intervals), self._bytes
-            self._intervals, self._bytes = [], 0
+            intervals, nbytes, untimed = sorted(self._intervals), self._bytes, self._untimed
+            self._intervals, self._bytes, self._untimed = [], 0, False
             if self.on_device:
                 self._drain(wait=True)
-                device_s, self._device_s = self._device_s, 0.0
-                return device_s, nbytes
-        total, reach = 0.0, float("-inf")
-        for start, end in intervals:
-            if end > reach:
-                total += end - max(start, reach)
-                reach = end
-        return total, nbytes
+                device_s, spans = self._device_s, self._spans
+                self._device_s, self._spans, self._origin = 0.0, [], None
+                if device_s is None or untimed:
+                    return None, nbytes
+                return device_s + union_length(sorted(spans)), nbytes
+        return (None if untimed else union_length(intervals)), nbytes
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of sorted (start, end) intervals: time with at least one of them in progress."""
+    total, reach = 0.0, float("-inf")
+    for start, end in intervals:
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 class _Timing:
@@ -147,6 +177,14 @@ class _Timing:
         if self.work is not None:
             return self.work.is_completed()
         return self.end is None or self.end.query()
+
+    def span(self, origin: Any) -> tuple[float, float] | None:
+        """(begin, end) in seconds after the event `origin` (negative where the begin came first on the device;
+        both events must have completed), or None where the events cannot be read."""
+        try:
+            return origin.elapsed_time(self.begin) / 1e3, origin.elapsed_time(self.end) / 1e3
+        except (AttributeError, RuntimeError, ValueError):
+            return None
 
     def seconds(self) -> float | None:
         try:
@@ -272,8 +310,16 @@ def _timed_call(meter: CommMeter, call, nbytes: int):
 
 
 def fsdp_comms(meter: CommMeter):
-    """FSDP2's default all-gather and reduce-scatter, each call recorded by `meter`."""
+    """(all-gather, reduce-scatter, all-reduce hook): FSDP2's default all-gather and reduce-scatter, each call
+    recorded by `meter`, and a hook for `set_all_reduce_hook` that records HSDP's all-reduce over the replicate
+    groups. FSDP2 issues that one itself (a plain `dist.all_reduce`, no custom collective), right after the
+    reduce-scatter, on a stream that waits for it, then calls the hook on that stream: its span is from the
+    reduce-scatter's end (host clock, or an event on the reduce-scatter's stream) to the hook. With shards of one
+    rank there is no reduce-scatter to start from: its bytes are counted, its time is not (that window's seconds
+    are None, not a part passed off as the whole)."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    scattered: list[Any] = [None]  # where the last reduce-scatter ended, until the all-reduce after it reads it
 
     class TimedAllGather(DefaultAllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
@@ -283,9 +329,32 @@ def fsdp_comms(meter: CommMeter):
     class TimedReduceScatter(DefaultReduceScatter):
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             call = functools.partial(super().__call__, output_tensor, input_tensor, group, op, async_op)
-            return _timed_call(meter, call, _nbytes(input_tensor))
+            result = _timed_call(meter, call, _nbytes(input_tensor))
+            scattered[0] = _now(meter)
+            return result
 
-    return TimedAllGather(), TimedReduceScatter()
+    def all_reduced(output: torch.Tensor) -> None:
+        begin, scattered[0] = scattered[0], None
+        if begin is None:
+            meter.untimed(_nbytes(output))
+        elif meter.on_device:
+            meter.timed(_Timing(begin=begin, end=_now(meter)), _nbytes(output), 0.0)
+        else:
+            meter.timed(None, _nbytes(output), begin)
+
+    return TimedAllGather(), TimedReduceScatter(), all_reduced
+
+
+def _now(meter: CommMeter) -> Any:
+    """This moment: the host's clock, or on the device an event recorded on the current stream (None without
+    CUDA, which leaves the collective untimed)."""
+    if not meter.on_device:
+        return time.perf_counter()
+    if not torch.cuda.is_available():
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 # ----------------------------------------------------------------------------------------------

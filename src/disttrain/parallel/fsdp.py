@@ -83,10 +83,13 @@ def _shard(model: nn.Module, runtime, cfg, reshard_after_forward: bool,
         _explicit_prefetch(blocks, cfg.fsdp_prefetch)
     meter = comm.meter_for(runtime.device)
     if meter is not None:
-        all_gather, reduce_scatter = comm.fsdp_comms(meter)
+        all_gather, reduce_scatter, all_reduced = comm.fsdp_comms(meter)
+        replicated = mesh.ndim == 2 and mesh.size(0) > 1  # HSDP: FSDP2 also all-reduces over the replicate groups
         for module in [*blocks, model]:
             module.set_custom_all_gather(all_gather)
             module.set_custom_reduce_scatter(reduce_scatter)
+            if replicated:
+                module.set_all_reduce_hook(all_reduced)
     return Prepared(module=model, model=model, no_sync=lambda: _no_gradient_sync(model),
                     grads_averaged_over=mesh.size(), checkpoint_target=dtensor_targets(model),
                     comm=meter, **full_state_dict_fns(model, sharded=True))
