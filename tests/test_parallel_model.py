@@ -114,6 +114,24 @@ def test_hsdp_all_reduce_over_the_replicate_groups_is_metered(runs):
         assert 0 <= m["comm_exposed_s"] <= m["comm_s"] < m["step_time_s"], m
 
 
+def test_mfu_counts_the_whole_model_under_every_layout(runs):
+    """A pipeline rank holds a stage, a tensor-parallel rank a shard: the FLOPs per token (tflops x world / tokens/s)
+    are the whole model's on every layout, so that MFU means the same as under ddp."""
+    from disttrain.models.gpt import GPT
+    from disttrain.perf import flops_per_token
+
+    _, multi, _ = runs
+    for layers in (2, 4):
+        cfg = load_config(None, [f"model.n_layer={layers}", "model.d_model=64", "model.seq_len=32"])
+        whole = flops_per_token(GPT(cfg.model), 32)
+        for world, variants in multi.items():
+            for variant, run in variants.items():
+                if ("layers4" in variant.partition(">")[0]) != (layers == 4) or all(variant in multi[w] for w in multi):
+                    continue  # (a variant of both launches shares its run folder, and metrics.jsonl, with the other)
+                for m in run["metrics"]:
+                    assert m["tflops"] * 1e12 * world / m["tokens_per_s"] == pytest.approx(whole, rel=1e-9), variant
+
+
 def reference_of(references: dict, variant: str) -> dict:
     return references["single+layers4" if "layers4" in variant else "single"]
 

@@ -181,11 +181,11 @@ def test_mfu_needs_a_peak_and_uses_the_given_one():
     model = GPT(ModelConfig(n_layer=1, n_head=2, d_model=32, seq_len=16))
     cpu = torch.device("cpu")
     assert peak_tflops(cpu, "bf16-mixed") is None
-    meter = StepMeter(model, 16, world=2, device=cpu, precision="fp32")
+    meter = StepMeter(flops_per_token(model, 16), world=2, device=cpu, precision="fp32")
     meter.start()
     out = meter.stop(tokens=1000)
     assert out["mfu"] is None and out["comm_s"] is None and out["tflops"] > 0
-    given = StepMeter(model, 16, world=2, device=cpu, precision="fp32", peak_override=0.5)
+    given = StepMeter(flops_per_token(model, 16), world=2, device=cpu, precision="fp32", peak_override=0.5)
     given.start()
     figures = given.stop(tokens=1000)
     expected_tflops = flops_per_token(model, 16) * figures["tokens_per_s"] / 2 / 1e12
@@ -224,7 +224,7 @@ def test_work_is_the_step_less_the_time_spent_waiting_for_the_others():
     model = GPT(ModelConfig(n_layer=1, n_head=2, d_model=32, seq_len=16))
     for comm, waited in ((None, lambda f: 0.0), (Meter(0.02, True), lambda f: 0.02),
                          (Meter(10.0, False), lambda f: f["comm_exposed_s"])):
-        meter = StepMeter(model, 16, world=2, device=cpu, precision="fp32", comm=comm)
+        meter = StepMeter(flops_per_token(model, 16), world=2, device=cpu, precision="fp32", comm=comm)
         assert meter.line() == {}  # no step yet
         steps = []
         for _ in range(2):

@@ -134,9 +134,11 @@ def peak_memory_gib(device: torch.device) -> float:
 class StepMeter:
     """Times one rank's steps and turns them into the figures above."""
 
-    def __init__(self, model: nn.Module, seq_len: int, world: int, device: torch.device, precision: str,
-                 peak_override: float = 0.0, comm: Any = None):
-        self.flops_per_token = flops_per_token(model, seq_len)
+    def __init__(self, flops: int, world: int, device: torch.device, precision: str, peak_override: float = 0.0,
+                 comm: Any = None):
+        self.flops_per_token = flops
+        """The whole model's training FLOPs per token (`flops_per_token`, counted before a strategy splits it: a
+        pipeline stage holds a part of it; every rank's share of the work is the whole's / the world size)."""
         self.peak = peak_override or peak_tflops(device, precision)
         self.world, self.device, self.comm = world, device, comm
         self._wall = self._cpu = 0.0

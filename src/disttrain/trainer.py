@@ -36,7 +36,7 @@ from disttrain.models.hf import is_hf_model
 from disttrain.monitor import RankStatus, peer_failed
 from disttrain.optim import OptimizerFactory, optimizer_factory, scheduler_factory
 from disttrain.parallel import registry
-from disttrain.perf import StepMeter, StepProfiler, rank_summary, straggler
+from disttrain.perf import StepMeter, StepProfiler, flops_per_token, rank_summary, straggler
 from disttrain.runtime import Preempted, Runtime, StopSignals, check_ranks_agree, detect_launch, init_runtime, shutdown
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,7 @@ class Trainer:
             train, built_val = build_datasets(cfg.data, cfg.model.seq_len, aligned=is_hf_model(model))
             val = built_val if val is None else val
             self._probe(train)
+        flops = flops_per_token(model, cfg.model.seq_len)  # the whole model's, before a pipeline keeps a stage of it
         backend = create_backend(
             model, self.optimizer_factory or optimizer_factory(cfg.optim), cfg.parallel,
             runtime=runtime,
@@ -144,8 +145,8 @@ class Trainer:
             grad_clip=cfg.optim.grad_clip, loss_fn=self.loss_fn, on_nonfinite=cfg.train.on_nonfinite,
             max_consecutive_skips=cfg.train.max_consecutive_skips,
         )
-        self.meter = StepMeter(backend.model, cfg.model.seq_len, runtime.world_size, runtime.device,
-                               cfg.parallel.precision, cfg.log.peak_tflops, backend.prepared.comm)
+        self.meter = StepMeter(flops, runtime.world_size, runtime.device, cfg.parallel.precision, cfg.log.peak_tflops,
+                               backend.prepared.comm)
         return backend, train, val
 
     def _fit(self, runtime: Runtime, status: RankStatus, stop: StopSignals) -> TrainResult:
