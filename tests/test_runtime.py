@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 
-from disttrain.config import DistConfig
-from disttrain.runtime import LaunchInfo, detect_launch, init_runtime, pick_backend, pick_device
+from disttrain.config import ConfigError, DistConfig
+from disttrain.runtime import LaunchInfo, detect_launch, first_host, init_runtime, pick_backend, pick_device
 
 
 def test_detects_torchrun():
@@ -31,6 +31,11 @@ def test_torchrun_wins_over_slurm_and_default_is_single():
 
 def test_device_and_backend_choice():
     assert pick_device("cpu", 3) == torch.device("cpu")
+    # on GPUs: the local rank's, GPU 0 where a launcher bound one GPU per rank, else one line
+    assert pick_device("cuda", 3, visible=8) == torch.device("cuda", 3)
+    assert pick_device("cuda", 3, visible=1) == torch.device("cuda", 0)
+    with pytest.raises(ConfigError, match="local rank 5 needs GPU 5, and this process sees 4 GPU"):
+        pick_device("cuda", 5, visible=4)
     assert pick_backend("auto", torch.device("cpu")) == "gloo"
     assert pick_backend("auto", torch.device("cuda", 0)) == "nccl"
     assert pick_backend("gloo", torch.device("cuda", 0)) == "gloo"
@@ -74,3 +79,10 @@ def test_a_run_that_ends_after_a_stop_signal_leaves_soon_when_launched_and_goes_
         assert done.returncode == 128 + 15 and "still here" not in done.stdout and took < 15, (done.returncode, took)
     else:
         assert done.returncode == 0 and "still here" in done.stdout, done.stderr
+
+
+def test_slurm_rendezvous_is_the_first_node_of_the_step():
+    assert first_host("gpu[003-010,012],big1") == "gpu003"
+    assert first_host("node7") == "node7"
+    assert first_host("login2,gpu[01-04]") == "login2"
+    assert first_host("a-b[9,11-12]") == "a-b9"

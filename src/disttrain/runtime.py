@@ -96,8 +96,17 @@ class Runtime:
                 dist.barrier()
 
 
-def pick_device(device: str, local_rank: int) -> torch.device:
+def pick_device(device: str, local_rank: int, visible: int | None = None) -> torch.device:
+    """The rank's device: GPU `local_rank` of those it sees (`visible`, default torch.cuda.device_count()), or GPU 0
+    where it sees one (a launcher that binds one GPU per task: Slurm's --gpus-per-task, CUDA_VISIBLE_DEVICES per
+    rank); ConfigError where it sees fewer than its local rank needs (two ranks would share a GPU: nccl refuses)."""
     if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        visible = torch.cuda.device_count() if visible is None else visible
+        if visible == 1:
+            return torch.device("cuda", 0)
+        if visible and local_rank >= visible:
+            raise ConfigError(f"local rank {local_rank} needs GPU {local_rank}, and this process sees {visible} "
+                              f"GPU(s): start at most {visible} ranks per node (--nproc), or one GPU per rank")
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
@@ -163,13 +172,25 @@ def _attempt_store(info: LaunchInfo, timeout_s: float):
     return dist.PrefixStore(f"disttrain/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: "gpu[003-010,012],big1" -> "gpu003" (what `scontrol show hostnames`
+    lists first)."""
+    name, _, rest = nodelist.strip().partition("[")
+    name = name.split(",")[0]
+    if not rest or "," in nodelist.partition("[")[0]:  # no range, or a plain name before the first range
+        return name
+    return name + rest.split("]")[0].split(",")[0].split("-")[0]
+
+
 def _slurm_rendezvous_env() -> None:
-    """Slurm gives ranks but no rendezvous address: use MASTER_ADDR/PORT if set, else the launch node."""
+    """Slurm gives ranks but no rendezvous address: use MASTER_ADDR/PORT if set, else the first node of the step
+    (where rank 0 runs). Not the launch node (`SLURM_LAUNCH_NODE_IPADDR`): under `salloc` that is the login node."""
     if "MASTER_ADDR" not in os.environ:
-        addr = os.environ.get("SLURM_LAUNCH_NODE_IPADDR")
-        if not addr:
-            raise RuntimeError("Slurm launch without MASTER_ADDR: export MASTER_ADDR=<first node's address>")
-        os.environ["MASTER_ADDR"] = addr
+        nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
+        if not nodes:
+            raise ConfigError("Slurm launch without MASTER_ADDR or SLURM_JOB_NODELIST: export MASTER_ADDR=<the first "
+                              "node's address>")
+        os.environ["MASTER_ADDR"] = first_host(nodes)
     os.environ.setdefault("MASTER_PORT", str(29500 + int(os.environ.get("SLURM_JOB_ID", "0")) % 1000))
 
 
