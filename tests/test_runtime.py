@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from disttrain.config import ConfigError, DistConfig
-from disttrain.runtime import LaunchInfo, detect_launch, first_host, init_runtime, pick_backend, pick_device
+from disttrain.runtime import (
+    LaunchInfo,
+    detect_launch,
+    first_host,
+    init_runtime,
+    loopback_gloo,
+    pick_backend,
+    pick_device,
+)
 
 
 def test_detects_torchrun():
@@ -86,3 +94,12 @@ def test_slurm_rendezvous_is_the_first_node_of_the_step():
     assert first_host("node7") == "node7"
     assert first_host("login2,gpu[01-04]") == "login2"
     assert first_host("a-b[9,11-12]") == "a-b9"
+
+
+def test_gloo_across_nodes_from_a_host_named_on_loopback_is_refused(monkeypatch):
+    """Debian's /etc/hosts maps the host's name to 127.0.1.1: gloo would give that to the other nodes' ranks."""
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert "resolves to 127.0.0.1 (loopback)" in loopback_gloo(16, 8, hostname="localhost")
+    assert loopback_gloo(8, 8, hostname="localhost") is None  # one node: every peer is on loopback too
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
+    assert loopback_gloo(16, 8, hostname="localhost") is None  # the interface is named

@@ -142,6 +142,9 @@ def init_runtime(cfg: DistConfig, environ: Mapping[str, str] | None = None, alwa
     if info.world_size == 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     elif not dist.is_initialized():
+        problem = loopback_gloo(info.world_size, info.local_world_size) if backend == "gloo" else None
+        if problem:
+            raise ConfigError(f"dist.backend = gloo on several nodes: {problem}")
         if info.launcher == "slurm":
             _slurm_rendezvous_env()
         dist.init_process_group(
@@ -180,6 +183,25 @@ def first_host(nodelist: str) -> str:
     if not rest or "," in nodelist.partition("[")[0]:  # no range, or a plain name before the first range
         return name
     return name + rest.split("]")[0].split(",")[0].split("-")[0]
+
+
+def loopback_gloo(world: int, local_world: int, hostname: str | None = None) -> str | None:
+    """Why a gloo group would not reach the other nodes, or None. Without GLOO_SOCKET_IFNAME, gloo gives its peers
+    the address this host's name resolves to; where that is a loopback address (Debian and Ubuntu map the name to
+    127.0.1.1 in /etc/hosts), the ranks on other nodes cannot connect. One node: nothing to reach."""
+    if world <= local_world or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return None
+    import socket
+
+    host = hostname or socket.gethostname()
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        return None  # (gloo itself says so when it cannot resolve the name)
+    if not address.startswith("127."):
+        return None
+    return (f"this host's name {host!r} resolves to {address} (loopback), which gloo would give the ranks on the "
+            "other nodes: export GLOO_SOCKET_IFNAME=<the network interface between the nodes, e.g. eth0>")
 
 
 def _slurm_rendezvous_env() -> None:

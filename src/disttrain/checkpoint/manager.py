@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
 import threading
 import time
@@ -54,8 +55,8 @@ from disttrain.checkpoint.statefile import (
 )
 from disttrain.collectives import gather_json
 from disttrain.config import CheckpointConfig
-from disttrain.errors import UserError
-from disttrain.runtime import Runtime
+from disttrain.errors import ConfigError, UserError
+from disttrain.runtime import Runtime, loopback_gloo
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,11 @@ class CheckpointManager:
         self._dcp_group = None  # async sharded saves: DCP's collectives on a gloo group of their own
         self._pending_error: BaseException | None = None
         self._copied: threading.Event | None = None  # set once an async save's snapshot is taken
+        if self.cfg.async_save and runtime is not None and runtime.distributed:  # its gloo group, before any step
+            problem = loopback_gloo(runtime.world_size, runtime.launch.local_world_size)
+            if problem:
+                raise ConfigError(f"checkpoint.async_save = true on several nodes saves through a gloo group: "
+                                  f"{problem}; or set checkpoint.async_save = false")
 
     # -- facts -------------------------------------------------------------------------------------
 
@@ -161,7 +167,9 @@ class CheckpointManager:
         peers do not come within `arrival_timeout_s` raises, naming them, instead of hanging in a collective."""
         if not self._distributed():
             return
-        folder = str(self.dir.resolve())
+        # the folder as the job names it, the same string on every rank: not resolved, which on nodes that mount the
+        # shared storage at other paths (or through other links) would give each its own keys, and a timeout
+        folder = os.path.normpath(str(self.dir))
         calls = CheckpointManager._arrivals[folder] = CheckpointManager._arrivals.get(folder, 0) + 1
         from datetime import timedelta
 
