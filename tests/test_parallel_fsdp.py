@@ -150,3 +150,20 @@ def test_in_run_cost_figures_are_recorded_per_step(results):
     # None, not a part of the step's communication passed off as all of it
     hsdp = two["hsdp:1"]["metrics"]
     assert {m["comm_bytes"] for m in hsdp} == {4 * numel} and {m["comm_s"] for m in hsdp} == {None}
+
+
+def test_hsdp_whose_shard_groups_span_nodes_says_which_size_shards_within_one(caplog):
+    """2 nodes x 4 ranks: the default shard size (every rank) makes HSDP plain FSDP over the nodes' links."""
+    from types import SimpleNamespace
+
+    from disttrain.config import ParallelConfig
+    from disttrain.parallel.fsdp import _warn_across_nodes
+
+    runtime = SimpleNamespace(rank=0, world_size=8, launch=SimpleNamespace(local_world_size=4))
+    _warn_across_nodes(runtime, 8, 8, ParallelConfig(strategy="hsdp"))
+    assert "each shard group spans 8 ranks, more than the 4 of a node" in caplog.text
+    assert "set parallel.hsdp_shard_size = 4" in caplog.text
+    caplog.clear()
+    _warn_across_nodes(runtime, 2, 4, ParallelConfig(strategy="hsdp", hsdp_shard_size=2))  # x tp 2: within a node
+    _warn_across_nodes(SimpleNamespace(rank=0, world_size=4, launch=runtime.launch), 4, 4, ParallelConfig())
+    assert caplog.text == ""

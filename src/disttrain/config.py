@@ -171,7 +171,8 @@ class ParallelConfig:
     a pipeline schedule that splits the backward (zero-bubble, zbv, dualpipev): there the weight part needs the
     gathered parameters the forward used."""
     hsdp_shard_size: int = 0
-    """hsdp: ranks per sharding group (replicated across groups); 0 = all ranks (plain FSDP)."""
+    """hsdp: ranks per sharding group (replicated across groups); 0 = all ranks (plain FSDP). On several nodes,
+    the data-parallel ranks of one node (e.g. 8): shard within a node, replicate across (rank 0 warns otherwise)."""
     fsdp_prefetch: int = 0
     """zero2/fsdp/zero3/hsdp: all-gather the next N transformer blocks' parameters while the current block runs
     (forward and backward; FSDP2 explicit prefetching). 0 = FSDP2's default (one block, implicitly)."""

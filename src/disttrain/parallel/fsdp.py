@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import sys
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,8 @@ from disttrain.parallel.mesh import SPLIT_BACKWARD_SCHEDULES
 from disttrain.parallel.spec import Prepared, StrategySpec
 from disttrain.parallel.state import dtensor_targets, full_state_dict_fns
 from disttrain.precision import get_precision
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # FSDP2 (and DTensor under it) is imported when a strategy applies, not by the launcher's
     from torch import nn  # validation of the settings (~0.7 s of every `disttrain train --nproc N`)
@@ -135,9 +138,23 @@ def apply_zero2(model: nn.Module, runtime, cfg, mesh=None) -> Prepared:
 
 def apply_hsdp(model: nn.Module, runtime, cfg, mesh=None) -> Prepared:
     if mesh is not None:
+        _warn_across_nodes(runtime, mesh["dp_shard"].size(), mesh["dp_shard"].size() * mesh["tp"].size(), cfg)
         return _shard(model, runtime, cfg, cfg.reshard_after_forward, mesh=mesh["dp_replicate", "dp_shard"])
     shard = cfg.hsdp_shard_size or runtime.world_size
+    _warn_across_nodes(runtime, shard, shard, cfg)
     return _shard(model, runtime, cfg, cfg.reshard_after_forward, mesh_shape=(runtime.world_size // shard, shard))
+
+
+def _warn_across_nodes(runtime, shard: int, spanned: int, cfg) -> None:
+    """HSDP is for sharding within a node and replicating across nodes: say so (once, on rank 0) where a shard
+    group's `spanned` consecutive ranks (its shards, and the tensor-parallel ranks within each) reach past one node,
+    so that its all-gathers and reduce-scatters cross the slower links every block."""
+    local = runtime.launch.local_world_size
+    if runtime.rank == 0 and runtime.world_size > local and spanned > local:
+        fits = max(1, local // max(1, spanned // shard))
+        log.warning("parallel.hsdp_shard_size = %d: each shard group spans %d ranks, more than the %d of a node, so "
+                    "FSDP's collectives cross nodes every block; set parallel.hsdp_shard_size = %d to shard within "
+                    "a node and replicate across nodes", cfg.hsdp_shard_size, spanned, local, fits)
 
 
 def replicate(model: nn.Module, runtime, cfg, mesh) -> Prepared:
