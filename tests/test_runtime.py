@@ -29,6 +29,8 @@ def test_detects_slurm():
            "SLURM_NTASKS_PER_NODE": "4(x2)"}
     assert detect_launch(env) == LaunchInfo("slurm", rank=5, local_rank=1, world_size=8,
                                             local_world_size=4, node_rank=2)
+    del env["SLURM_NTASKS_PER_NODE"]  # `srun -n 8` on 2 nodes: Slurm sets only SLURM_TASKS_PER_NODE
+    assert detect_launch({**env, "SLURM_TASKS_PER_NODE": "4(x2)"}).local_world_size == 4
 
 
 def test_torchrun_wins_over_slurm_and_default_is_single():
@@ -99,7 +101,26 @@ def test_slurm_rendezvous_is_the_first_node_of_the_step():
 def test_gloo_across_nodes_from_a_host_named_on_loopback_is_refused(monkeypatch):
     """Debian's /etc/hosts maps the host's name to 127.0.1.1: gloo would give that to the other nodes' ranks."""
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "192.0.2.7")  # a rendezvous on another machine (TEST-NET-1, no lookup)
     assert "resolves to 127.0.0.1 (loopback)" in loopback_gloo(16, 8, hostname="localhost")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # every "node" on this machine (two Ray nodes started here)
+    assert loopback_gloo(16, 8, hostname="localhost") is None
+    monkeypatch.setenv("MASTER_ADDR", "192.0.2.7")
     assert loopback_gloo(8, 8, hostname="localhost") is None  # one node: every peer is on loopback too
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
     assert loopback_gloo(16, 8, hostname="localhost") is None  # the interface is named
+
+
+def test_service_local_ranks_follow_the_nodes_ray_placed_the_workers_on():
+    from types import SimpleNamespace
+
+    from disttrain.service.service import _local_ranks
+
+    assert _local_ranks(SimpleNamespace(), 3) == [(0, 3), (1, 3), (2, 3)]  # the local launchers: one machine
+    spread = SimpleNamespace(nodes=["a", "b", "a", "b"], gpus=[[], [], [], []])
+    assert _local_ranks(spread, 4) == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    gpus = SimpleNamespace(nodes=["a", "a"], gpus=[["3"], ["5"]])  # each actor sees its own GPU only: cuda:0
+    assert _local_ranks(gpus, 2) == [(0, 2), (0, 2)]
+    with pytest.raises(ConfigError, match="Ray put ranks 0 and 1 on GPU 3 of one node"):
+        _local_ranks(SimpleNamespace(nodes=["a", "a"], gpus=[["3"], ["3"]]), 2)
+    assert _local_ranks(SimpleNamespace(nodes=["a", "a"], gpus=[["3"], ["3"]]), 2, gpu_ranks=False) == [(0, 2), (0, 2)]

@@ -316,6 +316,22 @@ def test_service_refuses_a_layout_the_workers_cannot_form():
                                                                  parallel={"tensor": 2}))
 
 
+def test_a_wildcard_host_is_refused_and_a_rank_listens_on_its_own_machines_address():
+    """Workers connect to `host`, so a wildcard (where to listen, not where to connect) is refused; a weight sync's
+    rank listens on its own machine's address on the route to `host` (on another node it could not listen on the
+    driver's)."""
+    from disttrain.service.weights import own_address
+
+    with pytest.raises(ConfigError, match="host = '0.0.0.0' is where to listen, not an address workers"):
+        asyncio.run(TrainingService.options(nproc=1, host="0.0.0.0").as_service("gpt", model_args=job.MODEL))
+    assert own_address("127.0.0.1") == "127.0.0.1" and own_address("localhost") == "localhost"
+    elsewhere = "192.0.2.77"  # TEST-NET-1: routed, never answered (a UDP connect sends nothing)
+    here = own_address(elsewhere)
+    if here == elsewhere:
+        pytest.skip("no route off this machine")
+    socket.create_server((here, 0)).close()  # an address of this machine's
+
+
 # -- failures --------------------------------------------------------------------------------------
 
 

@@ -54,7 +54,9 @@ def detect_launch(env: Mapping[str, str]) -> LaunchInfo:
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         rank, world = _ints(env, "SLURM_PROCID", "SLURM_NTASKS")
         local = int(env.get("SLURM_LOCALID", 0))
-        local_world = int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0].split(",")[0] or 1)
+        # --ntasks-per-node sets the first; Slurm always sets the second ("8(x2)": 8 tasks on each of 2 nodes)
+        per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "1"
+        local_world = int(per_node.split("(")[0].split(",")[0] or 1)
         node = int(env.get("SLURM_NODEID", 0))
         return LaunchInfo("slurm", rank, local, world, local_world, node)
     return LaunchInfo("single")
@@ -142,11 +144,11 @@ def init_runtime(cfg: DistConfig, environ: Mapping[str, str] | None = None, alwa
     if info.world_size == 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     elif not dist.is_initialized():
+        if info.launcher == "slurm":
+            _slurm_rendezvous_env()
         problem = loopback_gloo(info.world_size, info.local_world_size) if backend == "gloo" else None
         if problem:
             raise ConfigError(f"dist.backend = gloo on several nodes: {problem}")
-        if info.launcher == "slurm":
-            _slurm_rendezvous_env()
         dist.init_process_group(
             backend=backend,
             store=_attempt_store(info, cfg.timeout_s),
@@ -188,11 +190,17 @@ def first_host(nodelist: str) -> str:
 def loopback_gloo(world: int, local_world: int, hostname: str | None = None) -> str | None:
     """Why a gloo group would not reach the other nodes, or None. Without GLOO_SOCKET_IFNAME, gloo gives its peers
     the address this host's name resolves to; where that is a loopback address (Debian and Ubuntu map the name to
-    127.0.1.1 in /etc/hosts), the ranks on other nodes cannot connect. One node: nothing to reach."""
+    127.0.1.1 in /etc/hosts), the ranks on other nodes cannot connect. One node, or a rendezvous on loopback (every
+    "node" on this machine, e.g. two Ray nodes started here): nothing to reach."""
     if world <= local_world or os.environ.get("GLOO_SOCKET_IFNAME"):
         return None
     import socket
 
+    try:
+        if socket.gethostbyname(os.environ.get("MASTER_ADDR", "")).startswith("127."):
+            return None
+    except OSError:
+        pass
     host = hostname or socket.gethostname()
     try:
         address = socket.gethostbyname(host)

@@ -70,8 +70,8 @@ def _rng_state() -> dict[str, Any]:
     import numpy as np
 
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available():  # this rank's GPU (the current device): the others are other ranks', and a resume
+        state["cuda"] = torch.cuda.get_rng_state()  # may see another number of GPUs (one per task under Slurm)
     return state
 
 
@@ -86,7 +86,12 @@ def restore_rng(state: dict[str, Any]) -> None:
     # (torch 2.13 segfaults on a view with a storage offset).
     torch.set_rng_state(state["torch"].clone())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.clone() for s in state["cuda"]])
+        saved = state["cuda"]
+        if isinstance(saved, (list, tuple)):  # saved before 2026-11-26: every visible GPU's; this rank's GPU's
+            here = torch.cuda.current_device()
+            saved = saved[here] if here < len(saved) else None
+        if saved is not None:
+            torch.cuda.set_rng_state(saved.clone())
 
 
 class CheckpointManager:
@@ -217,14 +222,18 @@ class CheckpointManager:
     def load_best_checkpoint(self, model: torch.nn.Module, optimizer=None, scheduler=None) -> dict[str, Any] | None:
         """Load the best checkpoint (the newest saved with `is_best=True`, else the best by `best_metric`) into
         `model`; its metadata, or None when there is none. Every rank calls it."""
-        flagged = [s for s in self.list() if self.manifest(s).get("metrics", {}).get("is_best")]
-        best = flagged[-1] if flagged else self.best()
-        return None if best is None else self._load_into(best, model, optimizer, scheduler)
+        best = -1
+        if self.rank == 0:
+            flagged = [s for s in self.list() if self.manifest(s).get("metrics", {}).get("is_best")]
+            by_metric = self.best()
+            best = flagged[-1] if flagged else -1 if by_metric is None else by_metric
+        best = self.rank0(best)
+        return None if best < 0 else self._load_into(best, model, optimizer, scheduler)
 
     def _load_into(self, step, model, optimizer, scheduler) -> dict[str, Any] | None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-        if step == "latest" and self.latest() is None:
+        if step == "latest" and self.rank0(0 if self.latest() is None else 1) == 0:
             self._arrive("load")  # (collective even when there is nothing: every rank returns None together)
             return None
         from disttrain.parallel.state import dtensor_targets  # a sharded model: each rank reads its own shards
@@ -266,7 +275,8 @@ class CheckpointManager:
                 # interleave with training's (measured: hangs, gloo size mismatches), so they get a group
                 # of their own. Created here, where every rank is (it is a collective call).
                 self._dcp_group = dist.new_group(backend="gloo")
-            both = {"state": state, "rank": rank_state}
+            # a full layout is written by rank 0 alone: the other ranks copy only their own state (their RNG)
+            both = {"state": state if sharded or self.rank == 0 else {}, "rank": rank_state}
             self._copied = threading.Event()
             if not defer_copy:
                 both = self._snapshot(both)
@@ -279,6 +289,8 @@ class CheckpointManager:
 
     def _save_in_background(self, step, both, metrics, sharded: bool, skeleton) -> None:
         try:
+            if self.runtime is not None and self.runtime.device.type == "cuda":
+                torch.cuda.set_device(self.runtime.device)  # a new thread starts on GPU 0, whatever the rank's
             if not self._copied.is_set():
                 try:
                     both = self._snapshot(both)
@@ -414,8 +426,9 @@ class CheckpointManager:
             if hasattr(t, "to_local"):  # the same shard of the same global tensor, now in host memory
                 from torch.distributed.tensor import DTensor
 
-                staged[key] = DTensor.from_local(buf, t.device_mesh, t.placements, run_check=False,
-                                                 shape=t.shape, stride=t.stride())
+                # the host copy under the same spec, as torch's own `_create_cpu_state_dict` stages a DTensor:
+                # `from_local` would move it back to the mesh's device type (onto a GPU)
+                staged[key] = DTensor(buf, t._spec, requires_grad=False)
             else:
                 staged[key] = buf
         for key in self._staging.keys() - tensors.keys():
@@ -439,10 +452,7 @@ class CheckpointManager:
         below = None  # after a refused shard file: only checkpoints older than the refused one
         while True:
             chosen, files = self._choose(step, below) if self.rank == 0 else (-1, None)
-            if self._distributed():
-                box = torch.tensor([chosen], dtype=torch.int64, device=self.runtime.device)
-                dist.broadcast(box, src=0)
-                chosen = int(box.item())
+            chosen = self.rank0(chosen)
             if chosen < 0:
                 raise CheckpointError(f"no valid checkpoint to load in {self.dir}")
             if files is None:  # ranks other than 0 read (and verify) the checkpoint rank 0 chose
@@ -458,6 +468,16 @@ class CheckpointManager:
                 if self.rank == 0:
                     log.warning("skipping checkpoint step %d: %s", chosen, exc)
                 below = chosen
+
+    def rank0(self, value: int) -> int:
+        """Rank 0's `value` on every rank (one broadcast; collective): what the folder holds, as rank 0 sees it, for
+        decisions every rank must take alike. Another rank's view of shared storage may lag (NFS), or the folder
+        may not be shared at all; then it loads what rank 0 chose, and a missing file is named."""
+        if not self._distributed():
+            return value
+        box = torch.tensor([value], dtype=torch.int64, device=self.runtime.device)
+        dist.broadcast(box, src=0)
+        return int(box.item())
 
     def _choose(self, step: int | str, below: int | None = None) -> tuple[int, tuple | None]:
         """Rank 0: the checkpoint to load (newest first with "latest", older than `below` if given) and its

@@ -68,6 +68,9 @@ def _llama_block(model, block, x):
     return block(x, attention_mask=None, position_ids=positions, position_embeddings=rotary)
 
 
+KEPT_SCHEDULES = 4
+"""Schedules (with their stages' device buffers) kept for the step shapes seen last (`PipelinePrepared._schedule`)."""
+
 FAMILIES = {
     "gpt": Family(("tok_emb", "pos_emb", "drop"), ("ln_f", "lm_head"), _gpt_embed,
                   lambda model, block, x: block(x), lambda model, x: model.lm_head(model.ln_f(x))),
@@ -245,8 +248,11 @@ class PipelinePrepared(Prepared):
 
     def forward_backward(self, inputs, loss_terms, on_loss, sync, autocast):
         check_mask(inputs.kwargs)
-        self.pending.append(Pending(_ids_of(inputs), loss_terms))
-        zero = torch.zeros((), dtype=torch.float64)
+        ids_now = _ids_of(inputs)
+        self.pending.append(Pending(ids_now, loss_terms))
+        # on the batch's device: a stage without the head hands these to fp16's scaler, which would otherwise keep
+        # its scale on the host, away from the last stage's (and read a non-blocking copy of found_inf unsynced)
+        zero = torch.zeros((), dtype=torch.float64, device=ids_now.device)
         if not sync:
             return zero, zero  # counted when the schedule runs, on the step's last micro-batch
         pending, self.pending = self.pending, []
@@ -276,10 +282,14 @@ class PipelinePrepared(Prepared):
         return totals[0], totals[1]
 
     def _schedule(self, microbatches: int, size: int, width: int, device):
+        """The schedule of these shapes, built once. Each holds its stages' receive buffers on the device, so only
+        the last `KEPT_SCHEDULES` are kept: batches padded to their longest row change width from step to step."""
         key = (microbatches, size, width)
-        if key not in self.schedules:
-            self.schedules[key] = build_schedule(self, microbatches, size, width, device)
-        return self.schedules[key]
+        schedule = self.schedules.pop(key, None) or build_schedule(self, microbatches, size, width, device)
+        self.schedules[key] = schedule  # the most recent last
+        while len(self.schedules) > KEPT_SCHEDULES:
+            del self.schedules[next(iter(self.schedules))]
+        return schedule
 
     def step(self, factor: float, skip: bool = False, need_norm: bool = True) -> tuple[float, bool]:
         for embedding, head in self.twins:  # one weight: both copies step with the sum of their gradients

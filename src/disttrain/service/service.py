@@ -100,6 +100,10 @@ class ServiceOptions:
 
         if self.nproc < 1:
             raise ConfigError(f"nproc = {self.nproc}: need at least 1 worker")
+        if self.host.strip() in ("", "0.0.0.0", "::", "*"):
+            raise ConfigError(f"host = {self.host!r} is where to listen, not an address workers on other nodes can "
+                              "reach: give this machine's address on the network between the nodes (default "
+                              "127.0.0.1: this machine only)")
         if self.launcher not in ("local", "ray"):
             raise ConfigError(f"launcher = {self.launcher!r}: choose 'local' or 'ray'")
         if self.on_failure not in ("fail", "restart"):
@@ -245,11 +249,11 @@ class TrainingService:
         await group.start()
         self.group = group
         threads = o.threads_per_rank or (1 if o.launcher == "ray" else max(1, (os.cpu_count() or 1) // o.nproc))
-        local = o.launcher == "local"
-        messages = [({**self._setup, "store_host": o.host, "store_port": group.store.port,
-                      "generation": self.generation, "threads": threads, "local_rank": rank if local else 0,
-                      "local_world_size": o.nproc if local else 1}, None) for rank in range(o.nproc)]
         try:
+            messages = [({**self._setup, "store_host": o.host, "store_port": group.store.port,
+                          "generation": self.generation, "threads": threads, "local_rank": local_rank,
+                          "local_world_size": local_world}, None)
+                        for local_rank, local_world in _local_ranks(group.launcher, o.nproc, o.device != "cpu")]
             replies = await group.all(messages)
         except BaseException:
             await group.close(graceful=False)
@@ -498,3 +502,26 @@ def _import_paths() -> list[str]:
 
 
 __all__ = ["RemoteError", "ServiceOptions", "TrainingService", "WorkerFailure", "WorkersRestarted", "split_batch"]
+
+
+def _local_ranks(launcher, procs: int, gpu_ranks: bool = True) -> list[tuple[int, int]]:
+    """(local rank, ranks on its node) of each rank, as torchrun would set them: all on this machine for the local
+    launchers; under Ray by the node each actor landed on, with local rank 0 for an actor Ray gave GPUs (it sees only
+    those), as `launch_ray` does. ConfigError (one line) where Ray gave two ranks of a node the same GPU (fractional
+    `gpus_per_worker`) and they would train on it (`gpu_ranks`: any device but "cpu"): two nccl ranks cannot share
+    one."""
+    nodes = getattr(launcher, "nodes", None)
+    if not nodes:
+        return [(rank, procs) for rank in range(procs)]
+    gpus = getattr(launcher, "gpus", None) or [[] for _ in nodes]
+    seen: dict[tuple[str, str], int] = {}
+    for rank, (node, ids) in enumerate(zip(nodes, gpus, strict=True)):
+        for gpu in ids if gpu_ranks else ():
+            if (node, gpu) in seen:
+                raise ConfigError(f"gpus_per_worker: Ray put ranks {seen[node, gpu]} and {rank} on GPU {gpu} of one "
+                                  "node, and two ranks cannot share a GPU (nccl refuses); give each rank a whole GPU "
+                                  "(gpus_per_worker = 1), or one rank (nproc = 1)")
+            seen[node, gpu] = rank
+    return [(0 if ids else [r for r, n in enumerate(nodes) if n == node].index(rank), nodes.count(node))
+            for rank, (node, ids) in enumerate(zip(nodes, gpus, strict=True))]
+

@@ -147,13 +147,33 @@ class _Bucket:
     nbytes: int = 0
 
 
+def own_address(host: str) -> str:
+    """The address a rank listens on for the consumers that reach the service at `host`: `host` itself where it is
+    this machine's (loopback, or the driver's own address on its machine), else this machine's address on the route
+    to `host` (a rank on another node cannot listen on the driver's address). A UDP socket's connect sends nothing;
+    it only picks the route."""
+    try:
+        resolved = socket.gethostbyname(host)
+    except OSError:
+        return host
+    if resolved.startswith("127."):
+        return host
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((resolved, 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return host
+
+
 class Publisher:
     """One rank's side: listens for consumers and streams this rank's pieces to each of them."""
 
     def __init__(self, host: str, token: str, keep_for_delta: bool):
         self.token, self.keep_for_delta = token, keep_for_delta
-        self.sock = socket.create_server((host, 0))
-        self.address = f"{host}:{self.sock.getsockname()[1]}"
+        here = own_address(host)
+        self.sock = socket.create_server((here, 0))
+        self.address = f"{here}:{self.sock.getsockname()[1]}"
         self.consumers: list[_Consumer] = []
         self._arrived = threading.Condition()
         self._sent: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}  # what the consumers at `version` hold

@@ -38,6 +38,9 @@ from disttrain.precision import update_scale
 
 def apply(model: nn.Module, runtime, cfg) -> Prepared:
     os.environ.setdefault("DS_ACCELERATOR", runtime.device.type)  # read once, when deepspeed is imported
+    # DeepSpeed's engine and zero.Init take their GPU from LOCAL_RANK (asserting it is set): the rank's device here,
+    # which a Slurm launch does not export and a launcher binding one GPU per rank makes cuda:0 for every rank
+    os.environ["LOCAL_RANK"] = str(runtime.device.index if runtime.device.type == "cuda" else runtime.local_rank)
     import deepspeed
 
     if runtime.device.type == "cpu":
