@@ -69,10 +69,10 @@ def test_defaults_are_the_issues_sizes():
     assert args.out == "docs/benchmarks/gpu.md" and args.compile and args.mfu_precision == "bf16-mixed"
     assert [name for name, _ in gpu.CHECKS] == ["nccl", "steps bf16-mixed", "steps fp16-mixed", "steps bf16-true",
                                                 "queued step", "memory single", "memory ddp", "memory fsdp",
-                                                "comm none", "comm bf16", "comm fsdp", "comm trace", "overhead",
-                                                "overhead medium", "tp", "pp 1f1b", "pp interleaved-1f1b", "pp zbv",
-                                                "pp dualpipev", "pp zbv x tp", "cpu_offload", "mfu", "mfu fsdp",
-                                                "service ray"]
+                                                "comm none", "comm bf16", "comm fsdp", "comm trace", "checkpoint",
+                                                "overhead", "overhead medium", "tp", "pp 1f1b", "pp interleaved-1f1b",
+                                                "pp zbv", "pp dualpipev", "pp zbv x tp", "cpu_offload", "mfu",
+                                                "mfu fsdp", "service ray"]
 
 
 @pytest.mark.parametrize("precision", ["fp16-mixed"])
@@ -123,6 +123,20 @@ def test_the_split_check_runs_the_tensor_and_pipeline_engines_on_one_cpu_rank(te
     assert check.passed, (check.reason, check.figures)
     assert check.figures["backend"] == "gloo" and int(check.figures["parameters that are DTensors"]) > 0
     assert check.figures.get("stages on this rank") == ("[0, 1] of 2" if schedule else None)
+
+
+def test_the_checkpoint_check_resumes_an_async_fsdp_save_bit_for_bit_on_a_one_rank_cpu_group():
+    import torch.distributed as dist
+
+    args = gpu._args([])
+    args.device = torch.device("cpu")
+    try:
+        [check] = gpu.run_checks([("checkpoint", lambda a, c: gpu.check_checkpoint(a, c, size=TINY, micro=4))], args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert check.passed, (check.reason, check.figures)
+    assert check.figures["loaded state"] == "equal bit for bit"
 
 
 def test_a_rerun_keeps_the_notes_above_the_marker(tmp_path):
