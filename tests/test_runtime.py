@@ -124,3 +124,11 @@ def test_service_local_ranks_follow_the_nodes_ray_placed_the_workers_on():
     with pytest.raises(ConfigError, match="Ray put ranks 0 and 1 on GPU 3 of one node"):
         _local_ranks(SimpleNamespace(nodes=["a", "a"], gpus=[["3"], ["3"]]), 2)
     assert _local_ranks(SimpleNamespace(nodes=["a", "a"], gpus=[["3"], ["3"]]), 2, gpu_ranks=False) == [(0, 2), (0, 2)]
+
+
+def test_ray_actors_take_ranks_by_node_then_gpu():
+    from disttrain.service.ray_launcher import node_order
+
+    # SPREAD over two nodes: bundles alternate; ranks go to node a's actors first, each node's by GPU id
+    assert node_order(["a", "b", "a", "b"], [["1"], ["0"], ["0"], ["1"]]) == [2, 0, 1, 3]
+    assert node_order(["a", "a", "a"], [[], [], []]) == [0, 1, 2]  # CPU actors on one node: as placed

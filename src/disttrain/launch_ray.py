@@ -27,7 +27,7 @@ from pathlib import Path
 from disttrain.config import Config, ray_resources
 from disttrain.console import DRAWS_ENV, Console
 from disttrain.runtime import install_stop_handler, restore_handlers
-from disttrain.service.ray_launcher import connect, place
+from disttrain.service.ray_launcher import connect, node_order, place
 
 
 class _TrainActor:
@@ -127,6 +127,8 @@ def _attempt(ray, actors, cfg: Config, config_path: Path, attempt: int, stop: _F
 
     d, procs, run_dir = cfg.dist, cfg.dist.nproc, cfg.run_dir
     places = ray.get([a.where.remote() for a in actors], timeout=d.startup_timeout_s)
+    order = node_order([p["node"] for p in places], [p["gpus"] for p in places])  # a node's ranks together
+    actors, places = [actors[i] for i in order], [places[i] for i in order]
     nodes = list(dict.fromkeys(p["node"] for p in places))
     here = len(nodes) == 1 and places[0]["host"] == socket.gethostname()
     host = "127.0.0.1" if here else ray.util.get_node_ip_address()  # loopback unless ranks run elsewhere

@@ -30,6 +30,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from disttrain.errors import ConfigError
@@ -76,6 +77,11 @@ def fork_problem() -> str | None:
     others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
     if others:
         return f"{len(others)} other Python thread(s) run in this process ({', '.join(others[:3])})"
+    torch = sys.modules.get("torch")
+    if (torch is not None and torch.cuda.is_initialized()) or _cuda_driver_loaded():
+        # (before counting native threads: the driver starts its own, and the message would blame torch's pool)
+        return ("CUDA is already initialised in this process (torch.cuda.is_available() or any CUDA call started "
+                "the driver; a forked worker cannot use it)")
     native, deadline = _native_threads(), time.monotonic() + 1.0
     native -= _after_import() if native > 1 else 1  # (only asked when there is more than the main thread)
     while native > 0 and time.monotonic() < deadline:  # a thread just joined (tqdm's monitor) can still be listed
@@ -85,10 +91,16 @@ def fork_problem() -> str | None:
         return (f"{native} native thread(s) run in this process (torch's CPU thread pool starts with its first "
                 "parallel operation; call torch.set_num_threads(1) before building the model, the workers set their "
                 "own)")
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        return "CUDA is already initialised in this process"
     return None
+
+
+def _cuda_driver_loaded() -> bool:
+    """Whether the CUDA driver library is mapped into this process: `torch.cuda.is_available()` loads and starts it
+    without `torch.cuda.is_initialized()` turning true, and a forked child cannot use a driver its parent started."""
+    try:
+        return "libcuda.so" in Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
 
 
 def check_fork(what: str = "cannot fork workers") -> None:

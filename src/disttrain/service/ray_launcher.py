@@ -63,6 +63,19 @@ def place(ray, bundle: dict[str, float], procs: int, strategy: str, timeout_s: f
     return group
 
 
+def node_order(nodes: list[str], gpus: list[list[str]]) -> list[int]:
+    """The actors (by index) in rank order: grouped by node, the nodes in the order they first appear, and by GPU id
+    within a node, as torchrun numbers a node's ranks. Bundle order alone interleaves nodes under SPREAD, which would
+    put neighbouring ranks (a tensor-parallel pair, an HSDP shard group) on different nodes."""
+    first = {node: i for i, node in reversed(list(enumerate(nodes)))}
+
+    def key(i: int) -> tuple[int, int, int]:
+        ids = [int(g) for g in gpus[i] if g.isdigit()]
+        return first[nodes[i]], min(ids, default=-1), i
+
+    return sorted(range(len(nodes)), key=key)
+
+
 class _Actor:
     """The body of each Ray actor (made a Ray class lazily, so importing this module never needs Ray)."""
 
@@ -131,6 +144,8 @@ class RayLauncher:
             self.actors.append(actor)
         places = await asyncio.to_thread(ray.get, [a.where.remote() for a in self.actors],
                                          timeout=o.startup_timeout_s)
+        order = node_order([w["node_id"] for w in places], [w["gpu_ids"] for w in places])
+        self.actors, places = [self.actors[i] for i in order], [places[i] for i in order]
         self.nodes = [w["node_id"] for w in places]
         self.gpus = [w["gpu_ids"] for w in places]
         self.refs = [a.serve.remote(host, port, token, rank, procs, heartbeat_s, env)

@@ -77,7 +77,8 @@ class ServiceOptions:
     device: str = "auto"
     """`auto`, `cpu` or `cuda`, as `dist.device`."""
     timeout_s: float = 300.0
-    """Collective timeout inside the worker group, as `dist.timeout_s`."""
+    """Collective timeout inside the worker group, as `dist.timeout_s` (a collective may take this plus
+    `startup_timeout_s`, as under the Trainer)."""
     startup_timeout_s: float = 180.0
     """How long workers may take to start and connect."""
     env: dict[str, str] = field(default_factory=dict)
@@ -157,7 +158,7 @@ class ServiceOptions:
                  "optimizer_args": optimizer_args or {}, "optimizer": optimizer or {}, "loss_fn": loss_fn,
                  "strategy": strategy, "precision": precision, "parallel": parallel or {}, "seed": seed,
                  "total_steps": total_steps, "on_nonfinite": on_nonfinite, "device": self.device,
-                 "timeout_s": self.timeout_s, "sys_path": _import_paths()}
+                 "timeout_s": self.timeout_s, "startup_timeout_s": self.startup_timeout_s, "sys_path": _import_paths()}
         if grad_clip is not None:
             setup["grad_clip"] = grad_clip
         from disttrain.config import ParallelConfig

@@ -143,6 +143,7 @@ class RankServer:
             "TORCHELASTIC_RESTART_COUNT": str(msg.get("generation", 0)),  # a fresh key prefix per group
         })
         dist_cfg = DistConfig(device=msg.get("device", "auto"), timeout_s=float(msg.get("timeout_s", 300.0)),
+                              startup_timeout_s=float(msg.get("startup_timeout_s", 900.0)),
                               threads_per_rank=int(msg.get("threads", 0)))
         parallel = ParallelConfig(**{"strategy": msg.get("strategy", "auto"), "precision": msg.get("precision", "fp32"),
                                      **msg.get("parallel", {})})
