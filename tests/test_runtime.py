@@ -43,7 +43,9 @@ def test_device_and_backend_choice():
     assert pick_device("cpu", 3) == torch.device("cpu")
     # on GPUs: the local rank's, GPU 0 where a launcher bound one GPU per rank, else one line
     assert pick_device("cuda", 3, visible=8) == torch.device("cuda", 3)
-    assert pick_device("cuda", 3, visible=1) == torch.device("cuda", 0)
+    assert pick_device("cuda", 3, visible=1, bound=True) == torch.device("cuda", 0)
+    with pytest.raises(ConfigError, match="local rank 1 needs GPU 1, and this process sees 1 GPU"):
+        pick_device("cuda", 1, visible=1, bound=False)  # torchrun --nproc 2 on a one-GPU machine
     with pytest.raises(ConfigError, match="local rank 5 needs GPU 5, and this process sees 4 GPU"):
         pick_device("cuda", 5, visible=4)
     assert pick_backend("auto", torch.device("cpu")) == "gloo"
@@ -96,6 +98,7 @@ def test_slurm_rendezvous_is_the_first_node_of_the_step():
     assert first_host("node7") == "node7"
     assert first_host("login2,gpu[01-04]") == "login2"
     assert first_host("a-b[9,11-12]") == "a-b9"
+    assert first_host("node[1-2]-ib,x") == "node1-ib"
 
 
 def test_gloo_across_nodes_from_a_host_named_on_loopback_is_refused(monkeypatch):

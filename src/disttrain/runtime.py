@@ -98,13 +98,16 @@ class Runtime:
                 dist.barrier()
 
 
-def pick_device(device: str, local_rank: int, visible: int | None = None) -> torch.device:
+def pick_device(device: str, local_rank: int, visible: int | None = None, bound: bool | None = None
+                ) -> torch.device:
     """The rank's device: GPU `local_rank` of those it sees (`visible`, default torch.cuda.device_count()), or GPU 0
-    where it sees one (a launcher that binds one GPU per task: Slurm's --gpus-per-task, CUDA_VISIBLE_DEVICES per
-    rank); ConfigError where it sees fewer than its local rank needs (two ranks would share a GPU: nccl refuses)."""
+    where it sees one that the launcher bound to it (`bound`, default: CUDA_VISIBLE_DEVICES is set, as Slurm's
+    --gpus-per-task and Ray set it per rank); ConfigError where it sees fewer than its local rank needs (two ranks
+    would share a GPU: nccl refuses)."""
     if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
         visible = torch.cuda.device_count() if visible is None else visible
-        if visible == 1:
+        bound = "CUDA_VISIBLE_DEVICES" in os.environ if bound is None else bound
+        if visible == 1 and (bound or local_rank == 0):
             return torch.device("cuda", 0)
         if visible and local_rank >= visible:
             raise ConfigError(f"local rank {local_rank} needs GPU {local_rank}, and this process sees {visible} "
@@ -184,23 +187,22 @@ def first_host(nodelist: str) -> str:
     name = name.split(",")[0]
     if not rest or "," in nodelist.partition("[")[0]:  # no range, or a plain name before the first range
         return name
-    return name + rest.split("]")[0].split(",")[0].split("-")[0]
+    ranges, _, after = rest.partition("]")
+    return name + ranges.split(",")[0].split("-")[0] + after.split(",")[0].split("[")[0]
 
 
 def loopback_gloo(world: int, local_world: int, hostname: str | None = None) -> str | None:
     """Why a gloo group would not reach the other nodes, or None. Without GLOO_SOCKET_IFNAME, gloo gives its peers
     the address this host's name resolves to; where that is a loopback address (Debian and Ubuntu map the name to
-    127.0.1.1 in /etc/hosts), the ranks on other nodes cannot connect. One node, or a rendezvous on loopback (every
-    "node" on this machine, e.g. two Ray nodes started here): nothing to reach."""
+    127.0.1.1 in /etc/hosts), the ranks on other nodes cannot connect. One node, or a rendezvous given as a loopback
+    address (every "node" on this machine, e.g. two Ray nodes started here): nothing to reach. (Not a name that
+    resolves to loopback here: node 0's own name does, on the very machines this is about.)"""
     if world <= local_world or os.environ.get("GLOO_SOCKET_IFNAME"):
         return None
     import socket
 
-    try:
-        if socket.gethostbyname(os.environ.get("MASTER_ADDR", "")).startswith("127."):
-            return None
-    except OSError:
-        pass
+    if os.environ.get("MASTER_ADDR", "").startswith("127.") or os.environ.get("MASTER_ADDR") == "localhost":
+        return None
     host = hostname or socket.gethostname()
     try:
         address = socket.gethostbyname(host)

@@ -164,13 +164,20 @@ def _operation(collective: str, nbytes: int, n: int, device, fresh: bool = False
     return count * 4, lambda: dist.all_to_all_single(other, full)
 
 
+HOLD_CYCLES = 2_000_000
+"""GPU clock cycles the stream spins before a timed CUDA call (about 1 ms at 1.5-2 GHz): longer than the host takes
+to issue the call."""
+
+
 def _measure(runs: list, iters: list[int], warmup: int, device, before=None) -> list[list[float]]:
     """Per-call seconds of the slowest rank for each of `runs`, each call started after a barrier (and `before()`,
     untimed, when given). The sizes take turns (one call of each per round, a size leaving once it has its
     iterations), so that a slow spell of the machine lands on all of them rather than bending the curve at one
     size. On CUDA a call is timed by two events on the caller's stream, which a collective without `async_op` holds
-    until nccl's stream has done it: the device's time, without the host's launch and synchronisation (about 10 us,
-    which would inflate the small sizes' latency, as nccl-tests' own timing does not)."""
+    until nccl's stream has done it; the stream is held busy for about a millisecond before the first event
+    (`torch.cuda._sleep`), so that the host has issued the call by the time the device reaches it: the device's time,
+    without the host's launch (Python, c10d, the kernel launch: tens of us, which would inflate the small sizes'
+    latency, as nccl-tests' own timing does not)."""
     import torch
     import torch.distributed as dist
 
@@ -186,6 +193,7 @@ def _measure(runs: list, iters: list[int], warmup: int, device, before=None) -> 
             if cuda:
                 begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 torch.cuda.synchronize()
+                torch.cuda._sleep(HOLD_CYCLES)
                 begin.record()
                 run()
                 end.record()

@@ -55,7 +55,7 @@ from disttrain.checkpoint.statefile import (
 )
 from disttrain.collectives import gather_json
 from disttrain.config import CheckpointConfig
-from disttrain.errors import ConfigError, UserError
+from disttrain.errors import UserError
 from disttrain.runtime import Runtime, loopback_gloo
 
 log = logging.getLogger(__name__)
@@ -110,14 +110,10 @@ class CheckpointManager:
         self.info = dict(info or {})  # recorded in every manifest: strategy, config hash, ...
         self._pending: threading.Thread | None = None
         self._staging: dict[str, torch.Tensor] = {}  # async saves copy into these (reused: no page faults)
-        self._dcp_group = None  # async sharded saves: DCP's collectives on a gloo group of their own
+        self._dcp_group = None  # async sharded saves: DCP's collectives on a gloo group of their own (False: none
+        # can reach every node, and sharded saves are synchronous)
         self._pending_error: BaseException | None = None
         self._copied: threading.Event | None = None  # set once an async save's snapshot is taken
-        if self.cfg.async_save and runtime is not None and runtime.distributed:  # its gloo group, before any step
-            problem = loopback_gloo(runtime.world_size, runtime.launch.local_world_size)
-            if problem:
-                raise ConfigError(f"checkpoint.async_save = true on several nodes saves through a gloo group: "
-                                  f"{problem}; or set checkpoint.async_save = false")
 
     # -- facts -------------------------------------------------------------------------------------
 
@@ -222,20 +218,28 @@ class CheckpointManager:
     def load_best_checkpoint(self, model: torch.nn.Module, optimizer=None, scheduler=None) -> dict[str, Any] | None:
         """Load the best checkpoint (the newest saved with `is_best=True`, else the best by `best_metric`) into
         `model`; its metadata, or None when there is none. Every rank calls it."""
+        self._arrive("load_best_checkpoint")  # before the broadcast: a rank that does not call it is named
         best = -1
         if self.rank == 0:
-            flagged = [s for s in self.list() if self.manifest(s).get("metrics", {}).get("is_best")]
+            try:
+                flagged = [s for s in self.list() if self.manifest(s).get("metrics", {}).get("is_best")]
+            except (OSError, ValueError, AttributeError):  # a damaged manifest: every rank raises below, alike
+                flagged, best = [], -2
             by_metric = self.best()
-            best = flagged[-1] if flagged else -1 if by_metric is None else by_metric
+            best = best if best == -2 else flagged[-1] if flagged else -1 if by_metric is None else by_metric
         best = self.rank0(best)
+        if best == -2:
+            raise CheckpointError(f"a manifest in {self.dir} could not be read; `disttrain ckpt verify {self.dir}` "
+                                  "names it")
         return None if best < 0 else self._load_into(best, model, optimizer, scheduler)
 
     def _load_into(self, step, model, optimizer, scheduler) -> dict[str, Any] | None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-        if step == "latest" and self.rank0(0 if self.latest() is None else 1) == 0:
-            self._arrive("load")  # (collective even when there is nothing: every rank returns None together)
-            return None
+        if step == "latest":
+            self._arrive("load_latest_checkpoint")  # before the broadcast: a rank that does not call it is named
+            if self.rank0(0 if self.latest() is None else 1) == 0:  # rank 0's view of the folder
+                return None  # (every rank together)
         from disttrain.parallel.state import dtensor_targets  # a sharded model: each rank reads its own shards
 
         state = self.load(step, target=dtensor_targets(model))
@@ -269,12 +273,19 @@ class CheckpointManager:
         skeleton = None
         if state.get("local_parts") and self._distributed():  # each rank holds other keys (pipeline stages)
             skeleton = merge_skeletons(gather_json(flatten(state)[0]))
-        if self.cfg.async_save:
-            if sharded and self._distributed() and self._dcp_group is None:
-                # DCP's own collectives run in the background thread; on the default group they would
-                # interleave with training's (measured: hangs, gloo size mismatches), so they get a group
-                # of their own. Created here, where every rank is (it is a collective call).
+        if self.cfg.async_save and sharded and self._distributed() and self._dcp_group is None:
+            # DCP's own collectives run in the background thread; on the default group they would
+            # interleave with training's (measured: hangs, gloo size mismatches), so they get a group
+            # of their own. Created here, where every rank is (it is a collective call).
+            problem = loopback_gloo(self.world_size, self.runtime.launch.local_world_size)
+            if self._any_rank_failed(problem is not None, collective=True):  # every rank takes the same path
+                self._dcp_group = False
+                if problem:
+                    log.warning("checkpoint.async_save: saving synchronously, since a gloo group for the background "
+                                "saves would not reach the other nodes from this one: %s", problem)
+            else:
                 self._dcp_group = dist.new_group(backend="gloo")
+        if self.cfg.async_save and self._dcp_group is not False:
             # a full layout is written by rank 0 alone: the other ranks copy only their own state (their RNG)
             both = {"state": state if sharded or self.rank == 0 else {}, "rank": rank_state}
             self._copied = threading.Event()
@@ -426,8 +437,8 @@ class CheckpointManager:
             if hasattr(t, "to_local"):  # the same shard of the same global tensor, now in host memory
                 from torch.distributed.tensor import DTensor
 
-                # the host copy under the same spec, as torch's own `_create_cpu_state_dict` stages a DTensor:
-                # `from_local` would move it back to the mesh's device type (onto a GPU)
+                # the host copy under the same spec (a host tensor on a GPU mesh, as FSDP2's CPU offload holds its
+                # shards): `from_local` would move it back to the mesh's device type, onto a GPU
                 staged[key] = DTensor(buf, t._spec, requires_grad=False)
             else:
                 staged[key] = buf

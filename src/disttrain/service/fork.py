@@ -78,10 +78,8 @@ def fork_problem() -> str | None:
     if others:
         return f"{len(others)} other Python thread(s) run in this process ({', '.join(others[:3])})"
     torch = sys.modules.get("torch")
-    if (torch is not None and torch.cuda.is_initialized()) or _cuda_driver_loaded():
-        # (before counting native threads: the driver starts its own, and the message would blame torch's pool)
-        return ("CUDA is already initialised in this process (torch.cuda.is_available() or any CUDA call started "
-                "the driver; a forked worker cannot use it)")
+    if torch is not None and torch.cuda.is_initialized():  # (before counting native threads: CUDA starts its own)
+        return "CUDA is already initialised in this process"
     native, deadline = _native_threads(), time.monotonic() + 1.0
     native -= _after_import() if native > 1 else 1  # (only asked when there is more than the main thread)
     while native > 0 and time.monotonic() < deadline:  # a thread just joined (tqdm's monitor) can still be listed
@@ -94,9 +92,10 @@ def fork_problem() -> str | None:
     return None
 
 
-def _cuda_driver_loaded() -> bool:
+def cuda_driver_loaded() -> bool:
     """Whether the CUDA driver library is mapped into this process: `torch.cuda.is_available()` loads and starts it
-    without `torch.cuda.is_initialized()` turning true, and a forked child cannot use a driver its parent started."""
+    without `torch.cuda.is_initialized()` turning true, and a forked child cannot use a driver its parent started
+    (workers that train on the CPU do not mind)."""
     try:
         return "libcuda.so" in Path("/proc/self/maps").read_text()
     except OSError:

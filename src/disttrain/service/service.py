@@ -173,12 +173,17 @@ class ServiceOptions:
 
     def _check_fork(self, live: dict[str, Any]) -> None:
         """Live objects reach workers only by forking: refuse, in one line, where that cannot happen."""
-        from disttrain.service.fork import check_fork
+        from disttrain.service.fork import ForkUnsafe, check_fork, cuda_driver_loaded
 
         given = ", ".join(f"{k}=" for k in live)
         if self.launcher != "local":
             raise ConfigError(f"as_service({given}...): objects reach workers by forking the driver, which the "
                               f"{self.launcher!r} launcher cannot do; pass import paths (model_fn='pkg.mod:factory')")
+        if self.device != "cpu" and cuda_driver_loaded():
+            raise ForkUnsafe(f"as_service({given}...): cannot fork workers that train on a GPU: CUDA's driver already "
+                             "started in this process (torch.cuda.is_available() or a CUDA call did that; with "
+                             "PYTORCH_NVML_BASED_CUDA_CHECK=1 is_available() does not), and a forked worker cannot use "
+                             "it; create the service first, or pass import paths (model_fn='pkg.mod:factory')")
         check_fork(f"as_service({given}...): cannot fork workers")
 
     def as_blocking_service(self, *args: Any, **kwargs: Any):
@@ -502,9 +507,6 @@ def _import_paths() -> list[str]:
     return [os.path.abspath(p) for p in dict.fromkeys(paths) if p and os.path.isdir(p)]
 
 
-__all__ = ["RemoteError", "ServiceOptions", "TrainingService", "WorkerFailure", "WorkersRestarted", "split_batch"]
-
-
 def _local_ranks(launcher, procs: int, gpu_ranks: bool = True) -> list[tuple[int, int]]:
     """(local rank, ranks on its node) of each rank, as torchrun would set them: all on this machine for the local
     launchers; under Ray by the node each actor landed on, with local rank 0 for an actor Ray gave GPUs (it sees only
@@ -526,3 +528,5 @@ def _local_ranks(launcher, procs: int, gpu_ranks: bool = True) -> list[tuple[int
     return [(0 if ids else [r for r, n in enumerate(nodes) if n == node].index(rank), nodes.count(node))
             for rank, (node, ids) in enumerate(zip(nodes, gpus, strict=True))]
 
+
+__all__ = ["RemoteError", "ServiceOptions", "TrainingService", "WorkerFailure", "WorkersRestarted", "split_batch"]
