@@ -99,6 +99,7 @@ def test_slurm_rendezvous_is_the_first_node_of_the_step():
     assert first_host("login2,gpu[01-04]") == "login2"
     assert first_host("a-b[9,11-12]") == "a-b9"
     assert first_host("node[1-2]-ib,x") == "node1-ib"
+    assert first_host("rack[1-2]-n[01-04],z") == "rack1-n01"
 
 
 def test_gloo_across_nodes_from_a_host_named_on_loopback_is_refused(monkeypatch):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -101,12 +102,13 @@ class Runtime:
 def pick_device(device: str, local_rank: int, visible: int | None = None, bound: bool | None = None
                 ) -> torch.device:
     """The rank's device: GPU `local_rank` of those it sees (`visible`, default torch.cuda.device_count()), or GPU 0
-    where it sees one that the launcher bound to it (`bound`, default: CUDA_VISIBLE_DEVICES is set, as Slurm's
-    --gpus-per-task and Ray set it per rank); ConfigError where it sees fewer than its local rank needs (two ranks
-    would share a GPU: nccl refuses)."""
+    where it sees one that the launcher bound to it (`bound`, default: Slurm's `--gpus-per-task`, which gives each
+    task a GPU of its own; Ray's actors come as local rank 0); ConfigError where it sees fewer than its local rank
+    needs (two ranks would share a GPU: nccl refuses). A CUDA_VISIBLE_DEVICES of one GPU alone binds nothing: torchrun
+    gives every rank the same, as does Slurm's `--gres=gpu:1` to each task of a node."""
     if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
         visible = torch.cuda.device_count() if visible is None else visible
-        bound = "CUDA_VISIBLE_DEVICES" in os.environ if bound is None else bound
+        bound = bool(os.environ.get("SLURM_GPUS_PER_TASK")) if bound is None else bound
         if visible == 1 and (bound or local_rank == 0):
             return torch.device("cuda", 0)
         if visible and local_rank >= visible:
@@ -183,12 +185,14 @@ def _attempt_store(info: LaunchInfo, timeout_s: float):
 def first_host(nodelist: str) -> str:
     """The first host of a Slurm node list: "gpu[003-010,012],big1" -> "gpu003" (what `scontrol show hostnames`
     lists first)."""
-    name, _, rest = nodelist.strip().partition("[")
-    name = name.split(",")[0]
-    if not rest or "," in nodelist.partition("[")[0]:  # no range, or a plain name before the first range
-        return name
-    ranges, _, after = rest.partition("]")
-    return name + ranges.split(",")[0].split("-")[0] + after.split(",")[0].split("[")[0]
+    host, depth = [], 0
+    for char in nodelist.strip():  # the first entry: up to a comma outside brackets
+        if char == "," and not depth:
+            break
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        host.append(char)
+    # each bracket's first value: "[003-010,012]" -> "003"
+    return re.sub(r"\[([^\]]*)\]", lambda m: m.group(1).split(",")[0].split("-")[0], "".join(host))
 
 
 def loopback_gloo(world: int, local_world: int, hostname: str | None = None) -> str | None:
@@ -201,7 +205,7 @@ def loopback_gloo(world: int, local_world: int, hostname: str | None = None) -> 
         return None
     import socket
 
-    if os.environ.get("MASTER_ADDR", "").startswith("127.") or os.environ.get("MASTER_ADDR") == "localhost":
+    if os.environ.get("MASTER_ADDR", "").startswith("127.") or os.environ.get("MASTER_ADDR") in ("localhost", "::1"):
         return None
     host = hostname or socket.gethostname()
     try:

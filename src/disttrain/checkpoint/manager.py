@@ -223,10 +223,10 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 flagged = [s for s in self.list() if self.manifest(s).get("metrics", {}).get("is_best")]
+                by_metric = self.best()
+                best = flagged[-1] if flagged else -1 if by_metric is None else by_metric
             except (OSError, ValueError, AttributeError):  # a damaged manifest: every rank raises below, alike
-                flagged, best = [], -2
-            by_metric = self.best()
-            best = best if best == -2 else flagged[-1] if flagged else -1 if by_metric is None else by_metric
+                best = -2
         best = self.rank0(best)
         if best == -2:
             raise CheckpointError(f"a manifest in {self.dir} could not be read; `disttrain ckpt verify {self.dir}` "
@@ -238,7 +238,7 @@ class CheckpointManager:
 
         if step == "latest":
             self._arrive("load_latest_checkpoint")  # before the broadcast: a rank that does not call it is named
-            if self.rank0(0 if self.latest() is None else 1) == 0:  # rank 0's view of the folder
+            if self.rank0(1 if self.rank == 0 and self.latest() is not None else 0) == 0:  # rank 0's view alone
                 return None  # (every rank together)
         from disttrain.parallel.state import dtensor_targets  # a sharded model: each rank reads its own shards
 
@@ -285,7 +285,7 @@ class CheckpointManager:
                                 "saves would not reach the other nodes from this one: %s", problem)
             else:
                 self._dcp_group = dist.new_group(backend="gloo")
-        if self.cfg.async_save and self._dcp_group is not False:
+        if self.cfg.async_save and not (sharded and self._dcp_group is False):
             # a full layout is written by rank 0 alone: the other ranks copy only their own state (their RNG)
             both = {"state": state if sharded or self.rank == 0 else {}, "rank": rank_state}
             self._copied = threading.Event()

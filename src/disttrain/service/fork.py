@@ -64,7 +64,7 @@ class ForkUnsafe(ConfigError):
     """This process cannot fork workers safely (see the module docstring)."""
 
 
-def fork_problem() -> str | None:
+def fork_problem(gpu: bool = False) -> str | None:
     """Why forking this process now would be unsafe, or None. Counted: Python threads and native ones (GNU OpenMP,
     torch's intra-op pool on CPU, is not fork-safe: once a parallel operation ran here with more than one thread, a
     forked child that runs one hangs). tqdm's monitor thread, which any progress bar starts (transformers' loading
@@ -80,6 +80,9 @@ def fork_problem() -> str | None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():  # (before counting native threads: CUDA starts its own)
         return "CUDA is already initialised in this process"
+    if gpu and cuda_driver_loaded():  # (`gpu`: the children train on a GPU; CPU workers do not mind)
+        return ("CUDA's driver already started in this process (torch.cuda.is_available() or a CUDA call did that; "
+                "with PYTORCH_NVML_BASED_CUDA_CHECK=1 is_available() does not), and a forked worker cannot use it")
     native, deadline = _native_threads(), time.monotonic() + 1.0
     native -= _after_import() if native > 1 else 1  # (only asked when there is more than the main thread)
     while native > 0 and time.monotonic() < deadline:  # a thread just joined (tqdm's monitor) can still be listed
@@ -102,21 +105,21 @@ def cuda_driver_loaded() -> bool:
         return False
 
 
-def check_fork(what: str = "cannot fork workers") -> None:
+def check_fork(what: str = "cannot fork workers", gpu: bool = False) -> None:
     """ForkUnsafe (one line, naming the fix) where `fork_problem` finds one."""
-    problem = fork_problem()
+    problem = fork_problem(gpu)
     if problem:
         raise ForkUnsafe(f"{what}: {problem}; or pass import paths instead (model_fn='pkg.mod:factory', "
                          "optimizer_fn=..., loss_fn='pkg.mod:fn'), whose workers start as fresh processes")
 
 
-def fork_process(fn: Callable[..., int | None], *args: Any, keep: tuple[int, ...] = ()) -> int:
+def fork_process(fn: Callable[..., int | None], *args: Any, keep: tuple[int, ...] = (), gpu: bool = False) -> int:
     """Fork a child that runs `fn(*args)` and exits with its return value (0 unless an int; 1 if it raised, its
     traceback on stderr); returns the child's pid. The child starts a session of its own (Ctrl-C in the terminal
     reaches the driver, not every worker, as for spawned workers), dies with this process (`PR_SET_PDEATHSIG`), and
     leaves the sockets it inherited but `keep` (it holds none of the driver's connections: one the driver closes
-    must reach its peer's end of file)."""
-    check_fork()
+    must reach its peer's end of file). `gpu`: the child will use a GPU."""
+    check_fork(gpu=gpu)
     parent = os.getpid()
     sys.stdout.flush()
     sys.stderr.flush()

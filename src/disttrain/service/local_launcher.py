@@ -87,9 +87,10 @@ class ForkLauncher(LocalLauncher):
 
     name = "fork"
 
-    def __init__(self, live: dict[str, Any], env: dict[str, str] | None = None, log_dir: str | None = None):
+    def __init__(self, live: dict[str, Any], env: dict[str, str] | None = None, log_dir: str | None = None,
+                 gpu: bool = False):
         super().__init__(env, log_dir)
-        self.live = live
+        self.live, self.gpu = live, gpu  # `gpu`: the workers train on a GPU (each fork checks the driver: restarts)
 
     async def spawn(self, host: str, port: int, token: str, procs: int, heartbeat_s: float
                     ) -> list[socket.socket]:
@@ -103,7 +104,8 @@ class ForkLauncher(LocalLauncher):
                 mine, theirs = socket.socketpair()
                 fd = theirs.detach()
                 try:  # the child keeps only its own end of every socket this process holds
-                    pid = fork_process(_serve_forked, fd, token, rank, procs, heartbeat_s, self.env, log, keep=(fd,))
+                    pid = fork_process(_serve_forked, fd, token, rank, procs, heartbeat_s, self.env, log, keep=(fd,),
+                                       gpu=self.gpu)
                 except BaseException:
                     mine.close()
                     raise

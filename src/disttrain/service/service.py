@@ -173,18 +173,13 @@ class ServiceOptions:
 
     def _check_fork(self, live: dict[str, Any]) -> None:
         """Live objects reach workers only by forking: refuse, in one line, where that cannot happen."""
-        from disttrain.service.fork import ForkUnsafe, check_fork, cuda_driver_loaded
+        from disttrain.service.fork import check_fork
 
         given = ", ".join(f"{k}=" for k in live)
         if self.launcher != "local":
             raise ConfigError(f"as_service({given}...): objects reach workers by forking the driver, which the "
                               f"{self.launcher!r} launcher cannot do; pass import paths (model_fn='pkg.mod:factory')")
-        if self.device != "cpu" and cuda_driver_loaded():
-            raise ForkUnsafe(f"as_service({given}...): cannot fork workers that train on a GPU: CUDA's driver already "
-                             "started in this process (torch.cuda.is_available() or a CUDA call did that; with "
-                             "PYTORCH_NVML_BASED_CUDA_CHECK=1 is_available() does not), and a forked worker cannot use "
-                             "it; create the service first, or pass import paths (model_fn='pkg.mod:factory')")
-        check_fork(f"as_service({given}...): cannot fork workers")
+        check_fork(f"as_service({given}...): cannot fork workers", gpu=self.device != "cpu")
 
     def as_blocking_service(self, *args: Any, **kwargs: Any):
         """`as_service` for a plain script: returns a `BlockingService` (callers.py) whose methods block until their
@@ -244,7 +239,7 @@ class TrainingService:
 
             return RayLauncher(self.options)
         if self._live:
-            return ForkLauncher(self._live, self.options.env, self.options.log_dir)
+            return ForkLauncher(self._live, self.options.env, self.options.log_dir, gpu=self.options.device != "cpu")
         return LocalLauncher(self.options.env, self.options.log_dir)
 
     async def _start(self) -> None:
