@@ -223,7 +223,8 @@ def straggler(values: dict[str, Any], factor: float = 1.2) -> str:
     return f"rank {values['slowest_rank']} {ratio:.1f}x"
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of (start, end) intervals, as sorted disjoint intervals."""
     merged: list[tuple[float, float]] = []
     for start, end in sorted(intervals):
         if merged and start <= merged[-1][1]:
@@ -258,7 +259,7 @@ def comm_overlap(trace: dict, steps: int) -> dict[str, float] | None:
     spans = {True: [], False: []}
     for e in kernels:
         spans[str(e.get("name", "")).lower().startswith("nccl")].append((float(e["ts"]), float(e["ts"]) + e["dur"]))
-    comm, compute = _union(spans[True]), _union(spans[False])
+    comm, compute = merge_intervals(spans[True]), merge_intervals(spans[False])
     comm_us = sum(end - start for start, end in comm)
     exposed_us = comm_us - _overlap(comm, compute)
     return {"steps": steps, "comm_s": comm_us / 1e6 / steps, "comm_exposed_s": exposed_us / 1e6 / steps,

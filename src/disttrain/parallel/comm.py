@@ -50,6 +50,8 @@ from typing import Any
 
 import torch
 
+from disttrain.perf import merge_intervals
+
 log = logging.getLogger(__name__)
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
@@ -133,7 +135,7 @@ class CommMeter:
         """(seconds with a collective in flight, bytes) since the previous call; resets both. On the device the
         seconds are None where a collective could not be timed (nccl's timing off, or gloo)."""
         with self._lock:
-            intervals, nbytes, untimed = sorted(self._intervals), self._bytes, self._untimed
+            intervals, nbytes, untimed = self._intervals, self._bytes, self._untimed
             self._intervals, self._bytes, self._untimed = [], 0, False
             if self.on_device:
                 self._drain(wait=True)
@@ -141,18 +143,13 @@ class CommMeter:
                 self._device_s, self._spans, self._origin = 0.0, [], None
                 if device_s is None or untimed:
                     return None, nbytes
-                return device_s + union_length(sorted(spans)), nbytes
+                return device_s + union_length(spans), nbytes
         return (None if untimed else union_length(intervals)), nbytes
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
-    """The length of the union of sorted (start, end) intervals: time with at least one of them in progress."""
-    total, reach = 0.0, float("-inf")
-    for start, end in intervals:
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
+    """Time with at least one of the (start, end) intervals in progress."""
+    return sum(end - start for start, end in merge_intervals(intervals))
 
 
 class _Timing:
