@@ -45,6 +45,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from disttrain.parallel.comm import merge_intervals
+
 # Dense peak TFLOP/s of one device by the dtype its matmuls run in (vendor data sheets, without sparsity).
 # Matched against torch.cuda.get_device_name() in this order: the first key found in the name that no letter or
 # digit follows ("L4" is not the "NVIDIA L40"; "H200" is the "NVIDIA GH200 480GB"'s GPU).
@@ -221,17 +223,6 @@ def straggler(values: dict[str, Any], factor: float = 1.2) -> str:
     if ratio is None or not math.isfinite(ratio) or ratio < factor:
         return ""
     return f"rank {values['slowest_rank']} {ratio:.1f}x"
-
-
-def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The union of (start, end) intervals, as sorted disjoint intervals."""
-    merged: list[tuple[float, float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
 
 
 def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:

@@ -50,8 +50,6 @@ from typing import Any
 
 import torch
 
-from disttrain.perf import merge_intervals
-
 log = logging.getLogger(__name__)
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
@@ -145,6 +143,17 @@ class CommMeter:
                     return None, nbytes
                 return device_s + union_length(spans), nbytes
         return (None if untimed else union_length(intervals)), nbytes
+
+
+def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of (start, end) intervals, as sorted disjoint intervals."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
