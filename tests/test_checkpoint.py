@@ -300,6 +300,27 @@ def test_sharded_state_goes_through_dcp_with_json_metadata_and_no_pickle(tmp_pat
     assert torch.equal(full["model"]["tok_emb.weight"], backend.model.tok_emb.weight.full_tensor())
 
 
+def test_async_sharded_saves_are_synchronous_where_a_gloo_group_would_not_reach_every_node(
+        tmp_path, one_rank_group, monkeypatch, caplog):
+    """Async sharded saves run DCP on a gloo group of their own; where gloo would give the other nodes a loopback
+    address (runtime.loopback_gloo, stood in for here: this machine is one node) the ranks agree to save
+    synchronously instead, with a warning, and a full-layout save stays asynchronous."""
+    from disttrain.checkpoint import manager as manager_module
+
+    monkeypatch.setattr(manager_module, "loopback_gloo", lambda world, local: "this host's name resolves to loopback")
+    backend = fsdp_gpt(one_rank_group)
+    train_step(backend)
+    manager = CheckpointManager(tmp_path, CheckpointConfig(async_save=True), runtime=one_rank_group)
+    with caplog.at_level(logging.WARNING, logger="disttrain.checkpoint.manager"):
+        manager.save(1, backend.state_dict())
+    assert manager._pending is None and (tmp_path / "step_1" / COMMIT).exists()  # written before save returned
+    assert "saving synchronously" in caplog.text and manager._dcp_group is False
+    manager.save(2, {"model": {"w": torch.ones(3)}})  # a full layout: no gloo group, still in the background
+    assert manager._pending is not None
+    manager.wait()
+    assert manager.list() == [1, 2]
+
+
 def test_a_pickle_planted_in_a_dcp_shard_is_refused_and_loading_falls_back(tmp_path, one_rank_group, caplog):
     """The shard's sha256 and the commit marker are forged to match, so it is the loader (DCP's
     `torch.load(weights_only=True)`) that refuses the file: a damaged checkpoint, skipped like any other."""
