@@ -241,7 +241,7 @@ class TrainingBackend:
         totals = torch.cat([torch.stack([loss_sum, count]), flags])
         work = dist.all_reduce(totals, async_op=True) if self.runtime.distributed else None
         if work is not None and self.runtime.device.type != "cpu":
-            meter = getattr(self.prepared, "comm", None)
+            meter = self.prepared.comm
             if meter is not None and meter.on_device:
                 meter.timed(work, 0, 0.0)  # nccl's timing of it; the step's bookkeeping, not the model's bytes
             work.wait()

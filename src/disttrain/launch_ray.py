@@ -27,7 +27,7 @@ from pathlib import Path
 from disttrain.config import Config, ray_resources
 from disttrain.console import DRAWS_ENV, Console
 from disttrain.runtime import install_stop_handler, restore_handlers
-from disttrain.service.ray_launcher import connect, node_order, place
+from disttrain.service.ray_launcher import connect, local_ranks, node_order, place
 
 
 class _TrainActor:
@@ -137,11 +137,11 @@ def _attempt(ray, actors, cfg: Config, config_path: Path, attempt: int, stop: _F
     total = (cfg.train.stop_at or cfg.train.steps) if cfg.log.progress else 0
     logs = run_dir / "logs"
     refs = []
+    local = local_ranks([p["node"] for p in places], [p["gpus"] for p in places])
     for rank, (actor, where) in enumerate(zip(actors, places, strict=True)):
-        same_node = [r for r, p in enumerate(places) if p["node"] == where["node"]]
         env = {"RANK": str(rank), "WORLD_SIZE": str(procs), "GROUP_RANK": str(nodes.index(where["node"])),
-               "LOCAL_RANK": "0" if where["gpus"] else str(same_node.index(rank)),
-               "LOCAL_WORLD_SIZE": str(len(same_node)), "MASTER_ADDR": host, "MASTER_PORT": str(store.port),
+               "LOCAL_RANK": str(local[rank][0]), "LOCAL_WORLD_SIZE": str(local[rank][1]),
+               "MASTER_ADDR": host, "MASTER_PORT": str(store.port),
                "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": str(attempt),
                DRAWS_ENV: "1" if total else "0",  # this process draws the bar
                "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}

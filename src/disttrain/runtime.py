@@ -99,16 +99,14 @@ class Runtime:
                 dist.barrier()
 
 
-def pick_device(device: str, local_rank: int, visible: int | None = None, bound: bool | None = None
-                ) -> torch.device:
+def pick_device(device: str, local_rank: int, visible: int | None = None, bound: bool = False) -> torch.device:
     """The rank's device: GPU `local_rank` of those it sees (`visible`, default torch.cuda.device_count()), or GPU 0
-    where it sees one that the launcher bound to it (`bound`, default: Slurm's `--gpus-per-task`, which gives each
-    task a GPU of its own; Ray's actors come as local rank 0); ConfigError where it sees fewer than its local rank
+    where it sees one that the launcher bound to it (`bound`: Slurm's `--gpus-per-task`, which gives each task a GPU
+    of its own; Ray's actors come as local rank 0); ConfigError where it sees fewer than its local rank
     needs (two ranks would share a GPU: nccl refuses). A CUDA_VISIBLE_DEVICES of one GPU alone binds nothing: torchrun
     gives every rank the same, as does Slurm's `--gres=gpu:1` to each task of a node."""
     if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
         visible = torch.cuda.device_count() if visible is None else visible
-        bound = bool(os.environ.get("SLURM_GPUS_PER_TASK")) if bound is None else bound
         if visible == 1 and (bound or local_rank == 0):
             return torch.device("cuda", 0)
         if visible and local_rank >= visible:
@@ -132,8 +130,10 @@ def init_runtime(cfg: DistConfig, environ: Mapping[str, str] | None = None, alwa
     strategies such as DDP or FSDP then run unchanged at world size 1, e.g. to resume a 2-rank FSDP
     checkpoint on one process. An existing process group (formed by the user) is used as it is.
     """
-    info = detect_launch(os.environ if environ is None else environ)
-    device = pick_device(cfg.device, info.local_rank)
+    env = os.environ if environ is None else environ
+    info = detect_launch(env)
+    device = pick_device(cfg.device, info.local_rank,
+                         bound=info.launcher == "slurm" and bool(env.get("SLURM_GPUS_PER_TASK")))
     backend = pick_backend(cfg.backend, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -164,7 +164,7 @@ def init_runtime(cfg: DistConfig, environ: Mapping[str, str] | None = None, alwa
         )
     runtime = Runtime(info, device, dist.get_backend(), distributed=True)
     _check_world_agrees(runtime)
-    _check_node_ranks(runtime, os.environ if environ is None else environ)
+    _check_node_ranks(runtime, env)
     return runtime
 
 

@@ -247,7 +247,7 @@ class Trainer:
     def _resume(self, manager: CheckpointManager, backend: TrainingBackend, runtime: Runtime) -> tuple[int, int]:
         """(step, sample cursor) to start from: 0, 0 for a fresh run."""
         mode = self.cfg.checkpoint.resume
-        if mode == "never" or (mode == "auto" and not manager.rank0(len(manager.list()))):  # rank 0's view of it
+        if mode == "never" or (mode == "auto" and not manager.has_checkpoint()):  # rank 0's view of the folder
             return 0, 0
         target = backend.prepared.checkpoint_target
         if mode == "auto":

@@ -374,8 +374,10 @@ def _state(backend) -> list:
     """The parameters and the optimizer's state, copied (a rank's local shards under FSDP2)."""
     import torch
 
+    from disttrain.parallel.state import local_tensor
+
     def local(t):
-        return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+        return local_tensor(t).detach().clone()
 
     state = [local(t) for s in backend.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     return [local(p) for p in backend.model.parameters()] + state
@@ -477,8 +479,10 @@ def check_queued_step(args, check: Check, strategies: tuple[str, ...] = ("ddp", 
             step(saved, i)
         loaded = _backend(cfg, runtime, factory=fused)
         loaded.load_state_dict(copy.deepcopy(saved.state_dict()))  # (both go on: neither may hold the other's)
+        from disttrain.parallel.state import local_tensor
+
         steps_placed = all(
-            s["step"].device == (p.to_local() if hasattr(p, "to_local") else p).device
+            s["step"].device == local_tensor(p).device
             and s["step"].dtype == torch.float32 for p, s in loaded.optimizer.state.items())
         step(saved, 2)
         step(loaded, 2)

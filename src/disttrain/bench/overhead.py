@@ -131,11 +131,11 @@ def check_strategies(args: argparse.Namespace) -> None:
 
     from disttrain.config import uses_cuda
 
-    gpus = torch.cuda.device_count()  # the ranks run where the job does: one GPU each where there are GPUs
-    limit, what = rank_limit(gpus if uses_cuda(_config(args), gpus) else 0)
+    cfg, gpus = _config(args), torch.cuda.device_count()  # the ranks run where the job does: a GPU each, if any
+    limit, what = rank_limit(gpus if uses_cuda(cfg, gpus) else 0)
     if args.nproc > limit:
         raise ConfigError(f"--nproc {args.nproc}: more ranks than this machine can start ({what}); use at most {limit}")
-    validate(_config(args), gpus, args.nproc)  # the job as --set leaves it (its message names the setting)
+    validate(cfg, gpus, args.nproc)  # the job as --set leaves it (its message names the setting)
     names = [s for s in args.strategies.split(",") if s]
     if not names:
         raise ConfigError("--strategies is empty; name at least one, e.g. --strategies ddp,pp2,tp2")

@@ -223,8 +223,8 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 flagged = [s for s in self.list() if self.manifest(s).get("metrics", {}).get("is_best")]
-                by_metric = self.best()
-                best = flagged[-1] if flagged else -1 if by_metric is None else by_metric
+                best = flagged[-1] if flagged else self.best()
+                best = -1 if best is None else best
             except (OSError, ValueError, AttributeError):  # a damaged manifest: every rank raises below, alike
                 best = -2
         best = self.rank0(best)
@@ -238,7 +238,7 @@ class CheckpointManager:
 
         if step == "latest":
             self._arrive("load_latest_checkpoint")  # before the broadcast: a rank that does not call it is named
-            if self.rank0(1 if self.rank == 0 and self.latest() is not None else 0) == 0:  # rank 0's view alone
+            if not self.has_checkpoint():
                 return None  # (every rank together)
         from disttrain.parallel.state import dtensor_targets  # a sharded model: each rank reads its own shards
 
@@ -479,6 +479,10 @@ class CheckpointManager:
                 if self.rank == 0:
                     log.warning("skipping checkpoint step %d: %s", chosen, exc)
                 below = chosen
+
+    def has_checkpoint(self) -> bool:
+        """Whether rank 0 sees a checkpoint in the folder, on every rank (collective: `rank0`)."""
+        return bool(self.rank0(int(self.rank == 0 and bool(self.list()))))
 
     def rank0(self, value: int) -> int:
         """Rank 0's `value` on every rank (one broadcast; collective): what the folder holds, as rank 0 sees it, for

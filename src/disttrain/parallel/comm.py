@@ -66,11 +66,11 @@ class CommMeter:
         self._lock = threading.Lock()
         self._intervals: list[tuple[float, float]] = []
         self._pending: list[_Timing] = []
-        self._device_s: float | None = 0.0  # the Works' durations since `take()`
+        self._device_s = 0.0  # the Works' durations since `take()`
         self._spans: list[tuple[float, float]] = []  # the event-timed collectives', from `self._origin`
         self._origin: Any = None  # the window's first begin event, the clock the spans are read on
         self._bytes = 0
-        self._untimed = False  # a collective of this window went untimed (`untimed`)
+        self._untimed = False  # a collective of this window went untimed: its seconds are None
 
     def timed(self, work: Any, nbytes: int, start: float) -> Any:
         """Record a collective started at `start`. `work`: a Future (returned chained: whoever waits on it wakes
@@ -121,7 +121,10 @@ class CommMeter:
                 self._spans.append(span)
                 continue
             seconds = timing.seconds()  # None for one still running after the wait: not timed, not guessed
-            self._device_s = None if seconds is None or self._device_s is None else self._device_s + seconds
+            if seconds is None:
+                self._untimed = True
+            else:
+                self._device_s += seconds
         self._pending = keep
 
     def _done(self, start: float) -> None:
@@ -133,16 +136,13 @@ class CommMeter:
         """(seconds with a collective in flight, bytes) since the previous call; resets both. On the device the
         seconds are None where a collective could not be timed (nccl's timing off, or gloo)."""
         with self._lock:
-            intervals, nbytes, untimed = self._intervals, self._bytes, self._untimed
-            self._intervals, self._bytes, self._untimed = [], 0, False
             if self.on_device:
                 self._drain(wait=True)
-                device_s, spans = self._device_s, self._spans
-                self._device_s, self._spans, self._origin = 0.0, [], None
-                if device_s is None or untimed:
-                    return None, nbytes
-                return device_s + union_length(spans), nbytes
-        return (None if untimed else union_length(intervals)), nbytes
+            seconds = self._device_s + union_length(self._spans) if self.on_device else union_length(self._intervals)
+            out = (None if self._untimed else seconds), self._bytes
+            self._intervals, self._spans, self._device_s, self._bytes, self._untimed = [], [], 0.0, 0, False
+            self._origin = None
+            return out
 
 
 def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -76,6 +76,13 @@ def node_order(nodes: list[str], gpus: list[list[str]]) -> list[int]:
     return sorted(range(len(nodes)), key=key)
 
 
+def local_ranks(nodes: list[str], gpus: list[list[str]]) -> list[tuple[int, int]]:
+    """(local rank, ranks on its node) of each rank, as torchrun would set them, from the node each actor landed on:
+    local rank 0 for an actor Ray gave GPUs (it sees only those), else its place among its node's ranks."""
+    return [(0 if ids else nodes[:rank].count(node), nodes.count(node))
+            for rank, (node, ids) in enumerate(zip(nodes, gpus, strict=True))]
+
+
 class _Actor:
     """The body of each Ray actor (made a Ray class lazily, so importing this module never needs Ray)."""
 

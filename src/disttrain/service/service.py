@@ -520,8 +520,9 @@ def _local_ranks(launcher, procs: int, gpu_ranks: bool = True) -> list[tuple[int
                                   "node, and two ranks cannot share a GPU (nccl refuses); give each rank a whole GPU "
                                   "(gpus_per_worker = 1), or one rank (nproc = 1)")
             seen[node, gpu] = rank
-    return [(0 if ids else [r for r, n in enumerate(nodes) if n == node].index(rank), nodes.count(node))
-            for rank, (node, ids) in enumerate(zip(nodes, gpus, strict=True))]
+    from disttrain.service.ray_launcher import local_ranks
+
+    return local_ranks(nodes, gpus)
 
 
 __all__ = ["RemoteError", "ServiceOptions", "TrainingService", "WorkerFailure", "WorkersRestarted", "split_batch"]
