@@ -1,5 +1,6 @@
 """CheckpointManager on its own (no trainer): layout, retention, corruption, full disk, async, no pickle."""
 
+import hashlib
 import json
 import logging
 import math
@@ -12,6 +13,7 @@ import torch
 
 from conftest import SCRIPTS, run_cli
 from disttrain.checkpoint import COMMIT, LATEST, MANIFEST, CheckpointError, CheckpointManager
+from disttrain.checkpoint.statefile import ChecksumError
 from disttrain.cli import main
 from disttrain.config import CheckpointConfig
 
@@ -220,6 +222,36 @@ def test_one_bit_in_a_large_file_is_caught(tmp_path):
     assert manager.load()["big"][-1].item() == n - 1  # fell back to step 1
 
 
+def test_ranks_loading_together_share_the_files_none_of_them_reads(tmp_path):
+    """Each of n ranks hashes the files it reads and every n-th of the rest: a damaged file outside every rank's
+    reads is found by exactly one of them, and a file a rank reads is always checked by that rank."""
+    from disttrain.checkpoint import read_checkpoint_files
+
+    CheckpointManager(tmp_path).save(1, _state(), rank_state={"x": torch.ones(3)})
+    path = tmp_path / "step_1"
+    (path / "rank1.json").write_text("{}")  # another rank's files, as a 2-rank save leaves them
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["files"]["rank1.json"] = {"size": 2, "sha256": "0" * 64}  # damaged: its sha256 cannot match
+    manifest_bytes = json.dumps(manifest).encode()
+    (path / MANIFEST).write_bytes(manifest_bytes)
+    (path / COMMIT).write_text(hashlib.sha256(manifest_bytes).hexdigest())
+
+    def reads(name):
+        return name.startswith(("state", "rank0."))
+    outcomes = []
+    for share in [(0, 2), (1, 2)]:
+        try:
+            _, blobs = read_checkpoint_files(path, reads, share)
+            outcomes.append(sorted(blobs))
+        except ChecksumError as exc:
+            outcomes.append(str(exc))
+    found = [o for o in outcomes if isinstance(o, str)]
+    assert len(found) == 1 and "rank1.json: sha256 does not match" in found[0]
+    assert ["rank0.json", "rank0.safetensors", "state.json", "state.safetensors"] in outcomes  # only what it reads
+    with pytest.raises(ChecksumError, match="rank1.json"):
+        read_checkpoint_files(path, lambda name: name.startswith("rank1."), (1, 2))  # what a rank reads: checked
+
+
 def test_files_interoperate_with_the_safetensors_library(tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -351,12 +383,15 @@ def test_a_pickle_planted_in_a_dcp_shard_is_refused_and_loading_falls_back(tmp_p
 
 
 def test_a_pickle_planted_in_one_ranks_shard_makes_every_rank_fall_back(tmp_path):
-    """Two real ranks; only rank 1's shard is planted. DCP gathers the refusal, so both ranks skip step 2."""
+    """Two real ranks; only rank 1's shard is planted. DCP gathers the refusal, so both ranks skip step 2. Step 3
+    has a flipped byte in a file only rank 1 hashes: the ranks agree, and skip it too."""
     result = run_cli(["launch", "--fork", "--nproc", "2", "--run-dir", str(tmp_path / "launch"),
                       str(SCRIPTS / "planted_shard.py"), str(tmp_path)], tmp_path, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["step"] for r in ranks] == [1, 1] and all(r["same_as_step1"] for r in ranks)
     assert not (tmp_path / "pwned").exists()
-    [warning] = ranks[0]["warnings"]
-    assert warning.startswith("skipping checkpoint step 2: ") and "__1_0.distcp: refused" in warning
+    flipped, planted = ranks[0]["warnings"]
+    assert flipped.startswith("skipping checkpoint step 3: ") and "__1_0.distcp: sha256 does not match" in flipped
+    assert flipped.endswith("(found by rank 1)")  # rank 0 did not hash that file: the ranks share DCP's files
+    assert planted.startswith("skipping checkpoint step 2: ") and "__1_0.distcp: refused" in planted

@@ -7,7 +7,8 @@ from conftest import SCRIPTS, run_cli
 
 def test_the_design_documents_words_on_two_sharded_ranks(tmp_path):
     """save_checkpoint / load_latest_checkpoint / load_best_checkpoint (../shared/seeds/004) under FSDP2 on 2 ranks:
-    the best survives rotation, loads give back the saved values, and rank 0 calling alone fails fast."""
+    the best survives rotation, loads give back the saved values, a save or load waits for rank 0's slow async
+    write of the previous one longer than arrival_timeout_s, and rank 0 calling alone fails fast."""
     result = run_cli(["launch", "--fork", "--nproc", "2",
                       "--run-dir", str(tmp_path / "run"), str(SCRIPTS / "ckpt_words.py"),
                       str(tmp_path / "ckpt"), str(tmp_path / "out.json")], tmp_path, timeout=120)
@@ -17,5 +18,7 @@ def test_the_design_documents_words_on_two_sharded_ranks(tmp_path):
     assert out["kept"] == [2, 4, 5]  # keep_last = 2, and the checkpoint saved with is_best
     assert out["latest"] == {"step": 5, "equal": True, "moments": True}
     assert out["best"] == {"step": 2, "equal": True}
+    for rank in range(2):
+        assert json.loads((tmp_path / f"slow{rank}.json").read_text()) == [1.0, 2.0, 3.0, 4.0]
     assert "collective" in out["lonely"] and "rank(s) 1" in out["lonely"] and "if rank == 0" in out["lonely"]
     assert out["lonely_s"] < 10

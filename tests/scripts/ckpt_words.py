@@ -32,6 +32,19 @@ def full(model) -> dict[str, list]:
     return {n: p.full_tensor().flatten().tolist() for n, p in model.named_parameters()}
 
 
+def slow_storage(seconds: float) -> None:
+    """This rank's writes of a full state take `seconds` longer (a large model on slow storage)."""
+    import disttrain.checkpoint.manager as manager
+
+    write_state = manager.write_state
+
+    def slow(directory, name, state):
+        if name == "state":
+            time.sleep(seconds)
+        return write_state(directory, name, state)
+    manager.write_state = slow
+
+
 def main() -> None:
     folder, out = Path(sys.argv[1]), Path(sys.argv[2])
     runtime = init_runtime(DistConfig(threads_per_rank=1), always_form_group=True)
@@ -53,6 +66,18 @@ def main() -> None:
                         "moments": len(fresh_opt.state) == len(list(fresh.parameters()))}
     best = manager.load_best_checkpoint(fresh)
     result["best"] = {"step": best["step"], "equal": full(fresh) == saved[2]}
+    # rank 0 still writing a slow full-layout state when the next save and a load come: the others wait for it, and
+    # arrival_timeout_s bounds only the check-in of a rank that never calls
+    slow = CheckpointManager(folder / "slow", CheckpointConfig(async_save=True, arrival_timeout_s=1.5), runtime)
+    if runtime.rank == 0:
+        slow_storage(seconds=3)
+    try:
+        slow.save(1, {"w": torch.arange(4.0)})
+        slow.save(2, {"w": torch.arange(4.0) + 1})
+        result[f"slow{runtime.rank}"] = slow.load()["w"].tolist()
+    except CheckpointError as exc:
+        result[f"slow{runtime.rank}"] = str(exc)
+    (out.parent / f"slow{runtime.rank}.json").write_text(json.dumps(result[f"slow{runtime.rank}"]))
     # the manager called under `if rank == 0`: rank 0 stops with a message, rank 1 is never blocked
     lonely = CheckpointManager(folder / "lonely", CheckpointConfig(arrival_timeout_s=3), runtime)
     if runtime.rank == 0:

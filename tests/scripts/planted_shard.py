@@ -2,6 +2,9 @@
 
     disttrain launch --nproc 2 planted_shard.py OUT_DIR   (two ranks; the pickle goes into rank 1's shard)
 
+Step 1, 2 and 3 are saved; step 2 gets the pickle, step 3 a flipped byte in a shard file that only rank 1 hashes
+when the ranks load together: both ranks must skip both, and load step 1.
+
 Each rank writes OUT_DIR/rank<R>.json: the step it loaded, whether its parameters equal step 1's, and (rank
 0) the checkpoint warnings. `fsdp_gpt`, `train_step` and `plant_pickle` are also used by test_checkpoint.py.
 """
@@ -61,6 +64,12 @@ def plant_pickle(folder: Path, shard: str, marker: Path) -> None:
     (folder / "COMMITTED").write_text(hashlib.sha256(manifest_bytes).hexdigest())
 
 
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
 class _Recorder(logging.Handler):
     def __init__(self):
         super().__init__(logging.WARNING)
@@ -86,8 +95,11 @@ def main() -> None:
     step1 = [p.full_tensor().clone() for p in backend.model.parameters()]
     train_step(backend)
     manager.save(2, backend.state_dict())
+    train_step(backend)
+    manager.save(3, backend.state_dict())
     if runtime.rank == 0:
         plant_pickle(manager.path(2), "__1_0.distcp", out / "pwned")
+        flip_a_byte(manager.path(3) / "__1_0.distcp")  # a file only rank 1 hashes (the ranks share DCP's files)
     runtime.barrier()
 
     restored = fsdp_gpt(runtime)

@@ -37,9 +37,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
+from disttrain.checkpoint.layout import DCP_METADATA
 from disttrain.checkpoint.statefile import ChecksumError
-
-METADATA = "metadata.json"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -81,18 +80,18 @@ class JsonMetadataWriter(FileSystemWriter):
         storage = {result.index: result.storage_data for per_rank in results for result in per_rank}
         data = json.dumps(metadata_to_json(dataclasses.replace(metadata, storage_data=storage))).encode()
         path = Path(self.path)
-        tmp = path / f".{METADATA}.tmp"
+        tmp = path / f".{DCP_METADATA}.tmp"
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path / METADATA)
+        os.replace(tmp, path / DCP_METADATA)
         (path / ".metadata").unlink()
 
 
 class JsonMetadataReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = metadata_from_json(json.loads((Path(self.path) / METADATA).read_text()))
+        metadata = metadata_from_json(json.loads((Path(self.path) / DCP_METADATA).read_text()))
         metadata.storage_meta = StorageMeta(load_id=self.load_id)
         return metadata
 
@@ -127,12 +126,12 @@ def save_sharded(tensors: dict[str, torch.Tensor], path: Path, group=None) -> li
              process_group=group)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     written = [name for name in set(os.listdir(path)) - before if name.startswith(f"__{rank}_")]
-    return sorted(written + ([METADATA] if rank == 0 else []))
+    return sorted(written + ([DCP_METADATA] if rank == 0 else []))
 
 
 def tensor_metadata(path: Path) -> dict[str, dict[str, Any]]:
     """Global size and dtype of every tensor in a DCP folder (from the JSON metadata)."""
-    return json.loads((path / METADATA).read_text())["tensors"]
+    return json.loads((path / DCP_METADATA).read_text())["tensors"]
 
 
 def load_sharded(targets: dict[str, torch.Tensor], path: Path) -> None:

@@ -6,6 +6,7 @@ Layout (`<directory>` is usually `RUN_DIR/checkpoints`):
         state.safetensors, state.json      full state (model, optimizer, scheduler, counters, config), rank 0
                                            (a large state: state-0000i-of-0000n.safetensors, written and
                                            hashed in parallel; statefile.PART_BYTES)
+        __<R>_<n>.distcp, metadata.json    a sharded state instead (DCP, every rank its shards; dcp.py)
         rank<R>.safetensors, rank<R>.json  per-rank state (RNG), every rank
         files_rank<R>.json                 size + sha256 of the files rank R wrote (read by rank 0)
         manifest.json                      step, time, world size, strategy, config hash, versions, metrics,
@@ -27,6 +28,8 @@ from typing import Any
 from disttrain.checkpoint.statefile import ChecksumError, FileInfo, read_verified
 
 COMMIT, MANIFEST, LATEST = "COMMITTED", "manifest.json", "latest"
+DCP_METADATA = "metadata.json"
+"""A sharded checkpoint's DCP metadata, in JSON (dcp.py)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -50,8 +53,14 @@ def verify(path: Path) -> dict[str, Any]:
     return read_checkpoint_files(path)[0]
 
 
-def read_checkpoint_files(path: Path) -> tuple[dict[str, Any], dict[str, bytes]]:
-    """(manifest, {file name: verified bytes}): every file read once and checked against the manifest."""
+def read_checkpoint_files(path: Path, reads=None, share: tuple[int, int] = (0, 1)
+                          ) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """(manifest, {file name: verified bytes}): files read once and checked against the manifest.
+
+    By default every file is checked and returned. Ranks that check a checkpoint together give `reads` (the file
+    names this rank deserialises: checked and returned) and `share` = (their index, their count): of the other
+    files (DCP's shard files, other ranks' states) each is hashed by one of them only, so that a checkpoint is
+    hashed about once over the job, not once per rank; they agree on the outcome afterwards (manager.py)."""
     if not is_committed(path):
         raise ChecksumError(f"{path}: not committed (no {COMMIT} marker; the save did not finish)")
     if not (path / MANIFEST).is_file():
@@ -61,8 +70,12 @@ def read_checkpoint_files(path: Path) -> tuple[dict[str, Any], dict[str, bytes]]
         raise ChecksumError(f"{path / MANIFEST}: does not match the commit marker (altered)")
     manifest = json.loads(manifest_bytes)
     files = manifest["files"]
+    names = sorted(files)
+    kept = [name for name in names if reads is None or reads(name)]
+    others = [name for name in names if reads is not None and not reads(name)]
+    index, count = share
+    checked = kept + others[index::count]
     # hashlib releases the GIL: large files are verified in parallel (write_state splits large states)
-    with ThreadPoolExecutor(max(1, min(len(files), os.cpu_count() or 1))) as pool:
-        verified = pool.map(lambda item: read_verified(path / item[0], FileInfo(**item[1])), files.items())
-        blobs = dict(zip(files, verified, strict=True))
-    return manifest, blobs
+    with ThreadPoolExecutor(max(1, min(len(checked), os.cpu_count() or 1))) as pool:
+        verified = list(pool.map(lambda name: read_verified(path / name, FileInfo(**files[name])), checked))
+    return manifest, dict(zip(kept, verified[:len(kept)], strict=True))

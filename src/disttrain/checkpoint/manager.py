@@ -32,6 +32,7 @@ import torch.distributed as dist
 from disttrain._version import __version__
 from disttrain.checkpoint.layout import (
     COMMIT,
+    DCP_METADATA,
     LATEST,
     MANIFEST,
     is_committed,
@@ -189,6 +190,21 @@ class CheckpointManager:
                 f"for rank(s) {', '.join(map(str, missing))}, which did not call it; call it on every rank (not "
                 "under `if rank == 0`: rank 0 writes the manifest by itself)") from None
 
+    def _settle(self, what: str) -> None:
+        """Check in for the collective `what` (`_arrive`), then wait for this rank's in-flight async save; if it
+        failed on any rank, every rank raises. Checking in comes first: rank 0 may still be writing a whole
+        full-layout state, longer than `arrival_timeout_s` for a large model, and the others wait for it here,
+        in one all-reduce under the process group's timeout, instead of timing out on a rank that did call."""
+        self._arrive(what)
+        error = None
+        try:
+            self.wait()
+        except BaseException as exc:  # re-raised below, here as on the other ranks
+            error = exc
+        if self._any_rank_failed(error is not None, collective=True):
+            raise error or CheckpointError(f"the previous async checkpoint save in {self.dir} failed on another "
+                                           "rank (that rank's log says why)")
+
     # -- the design's words (../shared/seeds/004): thin methods over save / load --------------------
 
     def save_checkpoint(self, model: torch.nn.Module, step: int, optimizer=None, scheduler=None,
@@ -265,8 +281,7 @@ class CheckpointManager:
         Trainer calls it before each optimizer step: the copy overlaps the next forward and backward,
         which read the parameters but do not write them (buffers they do write, e.g. BatchNorm
         statistics, must be copied by the caller first: the Trainer does)."""
-        self.wait()  # the previous async save, and its error if it failed
-        self._arrive("save")
+        self._settle("save")
         rank_state = {"rng": _rng_state()} if rank_state is None else rank_state
         self._prepare_folder(step)
         sharded = _is_sharded(state) or bool(state.get("local_parts"))  # decided once: it walks the whole state
@@ -452,33 +467,30 @@ class CheckpointManager:
         """The state saved at `step` ("latest": the newest committed checkpoint that verifies), with this
         rank's per-rank state under "rank_state" and the manifest under "manifest".
 
-        Every file is checked against the manifest before anything is deserialised. With "latest", a bad
-        checkpoint is skipped with a warning naming the bad file; rank 0 decides and all ranks follow. A
-        sharded checkpoint whose shard file the loader refuses (checksums forged to match) is bad too.
+        Every file is checked against the manifest before anything is deserialised: each rank checks the files
+        it reads, and the ranks share the rest (DCP's shard files: each hashed by one rank), then agree. With
+        "latest", a bad checkpoint is skipped with a warning naming the bad file; rank 0 proposes and all ranks
+        follow. A sharded checkpoint whose shard file the loader refuses (checksums forged to match) is bad too.
         For a sharded (DCP) checkpoint, `target(key, size, dtype)` gives the tensor each saved tensor is
         loaded into (a DTensor receives its shard); by default a full tensor on every rank.
         """
-        self.wait()
-        self._arrive("load")
-        below = None  # after a refused shard file: only checkpoints older than the refused one
+        self._settle("load")
+        below = None  # after a bad checkpoint: only older ones
         while True:
-            chosen, files = self._choose(step, below) if self.rank == 0 else (-1, None)
-            chosen = self.rank0(chosen)
+            chosen = self.rank0(self._candidate(step, below) if self.rank == 0 else -1)
             if chosen < 0:
                 raise CheckpointError(f"no valid checkpoint to load in {self.dir}")
-            if files is None:  # ranks other than 0 read (and verify) the checkpoint rank 0 chose
+            files, problem = self._verify(chosen)
+            if problem is None:
                 try:
-                    files = read_checkpoint_files(self.path(chosen))
-                except (ChecksumError, OSError) as exc:
-                    raise CheckpointError(f"checkpoint {self.path(chosen)} changed while loading: {exc}") from None
-            try:
-                return self._state(*files, path=self.path(chosen), target=target)
-            except ChecksumError as exc:  # raised by the collective DCP load on every rank alike (dcp.py)
-                if step != "latest":
-                    raise CheckpointError(f"checkpoint step {chosen} is not valid: {exc}") from None
-                if self.rank == 0:
-                    log.warning("skipping checkpoint step %d: %s", chosen, exc)
-                below = chosen
+                    return self._state(*files, path=self.path(chosen), target=target)
+                except ChecksumError as exc:  # raised by the collective DCP load on every rank alike (dcp.py)
+                    problem = str(exc)
+            if step != "latest":
+                raise CheckpointError(f"checkpoint step {chosen} is not valid: {problem}")
+            if self.rank == 0:
+                log.warning("skipping checkpoint step %d: %s", chosen, problem)
+            below = chosen
 
     def has_checkpoint(self) -> bool:
         """Whether rank 0 sees a checkpoint in the folder, on every rank (collective: `rank0`)."""
@@ -494,19 +506,31 @@ class CheckpointManager:
         dist.broadcast(box, src=0)
         return int(box.item())
 
-    def _choose(self, step: int | str, below: int | None = None) -> tuple[int, tuple | None]:
-        """Rank 0: the checkpoint to load (newest first with "latest", older than `below` if given) and its
-        verified files; (-1, None) if none verifies."""
-        candidates = list(reversed(self.list())) if step == "latest" else [int(step)]
-        candidates = [c for c in candidates if below is None or c < below]
-        for candidate in candidates:
-            try:
-                return candidate, read_checkpoint_files(self.path(candidate))
-            except (ChecksumError, OSError, ValueError, KeyError) as exc:
-                if step != "latest":
-                    raise CheckpointError(f"checkpoint step {candidate} is not valid: {exc}") from None
-                log.warning("skipping checkpoint step %d: %s", candidate, exc)
-        return -1, None
+    def _candidate(self, step: int | str, below: int | None) -> int:
+        """Rank 0: the checkpoint to try (the newest committed one with "latest", older than `below` if given);
+        -1 when none is left."""
+        if step != "latest":
+            return int(step) if below is None else -1
+        older = [s for s in self.list() if below is None or s < below]
+        return older[-1] if older else -1
+
+    def _verify(self, step: int) -> tuple[tuple | None, str | None]:
+        """(manifest, the verified files this rank reads), or the first problem any rank found, on every rank
+        alike (collective). Each rank checks what it deserialises; the other files are checked once over the job."""
+        own = (f"rank{self.rank}.", f"rank{self.rank}-")
+        try:
+            files = read_checkpoint_files(self.path(step), reads=lambda name: name.startswith(("state", *own))
+                                          or name == DCP_METADATA, share=(self.rank, self.world_size))
+            problem = None
+        except (ChecksumError, OSError, ValueError, KeyError, TypeError) as exc:
+            files, problem = None, str(exc)
+        if not self._distributed():
+            return files, problem
+        found = [(rank, p) for rank, p in enumerate(gather_json(problem)) if p is not None]
+        if not found:
+            return files, None
+        rank, first = found[0]
+        return None, first if rank == 0 else f"{first} (found by rank {rank})"
 
     def _state(self, manifest: dict[str, Any], blobs: dict[str, torch.Tensor], path: Path, target=None
                ) -> dict[str, Any]:
