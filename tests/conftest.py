@@ -227,6 +227,19 @@ def processes_mentioning(marker: str) -> list[int]:
     return found
 
 
+@pytest.fixture(autouse=True)
+def no_process_group_left():
+    """A process group a test formed in pytest's own process (a one-rank group: `bench.gpu._runtime(group=True)`) is
+    destroyed after it, as `runtime.shutdown` would: a later test's `init_runtime` would take it for the user's."""
+    yield
+    dist = sys.modules.get("torch.distributed")  # (a test that never imported torch formed no group)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        import gc
+
+        gc.collect()  # wrappers in reference cycles (DDP) must die while the group is still registered
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def gpt_parity(tmp_path_factory) -> tuple[dict, dict]:
     """The small GPT job of scripts/strategy_parity.py trained once for the session: the one-process variants
