@@ -4,6 +4,7 @@ Slurm-style start, and rank agreement. Real processes, real signals, bounded wai
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DISTTRAIN, cli_env, free_port, processes_mentioning, read_metrics, run_cli
+from conftest import DISTTRAIN, SCRIPTS, cli_env, free_port, processes_mentioning, read_metrics, run_cli
 
 JOB = ["--set", "model.name=tiny_models:faulty", "--set", "optim.lr=0.05", "--set", "data.global_batch_size=8",
        "--set", "data.micro_batch_size=4", "--set", "train.eval_every=0", "--set", "log.progress=false",
@@ -203,6 +204,56 @@ def test_two_nodes_on_loopback_match_one_node(tmp_path, reference):
                 os.killpg(node.pid, signal.SIGKILL)
     assert codes == [0, 0], [(n.returncode, n.stderr.read()[-2000:]) for n in nodes]
     assert [m["loss"] for m in read_metrics(tmp_path / "multinode")] == pytest.approx(reference, abs=1e-5)
+
+
+def test_a_rank_dead_on_another_node_stops_this_nodes_ranks_at_once(tmp_path):
+    """One node, a host of another name (`localhost`, which resolves; in a UTS namespace of its own), loses its rank
+    to SIGKILL while the other node's rank waits for it, as in an nccl collective that never returns. Its launcher
+    gives up and says so in the rank's status file; the other node's watchdog stops its rank within seconds, not
+    after dist.timeout_s (300 s), and its summary names the dead rank."""
+    if subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs permission to create a UTS namespace (root), to run a node under another host name")
+    run_dir, endpoint = tmp_path / "run", f"127.0.0.1:{free_port()}"
+    other_host = ["unshare", "--uts", "sh", "-c", 'hostname localhost && exec "$@"', "sh"]
+    nodes = [subprocess.Popen([*prefix, *DISTTRAIN, "launch", "--nproc", "1", "--nnodes", "2", "--node-rank", str(rank),
+                               "--rdzv-endpoint", endpoint, "--run-dir", str(run_dir),
+                               str(SCRIPTS / "remote_death.py"), str(run_dir), "localhost"],
+                              cwd=tmp_path, env=cli_env(tmp_path),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for rank, prefix in ((0, []), (1, other_host))]
+    try:
+        codes = [node.wait(timeout=90) for node in nodes]
+    except subprocess.TimeoutExpired:
+        codes = None
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    errors = [node.stderr.read() for node in nodes]
+    assert codes == [1, 1], errors
+    dead = re.search(r"disttrain: rank (\d) \(node (\d), localhost\) killed by signal SIGKILL, and its node's "
+                     r"launcher gave up; stopping this node's ranks", errors[0])
+    assert dead, errors[0]
+    assert re.search(rf"rank {dead[1]} \(node {dead[2]}, localhost, pid \d+\): step 1, phase forward: killed by "
+                     r"signal SIGKILL \(its node's launcher says\)", errors[0]), errors[0]
+    assert f"ended on another node first: rank {dead[1]} (node {dead[2]}, localhost) killed by signal" in errors[0]
+
+
+def test_a_previous_runs_ended_ranks_in_the_run_folder_stop_nothing():
+    """A rank another node's launcher gave up on counts only if this watch saw it before the mark: a previous run's
+    statuses (a rerun in the same folder) are marked from the start."""
+    from disttrain.monitor import ended_elsewhere
+
+    def status(rank, host, ended=None):
+        return {"rank": rank, "host": host, "node": rank, **({"ended": ended} if ended else {})}
+
+    unmarked: set[int] = set()
+    stale = [status(0, "here"), status(1, "there", "killed by signal SIGKILL")]
+    assert ended_elsewhere(stale, "here", unmarked) == [] and ended_elsewhere(stale, "here", unmarked) == []
+    fresh = [status(0, "here"), status(1, "there")]  # the new run's rank 1 writes its status
+    assert ended_elsewhere(fresh, "here", unmarked) == []
+    dead = [status(0, "here", "killed by signal SIGKILL"), status(1, "there", "exited with code 1")]
+    assert ended_elsewhere(dead, "here", unmarked) == [dead[1]]  # never this host's own ranks: its agent sees them
 
 
 def _slurm_ranks(tmp_path, overrides_per_rank):

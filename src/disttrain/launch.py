@@ -112,7 +112,7 @@ def _run_torchrun(plan: LaunchPlan, entry: list[str], run_dir: Path, module: boo
     from torch.distributed.run import get_args_parser, run
 
     from disttrain.launch_fork import forks, run_forked
-    from disttrain.monitor import Watchdog, clear_statuses, summary
+    from disttrain.monitor import Watchdog, clear_statuses, mark_ended, summary
 
     argv = torchrun_argv(plan, entry, run_dir / "logs", module)
     print("disttrain: launching: torchrun " + shlex.join(argv), file=sys.stderr, flush=True)
@@ -149,9 +149,11 @@ def _run_torchrun(plan: LaunchPlan, entry: list[str], run_dir: Path, module: boo
                                                         f"({type(exc).__name__})")) from None
     except ChildFailedError as exc:
         console.stop()
+        failures = {rank: _describe(f) for rank, f in exc.failures.items()}
+        if not plan.single_node:  # the other nodes' ranks may wait for these in a collective: their launchers look
+            mark_ended(run_dir, failures)
         if {f.exitcode for f in exc.failures.values()} != {2}:  # exit 2 everywhere: each printed its one line
-            failures = {rank: _describe(f) for rank, f in exc.failures.items()}
-            print(summary(run_dir, failures, watchdog.stuck), file=sys.stderr, flush=True)
+            print(summary(run_dir, failures, watchdog.stuck, watchdog.ended), file=sys.stderr, flush=True)
         return _exit_code(exc)
     except SignalException as exc:
         console.stop()

@@ -8,7 +8,9 @@ second (a heartbeat; the main thread only updates a dict), and immediately on er
 The launcher reads these files: its watchdog SIGKILLs the job when a rank has made no progress for longer
 than `dist.timeout_s` (a longer `dist.startup_timeout_s` before the first step completes, and no limit
 while a checkpoint is being written), and the summary it prints when a job fails names the ranks, their
-exit codes or signals, exceptions, phases and last steps.
+exit codes or signals, exceptions, phases and last steps. On several nodes, a launcher that gives up on its
+failed ranks records how they ended in their files (`mark_ended`), and the other nodes' watchdogs stop their
+ranks at once: they may be waiting for a dead peer in a collective that never returns (nccl).
 """
 
 from __future__ import annotations
@@ -124,6 +126,22 @@ def read_statuses(run_dir: Path) -> list[dict[str, Any]]:
     return sorted(out, key=lambda s: s["rank"])
 
 
+def mark_ended(run_dir: Path, failures: dict[int, str]) -> None:
+    """Launcher, once its node's workers failed and it gave up: how each ended (`failures`: rank -> "killed by signal
+    SIGKILL", ...), written into its status file. The other nodes' launchers cannot see this node's processes, and
+    their ranks may wait for a dead one in a collective that never returns (nccl): their `Watchdog` reads this."""
+    for rank, how in failures.items():
+        path = status_dir(run_dir) / f"rank{rank}.json"
+        try:
+            state = json.loads(path.read_text())
+            state["ended"] = how
+            tmp = path.with_name(f".{path.name}.ended.tmp")
+            tmp.write_text(json.dumps(state))
+            os.replace(tmp, path)
+        except (OSError, ValueError):
+            continue  # no status (it died before writing one): the other nodes fall back on their timeout
+
+
 def clear_statuses(run_dir: Path) -> None:
     for path in status_dir(run_dir).glob("rank*.json"):
         path.unlink(missing_ok=True)
@@ -151,7 +169,8 @@ def stuck_ranks(statuses: list[dict], timeout_s: float, startup_timeout_s: float
     return [s for s in over if s["since"] - oldest < 1.0]
 
 
-def summary(run_dir: Path, failures: dict[int, str] | None = None, stuck: list[dict] | None = None) -> str:
+def summary(run_dir: Path, failures: dict[int, str] | None = None, stuck: list[dict] | None = None,
+            ended: list[dict] | None = None) -> str:
     """The failure report: one line per rank, then the exception of the first rank that raised."""
     failures = failures or {}
     stuck_set = {s["rank"] for s in stuck or []}
@@ -160,7 +179,8 @@ def summary(run_dir: Path, failures: dict[int, str] | None = None, stuck: list[d
     lines = ["disttrain: job failed. Rank summary (last completed step, phase, state):"]
     for s in statuses:
         state = "STUCK, no progress for %.0fs" % (now - s["since"]) if s["rank"] in stuck_set else \
-            failures.get(s["rank"], "raised " + s["error"]["type"] if "error" in s else "stopped by the launcher")
+            failures.get(s["rank"], "raised " + s["error"]["type"] if "error" in s else
+                         s["ended"] + " (its node's launcher says)" if "ended" in s else "stopped by the launcher")
         lines.append(f"  rank {s['rank']} (node {s['node']}, {s['host']}, pid {s['pid']}): step {s['step']}, "
                      f"phase {s['phase']}: {state}")
     raised = [s for s in statuses if "error" in s]
@@ -175,16 +195,32 @@ def summary(run_dir: Path, failures: dict[int, str] | None = None, stuck: list[d
     if stuck:
         lines.append("stuck: " + ", ".join(f"rank {s['rank']} in {s['phase']} after step {s['step']}"
                                            for s in stuck) + "; other ranks were waiting for it")
+    if ended:
+        lines.append("ended on another node first: " + ", ".join(f"rank {s['rank']} (node {s['node']}, {s['host']}) "
+                                                                 f"{s['ended']}" for s in ended)
+                     + "; this node's ranks were stopped, as they may have been waiting for it")
     lines.append(f"full per-rank logs: {Path(run_dir) / 'logs'}")
     return "\n".join(lines)
 
 
+def ended_elsewhere(statuses: list[dict], host: str, unmarked: set[int]) -> list[dict]:
+    """Ranks on other hosts whose launcher gave up on them (`mark_ended`) during this watch: a rank counts once its
+    status was seen without the mark (`unmarked`, updated here), so a previous run's statuses in the same run folder
+    never do."""
+    remote = [s for s in statuses if s["host"] != host]
+    ended = [s for s in remote if "ended" in s and s["rank"] in unmarked]
+    unmarked.update(s["rank"] for s in remote if "ended" not in s)
+    return ended
+
+
 class Watchdog:
-    """Launcher thread: SIGKILL every worker when a rank stops making progress, after recording why."""
+    """Launcher thread: SIGKILL every worker of this node when a rank stops making progress, or when another node's
+    launcher gave up on its ranks (`mark_ended`), after recording why."""
 
     def __init__(self, run_dir: Path, timeout_s: float, startup_timeout_s: float, poll_s: float = 1.0):
         self.run_dir, self.timeout_s, self.startup_timeout_s = run_dir, timeout_s, startup_timeout_s
         self.stuck: list[dict] = []
+        self.ended: list[dict] = []  # other nodes' ranks whose launcher gave up, if that stopped this node's
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, args=(poll_s,), name="disttrain-watchdog", daemon=True)
 
@@ -197,17 +233,26 @@ class Watchdog:
         self._thread.join()
 
     def _watch(self, poll_s: float) -> None:
+        host, unmarked = socket.gethostname(), set()
         while not self._stop.wait(poll_s):
             statuses = read_statuses(self.run_dir)
             stuck = stuck_ranks(statuses, self.timeout_s, self.startup_timeout_s)
+            ended = ended_elsewhere(statuses, host, unmarked)
             if stuck:
                 self.stuck = stuck
-                print(f"disttrain: rank(s) {', '.join(str(s['rank']) for s in stuck)} made no progress for "
-                      f"{self.timeout_s:g}s; stopping the job", file=sys.stderr, flush=True)
-                for s in statuses:  # local workers only: each node's launcher watches its own
-                    if s["host"] == socket.gethostname():
-                        try:
-                            os.kill(s["pid"], signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
-                return
+                why = (f"rank(s) {', '.join(str(s['rank']) for s in stuck)} made no progress for {self.timeout_s:g}s; "
+                       "stopping the job")
+            elif ended:
+                self.ended = ended
+                why = ("; ".join(f"rank {s['rank']} (node {s['node']}, {s['host']}) {s['ended']}" for s in ended)
+                       + ", and its node's launcher gave up; stopping this node's ranks")
+            else:
+                continue
+            print(f"disttrain: {why}", file=sys.stderr, flush=True)
+            for s in statuses:  # local workers only: each node's launcher watches its own
+                if s["host"] == host:
+                    try:
+                        os.kill(s["pid"], signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            return
