@@ -258,14 +258,24 @@ class RankServer:
 
     def op_state_dict(self, msg: dict, tensors: dict) -> tuple[dict, dict | None]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.tensor import DTensor
 
-        local = self.backend.prepared.local_state  # a pipeline stage: its own parameters, gathered on its ranks
-        weights = get_model_state_dict(self.backend.model, options=StateDictOptions(full_state_dict=True,
-                                                                                      cpu_offload=not local))
+        if not self.backend.prepared.local_state:  # one model over every rank: torch gathers it to rank 0's memory
+            weights = get_model_state_dict(self.backend.model, options=StateDictOptions(full_state_dict=True,
+                                                                                          cpu_offload=True))
+            if self.rank != 0:
+                return {"keys": []}, None
+            return {"keys": list(weights)}, {k: v.detach().clone() for k, v in weights.items()}
+        # a pipeline stage: its own parameters, gathered over the stage's ranks one tensor at a time (torch's
+        # cpu_offload keeps only global rank 0's, and without it every rank would hold the whole stage on its device)
         at = self.layout.coords(self.rank)
-        if self.rank != 0 and not (local and at["dp_replicate"] == at["dp_shard"] == at["tp"] == 0):
-            return {"keys": []}, None  # (one rank per stage sends its part)
-        return {"keys": list(weights)}, {k: v.detach().clone() for k, v in weights.items()}
+        sends = at["dp_replicate"] == at["dp_shard"] == at["tp"] == 0  # one rank per stage sends its part
+        weights = {}
+        for name, tensor in get_model_state_dict(self.backend.model).items():
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # (collective over the stage)
+            if sends:
+                weights[name] = full.detach().to("cpu", copy=True)
+        return {"keys": list(weights)}, (weights if sends else None)
 
     def op_weights_open(self, msg: dict, tensors: dict) -> tuple[dict, None]:
         """Listen for weight-sync consumers (weights.py); replies with this rank's address."""
