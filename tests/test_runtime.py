@@ -136,3 +136,19 @@ def test_ray_actors_take_ranks_by_node_then_gpu():
     # SPREAD over two nodes: bundles alternate; ranks go to node a's actors first, each node's by GPU id
     assert node_order(["a", "b", "a", "b"], [["1"], ["0"], ["0"], ["1"]]) == [2, 0, 1, 3]
     assert node_order(["a", "a", "a"], [[], [], []]) == [0, 1, 2]  # CPU actors on one node: as placed
+
+
+def test_ray_workers_on_other_machines_than_a_loopback_service_are_refused_in_one_line():
+    """Workers on another machine could never reach a service listening on loopback (they would time out): one line
+    naming them, `host` and the driver's address. Several Ray nodes on one machine share its address and pass."""
+    from disttrain.errors import ConfigError
+    from disttrain.service.ray_launcher import check_reachable
+
+    with pytest.raises(ConfigError) as refused:
+        check_reachable("127.0.0.1", "10.0.0.1", ["10.0.0.1", "10.0.0.2", "10.0.0.2"])
+    message = str(refused.value)
+    assert "worker(s) 1, 2 on other machines than this driver's (10.0.0.2)" in message and "\n" not in message
+    assert "TrainingService.options(host=...)" in message and "Ray knows it as 10.0.0.1" in message
+    check_reachable("127.0.0.1", "127.0.0.1", ["127.0.0.1", "127.0.0.1"])  # two Ray nodes on this machine
+    check_reachable("10.0.0.1", "10.0.0.1", ["10.0.0.1", "10.0.0.2"])  # the user gave an address they can reach
+    check_reachable("localhost", None, ["10.0.0.2"])  # a Ray client's driver: not on a node, nothing to compare

@@ -97,7 +97,18 @@ class _Actor:
         import ray
 
         context = ray.get_runtime_context()
-        return {"node_id": context.get_node_id(), "pid": os.getpid(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+        return {"node_id": context.get_node_id(), "pid": os.getpid(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                "ip": ray.util.get_node_ip_address()}
+
+
+def _driver_ip(ray) -> str | None:
+    """The address of this driver's Ray node, or None where the driver is not on a node of the cluster."""
+    if ray.util.client.ray.is_connected():  # a Ray client (ray://): its driver runs on the cluster, not here
+        return None
+    try:
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return None
 
 
 def _check_feasible(nodes: list[dict[str, float]], bundle: dict[str, float], procs: int) -> None:
@@ -118,6 +129,24 @@ def _check_feasible(nodes: list[dict[str, float]], bundle: dict[str, float], pro
                           f"{', '.join(f'{k} {v:g}' for k, v in need.items())} and the cluster has {has} "
                           f"{'on its largest node' if too_big else 'in all'}; ask for less (cpus_per_worker, "
                           "gpus_per_worker, resources_per_worker, nproc) or add nodes")
+
+
+def check_reachable(host: str, driver_ip: str | None, worker_ips: list[str]) -> None:
+    """Refuse, in one line, workers Ray placed on other machines than the driver's while the service listens on this
+    machine only (loopback): they could never connect, and would time out after `startup_timeout_s`. Machines are
+    told apart by their nodes' addresses (several Ray nodes of one machine share it); `driver_ip` None: the driver is
+    not on a node of the cluster (a Ray client), and nothing is checked."""
+    from disttrain.errors import ConfigError
+
+    loopback = host.strip() in ("localhost", "::1") or host.strip().startswith("127.")
+    away = [rank for rank, ip in enumerate(worker_ips) if ip != driver_ip]
+    if driver_ip is None or not loopback or not away:
+        return
+    raise ConfigError(f"Ray placed worker(s) {', '.join(map(str, away))} on other machines than this driver's "
+                      f"({', '.join(sorted({worker_ips[r] for r in away}))}), and the service listens on {host}, "
+                      f"which they cannot reach; set TrainingService.options(host=...) to this machine's address on "
+                      f"the network between the nodes (Ray knows it as {driver_ip}): the workers connect there, each "
+                      "with the service's token")
 
 
 class RayLauncher:
@@ -155,6 +184,7 @@ class RayLauncher:
         self.actors, places = [self.actors[i] for i in order], [places[i] for i in order]
         self.nodes = [w["node_id"] for w in places]
         self.gpus = [w["gpu_ids"] for w in places]
+        check_reachable(host, _driver_ip(ray), [w["ip"] for w in places])
         self.refs = [a.serve.remote(host, port, token, rank, procs, heartbeat_s, env)
                      for rank, a in enumerate(self.actors)]
 
