@@ -97,13 +97,18 @@ def test_out_of_memory_in_one_process_is_one_line_with_advice(tmp_path, entry):
     assert "micro_batch_size" in line[0] and "estimate-memory" in line[0]
 
 
-def test_a_hung_rank_is_named_within_timeout(tmp_path):
+def test_a_hung_rank_is_named_within_timeout_with_its_stack(tmp_path):
     start = time.monotonic()
     result = run_cli(_job(tmp_path, "hang", 20, "--set", "dist.timeout_s=8"), tmp_path, timeout=90,
                      env={"FAULT": "sleep", "FAULT_RANK": "1", "FAULT_STEP": "5"})
     elapsed = time.monotonic() - start
     assert result.returncode != 0 and elapsed < 30
     assert "rank 1 in forward after step 4" in result.stderr
+    # where it hung: its stack, asked for before it was killed (faulthandler, from a C signal handler)
+    stack = result.stderr.split("rank 1's stack when stopped (most recent call first; every thread's: ")[1]
+    assert stack.splitlines()[0].endswith("rank1.stack):")
+    frames = stack.splitlines()[1:]
+    assert "tiny_models.py" in frames[0] and frames[0].endswith("in forward"), frames[:3]
     assert processes_mentioning(str(tmp_path / "hang")) == []
 
 

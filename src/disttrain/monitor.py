@@ -15,6 +15,7 @@ ranks at once: they may be waiting for a dead peer in a collective that never re
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -27,6 +28,10 @@ from pathlib import Path
 from typing import Any
 
 STATUS_DIR = "status"
+STACK_SIGNAL = signal.SIGUSR2
+"""Asks a rank for every thread's Python stack (`RankStatus`), which the watchdog sends a stuck rank before killing it.
+(SIGUSR1 is Slurm's and Lightning's usual preemption warning.)"""
+STACK_LINES = 12
 
 
 def status_dir(run_dir: Path) -> Path:
@@ -52,6 +57,7 @@ class RankStatus:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._beat, args=(interval_s,), name="disttrain-status", daemon=True)
+        self._stacks = _stacks_on_request(self.path.with_suffix(".stack"))
         self.write()
         self._thread.start()
 
@@ -99,6 +105,35 @@ class RankStatus:
         self._stop.set()
         self._thread.join()
         self.write()
+        if self._stacks is not None:
+            faulthandler.unregister(STACK_SIGNAL)
+            self._stacks.close()
+            self._stacks = None
+
+
+def _stacks_on_request(path: Path):
+    """faulthandler writes every thread's Python stack to `path` on STACK_SIGNAL, from a C signal handler: a rank
+    blocked in a collective or a C call answers too. Only where the signal is free (a handler of the user's stays).
+    Returns the open file (kept open: faulthandler writes to its descriptor), or None."""
+    if signal.getsignal(STACK_SIGNAL) not in (signal.SIG_DFL, None):
+        return None
+    stacks = open(path, "w")  # (open until `close`)
+    faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
+    return stacks
+
+
+def main_stack(dump: str, lines: int = STACK_LINES) -> list[str]:
+    """The frames of the main thread (most recent first, at most `lines`) in a faulthandler dump of every thread: the
+    thread whose oldest frame is not `threading`'s bootstrap."""
+    blocks, block = [], []
+    for line in dump.splitlines():
+        if line.startswith(("Thread 0x", "Current thread 0x")):
+            block = []
+            blocks.append(block)
+        elif line.strip().startswith("File ") and blocks:
+            block.append(line.strip())
+    main = [b for b in blocks if b and "in _bootstrap" not in b[-1]]
+    return main[0][:lines] if main else []
 
 
 def peer_failed(run_dir: Path, rank: int, attempt: int) -> bool:
@@ -143,7 +178,7 @@ def mark_ended(run_dir: Path, failures: dict[int, str]) -> None:
 
 
 def clear_statuses(run_dir: Path) -> None:
-    for path in status_dir(run_dir).glob("rank*.json"):
+    for path in [*status_dir(run_dir).glob("rank*.json"), *status_dir(run_dir).glob("rank*.stack")]:
         path.unlink(missing_ok=True)
 
 
@@ -195,6 +230,15 @@ def summary(run_dir: Path, failures: dict[int, str] | None = None, stuck: list[d
     if stuck:
         lines.append("stuck: " + ", ".join(f"rank {s['rank']} in {s['phase']} after step {s['step']}"
                                            for s in stuck) + "; other ranks were waiting for it")
+        for s in stuck:
+            dump = status_dir(run_dir) / f"rank{s['rank']}.stack"
+            try:
+                frames = main_stack(dump.read_text())
+            except OSError:
+                frames = []
+            if frames:  # (a rank on another node: its own launcher's summary has it)
+                lines.append(f"rank {s['rank']}'s stack when stopped (most recent call first; every thread's: {dump}):")
+                lines += ["    " + frame for frame in frames]
     if ended:
         lines.append("ended on another node first: " + ", ".join(f"rank {s['rank']} (node {s['node']}, {s['host']}) "
                                                                  f"{s['ended']}" for s in ended)
@@ -211,6 +255,20 @@ def ended_elsewhere(statuses: list[dict], host: str, unmarked: set[int]) -> list
     ended = [s for s in remote if "ended" in s and s["rank"] in unmarked]
     unmarked.update(s["rank"] for s in remote if "ended" not in s)
     return ended
+
+
+def _ask_for_stacks(run_dir: Path, statuses: list[dict], wait_s: float = 2.0) -> None:
+    """Send STACK_SIGNAL to these ranks and wait (at most `wait_s`) until each has written its stacks."""
+    asked = []
+    for s in statuses:
+        try:
+            os.kill(s["pid"], STACK_SIGNAL)
+            asked.append(status_dir(run_dir) / f"rank{s['rank']}.stack")
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and not all(p.is_file() and p.stat().st_size for p in asked):
+        time.sleep(0.05)
 
 
 class Watchdog:
@@ -249,10 +307,12 @@ class Watchdog:
             else:
                 continue
             print(f"disttrain: {why}", file=sys.stderr, flush=True)
-            for s in statuses:  # local workers only: each node's launcher watches its own
-                if s["host"] == host:
-                    try:
-                        os.kill(s["pid"], signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+            local = [s for s in statuses if s["host"] == host]  # each node's launcher stops its own workers
+            if stuck:
+                _ask_for_stacks(self.run_dir, local)
+            for s in local:
+                try:
+                    os.kill(s["pid"], signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             return
