@@ -33,6 +33,31 @@ def test_detects_slurm():
     assert detect_launch({**env, "SLURM_TASKS_PER_NODE": "4(x2)"}).local_world_size == 4
 
 
+def test_ranks_that_each_see_another_single_gpu_are_bound_to_it():
+    """A CUDA_VISIBLE_DEVICES of each rank's own (a wrapper per rank, Slurm's --gpu-bind) binds each rank to its GPU;
+    one GPU seen by every rank of a node (torchrun's CUDA_VISIBLE_DEVICES=0) binds nothing. The ranks of a node
+    compare their GPUs' UUIDs through the rendezvous store (a real one; the ranks are threads here)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from disttrain.runtime import one_gpu_each
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=5))
+
+    def node(name, gpus):
+        with ThreadPoolExecutor(len(gpus)) as pool:
+            return list(pool.map(lambda r: one_gpu_each(store, name, r, len(gpus), gpus[r]), range(len(gpus))))
+
+    assert node("a", ["GPU-0f", "GPU-1e", "GPU-2d"]) == [True] * 3
+    assert node("b", ["GPU-0f", "GPU-0f"]) == [False] * 2
+    store.set_timeout(timedelta(seconds=0.5))
+    with pytest.raises(ConfigError, match="local rank.s. 1 of c see more than one GPU"):
+        one_gpu_each(store, "c", 0, 2, "GPU-0f")  # its peer saw several GPUs and never came
+
+
 def test_torchrun_wins_over_slurm_and_default_is_single():
     env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}
     assert detect_launch(env).launcher == "torchrun"

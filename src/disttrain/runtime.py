@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Mapping
@@ -101,11 +102,11 @@ class Runtime:
 
 def pick_device(device: str, local_rank: int, visible: int | None = None, bound: bool = False) -> torch.device:
     """The rank's device: GPU `local_rank` of those it sees (`visible`, default torch.cuda.device_count()), or GPU 0
-    where it sees one that the launcher bound to it (`bound`: Slurm's `--gpus-per-task`, which gives each task a GPU
-    of its own; Ray's actors come as local rank 0); ConfigError where it sees fewer than its local rank
-    needs (two ranks would share a GPU: nccl refuses). A CUDA_VISIBLE_DEVICES of one GPU alone binds nothing: torchrun
-    gives every rank the same, as does Slurm's `--gres=gpu:1` to each task of a node."""
-    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+    where it sees one that is bound to it (`bound`: Slurm's `--gpus-per-task`, which gives each task a GPU of its own,
+    or the node's ranks each seeing another GPU: `one_gpu_each`; Ray's actors come as local rank 0); ConfigError where
+    it sees fewer than its local rank needs (two ranks would share a GPU: nccl refuses). A CUDA_VISIBLE_DEVICES of one
+    GPU alone binds nothing: torchrun gives every rank the same, as does Slurm's `--gres=gpu:1` to each task."""
+    if _wants_cuda(device):
         visible = torch.cuda.device_count() if visible is None else visible
         if visible == 1 and (bound or local_rank == 0):
             return torch.device("cuda", 0)
@@ -114,6 +115,27 @@ def pick_device(device: str, local_rank: int, visible: int | None = None, bound:
                               f"GPU(s): start at most {visible} ranks per node (--nproc), or one GPU per rank")
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def _wants_cuda(device: str) -> bool:
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+
+
+def one_gpu_each(store, node: str, local_rank: int, local_world: int, gpu: str) -> bool:
+    """Whether the `local_world` ranks of `node`, each seeing one GPU, see different ones (`gpu`: its UUID), as a
+    CUDA_VISIBLE_DEVICES of each rank's own gives them (a wrapper script per rank, Slurm's `--gpu-bind`); through the
+    rendezvous store, before the process group (which needs the device) forms. Every such rank of the node calls it."""
+    prefix = f"disttrain/one_gpu/{node}"
+    store.set(f"{prefix}/{local_rank}", gpu)
+    keys = [f"{prefix}/{r}" for r in range(local_world)]
+    try:
+        store.wait(keys)
+    except Exception:  # DistStoreError (a timeout) in recent torch, RuntimeError in older ones
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise ConfigError(f"local rank(s) {', '.join(map(str, missing))} of {node} see more than one GPU, and this one "
+                          "sees one: give every rank of a node the same CUDA_VISIBLE_DEVICES, or each a GPU of its "
+                          "own") from None
+    return len({store.get(key) for key in keys}) == local_world
 
 
 def pick_backend(backend: str, device: torch.device) -> str:
@@ -132,8 +154,16 @@ def init_runtime(cfg: DistConfig, environ: Mapping[str, str] | None = None, alwa
     """
     env = os.environ if environ is None else environ
     info = detect_launch(env)
-    device = pick_device(cfg.device, info.local_rank,
-                         bound=info.launcher == "slurm" and bool(env.get("SLURM_GPUS_PER_TASK")))
+    bound = info.launcher == "slurm" and bool(env.get("SLURM_GPUS_PER_TASK"))
+    store = None  # the rendezvous store, opened early where the ranks of a node must compare their GPUs
+    if (not bound and info.local_world_size > 1 and not dist.is_initialized() and _wants_cuda(cfg.device)
+            and torch.cuda.device_count() == 1):
+        if info.launcher == "slurm":
+            _slurm_rendezvous_env()
+        store = _attempt_store(info, cfg.timeout_s)
+        bound = one_gpu_each(store, socket.gethostname(), info.local_rank, info.local_world_size,
+                             str(torch.cuda.get_device_properties(0).uuid))
+    device = pick_device(cfg.device, info.local_rank, bound=bound)
     backend = pick_backend(cfg.backend, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -156,7 +186,7 @@ def init_runtime(cfg: DistConfig, environ: Mapping[str, str] | None = None, alwa
             raise ConfigError(f"dist.backend = gloo on several nodes: {problem}")
         dist.init_process_group(
             backend=backend,
-            store=_attempt_store(info, cfg.timeout_s),
+            store=store or _attempt_store(info, cfg.timeout_s),
             rank=info.rank,
             world_size=info.world_size,
             timeout=timeout,
