@@ -245,20 +245,21 @@ def test_a_rank_dead_on_another_node_stops_this_nodes_ranks_at_once(tmp_path):
 
 
 def test_a_previous_runs_ended_ranks_in_the_run_folder_stop_nothing():
-    """A rank another node's launcher gave up on counts only if this watch saw it before the mark: a previous run's
-    statuses (a rerun in the same folder) are marked from the start."""
+    """A rank another node's launcher gave up on counts unless its process's status was in the run folder when the
+    watch began (a previous run's, in a rerun); never this host's own ranks (its agent sees them), nor a rank that
+    had finished."""
     from disttrain.monitor import ended_elsewhere
 
-    def status(rank, host, ended=None):
-        return {"rank": rank, "host": host, "node": rank, **({"ended": ended} if ended else {})}
+    def status(rank, host, pid, ended=None, phase="forward"):
+        return {"rank": rank, "host": host, "pid": pid, "node": rank, "phase": phase,
+                **({"ended": ended} if ended else {})}
 
-    unmarked: set[int] = set()
-    stale = [status(0, "here"), status(1, "there", "killed by signal SIGKILL")]
-    assert ended_elsewhere(stale, "here", unmarked) == [] and ended_elsewhere(stale, "here", unmarked) == []
-    fresh = [status(0, "here"), status(1, "there")]  # the new run's rank 1 writes its status
-    assert ended_elsewhere(fresh, "here", unmarked) == []
-    dead = [status(0, "here", "killed by signal SIGKILL"), status(1, "there", "exited with code 1")]
-    assert ended_elsewhere(dead, "here", unmarked) == [dead[1]]  # never this host's own ranks: its agent sees them
+    before = {(0, "here", 10), (1, "there", 11)}  # the previous run's ranks
+    assert ended_elsewhere([status(0, "here", 10), status(1, "there", 11, "killed by signal SIGKILL")], "here",
+                           before) == []
+    dead = status(1, "there", 21, "exited with code 1")  # this run's rank 1, dead before the first look at it
+    assert ended_elsewhere([status(0, "here", 20, "killed by signal SIGKILL"), dead], "here", before) == [dead]
+    assert ended_elsewhere([status(1, "there", 21, "killed by signal SIGTERM", phase="done")], "here", before) == []
 
 
 def _slurm_ranks(tmp_path, overrides_per_rank):

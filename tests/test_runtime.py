@@ -47,15 +47,15 @@ def test_ranks_that_each_see_another_single_gpu_are_bound_to_it():
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=5))
 
-    def node(name, gpus):
+    def node(name, gpus):  # (numbered by arrival: Ray's GPU actors all come as local rank 0)
         with ThreadPoolExecutor(len(gpus)) as pool:
-            return list(pool.map(lambda r: one_gpu_each(store, name, r, len(gpus), gpus[r]), range(len(gpus))))
+            return list(pool.map(lambda gpu: one_gpu_each(store, name, len(gpus), gpu), gpus))
 
     assert node("a", ["GPU-0f", "GPU-1e", "GPU-2d"]) == [True] * 3
     assert node("b", ["GPU-0f", "GPU-0f"]) == [False] * 2
     store.set_timeout(timedelta(seconds=0.5))
-    with pytest.raises(ConfigError, match="local rank.s. 1 of c see more than one GPU"):
-        one_gpu_each(store, "c", 0, 2, "GPU-0f")  # its peer saw several GPUs and never came
+    with pytest.raises(ConfigError, match="1 of the 2 ranks on c see more than one GPU, and 1 see one"):
+        one_gpu_each(store, "c", 2, "GPU-0f")  # its peer saw several GPUs and never came
 
 
 def test_torchrun_wins_over_slurm_and_default_is_single():

@@ -425,6 +425,9 @@ def _parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+GPU_BOUND_ENV = "DISTTRAIN_GPU_BOUND"
+"""Set to 1 by the Ray launchers for an actor Ray gave GPUs of its own (it sees only those): the rank is bound to
+GPU 0 of what it sees, whatever its local rank (runtime.pick_device)."""
 NODE_CLAIM_ENV = "DISTTRAIN_NODE_CLAIM"
 """Set by disttrain's launcher for its workers on a multi-node job: `NODE_RANK@RDZV_ENDPOINT`, the --node-rank this
 node was given (runtime.py checks that no two nodes were given the same one)."""

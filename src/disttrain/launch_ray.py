@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from disttrain.config import Config, ray_resources
+from disttrain.config import GPU_BOUND_ENV, Config, ray_resources
 from disttrain.console import DRAWS_ENV, Console
 from disttrain.runtime import install_stop_handler, restore_handlers
 from disttrain.service.ray_launcher import connect, local_ranks, node_order, place
@@ -141,6 +141,7 @@ def _attempt(ray, actors, cfg: Config, config_path: Path, attempt: int, stop: _F
     for rank, (actor, where) in enumerate(zip(actors, places, strict=True)):
         env = {"RANK": str(rank), "WORLD_SIZE": str(procs), "GROUP_RANK": str(nodes.index(where["node"])),
                "LOCAL_RANK": str(local[rank][0]), "LOCAL_WORLD_SIZE": str(local[rank][1]),
+               GPU_BOUND_ENV: "1" if where["gpus"] else "0",
                "MASTER_ADDR": host, "MASTER_PORT": str(store.port),
                "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": str(attempt),
                DRAWS_ENV: "1" if total else "0",  # this process draws the bar

@@ -58,6 +58,7 @@ class RankStatus:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._beat, args=(interval_s,), name="disttrain-status", daemon=True)
         self._stacks = _stacks_on_request(self.path.with_suffix(".stack"))
+        self.state["stacks"] = self._stacks is not None  # the watchdog signals only a rank that answers
         self.write()
         self._thread.start()
 
@@ -104,16 +105,18 @@ class RankStatus:
             self.phase(phase)
         self._stop.set()
         self._thread.join()
-        self.write()
         if self._stacks is not None:
-            faulthandler.unregister(STACK_SIGNAL)
+            faulthandler.unregister(STACK_SIGNAL)  # (STACK_SIGNAL's default action would now end the process)
             self._stacks.close()
             self._stacks = None
+            self.state["stacks"] = False
+        self.write()
 
 
 def _stacks_on_request(path: Path):
     """faulthandler writes every thread's Python stack to `path` on STACK_SIGNAL, from a C signal handler: a rank
-    blocked in a collective or a C call answers too. Only where the signal is free (a handler of the user's stays).
+    blocked in a collective or a C call answers too. Only where the signal is free: a Python handler of the user's
+    stays (a `faulthandler.register` of the user's own on that signal cannot be seen, and is replaced until `close`).
     Returns the open file (kept open: faulthandler writes to its descriptor), or None."""
     if signal.getsignal(STACK_SIGNAL) not in (signal.SIG_DFL, None):
         return None
@@ -247,20 +250,24 @@ def summary(run_dir: Path, failures: dict[int, str] | None = None, stuck: list[d
     return "\n".join(lines)
 
 
-def ended_elsewhere(statuses: list[dict], host: str, unmarked: set[int]) -> list[dict]:
-    """Ranks on other hosts whose launcher gave up on them (`mark_ended`) during this watch: a rank counts once its
-    status was seen without the mark (`unmarked`, updated here), so a previous run's statuses in the same run folder
-    never do."""
-    remote = [s for s in statuses if s["host"] != host]
-    ended = [s for s in remote if "ended" in s and s["rank"] in unmarked]
-    unmarked.update(s["rank"] for s in remote if "ended" not in s)
-    return ended
+def ended_elsewhere(statuses: list[dict], host: str, before: set[tuple]) -> list[dict]:
+    """Ranks on other hosts whose launcher gave up on them (`mark_ended`), except the processes already in the run
+    folder when this watch began (`before`: `_process` of each; a previous run's statuses, marked or not)."""
+    return [s for s in statuses if s["host"] != host and "ended" in s and s.get("phase") != "done"
+            and _process(s) not in before]
+
+
+def _process(status: dict) -> tuple:
+    return status["rank"], status["host"], status["pid"]
 
 
 def _ask_for_stacks(run_dir: Path, statuses: list[dict], wait_s: float = 2.0) -> None:
-    """Send STACK_SIGNAL to these ranks and wait (at most `wait_s`) until each has written its stacks."""
+    """Send STACK_SIGNAL to those of these ranks that answer it (`RankStatus` registered its stacks there: not where
+    the user has a handler of their own) and wait (at most `wait_s`) until each has written its stacks."""
     asked = []
     for s in statuses:
+        if not s.get("stacks"):
+            continue
         try:
             os.kill(s["pid"], STACK_SIGNAL)
             asked.append(status_dir(run_dir) / f"rank{s['rank']}.stack")
@@ -279,10 +286,12 @@ class Watchdog:
         self.run_dir, self.timeout_s, self.startup_timeout_s = run_dir, timeout_s, startup_timeout_s
         self.stuck: list[dict] = []
         self.ended: list[dict] = []  # other nodes' ranks whose launcher gave up, if that stopped this node's
+        self._before: set[tuple] = set()  # the processes whose statuses were in the run folder when the watch began
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, args=(poll_s,), name="disttrain-watchdog", daemon=True)
 
     def __enter__(self):
+        self._before = {_process(s) for s in read_statuses(self.run_dir)}  # before this run's workers start
         self._thread.start()
         return self
 
@@ -291,11 +300,11 @@ class Watchdog:
         self._thread.join()
 
     def _watch(self, poll_s: float) -> None:
-        host, unmarked = socket.gethostname(), set()
+        host = socket.gethostname()
         while not self._stop.wait(poll_s):
             statuses = read_statuses(self.run_dir)
             stuck = stuck_ranks(statuses, self.timeout_s, self.startup_timeout_s)
-            ended = ended_elsewhere(statuses, host, unmarked)
+            ended = ended_elsewhere(statuses, host, self._before)
             if stuck:
                 self.stuck = stuck
                 why = (f"rank(s) {', '.join(str(s['rank']) for s in stuck)} made no progress for {self.timeout_s:g}s; "
@@ -307,7 +316,8 @@ class Watchdog:
             else:
                 continue
             print(f"disttrain: {why}", file=sys.stderr, flush=True)
-            local = [s for s in statuses if s["host"] == host]  # each node's launcher stops its own workers
+            # each node's launcher stops its own workers, but not those that finished (they are closing down)
+            local = [s for s in statuses if s["host"] == host and s.get("phase") != "done"]
             if stuck:
                 _ask_for_stacks(self.run_dir, local)
             for s in local:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from disttrain.config import NODE_CLAIM_ENV, DistConfig
+from disttrain.config import GPU_BOUND_ENV, NODE_CLAIM_ENV, DistConfig
 from disttrain.errors import ConfigError, UserError
 
 log = logging.getLogger(__name__)
@@ -121,20 +121,21 @@ def _wants_cuda(device: str) -> bool:
     return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
-def one_gpu_each(store, node: str, local_rank: int, local_world: int, gpu: str) -> bool:
+def one_gpu_each(store, node: str, local_world: int, gpu: str) -> bool:
     """Whether the `local_world` ranks of `node`, each seeing one GPU, see different ones (`gpu`: its UUID), as a
     CUDA_VISIBLE_DEVICES of each rank's own gives them (a wrapper script per rank, Slurm's `--gpu-bind`); through the
-    rendezvous store, before the process group (which needs the device) forms. Every such rank of the node calls it."""
+    rendezvous store, before the process group (which needs the device) forms. Every such rank of the node calls it;
+    they are numbered by arrival, not by local rank."""
     prefix = f"disttrain/one_gpu/{node}"
-    store.set(f"{prefix}/{local_rank}", gpu)
-    keys = [f"{prefix}/{r}" for r in range(local_world)]
+    store.set(f"{prefix}/{store.add(f'{prefix}/arrived', 1) - 1}", gpu)
+    keys = [f"{prefix}/{i}" for i in range(local_world)]
     try:
         store.wait(keys)
     except Exception:  # DistStoreError (a timeout) in recent torch, RuntimeError in older ones
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        raise ConfigError(f"local rank(s) {', '.join(map(str, missing))} of {node} see more than one GPU, and this one "
-                          "sees one: give every rank of a node the same CUDA_VISIBLE_DEVICES, or each a GPU of its "
-                          "own") from None
+        came = sum(store.check([key]) for key in keys)
+        raise ConfigError(f"{local_world - came} of the {local_world} ranks on {node} see more than one GPU, and "
+                          f"{came} see one: give every rank of a node the same CUDA_VISIBLE_DEVICES, or each a GPU "
+                          "of its own") from None
     return len({store.get(key) for key in keys}) == local_world
 
 
@@ -154,14 +155,14 @@ def init_runtime(cfg: DistConfig, environ: Mapping[str, str] | None = None, alwa
     """
     env = os.environ if environ is None else environ
     info = detect_launch(env)
-    bound = info.launcher == "slurm" and bool(env.get("SLURM_GPUS_PER_TASK"))
+    bound = env.get(GPU_BOUND_ENV) == "1" or (info.launcher == "slurm" and bool(env.get("SLURM_GPUS_PER_TASK")))
     store = None  # the rendezvous store, opened early where the ranks of a node must compare their GPUs
     if (not bound and info.local_world_size > 1 and not dist.is_initialized() and _wants_cuda(cfg.device)
             and torch.cuda.device_count() == 1):
         if info.launcher == "slurm":
             _slurm_rendezvous_env()
         store = _attempt_store(info, cfg.timeout_s)
-        bound = one_gpu_each(store, socket.gethostname(), info.local_rank, info.local_world_size,
+        bound = one_gpu_each(store, f"{socket.gethostname()} (node {info.node_rank})", info.local_world_size,
                              str(torch.cuda.get_device_properties(0).uuid))
     device = pick_device(cfg.device, info.local_rank, bound=bound)
     backend = pick_backend(cfg.backend, device)

@@ -53,14 +53,16 @@ def verify(path: Path) -> dict[str, Any]:
     return read_checkpoint_files(path)[0]
 
 
-def read_checkpoint_files(path: Path, reads=None, share: tuple[int, int] = (0, 1)
+def read_checkpoint_files(path: Path, reads=None, share: tuple[int, int] = (0, 1), shared=None
                           ) -> tuple[dict[str, Any], dict[str, bytes]]:
     """(manifest, {file name: verified bytes}): files read once and checked against the manifest.
 
     By default every file is checked and returned. Ranks that check a checkpoint together give `reads` (the file
-    names this rank deserialises: checked and returned) and `share` = (their index, their count): of the other
-    files (DCP's shard files, other ranks' states) each is hashed by one of them only, so that a checkpoint is
-    hashed about once over the job, not once per rank; they agree on the outcome afterwards (manager.py)."""
+    names this rank deserialises: checked and returned) and `share` = (their index, their count): of the `shared`
+    files (default: all it does not read; the manager's: DCP's shard files, which no rank reads whole) each is
+    hashed by one of them only, so that they are hashed once over the job, not once per rank; the ranks agree on
+    the outcome afterwards (manager.py). The manager leaves other ranks' states to those ranks (the files of ranks
+    a smaller world lacks are read by no one)."""
     if not is_committed(path):
         raise ChecksumError(f"{path}: not committed (no {COMMIT} marker; the save did not finish)")
     if not (path / MANIFEST).is_file():
@@ -72,7 +74,7 @@ def read_checkpoint_files(path: Path, reads=None, share: tuple[int, int] = (0, 1
     files = manifest["files"]
     names = sorted(files)
     kept = [name for name in names if reads is None or reads(name)]
-    others = [name for name in names if reads is not None and not reads(name)]
+    others = [name for name in names if reads is not None and not reads(name) and (shared is None or shared(name))]
     index, count = share
     checked = kept + others[index::count]
     # hashlib releases the GIL: large files are verified in parallel (write_state splits large states)

@@ -516,11 +516,12 @@ class CheckpointManager:
 
     def _verify(self, step: int) -> tuple[tuple | None, str | None]:
         """(manifest, the verified files this rank reads), or the first problem any rank found, on every rank
-        alike (collective). Each rank checks what it deserialises; the other files are checked once over the job."""
+        alike (collective). Each rank checks what it deserialises; DCP's shard files are checked once over the job."""
         own = (f"rank{self.rank}.", f"rank{self.rank}-")
         try:
             files = read_checkpoint_files(self.path(step), reads=lambda name: name.startswith(("state", *own))
-                                          or name == DCP_METADATA, share=(self.rank, self.world_size))
+                                          or name == DCP_METADATA, share=(self.rank, self.world_size),
+                                          shared=lambda name: name.endswith(".distcp"))
             problem = None
         except (ChecksumError, OSError, ValueError, KeyError, TypeError) as exc:
             files, problem = None, str(exc)

@@ -103,8 +103,8 @@ class _Actor:
 
 def _driver_ip(ray) -> str | None:
     """The address of this driver's Ray node, or None where the driver is not on a node of the cluster."""
-    if ray.util.client.ray.is_connected():  # a Ray client (ray://): its driver runs on the cluster, not here
-        return None
+    if ray.util.client.ray.is_connected():  # a Ray client (ray://): this machine is no node of the cluster, and its
+        return None  # address on the nodes' network is not Ray's to tell (a loopback service is not checked there)
     try:
         return ray.util.get_node_ip_address()
     except Exception:

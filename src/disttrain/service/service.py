@@ -251,10 +251,12 @@ class TrainingService:
         self.group = group
         threads = o.threads_per_rank or (1 if o.launcher == "ray" else max(1, (os.cpu_count() or 1) // o.nproc))
         try:
+            gpus = getattr(group.launcher, "gpus", None) or [[] for _ in range(o.nproc)]  # Ray's, per worker
             messages = [({**self._setup, "store_host": o.host, "store_port": group.store.port,
                           "generation": self.generation, "threads": threads, "local_rank": local_rank,
-                          "local_world_size": local_world}, None)
-                        for local_rank, local_world in _local_ranks(group.launcher, o.nproc, o.device != "cpu")]
+                          "local_world_size": local_world, "gpu_bound": bool(ids)}, None)
+                        for (local_rank, local_world), ids in zip(_local_ranks(group.launcher, o.nproc,
+                                                                               o.device != "cpu"), gpus, strict=True)]
             replies = await group.all(messages)
         except BaseException:
             await group.close(graceful=False)

@@ -128,7 +128,7 @@ class RankServer:
         import torch
 
         from disttrain.backend import create_backend
-        from disttrain.config import DistConfig, OptimConfig, ParallelConfig
+        from disttrain.config import GPU_BOUND_ENV, DistConfig, OptimConfig, ParallelConfig
         from disttrain.optim import optimizer_factory, scheduler_factory
         from disttrain.parallel import registry
         from disttrain.runtime import init_runtime
@@ -141,6 +141,7 @@ class RankServer:
             "LOCAL_WORLD_SIZE": str(msg.get("local_world_size", 1)), "MASTER_ADDR": msg["store_host"],
             "MASTER_PORT": str(msg["store_port"]), "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_RESTART_COUNT": str(msg.get("generation", 0)),  # a fresh key prefix per group
+            GPU_BOUND_ENV: "1" if msg.get("gpu_bound") else "0",  # a Ray actor with GPUs of its own
         })
         dist_cfg = DistConfig(device=msg.get("device", "auto"), timeout_s=float(msg.get("timeout_s", 300.0)),
                               startup_timeout_s=float(msg.get("startup_timeout_s", 900.0)),
@@ -269,7 +270,7 @@ class RankServer:
         # a pipeline stage: its own parameters, gathered over the stage's ranks one tensor at a time (torch's
         # cpu_offload keeps only global rank 0's, and without it every rank would hold the whole stage on its device)
         at = self.layout.coords(self.rank)
-        sends = at["dp_replicate"] == at["dp_shard"] == at["tp"] == 0  # one rank per stage sends its part
+        sends = at["dp_replicate"] == at["dp_shard"] == at["cp"] == at["tp"] == 0  # one rank per stage sends its part
         weights = {}
         for name, tensor in get_model_state_dict(self.backend.model).items():
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # (collective over the stage)
