@@ -109,6 +109,14 @@ def test_a_hung_rank_is_named_within_timeout_with_its_stack(tmp_path):
     assert stack.splitlines()[0].endswith("rank1.stack):")
     frames = stack.splitlines()[1:]
     assert "tiny_models.py" in frames[0] and frames[0].endswith("in forward"), frames[:3]
+    # which collective each rank waits in (torch's flight recorder): rank 1 never started the one rank 0 waits in
+    collectives = result.stderr.split("collectives (torch's flight recorder; every record: ")[1].splitlines()
+    waiting = re.fullmatch(r"    rank 0: waiting in gloo:all_reduce \w+ \[\d+\] #(\d+) of default_pg, for \d+ s",
+                           collectives[1])
+    assert waiting, collectives
+    assert re.fullmatch(r"    rank 1: none unfinished; its last: gloo:\w+ \w+ \[\d+\] #(\d+) of default_pg",
+                        collectives[2]), collectives
+    assert collectives[3].startswith(f"    default_pg: rank(s) 1 never started collective #{waiting[1]} "), collectives
     assert processes_mentioning(str(tmp_path / "hang")) == []
 
 
@@ -260,6 +268,26 @@ def test_a_previous_runs_ended_ranks_in_the_run_folder_stop_nothing():
     dead = status(1, "there", 21, "exited with code 1")  # this run's rank 1, dead before the first look at it
     assert ended_elsewhere([status(0, "here", 20, "killed by signal SIGKILL"), dead], "here", before) == [dead]
     assert ended_elsewhere([status(1, "there", 21, "killed by signal SIGTERM", phase="done")], "here", before) == []
+
+
+def test_the_flight_recorders_records_say_who_waits_in_what_and_who_never_came():
+    from disttrain.monitor import waits
+
+    def entry(seq, name="gloo:all_reduce", done=True, group=("0", "default_pg"), p2p=False, age_s=0):
+        return {"collective_seq_id": 0 if p2p else seq, "p2p_seq_id": seq if p2p else 0, "is_p2p": p2p,
+                "profiling_name": name, "process_group": list(group), "retired": done, "input_sizes": [[4, 2]],
+                "input_dtypes": ["Float"], "time_created_ns": 100 * 10**9 - age_s * 10**9}
+
+    sub = ("3", "undefined")  # a group made by new_group: named by its number
+    records = {0: {"entries": [entry(1), entry(2, done=False, age_s=7), entry(1, group=sub, done=False)]},
+               1: {"entries": [entry(1), entry(1, group=sub, done=False), entry(5, "nccl:send", p2p=True)]},
+               2: {"entries": [], "note": "no process group"}}
+    assert waits(records, now_ns=100 * 10**9) == [
+        "rank 0: waiting in gloo:all_reduce Float [4, 2] #2 of default_pg, for 7 s",
+        "rank 1: waiting in gloo:all_reduce Float [4, 2] #1 of group 3, for 0 s",
+        "rank 2: no collective recorded (no process group)",
+        "default_pg: rank(s) 1 never started collective #2 (their last: #1), which the others did (they went on to #2)",
+    ]  # (point-to-point sequences are per pair of ranks: not compared)
 
 
 def _slurm_ranks(tmp_path, overrides_per_rank):

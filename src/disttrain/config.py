@@ -276,6 +276,10 @@ class DistConfig:
     signal that arrives during a step's last backward is acted on after the next step: allow for two steps)."""
     threads_per_rank: int = 0
     """torch intra-op threads per rank; 0 = cores / processes on this node (at least 1)."""
+    flight_recorder: int = 2000
+    """Collectives each rank keeps a record of (torch's flight recorder: `TORCH_FR_BUFFER_SIZE`, unless set): when the
+    watchdog stops a hung job, the summary says which collective each rank waits in and which rank never reached
+    it (every record: `RUN_DIR/status/rank<R>.collectives.json`). 0 = off."""
     launcher: str = "torchrun"
     """How `disttrain train --nproc N` starts its ranks: `torchrun` (this node's processes) or `ray` (Ray actors in
     a placement group, on any node of a Ray cluster; `pip install 'disttrain[ray]'`)."""
@@ -812,6 +816,7 @@ def _validate_dist(cfg: Config, gpu_count: int, world: int) -> None:
     for key in ("timeout_s", "startup_timeout_s", "shutdown_grace_s"):
         _check(getattr(dc, key) > 0, f"dist.{key} = {getattr(dc, key)}: must be > 0 seconds")
     _check(dc.threads_per_rank >= 0, f"dist.threads_per_rank = {dc.threads_per_rank}: must be >= 0")
+    _check(dc.flight_recorder >= 0, f"dist.flight_recorder = {dc.flight_recorder}: must be >= 0 (0 = off)")
     if dc.launcher == "ray":
         _check(dc.ray_cpus_per_worker >= 0 and dc.ray_gpus_per_worker >= 0,
                "dist.ray_cpus_per_worker and dist.ray_gpus_per_worker must be >= 0")

@@ -32,6 +32,9 @@ STACK_SIGNAL = signal.SIGUSR2
 """Asks a rank for every thread's Python stack (`RankStatus`), which the watchdog sends a stuck rank before killing it.
 (SIGUSR1 is Slurm's and Lightning's usual preemption warning.)"""
 STACK_LINES = 12
+DUMP_REQUEST = "dump_request"
+"""Touched by the watchdog in the status folder: each rank's heartbeat thread answers with its flight recorder's
+records of its collectives (`rank<R>.collectives.json`)."""
 
 
 def status_dir(run_dir: Path) -> Path:
@@ -57,6 +60,7 @@ class RankStatus:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._beat, args=(interval_s,), name="disttrain-status", daemon=True)
+        self._dumped = _mtime(self.path.parent / DUMP_REQUEST)  # (a request left by an earlier run is not for us)
         self._stacks = _stacks_on_request(self.path.with_suffix(".stack"))
         self.state["stacks"] = self._stacks is not None  # the watchdog signals only a rank that answers
         self.write()
@@ -87,8 +91,21 @@ class RankStatus:
                 self._orphaned()
             try:
                 self.write()
+                self._answer_dump_request()
             except OSError:
                 pass  # a full disk must not kill training; the next beat tries again
+
+    def _answer_dump_request(self) -> None:
+        """Write this rank's flight-recorder records if the watchdog asked since the last answer. From this thread,
+        which runs while the main thread waits in a collective (torch releases the GIL there)."""
+        asked = _mtime(self.path.parent / DUMP_REQUEST)
+        if asked <= self._dumped:
+            return
+        self._dumped = asked
+        path = self.path.with_suffix(".collectives.json")
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(collective_records()))
+        os.replace(tmp, path)
 
     def _orphaned(self) -> None:
         print(f"disttrain: rank {self.state['rank']}: its launcher (pid {self._launcher}) is gone; exiting",
@@ -125,6 +142,73 @@ def _stacks_on_request(path: Path):
     return stacks
 
 
+def _mtime(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return 0
+
+
+def collective_records() -> dict[str, Any]:
+    """This process's flight-recorder records (torch's JSON dump: `entries`, one per collective, newest last), or
+    none where no process group formed or the recorder is off."""
+    dist = sys.modules.get("torch.distributed")  # (never imports torch: the launcher imports this module)
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return {"entries": [], "note": "no process group"}
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+
+        return json.loads(_dump_fr_trace_json(True, False))
+    except Exception as exc:  # a torch without it, or a recorder that cannot dump: say so rather than fail
+        return {"entries": [], "note": f"no records: {type(exc).__name__}: {exc}"}
+
+
+def waits(records: dict[int, dict[str, Any]], now_ns: int | None = None) -> list[str]:
+    """What each rank's collectives say (`records`: rank -> its flight-recorder dump): the collective it waits in
+    (its oldest unfinished one), else its last; then, per process group, the ranks that never reached the newest
+    collective another rank started (the one the others wait for)."""
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    lines, newest = [], {}  # newest: (group, p2p) -> {rank: newest sequence number}
+    for rank, dump in sorted(records.items()):
+        entries = dump.get("entries") or []
+        for e in entries:
+            key = (_group(e), bool(e.get("is_p2p")))
+            seq = e.get("p2p_seq_id" if key[1] else "collective_seq_id", 0)
+            newest.setdefault(key, {})[rank] = max(seq, newest.get(key, {}).get(rank, 0))
+        waiting = [e for e in entries if not e.get("retired")]
+        if waiting:
+            e = waiting[0]
+            age = (now_ns - e.get("time_created_ns", now_ns)) / 1e9
+            lines.append(f"rank {rank}: waiting in {_describe(e)}, for {age:.0f} s")
+        elif entries:
+            lines.append(f"rank {rank}: none unfinished; its last: {_describe(entries[-1])}")
+        else:
+            lines.append(f"rank {rank}: no collective recorded" + (f" ({dump['note']})" if dump.get("note") else ""))
+    for (group, p2p), seqs in sorted(newest.items()):
+        top = max(seqs.values())
+        behind = [r for r in records if seqs.get(r, 0) < top and records[r].get("entries")]
+        if behind and not p2p:
+            last = min(seqs.get(r, 0) for r in behind)
+            lines.append(f"{group}: rank(s) {', '.join(map(str, behind))} never started collective #{last + 1} "
+                         f"(their last: {', '.join(f'#{seqs.get(r, 0)}' for r in behind)}), which the others did "
+                         f"(they went on to #{top})")
+    return lines
+
+
+def _group(entry: dict[str, Any]) -> str:
+    name, desc = (list(entry.get("process_group") or ["?", ""]) + [""])[:2]
+    return desc if desc and desc != "undefined" else f"group {name}"
+
+
+def _describe(entry: dict[str, Any]) -> str:
+    p2p = entry.get("is_p2p")
+    seq = entry.get("p2p_seq_id" if p2p else "collective_seq_id", "?")
+    sizes = entry.get("input_sizes") or []
+    dtypes = entry.get("input_dtypes") or []
+    shape = f" {dtypes[0]} {list(sizes[0])}" if sizes and dtypes else ""
+    return f"{entry.get('profiling_name', '?')}{shape} #{seq} of {_group(entry)}"
+
+
 def main_stack(dump: str, lines: int = STACK_LINES) -> list[str]:
     """The frames of the main thread (most recent first, at most `lines`) in a faulthandler dump of every thread: the
     thread whose oldest frame is not `threading`'s bootstrap."""
@@ -157,6 +241,8 @@ def peer_failed(run_dir: Path, rank: int, attempt: int) -> bool:
 def read_statuses(run_dir: Path) -> list[dict[str, Any]]:
     out = []
     for path in sorted(status_dir(run_dir).glob("rank*.json")):
+        if not path.stem[4:].isdigit():  # (rank<R>.collectives.json)
+            continue
         try:
             out.append(json.loads(path.read_text()))
         except (OSError, ValueError):
@@ -181,7 +267,8 @@ def mark_ended(run_dir: Path, failures: dict[int, str]) -> None:
 
 
 def clear_statuses(run_dir: Path) -> None:
-    for path in [*status_dir(run_dir).glob("rank*.json"), *status_dir(run_dir).glob("rank*.stack")]:
+    folder = status_dir(run_dir)
+    for path in [*folder.glob("rank*.json"), *folder.glob("rank*.stack"), folder / DUMP_REQUEST]:
         path.unlink(missing_ok=True)
 
 
@@ -242,6 +329,19 @@ def summary(run_dir: Path, failures: dict[int, str] | None = None, stuck: list[d
             if frames:  # (a rank on another node: its own launcher's summary has it)
                 lines.append(f"rank {s['rank']}'s stack when stopped (most recent call first; every thread's: {dump}):")
                 lines += ["    " + frame for frame in frames]
+        asked = _mtime(status_dir(run_dir) / DUMP_REQUEST)
+        records = {}
+        for s in statuses:
+            path = status_dir(run_dir) / f"rank{s['rank']}.collectives.json"
+            if asked and _mtime(path) >= asked:  # answered this request (every node's launcher asks its own ranks)
+                try:
+                    records[s["rank"]] = json.loads(path.read_text())
+                except (OSError, ValueError):
+                    continue
+        if records:
+            lines.append(f"collectives (torch's flight recorder; every record: "
+                         f"{status_dir(run_dir) / 'rank<R>.collectives.json'}):")
+            lines += ["    " + line for line in waits(records)]
     if ended:
         lines.append("ended on another node first: " + ", ".join(f"rank {s['rank']} (node {s['node']}, {s['host']}) "
                                                                  f"{s['ended']}" for s in ended)
@@ -261,20 +361,26 @@ def _process(status: dict) -> tuple:
     return status["rank"], status["host"], status["pid"]
 
 
-def _ask_for_stacks(run_dir: Path, statuses: list[dict], wait_s: float = 2.0) -> None:
-    """Send STACK_SIGNAL to those of these ranks that answer it (`RankStatus` registered its stacks there: not where
-    the user has a handler of their own) and wait (at most `wait_s`) until each has written its stacks."""
-    asked = []
+def _ask_for_dumps(run_dir: Path, statuses: list[dict], wait_s: float = 3.0) -> None:
+    """Ask these ranks for their Python stacks (STACK_SIGNAL, to those that registered for it: not where the user has
+    a handler of their own) and their flight-recorder records (DUMP_REQUEST, answered by the heartbeat thread within
+    a beat), and wait (at most `wait_s`) for both."""
+    folder = status_dir(run_dir)
+    request = folder / DUMP_REQUEST
+    request.touch()
+    asked = _mtime(request)
+    stacks, records = [], [folder / f"rank{s['rank']}.collectives.json" for s in statuses]
     for s in statuses:
         if not s.get("stacks"):
             continue
         try:
             os.kill(s["pid"], STACK_SIGNAL)
-            asked.append(status_dir(run_dir) / f"rank{s['rank']}.stack")
+            stacks.append(folder / f"rank{s['rank']}.stack")
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and not all(p.is_file() and p.stat().st_size for p in asked):
+    while time.monotonic() < deadline and not (all(p.is_file() and p.stat().st_size for p in stacks)
+                                               and all(_mtime(p) >= asked for p in records)):
         time.sleep(0.05)
 
 
@@ -319,7 +425,7 @@ class Watchdog:
             # each node's launcher stops its own workers, but not those that finished (they are closing down)
             local = [s for s in statuses if s["host"] == host and s.get("phase") != "done"]
             if stuck:
-                _ask_for_stacks(self.run_dir, local)
+                _ask_for_dumps(self.run_dir, local)
             for s in local:
                 try:
                     os.kill(s["pid"], signal.SIGKILL)

@@ -177,6 +177,8 @@ def init_runtime(cfg: DistConfig, environ: Mapping[str, str] | None = None, alwa
     timeout = timedelta(seconds=cfg.timeout_s + cfg.startup_timeout_s)
     if backend == "nccl":  # nccl times each collective on the device, for comm_s (parallel/comm.py)
         os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
+    if not {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & os.environ.keys():  # (monitor.py reads it)
+        os.environ["TORCH_FR_BUFFER_SIZE"] = str(cfg.flight_recorder)
     if info.world_size == 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     elif not dist.is_initialized():
