@@ -199,13 +199,19 @@ def test_sigterm_checkpoints_exits_143_and_the_next_run_resumes(tmp_path, refere
     assert [m["loss"] for m in read_metrics(tmp_path / "preempted")] == pytest.approx(reference, abs=1e-6)
 
 
-def test_two_nodes_on_loopback_match_one_node(tmp_path, reference):
+@pytest.mark.parametrize("fault", [{"FAULT_STEP": "0"},
+                                   {"FAULT": "raise", "FAULT_RANK": "1", "FAULT_STEP": "7", "FAULT_ATTEMPTS": "1"}],
+                         ids=["straight", "a-rank-fails-once"])
+def test_two_nodes_on_loopback_match_one_node(tmp_path, reference, fault):
+    """Two launchers of one node each; with a rank failing once (`--max-restarts 1`) both nodes restart together,
+    resume from the step-5 checkpoint and end as the uninterrupted run did."""
     endpoint = f"127.0.0.1:{free_port()}"
     nodes = [subprocess.Popen(DISTTRAIN + ["train", "--nproc", "1", "--nnodes", "2", "--node-rank", str(rank),
-                                           "--rdzv-endpoint", endpoint, "--set", f"run.out_dir={tmp_path}",
+                                           "--rdzv-endpoint", endpoint, "--max-restarts", "1",
+                                           "--set", f"run.out_dir={tmp_path}",
                                            "--set", "run.name=multinode", "--set", "train.steps=20",
                                            "--set", "checkpoint.every=5", "--set", "dist.startup_timeout_s=60", *JOB],
-                              cwd=tmp_path, env={**cli_env(tmp_path), "FAULT_STEP": "0"}, stdout=subprocess.DEVNULL,
+                              cwd=tmp_path, env={**cli_env(tmp_path), **fault}, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, start_new_session=True) for rank in (0, 1)]
     try:
         codes = [node.wait(timeout=120) for node in nodes]
@@ -215,8 +221,13 @@ def test_two_nodes_on_loopback_match_one_node(tmp_path, reference):
         for node in nodes:
             if node.poll() is None:
                 os.killpg(node.pid, signal.SIGKILL)
-    assert codes == [0, 0], [(n.returncode, n.stderr.read()[-2000:]) for n in nodes]
-    assert [m["loss"] for m in read_metrics(tmp_path / "multinode")] == pytest.approx(reference, abs=1e-5)
+    errors = [n.stderr.read() for n in nodes]
+    assert codes == [0, 0], [(n.returncode, e[-2000:]) for n, e in zip(nodes, errors, strict=True)]
+    lines = read_metrics(tmp_path / "multinode")
+    if "FAULT" in fault:  # the failed attempt's lines up to step 6, then the resumed run's from step 6
+        assert all("resumed from checkpoint step 5" in e for e in errors), [e[-2000:] for e in errors]
+        lines = [m for m in lines if m["step"] <= 5] + [m for m in lines if m["step"] > 5][-15:]
+    assert [m["loss"] for m in lines] == pytest.approx(reference, abs=1e-5)
 
 
 def test_a_rank_dead_on_another_node_stops_this_nodes_ranks_at_once(tmp_path):
