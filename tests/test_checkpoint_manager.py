@@ -8,7 +8,8 @@ from conftest import SCRIPTS, run_cli
 def test_the_design_documents_words_on_two_sharded_ranks(tmp_path):
     """save_checkpoint / load_latest_checkpoint / load_best_checkpoint (../shared/seeds/004) under FSDP2 on 2 ranks:
     the best survives rotation, loads give back the saved values, a save or load waits for rank 0's slow async
-    write of the previous one longer than arrival_timeout_s, and rank 0 calling alone fails fast."""
+    write of the previous one longer than arrival_timeout_s, a full disk on one rank fails the save on both (sync and
+    async) without a hang, and rank 0 calling alone fails fast."""
     result = run_cli(["launch", "--fork", "--nproc", "2",
                       "--run-dir", str(tmp_path / "run"), str(SCRIPTS / "ckpt_words.py"),
                       str(tmp_path / "ckpt"), str(tmp_path / "out.json")], tmp_path, timeout=120)
@@ -20,5 +21,10 @@ def test_the_design_documents_words_on_two_sharded_ranks(tmp_path):
     assert out["best"] == {"step": 2, "equal": True}
     for rank in range(2):
         assert json.loads((tmp_path / f"slow{rank}.json").read_text()) == [1.0, 2.0, 3.0, 4.0]
+    for mode in ("sync", "async"):  # rank 1's disk full during an FSDP save: both ranks fail it, none hangs
+        full = [json.loads((tmp_path / f"full_{mode}{rank}.json").read_text()) for rank in range(2)]
+        assert [f["kept"] for f in full] == [[1], [1]], full
+        assert "another rank failed to write" in full[0]["outcome"], full
+        assert "No space left on device" in full[1]["outcome"] and "are untouched" in full[1]["outcome"], full
     assert "collective" in out["lonely"] and "rank(s) 1" in out["lonely"] and "if rank == 0" in out["lonely"]
     assert out["lonely_s"] < 10

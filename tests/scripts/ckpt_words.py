@@ -45,6 +45,22 @@ def slow_storage(seconds: float) -> None:
     manager.write_state = slow
 
 
+def full_disk():
+    """This rank's next writes of its own state fail as on a full disk; returns the undo."""
+    import errno
+
+    import disttrain.checkpoint.manager as manager
+
+    write_state = manager.write_state
+
+    def full(directory, name, state):
+        if name.startswith("rank"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(directory / f"{name}.safetensors"))
+        return write_state(directory, name, state)
+    manager.write_state = full
+    return lambda: setattr(manager, "write_state", write_state)
+
+
 def main() -> None:
     folder, out = Path(sys.argv[1]), Path(sys.argv[2])
     runtime = init_runtime(DistConfig(threads_per_rank=1), always_form_group=True)
@@ -78,6 +94,21 @@ def main() -> None:
     except CheckpointError as exc:
         result[f"slow{runtime.rank}"] = str(exc)
     (out.parent / f"slow{runtime.rank}.json").write_text(json.dumps(result[f"slow{runtime.rank}"]))
+    # rank 1's disk is full: DCP's collective write is entered by every rank or by none, so both ranks fail the save
+    # at once (no hang in mismatched collectives), it is not committed, and the checkpoint before it stays
+    for mode in ("sync", "async"):
+        disk = CheckpointManager(folder / f"full_{mode}", CheckpointConfig(async_save=mode == "async"), runtime)
+        disk.save_checkpoint(model, 1, optimizer)
+        restore = full_disk() if runtime.rank == 1 else (lambda: None)
+        try:
+            disk.save_checkpoint(model, 2, optimizer)
+            outcome = "saved"
+        except CheckpointError as exc:
+            outcome = str(exc)
+        finally:
+            restore()
+        (out.parent / f"full_{mode}{runtime.rank}.json").write_text(json.dumps({"outcome": outcome,
+                                                                              "kept": disk.list()}))
     # the manager called under `if rank == 0`: rank 0 stops with a message, rank 1 is never blocked
     lonely = CheckpointManager(folder / "lonely", CheckpointConfig(arrival_timeout_s=3), runtime)
     if runtime.rank == 0:

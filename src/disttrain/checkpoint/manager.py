@@ -357,21 +357,27 @@ class CheckpointManager:
 
     def _save(self, step: int, state, metrics, rank_state, collective: bool, sharded: bool, skeleton=None) -> None:
         path = self.path(step)
-        error = None
+        error, files = None, {}
         try:
             files = write_state(path, f"rank{self.rank}", rank_state)
-            if sharded:  # every rank writes its shards through DCP
-                files.update(_write_sharded(path, state, self.rank, None if collective else self._dcp_group,
-                                            skeleton))
-            elif self.rank == 0:
-                files.update(write_state(path, "state", state))
-            # atomically: rank 0 polls for this file during async saves and must never read it half written
-            listing = json.dumps({k: vars(v) for k, v in files.items()}).encode()
-            atomic_write(path / f"files_rank{self.rank}.json", listing)
+            if self.rank == 0:  # the full state, or a sharded state's skeleton
+                files.update(_write_skeleton(path, state, skeleton) if sharded else write_state(path, "state", state))
         except OSError as exc:
             error = CheckpointError(_describe_os_error(exc, path))
-            if not collective:  # tell rank 0 now rather than let it wait for the timeout
-                _try_write(path / f"files_rank{self.rank}.json", json.dumps({"__error__": str(error)}).encode())
+        if sharded:  # every rank writes its shards through DCP, whose write is collective: all ranks enter it or none
+            group = None if collective else self._dcp_group
+            if self._any_rank_failed(error is not None, True, group):
+                error = error or CheckpointError(f"checkpoint {path} not committed: another rank failed to write")
+            else:
+                error = _write_dcp(path, state, group, files)
+        if error is None:
+            try:  # atomically: rank 0 polls for this file during async saves and must never read it half written
+                listing = json.dumps({k: vars(v) for k, v in files.items()}).encode()
+                atomic_write(path / f"files_rank{self.rank}.json", listing)
+            except OSError as exc:
+                error = CheckpointError(_describe_os_error(exc, path))
+        if error is not None and not collective:  # tell rank 0 now rather than let it wait for the timeout
+            _try_write(path / f"files_rank{self.rank}.json", json.dumps({"__error__": str(error)}).encode())
         failed = self._any_rank_failed(error is not None, collective)
         if not failed and self.rank == 0:
             try:
@@ -388,11 +394,13 @@ class CheckpointManager:
         if self.rank == 0:
             self._rotate(keep=step)
 
-    def _any_rank_failed(self, failed: bool, collective: bool) -> bool:
+    def _any_rank_failed(self, failed: bool, collective: bool, group=None) -> bool:
+        """Whether any rank failed (`collective`: one all-reduce; else this rank's own view). `group`: the background
+        saves' gloo group (on the host), from their thread; None: the default group, on the job's device."""
         if not (collective and self._distributed()):
             return failed
-        flag = torch.tensor([1.0 if failed else 0.0], device=self.runtime.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        flag = torch.tensor([1.0 if failed else 0.0], device="cpu" if group else self.runtime.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group or None)
         return bool(flag.item())
 
     def _commit(self, step: int, path: Path, metrics: dict[str, Any], timeout: float | None, layout: str) -> None:
@@ -583,19 +591,29 @@ def _is_sharded(state: Any) -> bool:
     return any(hasattr(t, "to_local") for t in flatten(state)[1].values())
 
 
-def _write_sharded(path: Path, state: Any, rank: int, group=None, skeleton=None) -> dict[str, FileInfo]:
-    """DCP layout: the skeleton as `state.json` (rank 0; `skeleton`: every rank's, merged), the tensors as DCP
-    shards with JSON metadata."""
+def _write_skeleton(path: Path, state: Any, skeleton=None) -> dict[str, FileInfo]:
+    """Rank 0, DCP layout: the state's skeleton as `state.json` (`skeleton`: every rank's, merged)."""
+    skeleton = flatten(state)[0] if skeleton is None else skeleton
+    return {"state.json": write_bytes(path / "state.json", json.dumps({"skeleton": skeleton}).encode())}
+
+
+def _write_dcp(path: Path, state: Any, group, files: dict[str, FileInfo]) -> CheckpointError | None:
+    """Every rank: the state's tensors as DCP shards with JSON metadata, their infos added to `files`; the error, if
+    the write failed (DCP gathers every rank's outcome and raises on all of them alike)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from disttrain.checkpoint.dcp import save_sharded  # DCP and DTensor only where a state is sharded
 
-    own, tensors = flatten(state)
-    skeleton = own if skeleton is None else skeleton
-    files = {}
-    if rank == 0:
-        files["state.json"] = write_bytes(path / "state.json", json.dumps({"skeleton": skeleton}).encode())
-    for name in save_sharded(tensors, path, group):
-        files[name] = hash_file(path / name)
-    return files
+    try:
+        for name in save_sharded(flatten(state)[1], path, group or None):
+            files[name] = hash_file(path / name)
+    except OSError as exc:
+        return CheckpointError(_describe_os_error(exc, path))
+    except CheckpointException as exc:  # (a BaseException)
+        problems = sorted({str(e).splitlines()[0] if str(e) else type(e).__name__ for e, _ in exc.failures.values()})
+        return CheckpointError(f"cannot write checkpoint {path}: {'; '.join(problems)}; earlier checkpoints are "
+                               "untouched")
+    return None
 
 
 def _remove_checkpoint(path: Path) -> None:
