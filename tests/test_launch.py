@@ -199,6 +199,19 @@ def test_sigterm_checkpoints_exits_143_and_the_next_run_resumes(tmp_path, refere
     assert [m["loss"] for m in read_metrics(tmp_path / "preempted")] == pytest.approx(reference, abs=1e-6)
 
 
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> tuple[list[int] | None, list[str]]:
+    """Each process's exit code (None: some ran over `timeout`, and every one left is killed) and its stderr."""
+    try:
+        codes = [proc.wait(timeout=timeout) for proc in procs]
+    except subprocess.TimeoutExpired:
+        codes = None
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    return codes, [proc.stderr.read() for proc in procs]
+
+
 @pytest.mark.parametrize("fault", [{"FAULT_STEP": "0"},
                                    {"FAULT": "raise", "FAULT_RANK": "1", "FAULT_STEP": "7", "FAULT_ATTEMPTS": "1"}],
                          ids=["straight", "a-rank-fails-once"])
@@ -213,16 +226,8 @@ def test_two_nodes_on_loopback_match_one_node(tmp_path, reference, fault):
                                            "--set", "checkpoint.every=5", "--set", "dist.startup_timeout_s=60", *JOB],
                               cwd=tmp_path, env={**cli_env(tmp_path), **fault}, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, start_new_session=True) for rank in (0, 1)]
-    try:
-        codes = [node.wait(timeout=120) for node in nodes]
-    except subprocess.TimeoutExpired:
-        codes = None
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
-    errors = [n.stderr.read() for n in nodes]
-    assert codes == [0, 0], [(n.returncode, e[-2000:]) for n, e in zip(nodes, errors, strict=True)]
+    codes, errors = _wait_all(nodes, timeout=120)
+    assert codes == [0, 0], [e[-2000:] for e in errors]
     lines = read_metrics(tmp_path / "multinode")
     if "FAULT" in fault:  # the failed attempt's lines up to step 6, then the resumed run's from step 6
         assert all("resumed from checkpoint step 5" in e for e in errors), [e[-2000:] for e in errors]
@@ -245,15 +250,7 @@ def test_a_rank_dead_on_another_node_stops_this_nodes_ranks_at_once(tmp_path):
                               cwd=tmp_path, env=cli_env(tmp_path),
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
              for rank, prefix in ((0, []), (1, other_host))]
-    try:
-        codes = [node.wait(timeout=90) for node in nodes]
-    except subprocess.TimeoutExpired:
-        codes = None
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
-    errors = [node.stderr.read() for node in nodes]
+    codes, errors = _wait_all(nodes, timeout=90)
     assert codes == [1, 1], errors
     dead = re.search(r"disttrain: rank (\d) \(node (\d), localhost\) killed by signal SIGKILL, and its node's "
                      r"launcher gave up; stopping this node's ranks", errors[0])
