@@ -314,6 +314,8 @@ def check_nccl(args, check: Check) -> None:
     if dist.is_initialized():
         raise RuntimeError("a process group already exists in this process; the nccl check forms its own")
     device = args.device
+    # torch's flight recorder, as init_runtime turns it on for every job (monitor.py reads it when a job hangs)
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         store = dist.FileStore(str(Path(tmp) / "store"), 1)
@@ -337,6 +339,13 @@ def check_nccl(args, check: Check) -> None:
             check.figures["barrier"] = _ms(time.perf_counter() - t)
             backend, unchanged = dist.get_backend(), bool(torch.all(x == 1.5))
             check.figures["backend"] = backend
+            from disttrain.monitor import collective_records
+
+            records = collective_records()
+            entries = records.get("entries") or []
+            last = entries[-1].get("profiling_name") if entries else None
+            check.figures["flight recorder"] = (f"{len(entries)} record(s), the last {last}" if entries
+                                                else records.get("note", "no records"))
         finally:
             dist.destroy_process_group()
     check.passed = backend == "nccl" and unchanged
