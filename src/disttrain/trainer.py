@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from disttrain.backend import LossFn, TrainingBackend, create_backend
-from disttrain.checkpoint import CheckpointError, CheckpointManager, parse_step, restore_rng
+from disttrain.checkpoint import ArrivalError, CheckpointError, CheckpointManager, parse_step, restore_rng
 from disttrain.config import Config, ConfigError, profile_range, save_config, validate
 from disttrain.data import GlobalSampler, build_datasets, collate, eval_shard, fetch, split_micro
 from disttrain.loader import CollateFn, Loaders, StepBatches, check_dataset, probe
@@ -236,9 +236,12 @@ class Trainer:
         self._checkpoint_guard(lambda: manager.save(step, state, metrics=values, defer_copy=True))
 
     def _checkpoint_guard(self, action) -> None:
-        """Run a save (or wait for one); by `checkpoint.on_error` a failure aborts or becomes a warning."""
+        """Run a save (or wait for one); by `checkpoint.on_error` a failure aborts or becomes a warning. Ranks out
+        of step (`ArrivalError`) always abort: they cannot train on together."""
         try:
             action()
+        except ArrivalError:
+            raise
         except CheckpointError as exc:
             if self.cfg.checkpoint.on_error == "abort":
                 raise

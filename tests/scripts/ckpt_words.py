@@ -109,6 +109,25 @@ def main() -> None:
             restore()
         (out.parent / f"full_{mode}{runtime.rank}.json").write_text(json.dumps({"outcome": outcome,
                                                                               "kept": disk.list()}))
+    # what rank 0 alone does fails on every rank: creating the step's folder (a file in its place), and committing
+    # (a folder where `latest` goes); before, rank 0 raised and rank 1 went on into the next collective
+    for what in ("folder", "commit"):
+        blocked = CheckpointManager(folder / f"blocked_{what}", CheckpointConfig(), runtime)
+        if runtime.rank == 0:
+            (folder / f"blocked_{what}").mkdir()
+            if what == "folder":
+                (folder / "blocked_folder" / "step_1").write_text("not a folder")
+            else:
+                (folder / "blocked_commit" / "latest").mkdir()
+                (folder / "blocked_commit" / "latest" / "keep").write_text("")
+        dist.barrier()
+        try:
+            blocked.save_checkpoint(model, 1, optimizer)
+            outcome = "saved"
+        except CheckpointError as exc:
+            outcome = str(exc)
+        (out.parent / f"blocked_{what}{runtime.rank}.json").write_text(json.dumps({"outcome": outcome,
+                                                                                 "kept": blocked.list()}))
     # the manager called under `if rank == 0`: rank 0 stops with a message, rank 1 is never blocked
     lonely = CheckpointManager(folder / "lonely", CheckpointConfig(arrival_timeout_s=3), runtime)
     if runtime.rank == 0:

@@ -13,7 +13,7 @@ from disttrain.checkpoint.layout import (
     step_dir_name,
     verify,
 )
-from disttrain.checkpoint.manager import CheckpointError, CheckpointManager, restore_rng
+from disttrain.checkpoint.manager import ArrivalError, CheckpointError, CheckpointManager, restore_rng
 
-__all__ = ["COMMIT", "LATEST", "MANIFEST", "CheckpointError", "CheckpointManager", "is_committed", "parse_step",
-           "read_checkpoint_files", "restore_rng", "step_dir_name", "verify"]
+__all__ = ["COMMIT", "LATEST", "MANIFEST", "ArrivalError", "CheckpointError", "CheckpointManager", "is_committed",
+           "parse_step", "read_checkpoint_files", "restore_rng", "step_dir_name", "verify"]

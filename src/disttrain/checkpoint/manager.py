@@ -65,6 +65,11 @@ class CheckpointError(UserError, RuntimeError):
     """A checkpoint could not be saved or no valid checkpoint could be loaded; the message says why."""
 
 
+class ArrivalError(CheckpointError):
+    """Some ranks did not call a collective save or load in time: the ranks are out of step, and no rank may go on as
+    if it had only failed (`checkpoint.on_error = "continue"` does not apply)."""
+
+
 def _rng_state() -> dict[str, Any]:
     import random
 
@@ -152,6 +157,17 @@ class CheckpointManager:
         ranked = self._ranked_by_metric()
         return ranked[0] if ranked else None
 
+    def _flagged_best(self) -> list[int]:
+        """Steps saved with `is_best=True`, oldest first (a damaged manifest is never one)."""
+        flagged = []
+        for step in self.list():
+            try:
+                if self.manifest(step).get("metrics", {}).get("is_best"):
+                    flagged.append(step)
+            except (OSError, ValueError, AttributeError):
+                continue
+        return flagged
+
     def _ranked_by_metric(self) -> list[int]:
         sign = 1.0 if self.cfg.best_mode == "min" else -1.0
         scored = []
@@ -185,10 +201,11 @@ class CheckpointManager:
             store.wait(keys, timedelta(seconds=self.cfg.arrival_timeout_s))
         except Exception:  # DistStoreError (a timeout) in recent torch, RuntimeError in older ones
             missing = [r for r, key in enumerate(keys) if not store.check([key])]
-            raise CheckpointError(
+            raise ArrivalError(
                 f"CheckpointManager.{what} is collective: rank {self.rank} waited {self.cfg.arrival_timeout_s:g} s "
-                f"for rank(s) {', '.join(map(str, missing))}, which did not call it; call it on every rank (not "
-                "under `if rank == 0`: rank 0 writes the manifest by itself)") from None
+                f"for rank(s) {', '.join(map(str, missing))}, which did not call it in that time; call it on every "
+                "rank (not under `if rank == 0`: rank 0 writes the manifest by itself), or, if a rank is only slow "
+                "to come (a slow tracker on rank 0), raise checkpoint.arrival_timeout_s") from None
 
     def _settle(self, what: str) -> None:
         """Check in for the collective `what` (`_arrive`), then wait for this rank's in-flight async save; if it
@@ -317,13 +334,16 @@ class CheckpointManager:
         try:
             if self.runtime is not None and self.runtime.device.type == "cuda":
                 torch.cuda.set_device(self.runtime.device)  # a new thread starts on GPU 0, whatever the rank's
+            failure = None
             if not self._copied.is_set():
                 try:
                     both = self._snapshot(both)
+                except Exception as exc:  # the others still wait for this rank in the save's agreement
+                    failure = exc
                 finally:
                     self._copied.set()
             self._save(step, both["state"], metrics, both["rank"], collective=False, sharded=sharded,
-                       skeleton=skeleton)
+                       skeleton=skeleton, failure=failure)
         except BaseException as exc:  # surfaced by wait()
             self._pending_error = exc
 
@@ -342,8 +362,9 @@ class CheckpointManager:
             raise error
 
     def _prepare_folder(self, step: int) -> None:
-        """Rank 0 creates an empty `step_<N>/` (removing a stale one); then every rank may write."""
-        path = self.path(step)
+        """Rank 0 creates an empty `step_<N>/` (removing a stale one); then every rank may write, or, if rank 0
+        could not, every rank raises (the agreement is the barrier)."""
+        path, error = self.path(step), None
         if self.rank == 0:
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
@@ -351,19 +372,27 @@ class CheckpointManager:
                     _remove_checkpoint(path)
                 path.mkdir()
             except OSError as exc:
-                raise CheckpointError(_describe_os_error(exc, path)) from None
-        if self._distributed():
-            self.runtime.barrier()
+                error = CheckpointError(_describe_os_error(exc, path))
+        if self._any_rank_failed(error is not None, collective=True):
+            raise error or CheckpointError(f"checkpoint {path}: rank 0 could not create the folder (its log says why)")
 
-    def _save(self, step: int, state, metrics, rank_state, collective: bool, sharded: bool, skeleton=None) -> None:
+    def _save(self, step: int, state, metrics, rank_state, collective: bool, sharded: bool, skeleton=None,
+              failure: BaseException | None = None) -> None:
+        """Write, agree, commit (see the module's protocol). `failure`: this rank could not even copy its state (an
+        async save): it writes nothing, and takes part in the agreements, which then fail the save on every rank."""
         path = self.path(step)
         error, files = None, {}
         try:
+            if failure is not None:
+                raise failure
             files = write_state(path, f"rank{self.rank}", rank_state)
             if self.rank == 0:  # the full state, or a sharded state's skeleton
                 files.update(_write_skeleton(path, state, skeleton) if sharded else write_state(path, "state", state))
         except OSError as exc:
             error = CheckpointError(_describe_os_error(exc, path))
+        except Exception as exc:  # (not only the disk: the ranks must agree whatever failed)
+            error = CheckpointError(f"cannot write checkpoint {path}: {type(exc).__name__}: {exc}; earlier "
+                                    "checkpoints are untouched")
         if sharded:  # every rank writes its shards through DCP, whose write is collective: all ranks enter it or none
             group = None if collective else self._dcp_group
             if self._any_rank_failed(error is not None, True, group):
@@ -387,12 +416,17 @@ class CheckpointManager:
                 error, failed = CheckpointError(_describe_os_error(exc, path)), True
             except CheckpointError as exc:
                 error, failed = exc, True
+        if collective:  # rank 0 committed alone: every rank learns whether it did
+            failed = bool(self.rank0(int(failed)))
         if failed:
             if self.rank == 0:
                 _remove_checkpoint(path)
-            raise error or CheckpointError(f"checkpoint {path} not committed: another rank failed to write")
+            raise error or CheckpointError(f"checkpoint {path} not committed: another rank failed (its log says why)")
         if self.rank == 0:
-            self._rotate(keep=step)
+            try:  # (after the commit every rank has gone on: rotation's trouble is rank 0's warning, not an error)
+                self._rotate(keep=step)
+            except OSError as exc:
+                log.warning("checkpoint step %d committed, but removing older ones failed: %s", step, exc)
 
     def _any_rank_failed(self, failed: bool, collective: bool, group=None) -> bool:
         """Whether any rank failed (`collective`: one all-reduce; else this rank's own view). `group`: the background
@@ -435,8 +469,7 @@ class CheckpointManager:
         keep_set = set(steps[-max(self.cfg.keep_last, 1):]) | {keep}
         if self.cfg.keep_best > 0:
             keep_set |= set(self._ranked_by_metric()[: self.cfg.keep_best])
-            flagged = [s for s in steps if self.manifest(s).get("metrics", {}).get("is_best")]
-            keep_set |= set(flagged[-1:])  # the newest saved with is_best=True
+            keep_set |= set(self._flagged_best()[-1:])  # the newest saved with is_best=True
         for child in self.dir.iterdir():
             step = parse_step(child)
             if step is None or not child.is_dir():
