@@ -298,22 +298,18 @@ def test_the_flight_recorders_records_say_who_waits_in_what_and_who_never_came()
     ]  # (point-to-point sequences are per pair of ranks: not compared)
 
 
-def _slurm_ranks(tmp_path, overrides_per_rank):
+def _slurm_ranks(tmp_path, overrides_per_rank, cwds=None):
     port = free_port()
     procs = []
     for rank, overrides in enumerate(overrides_per_rank):
         env = {**cli_env(tmp_path), "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
                "SLURM_NODEID": "0", "SLURM_NTASKS_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "FAULT_STEP": "0"}
-        procs.append(subprocess.Popen([sys.executable, "-m", "disttrain.run", *overrides], cwd=tmp_path, env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                      start_new_session=True))
-    try:
-        return [(p.wait(timeout=120), p.stderr.read()) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+        procs.append(subprocess.Popen([sys.executable, "-m", "disttrain.run", *overrides],
+                                      cwd=cwds[rank] if cwds else tmp_path, env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True, start_new_session=True))
+    codes, errors = _wait_all(procs, timeout=120)
+    return list(zip(codes or [None] * len(procs), errors, strict=True))
 
 
 def test_slurm_started_ranks_form_one_job_that_matches(tmp_path, reference):
@@ -322,6 +318,21 @@ def test_slurm_started_ranks_form_one_job_that_matches(tmp_path, reference):
     results = _slurm_ranks(tmp_path, [args, args])
     assert [code for code, _ in results] == [0, 0], results
     assert [m["loss"] for m in read_metrics(tmp_path / "slurm")] == pytest.approx(reference, abs=1e-5)
+
+
+def test_ranks_that_see_different_data_are_refused_naming_it(tmp_path):
+    """The same config on both ranks, but a relative data.source that is another file on each (as per-node copies
+    that differ, or a file still being written): one line on every rank, exit 2, before the first step (a rank with
+    more evaluation rounds than the others would hang in them)."""
+    cwds = [tmp_path / "a", tmp_path / "b"]
+    for cwd, words in zip(cwds, (200, 300), strict=True):
+        cwd.mkdir()
+        (cwd / "corpus.txt").write_text(" ".join(["tokens"] * words))
+    args = ["--set", f"run.out_dir={tmp_path}", "--set", "run.name=data", "--set", "dist.nproc=2",
+            "--set", "data.source=corpus.txt", "--set", "model.seq_len=16", *JOB]
+    results = _slurm_ranks(tmp_path, [args, args], cwds)
+    assert [code for code, _ in results] == [2, 2], results
+    assert any("rank(s) 1 see a different number of training samples than rank 0" in err for _, err in results)
 
 
 def test_ranks_with_different_configs_are_refused_naming_the_difference(tmp_path):

@@ -424,16 +424,19 @@ class StopSignals:
             self._leave_after(self.LEFT_S)
 
 
-def check_ranks_agree(cfg, runtime: Runtime) -> None:
-    """Every rank must run the same config, disttrain and torch: compared as hashes in one all-gather of
-    integers (no pickling), so a mismatch is named before the first step instead of showing up as a hang."""
+def check_ranks_agree(cfg, runtime: Runtime, data: dict[str, int] | None = None) -> None:
+    """Every rank must run the same config, disttrain and torch, and see the same data (`data`: how many training
+    and evaluation samples): compared as hashes in one all-gather of integers (no pickling), so a mismatch is named
+    before the first step instead of showing up as a hang (a rank with more evaluation rounds than the others) or
+    as silently different data streams."""
     if not runtime.distributed or runtime.world_size == 1:
         return
     import hashlib
 
     from disttrain._version import __version__
 
-    facts = {"config": cfg.hash(), "disttrain version": __version__, "torch version": torch.__version__}
+    facts = {"config": cfg.hash(), "disttrain version": __version__, "torch version": torch.__version__,
+             **{name: str(n) for name, n in (data or {}).items()}}
     mine = torch.tensor([int(hashlib.sha256(v.encode()).hexdigest()[:15], 16) for v in facts.values()],
                         dtype=torch.int64, device=runtime.device)
     everyone = [torch.empty_like(mine) for _ in range(runtime.world_size)]
@@ -443,6 +446,10 @@ def check_ranks_agree(cfg, runtime: Runtime) -> None:
         if differing:
             from disttrain.config import ConfigError
 
+            if name in (data or {}):
+                raise ConfigError(f"rank(s) {', '.join(map(str, differing))} see a different number of {name} than "
+                                  f"rank 0 (here, rank {runtime.rank}: {facts[name]}); give every rank the same data "
+                                  "(the same file, not one still being written nor a copy per node that differs)")
             raise ConfigError(f"rank(s) {', '.join(map(str, differing))} run a different {name} than rank 0 "
                               f"(here, rank {runtime.rank}: {facts[name]}); launch every rank with the same "
                               "config file, --set values and installation")

@@ -156,7 +156,8 @@ class Trainer:
         backend.on_phase = status.phase
         stop.on_signal = backend.request_stop
         stop.peer_failed = lambda: peer_failed(cfg.run_dir, runtime.rank, status.state["attempt"])
-        check_ranks_agree(cfg, runtime)
+        check_ranks_agree(cfg, runtime, {"training samples": len(train),
+                                         "evaluation samples": -1 if val is None else len(val)})
         sampler = GlobalSampler(len(train), cfg.run.seed, cfg.data.shuffle)
         manager = CheckpointManager(cfg.run_dir / "checkpoints", cfg.checkpoint, runtime,
                                     info={"strategy": backend.strategy,
