@@ -297,6 +297,16 @@ def test_bad_layout_exits_2_before_any_process_starts(tmp_path, small_gpt):
     assert "torchrun" not in result.stdout + result.stderr
 
 
+def test_a_stage_without_gradients_still_joins_the_norm():
+    """The gradient norm over pipeline stages is one all-reduce over them: a stage whose parameters got no gradient
+    in a step contributes 0 and joins it, rather than skipping a collective its partner stage enters (a hang)."""
+    from disttrain.parallel.spec import squared_norm
+
+    zero = squared_norm([], None, torch.device("cpu"))
+    assert zero.dtype == torch.float64 and zero.item() == 0.0
+    assert squared_norm([torch.full((4,), 2.0), torch.ones(2)], None).item() == pytest.approx(18.0)
+
+
 def test_stage_split_balances_parameters_and_takes_given_points():
     from disttrain.models.gpt import GPT
     from disttrain.parallel.pipeline import balanced_split, split_points

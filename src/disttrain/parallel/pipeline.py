@@ -303,8 +303,10 @@ class PipelinePrepared(Prepared):
             other.copy_(total)
         for param, group in self.tie_pairs:
             grad = param.grad
-            if grad is None:
-                continue
+            if grad is None and not param.requires_grad:
+                continue  # (a frozen weight: frozen on both stages, so neither joins)
+            if grad is None:  # this copy got no gradient in this step: it joins the sum all the same (its twin's rank
+                grad = param.grad = torch.zeros_like(param)  # is in it) and steps with the twin's gradient
             if hasattr(grad, "placements") and grad.placements != param.placements:  # e.g. an embedding's
                 grad = param.grad = grad.redistribute(placements=param.placements)  # gradient left replicated
             dist.all_reduce(local_tensor(grad), group=group)

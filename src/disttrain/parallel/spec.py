@@ -195,6 +195,11 @@ class Prepared:
             self._placed = (key, placed)
         return self._placed[1]
 
+    def _device(self) -> Any:
+        """Where this rank's trainable parameters live (their local shards'), for a norm with no gradient to take."""
+        first = self._params[0] if self._params else None
+        return None if first is None else (first.to_local() if hasattr(first, "to_local") else first).device
+
     def step(self, factor: Any, skip: Any = False, need_norm: bool = True) -> tuple[Any, Any]:
         """Multiply the reduced gradients by `factor` (the global-mean normalisation), clip to `grad_clip`,
         and step the optimizer unless `skip` or the gradients are non-finite; then clear them. Returns
@@ -211,11 +216,12 @@ class Prepared:
             scaler.unscale_(optimizer)  # records inf/NaN (agreed across ranks, see precision.py)
         grads = [p.grad for p in self._params if p.grad is not None]
         norm = math.nan
-        if grads and (need_norm or self.grad_clip > 0):
+        # (with a norm_group, a rank whose parameters got no gradient in this step still joins the norm's all-reduce)
+        if (grads or self.norm_group is not None) and (need_norm or self.grad_clip > 0):
             # one pass: the norm of the raw sums gives the mean's norm (x factor); normalisation and the clip
             # coefficient are applied together, to each rank's local shards (no DTensor dispatch)
             normed = [p.grad for p in self._params if p.grad is not None and id(p) not in self.norm_skip]
-            norm = total_norm(normed, self.norm_group) * factor
+            norm = total_norm(normed, self.norm_group, self._device()) * factor
             if self.grad_clip > 0 and math.isfinite(norm):
                 factor *= min(1.0, self.grad_clip / (norm + 1e-6))
         if grads and factor != 1.0:
@@ -244,9 +250,9 @@ class Prepared:
         optimizer = self.optimizer
         grads = [p.grad for p in self._params if p.grad is not None]
         refused = torch.as_tensor(skip, device=factor.device)
-        if grads and (need_norm or self.grad_clip > 0):
+        if (grads or self.norm_group is not None) and (need_norm or self.grad_clip > 0):
             normed = [p.grad for p in self._params if p.grad is not None and id(p) not in self.norm_skip]
-            norm = squared_norm(normed, self.norm_group).sqrt() * factor
+            norm = squared_norm(normed, self.norm_group, factor.device).sqrt() * factor
         else:
             norm = torch.full((), math.nan, dtype=torch.float64, device=factor.device)
         if need_norm or self.grad_clip > 0:
@@ -267,16 +273,16 @@ class Prepared:
         return norm, ~refused
 
 
-def total_norm(grads: list, group=None) -> float:
+def total_norm(grads: list, group=None, device=None) -> float:
     """The 2-norm of all `grads` on every rank (`squared_norm`, read back)."""
-    return math.sqrt(squared_norm(grads, group).item())
+    return math.sqrt(squared_norm(grads, group, device).item())
 
 
-def squared_norm(grads: list, group=None) -> Any:
+def squared_norm(grads: list, group=None, device=None) -> Any:
     """The squared 2-norm of all `grads` on every rank, a float64 device tensor. Plain tensors and DTensors (on
     several meshes or placements: tensor parallelism leaves norms and positions whole) are normed in groups of one
     kind, each DTensor group reduced over its mesh; `group` then sums the squares over ranks that hold other
-    parameters (pipeline stages)."""
+    parameters (pipeline stages). No `grads` (a stage whose parameters got no gradient): 0, on `device`."""
     import torch
 
     kinds: dict[Any, list] = {}
@@ -287,7 +293,7 @@ def squared_norm(grads: list, group=None) -> Any:
     for same in kinds.values():
         norm = torch.nn.utils.get_total_norm(same)
         squares.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).double() ** 2)
-    square = torch.stack(squares).sum()
+    square = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64, device=device)
     if group is not None:
         import torch.distributed as dist
 
