@@ -192,7 +192,7 @@ class Trainer:
                 cursor += d.global_batch_size
                 self._after_step(step, last, values, result, backend, val, loaders, manager, metrics, status,
                                  runtime, cursor)
-        self._checkpoint_guard(manager.wait)  # an async save's error surfaces at the latest here
+        self._checkpoint_guard(manager.wait_all)  # an async save's error surfaces at the latest here, on every rank
         if runtime.is_main_process() and last > start:
             log.info("%s", run_summary(cfg, start, last, time.perf_counter() - began, result, manager))
         return result
@@ -220,7 +220,7 @@ class Trainer:
             self._save(manager, backend, step, cursor, values)
         status.phase("data", step=step)
         if stopping:  # every rank saw the request at this same step (it rode on the step's all-reduce)
-            self._checkpoint_guard(manager.wait)
+            self._checkpoint_guard(manager.wait_all)
             raise Preempted(step)
 
     def _save(self, manager: CheckpointManager, backend: TrainingBackend, step: int, cursor: int,

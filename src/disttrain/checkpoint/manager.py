@@ -208,11 +208,16 @@ class CheckpointManager:
                 "to come (a slow tracker on rank 0), raise checkpoint.arrival_timeout_s") from None
 
     def _settle(self, what: str) -> None:
-        """Check in for the collective `what` (`_arrive`), then wait for this rank's in-flight async save; if it
-        failed on any rank, every rank raises. Checking in comes first: rank 0 may still be writing a whole
-        full-layout state, longer than `arrival_timeout_s` for a large model, and the others wait for it here,
-        in one all-reduce under the process group's timeout, instead of timing out on a rank that did call."""
+        """Check in for the collective `what` (`_arrive`), then `wait_all`. Checking in comes first: rank 0 may
+        still be writing a whole full-layout state, longer than `arrival_timeout_s` for a large model, and the
+        others wait for it in `wait_all`'s all-reduce, under the process group's timeout, instead of timing out on a
+        rank that did call."""
         self._arrive(what)
+        self.wait_all()
+
+    def wait_all(self) -> None:
+        """Every rank: wait for this rank's in-flight async save; if it failed on any rank, every rank raises
+        (collective: one all-reduce), so that no rank goes on alone. `wait` is this rank's own."""
         error = None
         try:
             self.wait()
