@@ -287,15 +287,21 @@ def test_the_flight_recorders_records_say_who_waits_in_what_and_who_never_came()
                 "input_dtypes": ["Float"], "time_created_ns": 100 * 10**9 - age_s * 10**9}
 
     sub = ("3", "undefined")  # a group made by new_group: named by its number
-    records = {0: {"entries": [entry(1), entry(2, done=False, age_s=7), entry(1, group=sub, done=False)]},
-               1: {"entries": [entry(1), entry(1, group=sub, done=False), entry(5, "nccl:send", p2p=True)]},
-               2: {"entries": [], "note": "no process group"}}
+    # two groups of one mesh dimension: one description, two names; rank 3 is in neither
+    dp_a, dp_b = ("5", "mesh_dp"), ("6", "mesh_dp")
+    records = {0: {"entries": [entry(1), entry(2, done=False, age_s=7), entry(4, group=dp_a), entry(1, group=sub,
+                                                                                                       done=False)]},
+               1: {"entries": [entry(1), entry(1, group=sub, done=False), entry(5, "nccl:send", p2p=True),
+                               entry(9, group=dp_b)]},
+               2: {"entries": [], "note": "no process group"},
+               3: {"entries": [entry(2)]}}
     assert waits(records, now_ns=100 * 10**9) == [
         "rank 0: waiting in gloo:all_reduce Float [4, 2] #2 of default_pg, for 7 s",
         "rank 1: waiting in gloo:all_reduce Float [4, 2] #1 of group 3, for 0 s",
         "rank 2: no collective recorded (no process group)",
+        "rank 3: none unfinished; its last: gloo:all_reduce Float [4, 2] #2 of default_pg",
         "default_pg: rank(s) 1 never started collective #2 (their last: #1), which the others did (they went on to #2)",
-    ]  # (point-to-point sequences are per pair of ranks: not compared)
+    ]  # (point-to-point sequences are per pair of ranks: not compared; nor groups with other members)
 
 
 def _slurm_ranks(tmp_path, overrides_per_rank, cwds=None):

@@ -122,12 +122,12 @@ class RankStatus:
             self.phase(phase)
         self._stop.set()
         self._thread.join()
-        if self._stacks is not None:
-            faulthandler.unregister(STACK_SIGNAL)  # (STACK_SIGNAL's default action would now end the process)
-            self._stacks.close()
-            self._stacks = None
-            self.state["stacks"] = False
+        stacks, self._stacks = self._stacks, None
+        self.state["stacks"] = False  # first: STACK_SIGNAL's default action would now end the process
         self.write()
+        if stacks is not None:
+            faulthandler.unregister(STACK_SIGNAL)
+            stacks.close()
 
 
 def _stacks_on_request(path: Path):
@@ -168,11 +168,14 @@ def waits(records: dict[int, dict[str, Any]], now_ns: int | None = None) -> list
     (its oldest unfinished one), else its last; then, per process group, the ranks that never reached the newest
     collective another rank started (the one the others wait for)."""
     now_ns = time.time_ns() if now_ns is None else now_ns
-    lines, newest = [], {}  # newest: (group, p2p) -> {rank: newest sequence number}
+    # newest: (group's name, p2p) -> {rank: newest sequence number}; a group's members are the ranks with records in
+    # it (the groups of one mesh dimension share a description, not a name)
+    lines, newest, shown = [], {}, {}
     for rank, dump in sorted(records.items()):
         entries = dump.get("entries") or []
         for e in entries:
-            key = (_group(e), bool(e.get("is_p2p")))
+            key = ((e.get("process_group") or ["?"])[0], bool(e.get("is_p2p")))
+            shown[key[0]] = _group(e)
             seq = e.get("p2p_seq_id" if key[1] else "collective_seq_id", 0)
             newest.setdefault(key, {})[rank] = max(seq, newest.get(key, {}).get(rank, 0))
         waiting = [e for e in entries if not e.get("retired")]
@@ -184,13 +187,13 @@ def waits(records: dict[int, dict[str, Any]], now_ns: int | None = None) -> list
             lines.append(f"rank {rank}: none unfinished; its last: {_describe(entries[-1])}")
         else:
             lines.append(f"rank {rank}: no collective recorded" + (f" ({dump['note']})" if dump.get("note") else ""))
-    for (group, p2p), seqs in sorted(newest.items()):
+    for (name, p2p), seqs in sorted(newest.items()):
         top = max(seqs.values())
-        behind = [r for r in records if seqs.get(r, 0) < top and records[r].get("entries")]
+        behind = sorted(r for r, seq in seqs.items() if seq < top)
         if behind and not p2p:
-            last = min(seqs.get(r, 0) for r in behind)
-            lines.append(f"{group}: rank(s) {', '.join(map(str, behind))} never started collective #{last + 1} "
-                         f"(their last: {', '.join(f'#{seqs.get(r, 0)}' for r in behind)}), which the others did "
+            last = min(seqs[r] for r in behind)
+            lines.append(f"{shown[name]}: rank(s) {', '.join(map(str, behind))} never started collective #{last + 1} "
+                         f"(their last: {', '.join(f'#{seqs[r]}' for r in behind)}), which the others did "
                          f"(they went on to #{top})")
     return lines
 
@@ -367,7 +370,10 @@ def _ask_for_dumps(run_dir: Path, statuses: list[dict], wait_s: float = 3.0) -> 
     a beat), and wait (at most `wait_s`) for both."""
     folder = status_dir(run_dir)
     request = folder / DUMP_REQUEST
-    request.touch()
+    try:
+        request.touch()
+    except OSError:  # (a full disk: the stacks may still come, and the job is stopped all the same)
+        pass
     asked = _mtime(request)
     stacks, records = [], [folder / f"rank{s['rank']}.collectives.json" for s in statuses]
     for s in statuses:

@@ -111,15 +111,16 @@ def main() -> None:
                                                                               "kept": disk.list()}))
     # what rank 0 alone does fails on every rank: creating the step's folder (a file in its place), and committing
     # (a folder where `latest` goes); before, rank 0 raised and rank 1 went on into the next collective
-    for what in ("folder", "commit"):
-        blocked = CheckpointManager(folder / f"blocked_{what}", CheckpointConfig(), runtime)
+    for what in ("folder", "commit", "commit_async"):  # (async: rank 0's commit fails in its background thread)
+        blocked = CheckpointManager(folder / f"blocked_{what}", CheckpointConfig(async_save=what == "commit_async"),
+                                    runtime)
         if runtime.rank == 0:
             (folder / f"blocked_{what}").mkdir()
             if what == "folder":
                 (folder / "blocked_folder" / "step_1").write_text("not a folder")
             else:
-                (folder / "blocked_commit" / "latest").mkdir()
-                (folder / "blocked_commit" / "latest" / "keep").write_text("")
+                (folder / f"blocked_{what}" / "latest").mkdir()
+                (folder / f"blocked_{what}" / "latest" / "keep").write_text("")
         dist.barrier()
         try:
             blocked.save_checkpoint(model, 1, optimizer)

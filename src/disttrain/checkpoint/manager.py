@@ -221,8 +221,11 @@ class CheckpointManager:
         error = None
         try:
             self.wait()
-        except BaseException as exc:  # re-raised below, here as on the other ranks
+        except CheckpointError as exc:
             error = exc
+        except Exception as exc:  # (a gloo error, ...): a CheckpointError like the other ranks', whatever it was
+            error = CheckpointError(f"the async checkpoint save in {self.dir} failed: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
         if self._any_rank_failed(error is not None, collective=True):
             raise error or CheckpointError(f"the previous async checkpoint save in {self.dir} failed on another "
                                            "rank (that rank's log says why)")
@@ -244,7 +247,7 @@ class CheckpointManager:
         if is_best:
             metrics["is_best"] = True
         self.save(step, state, metrics)
-        self.wait()
+        self.wait_all()  # (an async save's failure, e.g. rank 0's commit, is every rank's)
         return self.path(step)
 
     def load_latest_checkpoint(self, model: torch.nn.Module, optimizer=None, scheduler=None
@@ -421,11 +424,13 @@ class CheckpointManager:
                 error, failed = CheckpointError(_describe_os_error(exc, path)), True
             except CheckpointError as exc:
                 error, failed = exc, True
+            except Exception as exc:  # (whatever it is, the others wait for rank 0's word below)
+                error, failed = CheckpointError(f"checkpoint {path} not committed: {type(exc).__name__}: {exc}"), True
+        if failed and self.rank == 0:
+            _remove_checkpoint(path)  # before any rank hears of the failure (and looks at the folder)
         if collective:  # rank 0 committed alone: every rank learns whether it did
             failed = bool(self.rank0(int(failed)))
         if failed:
-            if self.rank == 0:
-                _remove_checkpoint(path)
             raise error or CheckpointError(f"checkpoint {path} not committed: another rank failed (its log says why)")
         if self.rank == 0:
             try:  # (after the commit every rank has gone on: rotation's trouble is rank 0's warning, not an error)

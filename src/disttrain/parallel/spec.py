@@ -197,8 +197,12 @@ class Prepared:
 
     def _device(self) -> Any:
         """Where this rank's trainable parameters live (their local shards'), for a norm with no gradient to take."""
-        first = self._params[0] if self._params else None
-        return None if first is None else (first.to_local() if hasattr(first, "to_local") else first).device
+        import torch
+
+        if not self._params:  # (no trainable parameter: the rank's GPU where it has one, as its collectives need)
+            return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else None
+        first = self._params[0]
+        return (first.to_local() if hasattr(first, "to_local") else first).device
 
     def step(self, factor: Any, skip: Any = False, need_norm: bool = True) -> tuple[Any, Any]:
         """Multiply the reduced gradients by `factor` (the global-mean normalisation), clip to `grad_clip`,
