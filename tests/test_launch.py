@@ -120,6 +120,41 @@ def test_a_hung_rank_is_named_within_timeout_with_its_stack(tmp_path):
     assert processes_mentioning(str(tmp_path / "hang")) == []
 
 
+def test_status_shows_where_each_rank_of_a_running_job_is_and_the_job_goes_on(tmp_path):
+    """`disttrain status RUN_DIR --dump` on a job whose rank 1 sleeps in its forward (rank 0 waits for it): each
+    rank's step and phase, both stacks as they are now, and the collective rank 1 never started; asked twice, the
+    second answer is fresh; the job is not stopped. A folder without statuses is one line, exit 2."""
+    run_dir = tmp_path / "live"
+    proc = subprocess.Popen(DISTTRAIN + _job(tmp_path, "live", 20, "--set", "dist.timeout_s=600"), cwd=tmp_path,
+                            env={**cli_env(tmp_path), "FAULT": "sleep", "FAULT_RANK": "1", "FAULT_STEP": "3"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        status = run_dir / "status" / "rank1.json"
+        while not (status.exists() and '"phase": "forward"' in status.read_text() and '"step": 2' in
+                   status.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        time.sleep(1.0)  # (rank 0 reaches its collective)
+        for _ in range(2):
+            out = run_cli(["status", str(run_dir), "--dump"], tmp_path)
+            assert out.returncode == 0, out.stderr
+            assert re.search(r"rank 1 \(node 0, [^,]+, pid \d+\): step 2, forward for \d+ s", out.stdout), out.stdout
+            rank1 = out.stdout.split("rank 1's stack now (most recent call first; every thread's: ")[1].splitlines()
+            assert "tiny_models.py" in rank1[1] and rank1[1].endswith("in forward"), rank1[:3]
+            assert "rank 0: waiting in gloo:" in out.stdout and "rank(s) 1 never started collective #" in out.stdout
+        assert proc.poll() is None  # the job goes on
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # (its ranks see their launcher gone and end: RankStatus._orphaned)
+        proc.wait()
+    deadline = time.monotonic() + 20
+    while processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_mentioning(str(run_dir)) == []
+    missing = run_cli(["status", str(tmp_path / "nowhere")], tmp_path)
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "no rank status here" in missing.stderr
+
+
 def test_workers_end_when_their_launcher_is_killed(tmp_path):
     """SIGKILL of the launcher (kill -9, the OOM killer): torchrun starts each worker in a session of its own, so
     nothing signals them, and a rank blocked outside a collective (asleep in its forward here; rank 0 waits in a

@@ -137,7 +137,8 @@ def _stacks_on_request(path: Path):
     Returns the open file (kept open: faulthandler writes to its descriptor), or None."""
     if signal.getsignal(STACK_SIGNAL) not in (signal.SIG_DFL, None):
         return None
-    stacks = open(path, "w")  # (open until `close`)
+    path.write_text("")
+    stacks = open(path, "a")  # (open until `close`; appending: a requester empties the file before each request)
     faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
     return stacks
 
@@ -323,33 +324,70 @@ def summary(run_dir: Path, failures: dict[int, str] | None = None, stuck: list[d
     if stuck:
         lines.append("stuck: " + ", ".join(f"rank {s['rank']} in {s['phase']} after step {s['step']}"
                                            for s in stuck) + "; other ranks were waiting for it")
-        for s in stuck:
-            dump = status_dir(run_dir) / f"rank{s['rank']}.stack"
-            try:
-                frames = main_stack(dump.read_text())
-            except OSError:
-                frames = []
-            if frames:  # (a rank on another node: its own launcher's summary has it)
-                lines.append(f"rank {s['rank']}'s stack when stopped (most recent call first; every thread's: {dump}):")
-                lines += ["    " + frame for frame in frames]
-        asked = _mtime(status_dir(run_dir) / DUMP_REQUEST)
-        records = {}
-        for s in statuses:
-            path = status_dir(run_dir) / f"rank{s['rank']}.collectives.json"
-            if asked and _mtime(path) >= asked:  # answered this request (every node's launcher asks its own ranks)
-                try:
-                    records[s["rank"]] = json.loads(path.read_text())
-                except (OSError, ValueError):
-                    continue
-        if records:
-            lines.append(f"collectives (torch's flight recorder; every record: "
-                         f"{status_dir(run_dir) / 'rank<R>.collectives.json'}):")
-            lines += ["    " + line for line in waits(records)]
+        lines += dumped(run_dir, stuck, statuses, "when stopped")
     if ended:
         lines.append("ended on another node first: " + ", ".join(f"rank {s['rank']} (node {s['node']}, {s['host']}) "
                                                                  f"{s['ended']}" for s in ended)
                      + "; this node's ranks were stopped, as they may have been waiting for it")
     lines.append(f"full per-rank logs: {Path(run_dir) / 'logs'}")
+    return "\n".join(lines)
+
+
+def dumped(run_dir: Path, stacks_of: list[dict], statuses: list[dict], when: str) -> list[str]:
+    """The report of the ranks' answers to the last dump request (`ask_for_dumps`): the main-thread stacks of
+    `stacks_of`, then what every answering rank's flight recorder says (`waits`). A rank on another node is in it
+    only where its own launcher asked it too."""
+    folder, lines = status_dir(run_dir), []
+    for s in stacks_of:
+        dump = folder / f"rank{s['rank']}.stack"
+        try:
+            frames = main_stack(dump.read_text())
+        except OSError:
+            frames = []
+        if frames:
+            lines.append(f"rank {s['rank']}'s stack {when} (most recent call first; every thread's: {dump}):")
+            lines += ["    " + frame for frame in frames]
+    asked, records = _mtime(folder / DUMP_REQUEST), {}
+    for s in statuses:
+        path = folder / f"rank{s['rank']}.collectives.json"
+        if asked and _mtime(path) >= asked:  # answered this request
+            try:
+                records[s["rank"]] = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+    if records:
+        lines.append(f"collectives (torch's flight recorder; every record: {folder / 'rank<R>.collectives.json'}):")
+        lines += ["    " + line for line in waits(records)]
+    return lines
+
+
+def report(run_dir: Path, dump: bool = False) -> str:
+    """`disttrain status RUN_DIR`: where each rank of a running (or ended) job is, from its status file; with `dump`,
+    also the stacks and collectives of this machine's live ranks, asked for as the watchdog does (nothing is
+    stopped)."""
+    statuses = read_statuses(run_dir)
+    if not statuses:
+        from disttrain.errors import ConfigError
+
+        raise ConfigError(f"{status_dir(run_dir)}: no rank status here; give the run folder of a job (the RUN_DIR that "
+                        "`disttrain train` prints, or `disttrain launch --run-dir`)")
+    now, host = time.time(), socket.gethostname()
+    lines = [f"{len(statuses)} rank(s) in {run_dir} (last completed step, phase, for how long, last heartbeat):"]
+    for s in statuses:
+        alive = ""
+        if s["host"] == host and s.get("phase") != "done":
+            try:
+                os.kill(s["pid"], 0)
+            except ProcessLookupError:
+                alive = ", process gone"
+        state = ("raised " + s["error"]["type"] if "error" in s else s["ended"] if "ended" in s else "")
+        lines.append(f"  rank {s['rank']} (node {s['node']}, {s['host']}, pid {s['pid']}): step {s['step']}, "
+                     f"{s['phase']} for {now - s['since']:.0f} s, heartbeat {now - s['heartbeat']:.0f} s ago{alive}"
+                     + (f": {state}" if state else ""))
+    if dump:
+        local = [s for s in statuses if s["host"] == host and s.get("phase") != "done"]
+        ask_for_dumps(run_dir, local)
+        lines += dumped(run_dir, local, local, "now")
     return "\n".join(lines)
 
 
@@ -364,7 +402,7 @@ def _process(status: dict) -> tuple:
     return status["rank"], status["host"], status["pid"]
 
 
-def _ask_for_dumps(run_dir: Path, statuses: list[dict], wait_s: float = 3.0) -> None:
+def ask_for_dumps(run_dir: Path, statuses: list[dict], wait_s: float = 3.0) -> None:
     """Ask these ranks for their Python stacks (STACK_SIGNAL, to those that registered for it: not where the user has
     a handler of their own) and their flight-recorder records (DUMP_REQUEST, answered by the heartbeat thread within
     a beat), and wait (at most `wait_s`) for both."""
@@ -380,9 +418,10 @@ def _ask_for_dumps(run_dir: Path, statuses: list[dict], wait_s: float = 3.0) -> 
         if not s.get("stacks"):
             continue
         try:
+            os.truncate(folder / f"rank{s['rank']}.stack", 0)  # (the rank appends: this request's dump alone)
             os.kill(s["pid"], STACK_SIGNAL)
             stacks.append(folder / f"rank{s['rank']}.stack")
-        except ProcessLookupError:
+        except OSError:  # (gone, or its file: nothing to ask)
             pass
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and not (all(p.is_file() and p.stat().st_size for p in stacks)
@@ -431,7 +470,7 @@ class Watchdog:
             # each node's launcher stops its own workers, but not those that finished (they are closing down)
             local = [s for s in statuses if s["host"] == host and s.get("phase") != "done"]
             if stuck:
-                _ask_for_dumps(self.run_dir, local)
+                ask_for_dumps(self.run_dir, local)
             for s in local:
                 try:
                     os.kill(s["pid"], signal.SIGKILL)

@@ -8,6 +8,7 @@
     disttrain estimate-memory [CONFIG] --world-size N [--strategy S] [--budget-gib G]
     disttrain deepspeed-config [CONFIG] [--set ...] [--nproc N] -o ds.json   the DeepSpeed JSON of a config
     disttrain env                              versions, devices, backends, detected launcher
+    disttrain status RUN_DIR [--dump]          where each rank is; --dump: its stack and the collective it waits in
     disttrain completion bash|zsh              a shell completion script (eval "$(disttrain completion bash)")
     disttrain plot RUN_DIR [RUN_DIR ...] [--out DIR]   loss, lr, tokens/s, MFU, memory, communication as PNG
     disttrain bench overhead|scaling|comm|predict|pipeline|loss-parallel|checkpoint|memory|service|wire|
@@ -140,6 +141,12 @@ def _parser() -> argparse.ArgumentParser:
     config.add_argument("--list", action="store_true", help="every setting with its type, default and meaning")
 
     sub.add_parser("env", help="versions, devices, backends and the detected launcher")
+
+    status = sub.add_parser("status", help="where each rank of a job is (step, phase, heartbeat); --dump: also its "
+                                           "stack and the collective it waits in")
+    status.add_argument("run_dir", metavar="RUN_DIR", help="the job's run folder")
+    status.add_argument("--dump", action="store_true", help="ask this machine's live ranks for their Python stacks "
+                        "and their flight recorder's collectives (the job goes on)")
 
     plot = sub.add_parser("plot", help="draw runs' metrics.jsonl (loss, lr, tokens/s, MFU, memory, communication)")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders; several are overlaid")
@@ -352,6 +359,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return importlib.import_module(f"disttrain.bench.{args.name.replace('-', '_')}").main(args.args)
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from disttrain.monitor import report
+
+    print(report(Path(args.run_dir), args.dump))
+    return 0
+
+
 def cmd_completion(args: argparse.Namespace) -> int:
     from disttrain.cli.completion import script
 
@@ -362,7 +376,7 @@ def cmd_completion(args: argparse.Namespace) -> int:
 COMMANDS = {"completion": cmd_completion,
             "train": cmd_train, "ckpt": cmd_ckpt, "launch": cmd_launch, "config": cmd_config, "env": cmd_env,
             "verify": cmd_verify, "estimate-memory": cmd_estimate_memory, "bench": cmd_bench,
-            "deepspeed-config": cmd_deepspeed_config, "plot": cmd_plot}
+            "deepspeed-config": cmd_deepspeed_config, "plot": cmd_plot, "status": cmd_status}
 
 
 def main(argv: list[str] | None = None) -> int:
