@@ -136,6 +136,7 @@ def test_status_shows_where_each_rank_of_a_running_job_is_and_the_job_goes_on(tm
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.2)
         time.sleep(1.0)  # (rank 0 reaches its collective)
+        sizes = []
         for _ in range(2):
             out = run_cli(["status", str(run_dir), "--dump"], tmp_path)
             assert out.returncode == 0, out.stderr
@@ -143,7 +144,12 @@ def test_status_shows_where_each_rank_of_a_running_job_is_and_the_job_goes_on(tm
             rank1 = out.stdout.split("rank 1's stack now (most recent call first; every thread's: ")[1].splitlines()
             assert "tiny_models.py" in rank1[1] and rank1[1].endswith("in forward"), rank1[:3]
             assert "rank 0: waiting in gloo:" in out.stdout and "rank(s) 1 never started collective #" in out.stdout
-        assert proc.poll() is None  # the job goes on
+            sizes.append((run_dir / "status" / "rank1.stack").stat().st_size)
+        assert 0 < sizes[0] < sizes[1]  # each request answered anew, after the one before (nothing erased)
+        pids = [json.loads((run_dir / "status" / f"rank{r}.json").read_text())["pid"] for r in range(2)]
+        for pid in pids:
+            os.kill(pid, 0)  # the job goes on: both ranks are alive
+        assert proc.poll() is None
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # (its ranks see their launcher gone and end: RankStatus._orphaned)
         proc.wait()

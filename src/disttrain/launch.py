@@ -153,7 +153,8 @@ def _run_torchrun(plan: LaunchPlan, entry: list[str], run_dir: Path, module: boo
         if not plan.single_node:  # the other nodes' ranks may wait for these in a collective: their launchers look
             mark_ended(run_dir, failures)
         if {f.exitcode for f in exc.failures.values()} != {2}:  # exit 2 everywhere: each printed its one line
-            print(summary(run_dir, failures, watchdog.stuck, watchdog.ended), file=sys.stderr, flush=True)
+            print(summary(run_dir, failures, watchdog.stuck, watchdog.ended, watchdog.stacks), file=sys.stderr,
+                  flush=True)
         return _exit_code(exc)
     except SignalException as exc:
         console.stop()

@@ -175,7 +175,7 @@ def _attempt(ray, actors, cfg: Config, config_path: Path, attempt: int, stop: _F
     del store
     if not failures or stop.signum:
         return 0 if not failures else 128 + stop.signum
-    print(summary(run_dir, failures, watchdog.stuck), file=sys.stderr, flush=True)
+    print(summary(run_dir, failures, watchdog.stuck, stacks=watchdog.stacks), file=sys.stderr, flush=True)
     own = [codes[r] for r in sorted(codes) if codes[r] > 0]
     return 2 if 2 in own else (own[0] if own else 1)
 

@@ -32,6 +32,8 @@ STACK_SIGNAL = signal.SIGUSR2
 """Asks a rank for every thread's Python stack (`RankStatus`), which the watchdog sends a stuck rank before killing it.
 (SIGUSR1 is Slurm's and Lightning's usual preemption warning.)"""
 STACK_LINES = 12
+LIVE_HEARTBEAT_S = 10.0
+"""A rank whose heartbeat (once a second) is older than this is not asked for dumps by `disttrain status --dump`."""
 DUMP_REQUEST = "dump_request"
 """Touched by the watchdog in the status folder: each rank's heartbeat thread answers with its flight recorder's
 records of its collectives (`rank<R>.collectives.json`)."""
@@ -127,6 +129,7 @@ class RankStatus:
         self.write()
         if stacks is not None:
             faulthandler.unregister(STACK_SIGNAL)
+            signal.signal(STACK_SIGNAL, signal.SIG_IGN)  # (a request read just before: its default would end the rank)
             stacks.close()
 
 
@@ -138,7 +141,7 @@ def _stacks_on_request(path: Path):
     if signal.getsignal(STACK_SIGNAL) not in (signal.SIG_DFL, None):
         return None
     path.write_text("")
-    stacks = open(path, "a")  # (open until `close`; appending: a requester empties the file before each request)
+    stacks = open(path, "a")  # (open until `close`; appending: each requester reads from where its dump starts)
     faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
     return stacks
 
@@ -201,7 +204,9 @@ def waits(records: dict[int, dict[str, Any]], now_ns: int | None = None) -> list
 
 def _group(entry: dict[str, Any]) -> str:
     name, desc = (list(entry.get("process_group") or ["?", ""]) + [""])[:2]
-    return desc if desc and desc != "undefined" else f"group {name}"
+    if desc == "default_pg":
+        return desc
+    return f"{desc} (group {name})" if desc and desc != "undefined" else f"group {name}"
 
 
 def _describe(entry: dict[str, Any]) -> str:
@@ -299,8 +304,9 @@ def stuck_ranks(statuses: list[dict], timeout_s: float, startup_timeout_s: float
 
 
 def summary(run_dir: Path, failures: dict[int, str] | None = None, stuck: list[dict] | None = None,
-            ended: list[dict] | None = None) -> str:
-    """The failure report: one line per rank, then the exception of the first rank that raised."""
+            ended: list[dict] | None = None, stacks: dict[int, int] | None = None) -> str:
+    """The failure report: one line per rank, then the exception of the first rank that raised; for a hang, the
+    stuck ranks' stacks (`stacks`: the watchdog's `ask_for_dumps`) and the collectives."""
     failures = failures or {}
     stuck_set = {s["rank"] for s in stuck or []}
     statuses = read_statuses(run_dir)
@@ -324,7 +330,7 @@ def summary(run_dir: Path, failures: dict[int, str] | None = None, stuck: list[d
     if stuck:
         lines.append("stuck: " + ", ".join(f"rank {s['rank']} in {s['phase']} after step {s['step']}"
                                            for s in stuck) + "; other ranks were waiting for it")
-        lines += dumped(run_dir, stuck, statuses, "when stopped")
+        lines += dumped(run_dir, {r: o for r, o in (stacks or {}).items() if r in stuck_set}, statuses, "when stopped")
     if ended:
         lines.append("ended on another node first: " + ", ".join(f"rank {s['rank']} (node {s['node']}, {s['host']}) "
                                                                  f"{s['ended']}" for s in ended)
@@ -333,19 +339,21 @@ def summary(run_dir: Path, failures: dict[int, str] | None = None, stuck: list[d
     return "\n".join(lines)
 
 
-def dumped(run_dir: Path, stacks_of: list[dict], statuses: list[dict], when: str) -> list[str]:
-    """The report of the ranks' answers to the last dump request (`ask_for_dumps`): the main-thread stacks of
-    `stacks_of`, then what every answering rank's flight recorder says (`waits`). A rank on another node is in it
-    only where its own launcher asked it too."""
+def dumped(run_dir: Path, stacks: dict[int, int], statuses: list[dict], when: str) -> list[str]:
+    """The report of the ranks' answers to the last dump request (`ask_for_dumps`): the main-thread stacks dumped
+    from each offset of `stacks` (rank -> where its answer starts in its stack file), then what every answering
+    rank's flight recorder says (`waits`). A rank on another node is in it only where its own launcher asked it too."""
     folder, lines = status_dir(run_dir), []
-    for s in stacks_of:
-        dump = folder / f"rank{s['rank']}.stack"
+    for rank, offset in sorted(stacks.items()):
+        dump = folder / f"rank{rank}.stack"
         try:
-            frames = main_stack(dump.read_text())
+            with open(dump, "rb") as f:
+                f.seek(offset)
+                frames = main_stack(f.read().decode(errors="replace"))
         except OSError:
             frames = []
         if frames:
-            lines.append(f"rank {s['rank']}'s stack {when} (most recent call first; every thread's: {dump}):")
+            lines.append(f"rank {rank}'s stack {when} (most recent call first; every thread's: {dump}):")
             lines += ["    " + frame for frame in frames]
     asked, records = _mtime(folder / DUMP_REQUEST), {}
     for s in statuses:
@@ -373,21 +381,27 @@ def report(run_dir: Path, dump: bool = False) -> str:
                         "`disttrain train` prints, or `disttrain launch --run-dir`)")
     now, host = time.time(), socket.gethostname()
     lines = [f"{len(statuses)} rank(s) in {run_dir} (last completed step, phase, for how long, last heartbeat):"]
+    live = []  # this machine's ranks that are running now: their process is there and their heartbeat is fresh
     for s in statuses:
-        alive = ""
+        gone = ""
         if s["host"] == host and s.get("phase") != "done":
             try:
                 os.kill(s["pid"], 0)
+                if now - s["heartbeat"] < LIVE_HEARTBEAT_S:
+                    live.append(s)
             except ProcessLookupError:
-                alive = ", process gone"
+                gone = ", process gone"
+            except OSError:  # (another user's process under a reused pid)
+                gone = ", process not this job's"
         state = ("raised " + s["error"]["type"] if "error" in s else s["ended"] if "ended" in s else "")
         lines.append(f"  rank {s['rank']} (node {s['node']}, {s['host']}, pid {s['pid']}): step {s['step']}, "
-                     f"{s['phase']} for {now - s['since']:.0f} s, heartbeat {now - s['heartbeat']:.0f} s ago{alive}"
+                     f"{s['phase']} for {now - s['since']:.0f} s, heartbeat {now - s['heartbeat']:.0f} s ago{gone}"
                      + (f": {state}" if state else ""))
-    if dump:
-        local = [s for s in statuses if s["host"] == host and s.get("phase") != "done"]
-        ask_for_dumps(run_dir, local)
-        lines += dumped(run_dir, local, local, "now")
+    if dump and not live:
+        lines.append(f"no live rank of this job on {host} to ask for its stack (run `disttrain status --dump` on the "
+                     "node where they run)")
+    elif dump:
+        lines += dumped(run_dir, ask_for_dumps(run_dir, live), live, "now")
     return "\n".join(lines)
 
 
@@ -402,10 +416,11 @@ def _process(status: dict) -> tuple:
     return status["rank"], status["host"], status["pid"]
 
 
-def ask_for_dumps(run_dir: Path, statuses: list[dict], wait_s: float = 3.0) -> None:
+def ask_for_dumps(run_dir: Path, statuses: list[dict], wait_s: float = 3.0) -> dict[int, int]:
     """Ask these ranks for their Python stacks (STACK_SIGNAL, to those that registered for it: not where the user has
     a handler of their own) and their flight-recorder records (DUMP_REQUEST, answered by the heartbeat thread within
-    a beat), and wait (at most `wait_s`) for both."""
+    a beat), and wait (at most `wait_s`) for both. Returns, for each rank asked for its stack, where this request's
+    dump starts in its stack file (the rank appends: nothing is emptied, so two requesters never erase each other's)."""
     folder = status_dir(run_dir)
     request = folder / DUMP_REQUEST
     try:
@@ -413,20 +428,32 @@ def ask_for_dumps(run_dir: Path, statuses: list[dict], wait_s: float = 3.0) -> N
     except OSError:  # (a full disk: the stacks may still come, and the job is stopped all the same)
         pass
     asked = _mtime(request)
-    stacks, records = [], [folder / f"rank{s['rank']}.collectives.json" for s in statuses]
+    offsets, records = {}, [folder / f"rank{s['rank']}.collectives.json" for s in statuses]
     for s in statuses:
         if not s.get("stacks"):
             continue
         try:
-            os.truncate(folder / f"rank{s['rank']}.stack", 0)  # (the rank appends: this request's dump alone)
+            offset = (folder / f"rank{s['rank']}.stack").stat().st_size
             os.kill(s["pid"], STACK_SIGNAL)
-            stacks.append(folder / f"rank{s['rank']}.stack")
-        except OSError:  # (gone, or its file: nothing to ask)
+            offsets[s["rank"]] = offset
+        except OSError:  # (gone, or not ours: nothing to ask)
             pass
+
+    def answered() -> bool:
+        grown = all(_size(folder / f"rank{r}.stack") > o for r, o in offsets.items())
+        return grown and all(_mtime(p) >= asked for p in records)
+
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and not (all(p.is_file() and p.stat().st_size for p in stacks)
-                                               and all(_mtime(p) >= asked for p in records)):
+    while time.monotonic() < deadline and not answered():
         time.sleep(0.05)
+    return offsets
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 class Watchdog:
@@ -438,6 +465,7 @@ class Watchdog:
         self.stuck: list[dict] = []
         self.ended: list[dict] = []  # other nodes' ranks whose launcher gave up, if that stopped this node's
         self._before: set[tuple] = set()  # the processes whose statuses were in the run folder when the watch began
+        self.stacks: dict[int, int] = {}  # rank -> where its stack dump starts (`ask_for_dumps`), if it hung
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, args=(poll_s,), name="disttrain-watchdog", daemon=True)
 
@@ -470,7 +498,7 @@ class Watchdog:
             # each node's launcher stops its own workers, but not those that finished (they are closing down)
             local = [s for s in statuses if s["host"] == host and s.get("phase") != "done"]
             if stuck:
-                ask_for_dumps(self.run_dir, local)
+                self.stacks = ask_for_dumps(self.run_dir, local)
             for s in local:
                 try:
                     os.kill(s["pid"], signal.SIGKILL)

@@ -223,7 +223,7 @@ class CheckpointManager:
             self.wait()
         except CheckpointError as exc:
             error = exc
-        except Exception as exc:  # (a gloo error, ...): a CheckpointError like the other ranks', whatever it was
+        except BaseException as exc:  # (a gloo error, ...): a CheckpointError like the other ranks', whatever it was
             error = CheckpointError(f"the async checkpoint save in {self.dir} failed: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
         if self._any_rank_failed(error is not None, collective=True):
@@ -427,7 +427,10 @@ class CheckpointManager:
             except Exception as exc:  # (whatever it is, the others wait for rank 0's word below)
                 error, failed = CheckpointError(f"checkpoint {path} not committed: {type(exc).__name__}: {exc}"), True
         if failed and self.rank == 0:
-            _remove_checkpoint(path)  # before any rank hears of the failure (and looks at the folder)
+            try:  # before any rank hears of the failure (and looks at the folder)
+                _remove_checkpoint(path)
+            except OSError as exc:  # (a file system gone read-only: the broadcast below must still happen)
+                log.warning("checkpoint %s failed and could not be removed: %s", path, exc)
         if collective:  # rank 0 committed alone: every rank learns whether it did
             failed = bool(self.rank0(int(failed)))
         if failed:
