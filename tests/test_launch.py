@@ -141,6 +141,7 @@ def test_status_shows_where_each_rank_of_a_running_job_is_and_the_job_goes_on(tm
             out = run_cli(["status", str(run_dir), "--dump"], tmp_path)
             assert out.returncode == 0, out.stderr
             assert re.search(r"rank 1 \(node 0, [^,]+, pid \d+\): step 2, forward for \d+ s", out.stdout), out.stdout
+            assert "rank 1's stack now (most recent call first; every thread's: " in out.stdout, out.stdout
             rank1 = out.stdout.split("rank 1's stack now (most recent call first; every thread's: ")[1].splitlines()
             assert "tiny_models.py" in rank1[1] and rank1[1].endswith("in forward"), rank1[:3]
             assert "rank 0: waiting in gloo:" in out.stdout and "rank(s) 1 never started collective #" in out.stdout

@@ -439,13 +439,19 @@ def ask_for_dumps(run_dir: Path, statuses: list[dict], wait_s: float = 3.0) -> d
         except OSError:  # (gone, or not ours: nothing to ask)
             pass
 
-    def answered() -> bool:
-        grown = all(_size(folder / f"rank{r}.stack") > o for r, o in offsets.items())
-        return grown and all(_mtime(p) >= asked for p in records)
+    def sizes() -> dict[int, int]:
+        return {r: _size(folder / f"rank{r}.stack") for r in offsets}
 
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and not answered():
-        time.sleep(0.05)
+    # answered: every stack file grew, and stopped growing (a dump is written thread by thread: read too early, it
+    # may hold the other threads and not yet the main one), and every rank's records are newer than the request
+    deadline, before = time.monotonic() + wait_s, None
+    while time.monotonic() < deadline:
+        now = sizes()
+        grown = all(now[r] > o for r, o in offsets.items())
+        if grown and now == before and all(_mtime(p) >= asked for p in records):
+            break
+        before = now
+        time.sleep(0.1)
     return offsets
 
 
