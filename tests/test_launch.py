@@ -320,6 +320,22 @@ def test_a_previous_runs_ended_ranks_in_the_run_folder_stop_nothing():
     assert ended_elsewhere([status(1, "there", 21, "killed by signal SIGTERM", phase="done")], "here", before) == []
 
 
+def test_a_closed_rank_status_leaves_the_stack_signal_as_it_found_it(tmp_path):
+    """A Trainer run in the caller's own process (a notebook, a test) registers for the stack signal and, closed,
+    leaves its default: an ignored signal would be inherited by every process started later, which then could never
+    register (their stacks missing from a hang's summary)."""
+    import signal as signals
+
+    from disttrain.monitor import STACK_SIGNAL, RankStatus
+
+    assert signals.getsignal(STACK_SIGNAL) == signals.SIG_DFL
+    for _ in range(2):
+        status = RankStatus(tmp_path, 0, 0)
+        assert status.state["stacks"] is True
+        status.close()
+        assert status.state["stacks"] is False and signals.getsignal(STACK_SIGNAL) == signals.SIG_DFL
+
+
 def test_the_flight_recorders_records_say_who_waits_in_what_and_who_never_came():
     from disttrain.monitor import waits
 

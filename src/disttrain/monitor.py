@@ -127,9 +127,8 @@ class RankStatus:
         stacks, self._stacks = self._stacks, None
         self.state["stacks"] = False  # first: STACK_SIGNAL's default action would now end the process
         self.write()
-        if stacks is not None:
-            faulthandler.unregister(STACK_SIGNAL)
-            signal.signal(STACK_SIGNAL, signal.SIG_IGN)  # (a request read just before: its default would end the rank)
+        if stacks is not None:  # (the signal's disposition is the default again, as before: not ignored, which child
+            faulthandler.unregister(STACK_SIGNAL)  # processes would inherit, and then never register for it)
             stacks.close()
 
 
