@@ -120,14 +120,18 @@ def test_a_hung_rank_is_named_within_timeout_with_its_stack(tmp_path):
     assert processes_mentioning(str(tmp_path / "hang")) == []
 
 
+def _sleeping_job(tmp_path, name: str) -> subprocess.Popen:
+    """A 2-rank job in the background whose rank 1 falls asleep in its third forward (a 10-minute watchdog limit)."""
+    return subprocess.Popen(DISTTRAIN + _job(tmp_path, name, 20, "--set", "dist.timeout_s=600"), cwd=tmp_path,
+                            env={**cli_env(tmp_path), "FAULT": "sleep", "FAULT_RANK": "1", "FAULT_STEP": "3"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
 def test_status_shows_where_each_rank_of_a_running_job_is_and_the_job_goes_on(tmp_path):
     """`disttrain status RUN_DIR --dump` on a job whose rank 1 sleeps in its forward (rank 0 waits for it): each
     rank's step and phase, both stacks as they are now, and the collective rank 1 never started; asked twice, the
     second answer is fresh; the job is not stopped. A folder without statuses is one line, exit 2."""
-    run_dir = tmp_path / "live"
-    proc = subprocess.Popen(DISTTRAIN + _job(tmp_path, "live", 20, "--set", "dist.timeout_s=600"), cwd=tmp_path,
-                            env={**cli_env(tmp_path), "FAULT": "sleep", "FAULT_RANK": "1", "FAULT_STEP": "3"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    run_dir, proc = tmp_path / "live", _sleeping_job(tmp_path, "live")
     try:
         deadline = time.monotonic() + 60
         status = run_dir / "status" / "rank1.json"
@@ -166,10 +170,7 @@ def test_workers_end_when_their_launcher_is_killed(tmp_path):
     """SIGKILL of the launcher (kill -9, the OOM killer): torchrun starts each worker in a session of its own, so
     nothing signals them, and a rank blocked outside a collective (asleep in its forward here; rank 0 waits in a
     collective with a 10-minute timeout) would live on. Each rank's heartbeat sees its parent gone and ends it."""
-    run_dir = tmp_path / "orphans"
-    proc = subprocess.Popen(DISTTRAIN + _job(tmp_path, "orphans", 20, "--set", "dist.timeout_s=600"), cwd=tmp_path,
-                            env={**cli_env(tmp_path), "FAULT": "sleep", "FAULT_RANK": "1", "FAULT_STEP": "3"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    run_dir, proc = tmp_path / "orphans", _sleeping_job(tmp_path, "orphans")
     try:
         deadline = time.monotonic() + 60
         while len(read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []) < 2:

@@ -145,9 +145,10 @@ def _stacks_on_request(path: Path):
     return stacks
 
 
-def _mtime(path: Path) -> int:
+def _mtime(path: Path, field: str = "st_mtime_ns") -> int:
+    """The file's modification time in ns (or another `os.stat` field: "st_size"); 0 where there is no file."""
     try:
-        return path.stat().st_mtime_ns
+        return getattr(path.stat(), field)
     except OSError:
         return 0
 
@@ -439,7 +440,7 @@ def ask_for_dumps(run_dir: Path, statuses: list[dict], wait_s: float = 3.0) -> d
             pass
 
     def sizes() -> dict[int, int]:
-        return {r: _size(folder / f"rank{r}.stack") for r in offsets}
+        return {r: _mtime(folder / f"rank{r}.stack", "st_size") for r in offsets}
 
     # answered: every stack file grew, and stopped growing (a dump is written thread by thread: read too early, it
     # may hold the other threads and not yet the main one), and every rank's records are newer than the request
@@ -452,13 +453,6 @@ def ask_for_dumps(run_dir: Path, statuses: list[dict], wait_s: float = 3.0) -> d
         before = now
         time.sleep(0.1)
     return offsets
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
 
 
 class Watchdog:
