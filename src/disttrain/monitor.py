@@ -83,9 +83,7 @@ class RankStatus:
     def write(self) -> None:
         with self._lock:
             self.state["heartbeat"] = time.time()
-            tmp = self.path.with_name(f".{self.path.name}.tmp")
-            tmp.write_text(json.dumps(self.state))
-            os.replace(tmp, self.path)
+            _write_json(self.path, self.state)
 
     def _beat(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
@@ -104,10 +102,7 @@ class RankStatus:
         if asked <= self._dumped:
             return
         self._dumped = asked
-        path = self.path.with_suffix(".collectives.json")
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(collective_records()))
-        os.replace(tmp, path)
+        _write_json(self.path.with_suffix(".collectives.json"), collective_records())
 
     def _orphaned(self) -> None:
         print(f"disttrain: rank {self.state['rank']}: its launcher (pid {self._launcher}) is gone; exiting",
@@ -130,6 +125,13 @@ class RankStatus:
         if stacks is not None:  # (the signal's disposition is the default again, as before: not ignored, which child
             faulthandler.unregister(STACK_SIGNAL)  # processes would inherit, and then never register for it)
             stacks.close()
+
+
+def _write_json(path: Path, value: Any, tmp_suffix: str = ".tmp") -> None:
+    """`value` as JSON, replacing `path` whole: a reader (another node's watchdog) never sees half a file."""
+    tmp = path.with_name(f".{path.name}{tmp_suffix}")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)
 
 
 def _stacks_on_request(path: Path):
@@ -268,9 +270,7 @@ def mark_ended(run_dir: Path, failures: dict[int, str]) -> None:
         try:
             state = json.loads(path.read_text())
             state["ended"] = how
-            tmp = path.with_name(f".{path.name}.ended.tmp")
-            tmp.write_text(json.dumps(state))
-            os.replace(tmp, path)
+            _write_json(path, state, tmp_suffix=".ended.tmp")  # (not the rank's own temporary name)
         except (OSError, ValueError):
             continue  # no status (it died before writing one): the other nodes fall back on their timeout
 

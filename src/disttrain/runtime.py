@@ -228,6 +228,12 @@ def first_host(nodelist: str) -> str:
     return re.sub(r"\[([^\]]*)\]", lambda m: m.group(1).split(",")[0].split("-")[0], "".join(host))
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host`, as written, names this machine only (127.x, localhost, ::1); no name is resolved."""
+    host = host.strip()
+    return host.startswith("127.") or host in ("localhost", "::1")
+
+
 def loopback_gloo(world: int, local_world: int, hostname: str | None = None) -> str | None:
     """Why a gloo group would not reach the other nodes, or None. Without GLOO_SOCKET_IFNAME, gloo gives its peers
     the address this host's name resolves to; where that is a loopback address (Debian and Ubuntu map the name to
@@ -238,7 +244,7 @@ def loopback_gloo(world: int, local_world: int, hostname: str | None = None) -> 
         return None
     import socket
 
-    if os.environ.get("MASTER_ADDR", "").startswith("127.") or os.environ.get("MASTER_ADDR") in ("localhost", "::1"):
+    if is_loopback(os.environ.get("MASTER_ADDR", "")):
         return None
     host = hostname or socket.gethostname()
     try:

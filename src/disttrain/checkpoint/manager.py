@@ -157,27 +157,26 @@ class CheckpointManager:
         ranked = self._ranked_by_metric()
         return ranked[0] if ranked else None
 
-    def _flagged_best(self) -> list[int]:
-        """Steps saved with `is_best=True`, oldest first (a damaged manifest is never one)."""
-        flagged = []
+    def _metrics(self) -> list[tuple[int, dict[str, Any]]]:
+        """(step, recorded metrics) of every committed checkpoint, oldest first; a damaged manifest is left out (never
+        best: `ckpt verify` says why)."""
+        out = []
         for step in self.list():
             try:
-                if self.manifest(step).get("metrics", {}).get("is_best"):
-                    flagged.append(step)
+                metrics = self.manifest(step).get("metrics", {})
             except (OSError, ValueError, AttributeError):
                 continue
-        return flagged
+            out.append((step, metrics if isinstance(metrics, dict) else {}))
+        return out
+
+    def _flagged_best(self) -> list[int]:
+        """Steps saved with `is_best=True`, oldest first."""
+        return [step for step, metrics in self._metrics() if metrics.get("is_best")]
 
     def _ranked_by_metric(self) -> list[int]:
         sign = 1.0 if self.cfg.best_mode == "min" else -1.0
-        scored = []
-        for step in self.list():
-            try:
-                value = self.manifest(step).get("metrics", {}).get(self.cfg.best_metric)
-            except (OSError, ValueError, AttributeError):  # a damaged manifest is never best (`ckpt verify` says why)
-                continue
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                scored.append((sign * value, step))
+        scored = [(sign * value, step) for step, metrics in self._metrics()
+                  if isinstance(value := metrics.get(self.cfg.best_metric), (int, float)) and math.isfinite(value)]
         return [step for _, step in sorted(scored)]
 
     def _arrive(self, what: str) -> None:

@@ -137,8 +137,9 @@ def check_reachable(host: str, driver_ip: str | None, worker_ips: list[str]) -> 
     told apart by their nodes' addresses (several Ray nodes of one machine share it); `driver_ip` None: the driver is
     not on a node of the cluster (a Ray client), and nothing is checked."""
     from disttrain.errors import ConfigError
+    from disttrain.runtime import is_loopback
 
-    loopback = host.strip() in ("localhost", "::1") or host.strip().startswith("127.")
+    loopback = is_loopback(host)
     away = [rank for rank, ip in enumerate(worker_ips) if ip != driver_ip]
     if driver_ip is None or not loopback or not away:
         return
