@@ -9,7 +9,8 @@ def test_the_design_documents_words_on_two_sharded_ranks(tmp_path):
     """save_checkpoint / load_latest_checkpoint / load_best_checkpoint (../shared/seeds/004) under FSDP2 on 2 ranks:
     the best survives rotation, loads give back the saved values, a save or load waits for rank 0's slow async
     write of the previous one longer than arrival_timeout_s, a full disk on one rank fails the save on both (sync and
-    async) without a hang, and rank 0 calling alone fails fast."""
+    async) without a hang, a rank that comes after another gave up on it stops too (one settled outcome), and rank 0
+    calling alone fails fast."""
     result = run_cli(["launch", "--fork", "--nproc", "2",
                       "--run-dir", str(tmp_path / "run"), str(SCRIPTS / "ckpt_words.py"),
                       str(tmp_path / "ckpt"), str(tmp_path / "out.json")], tmp_path, timeout=120)
@@ -32,5 +33,9 @@ def test_the_design_documents_words_on_two_sharded_ranks(tmp_path):
         assert "cannot write checkpoint" in blocked[0]["outcome"], blocked
         assert ("rank 0 could not create the folder" if what == "folder" else "another rank") in \
             blocked[1]["outcome"], blocked
+    late = [json.loads((tmp_path / f"late{rank}.json").read_text()) for rank in range(2)]  # one outcome, settled
+    assert [lt["kept"] for lt in late] == [[], []], late
+    assert late[0]["outcome"].startswith("ArrivalError") and "rank 0 waited 1 s for rank(s) 1" in late[0]["outcome"]
+    assert late[1]["outcome"].startswith("ArrivalError") and "rank 1 came to it after rank 0" in late[1]["outcome"]
     assert "collective" in out["lonely"] and "rank(s) 1" in out["lonely"] and "if rank == 0" in out["lonely"]
     assert out["lonely_s"] < 10

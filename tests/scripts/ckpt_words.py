@@ -129,6 +129,18 @@ def main() -> None:
             outcome = str(exc)
         (out.parent / f"blocked_{what}{runtime.rank}.json").write_text(json.dumps({"outcome": outcome,
                                                                                  "kept": blocked.list()}))
+    # rank 1 comes to a save after rank 0 gave up waiting for it: the outcome is settled once, so rank 1 stops too,
+    # instead of going on alone into the save's collectives
+    late = CheckpointManager(folder / "late", CheckpointConfig(arrival_timeout_s=1), runtime)
+    if runtime.rank == 1:
+        time.sleep(2.5)
+    try:
+        late.save_checkpoint(model, 1, optimizer)
+        outcome = "saved"
+    except CheckpointError as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    (out.parent / f"late{runtime.rank}.json").write_text(json.dumps({"outcome": outcome, "kept": late.list()}))
+    dist.barrier()
     # the manager called under `if rank == 0`: rank 0 stops with a message, rank 1 is never blocked
     lonely = CheckpointManager(folder / "lonely", CheckpointConfig(arrival_timeout_s=3), runtime)
     if runtime.rank == 0:

@@ -181,7 +181,11 @@ class CheckpointManager:
 
     def _arrive(self, what: str) -> None:
         """Every rank checks in before a collective save or load, through the process group's store; a rank whose
-        peers do not come within `arrival_timeout_s` raises, naming them, instead of hanging in a collective."""
+        peers do not come within `arrival_timeout_s` raises, naming them, instead of hanging in a collective.
+
+        The outcome is settled once, in the store (compare-and-set: the first rank to decide writes it), and every
+        rank follows it: a rank that comes after another gave up on it raises too, instead of going on alone into
+        the save's collectives; and a rank that timed out just as the last one came goes on with the others."""
         if not self._distributed():
             return
         # the folder as the job names it, the same string on every rank: not resolved, which on nodes that mount the
@@ -198,13 +202,24 @@ class CheckpointManager:
         keys = [f"{prefix}/{r}" for r in range(self.world_size)]
         try:
             store.wait(keys, timedelta(seconds=self.cfg.arrival_timeout_s))
+            proposal = "go"
         except Exception:  # DistStoreError (a timeout) in recent torch, RuntimeError in older ones
-            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            proposal = f"{self.rank}:" + ",".join(str(r) for r, key in enumerate(keys) if not store.check([key]))
+        outcome = store.compare_set(f"{prefix}/outcome", "", proposal).decode()
+        if outcome == "go":
+            return
+        waiter, missing = outcome.split(":")
+        if self.rank in map(int, missing.split(",")):
             raise ArrivalError(
-                f"CheckpointManager.{what} is collective: rank {self.rank} waited {self.cfg.arrival_timeout_s:g} s "
-                f"for rank(s) {', '.join(map(str, missing))}, which did not call it in that time; call it on every "
-                "rank (not under `if rank == 0`: rank 0 writes the manifest by itself), or, if a rank is only slow "
-                "to come (a slow tracker on rank 0), raise checkpoint.arrival_timeout_s") from None
+                f"CheckpointManager.{what} is collective: rank {self.rank} came to it after rank {waiter} had "
+                f"waited checkpoint.arrival_timeout_s = {self.cfg.arrival_timeout_s:g} s for it and given up; "
+                "every rank stops here. If this rank is only slow to come (a slow tracker, a long evaluation on "
+                "this rank), raise checkpoint.arrival_timeout_s")
+        raise ArrivalError(
+            f"CheckpointManager.{what} is collective: rank {waiter} waited {self.cfg.arrival_timeout_s:g} s "
+            f"for rank(s) {missing.replace(',', ', ')}, which did not call it in that time; call it on every "
+            "rank (not under `if rank == 0`: rank 0 writes the manifest by itself), or, if a rank is only slow "
+            "to come (a slow tracker on rank 0), raise checkpoint.arrival_timeout_s")
 
     def _settle(self, what: str) -> None:
         """Check in for the collective `what` (`_arrive`), then `wait_all`. Checking in comes first: rank 0 may
