@@ -33,6 +33,8 @@ BAD = [
     (["--set", "model.name=no_such_module:build"], "cannot import 'no_such_module'"),
     (["missing.toml"], "config file 'missing.toml' does not exist"),
     (["--set", "optim.lr"], "expected section.key=value"),
+    (["--set", "model.freeze=blocks.0.*,tok_embb.*", "--nproc", "2"], "'tok_embb.*' matches no parameter"),
+    (["--set", "model.freeze=*"], "freezes every parameter of the model"),
 ]
 
 

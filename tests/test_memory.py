@@ -14,10 +14,12 @@ from disttrain.parallel.layout import zero1_partition
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    """Every strategy at 1 and 2 ranks, and in the 2-rank launch the layouts tp2, tp2+sp, pp2 (1f1b, gpipe), cp2."""
+    """Every strategy at 1 and 2 ranks, and in the 2-rank launch the layouts tp2, tp2+sp, pp2 (1f1b, gpipe), cp2,
+    and the embeddings and first block frozen (model.freeze) under ddp, fsdp and pp2."""
     out = tmp_path_factory.mktemp("memory")
+    layouts = ",".join((*memory_bench.DEFAULT_LAYOUTS, *FROZEN))
     assert memory_bench.main(["--nproc", "2", "--n-layer", "2", "--d-model", "96", "--micro", "4",
-                              "--out", str(out)]) == 0
+                              "--layouts", layouts, "--out", str(out)]) == 0
     return json.loads((out / "memory.json").read_text())
 
 
@@ -32,6 +34,7 @@ def measured_4_ranks(tmp_path_factory):
     return json.loads((out / "memory.json").read_text())["rows"]
 
 
+FROZEN = ("frozen", "frozen-fsdp", "pp2-frozen")
 TOLERANCE = 0.001
 """Relative error allowed (fp32 on CPU): the torch-native strategies measure 0.0%, DeepSpeed's offload 0.01%."""
 
@@ -44,7 +47,7 @@ def tolerance(strategy: str, kind: str) -> float:
 
 def test_estimate_matches_measurement_for_every_strategy(measured):
     seen = set()
-    for row in (r for r in measured["rows"] if not r.get("layout")):
+    for row in (r for r in measured["rows"] if not r.get("layout") and r["strategy"] not in FROZEN):
         seen.add((row["world"], row["strategy"], row["ac"]))
         for kind in ("params", "grads", "optimizer", "activations"):
             est, meas = row["estimated"][kind], row["measured"][kind]
@@ -146,6 +149,24 @@ def test_estimate_matches_measurement_under_tensor_and_pipeline_layouts(measured
     assert by["pp2-gpipe", 1]["activations"] > 3.9 * by["pp2-1f1b", 1]["activations"]
     # context parallelism: each rank holds its half of the sequence, and the keys and values of all of it
     assert by["cp2", 0]["activations"] < 0.75 * single["activations"] and by["cp2", 0]["params"] == single["params"]
+
+
+def test_frozen_parameters_are_held_without_gradients_or_optimizer_state(measured):
+    """model.freeze: the frozen parameters are held (sharded under FSDP) but have no gradient and no optimizer state,
+    exactly as estimated; a pipeline stage with nothing to train holds neither. Activations are estimated as if
+    every block trained, an upper bound (frozen leading blocks keep none)."""
+    rows = {(r["strategy"], r["rank"]): r for r in measured["rows"] if r["world"] == 2 and not r["ac"]}
+    for label, whole in (("frozen", "ddp"), ("frozen-fsdp", "fsdp"), ("pp2-frozen", "pp2-1f1b")):
+        for rank in (0, 1):
+            row, est, unfrozen = rows[label, rank]["measured"], rows[label, rank]["estimated"], rows[whole, rank]
+            for kind in ("params", "grads", "optimizer"):
+                assert abs(est[kind] - row[kind]) <= TOLERANCE * max(row[kind], 1), (label, rank, kind, est, row)
+            assert row["params"] == unfrozen["measured"]["params"]
+            if label != "pp2-frozen" or rank == 0:  # (the last stage: block 1 and the head, both trained)
+                assert row["grads"] < 0.9 * unfrozen["measured"]["grads"], (label, rank)
+                assert row["optimizer"] < 0.9 * unfrozen["measured"]["optimizer"], (label, rank)
+            assert row["activations"] <= est["activations"], (label, rank)
+    assert rows["pp2-frozen", 0]["measured"]["grads"] == rows["pp2-frozen", 0]["measured"]["optimizer"] == 0
 
 
 def test_estimate_matches_measurement_for_a_pipeline_with_a_data_axis(measured_4_ranks):

@@ -62,6 +62,11 @@ class ModelConfig:
     dropout: float = 0.0
     """Dropout probability. Non-zero dropout draws per-rank random masks, so N-rank runs no longer
     match one process bit for bit."""
+    freeze: str = ""
+    """Parameters that do not train: comma-separated glob patterns over the model's parameter names (as
+    `model.named_parameters()` gives them), e.g. `"tok_emb.*,blocks.0.*"` or, for a Hugging Face Llama,
+    `"model.embed_tokens.*"`. They get no gradient, no optimizer state, no gradient traffic; checkpoints still hold
+    them. A pattern that matches nothing, or one that leaves nothing to train, is refused."""
 
 
 @dataclass

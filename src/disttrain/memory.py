@@ -62,9 +62,10 @@ def meta_model(model_cfg: ModelConfig) -> nn.Module:
         return build_model(model_cfg)
 
 
-def param_shapes(model_cfg: ModelConfig) -> list[torch.Size]:
-    """Shapes of the model's trainable parameters (tied ones once), built on the meta device: no memory."""
-    return [p.shape for p in meta_model(model_cfg).parameters() if p.requires_grad]
+def param_shapes(model_cfg: ModelConfig, trainable: bool = True) -> list[torch.Size]:
+    """Shapes of the model's trainable (or frozen: model.freeze) parameters (tied ones once), built on the meta
+    device: no memory."""
+    return [p.shape for p in meta_model(model_cfg).parameters() if p.requires_grad == trainable]
 
 
 def gpt_activation_bytes(m: ModelConfig, micro_batch: int, checkpointing: bool, precision: str = "fp32",
@@ -186,11 +187,18 @@ def estimate(cfg: Config, world: int, strategy: str | None = None, rank: int | N
     spec = registry.resolve(strategy or cfg.parallel.strategy, world)
     mesh = layout_for(cfg.parallel, world, spec)
     if mesh.model_parallel:
-        return _split_estimate(cfg, spec, mesh, rank)
-    layout = spec.memory([tuple(s) for s in param_shapes(cfg.model)], cfg, world, rank)
-    acts, acts_ac, notes = _activations(cfg, layout)
-    notes = list(layout.notes) + notes
-    return MemoryEstimate(spec.name, world, layout.params, layout.grads, layout.optimizer, acts, acts_ac, notes)
+        result = _split_estimate(cfg, spec, mesh, rank)
+    else:
+        layout = spec.memory([tuple(s) for s in param_shapes(cfg.model)], cfg, world, rank)
+        if cfg.model.freeze:  # frozen parameters (model.freeze) are held as the others are, with no gradient or state
+            layout.params += spec.memory([tuple(s) for s in param_shapes(cfg.model, False)], cfg, world, rank).params
+        acts, acts_ac, notes = _activations(cfg, layout)
+        result = MemoryEstimate(spec.name, world, layout.params, layout.grads, layout.optimizer, acts, acts_ac,
+                                list(layout.notes) + notes)
+    if cfg.model.freeze:
+        result.notes.append("model.freeze: activations as if every block trained, an upper bound (blocks before the "
+                            "first trained parameter keep none)")
+    return result
 
 
 def _split_estimate(cfg: Config, spec, mesh: MeshLayout, rank: int | None) -> MemoryEstimate:
@@ -214,11 +222,14 @@ def _rank_estimate(cfg: Config, spec, mesh: MeshLayout, model: nn.Module, rank: 
     stage_rank = mesh.coords(rank)["pp"]
     shapes = placement.local_shapes(model, mesh, cfg.parallel, stage_rank)
     reduced = mesh.data * mesh.context  # (context ranks reduce and shard as data ranks do: parallel/mesh.py)
+    frozen = placement.local_shapes(model, mesh, cfg.parallel, stage_rank, trainable=False)
     if reduced > 1:
         index = mesh.data_rank(rank) * mesh.context + mesh.coords(rank)["cp"]
         layout = spec.memory(shapes, cfg, reduced, index, mesh=mesh)
+        layout.params += spec.memory(frozen, cfg, reduced, index, mesh=mesh).params if frozen else 0
     else:  # no data axis: the split model as it is (parallel/compose.py)
         layout = replicated(shapes, cfg, 1, None)
+        layout.params += replicated(frozen, cfg, 1, None).params
     acts, acts_ac, notes = _activations(cfg, layout, mesh, model, stage_rank)
     return MemoryEstimate(spec.name, mesh.world, layout.params, layout.grads, layout.optimizer, acts, acts_ac,
                           list(layout.notes) + notes, mesh.describe(), rank)

@@ -28,7 +28,8 @@ def optimizer_factory(cfg: OptimConfig) -> OptimizerFactory:
             {"params": [p for p in params if is_matrix(p)], "weight_decay": cfg.weight_decay},
             {"params": [p for p in params if not is_matrix(p)], "weight_decay": 0.0},
         ]
-        groups = [g for g in groups if g["params"]]
+        # both groups, even empty: every pipeline stage (one whose parameters are all frozen, model.freeze, too)
+        # and every strategy then has the same groups, which a checkpoint joins and loads group by group
         if cfg.name == "sgd":  # (torch's fused SGD has no sharding rule for FSDP2's DTensors)
             return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.beta1)
         # one kernel per step instead of a few passes over the parameters (the numbers agree to ~1e-7)

@@ -31,7 +31,7 @@ from disttrain.config import Config, ConfigError, profile_range, save_config, va
 from disttrain.data import GlobalSampler, build_datasets, collate, eval_shard, fetch, split_micro
 from disttrain.loader import CollateFn, Loaders, StepBatches, check_dataset, probe
 from disttrain.metrics import Metrics, NullMetrics
-from disttrain.models import build_model
+from disttrain.models import build_model, freeze
 from disttrain.models.hf import is_hf_model
 from disttrain.monitor import RankStatus, peer_failed
 from disttrain.optim import OptimizerFactory, optimizer_factory, scheduler_factory
@@ -126,7 +126,7 @@ class Trainer:
         cfg = self.cfg
         validate(cfg, gpu_count=torch.cuda.device_count(), world=runtime.world_size)
         seed_everything(cfg.run.seed)
-        model = self.model if self.model is not None else build_model(cfg.model)
+        model = freeze(self.model, cfg.model.freeze) if self.model is not None else build_model(cfg.model)
         train, val = self.train_dataset, self.eval_dataset
         if train is None:
             if cfg.data.tokenizer:

@@ -9,7 +9,8 @@ A variant is `strategy[+flag...][:hsdp_shard_size]`, flags: `ac` (activation che
 `tinybuckets` (parallel.bucket_cap_mb=0.01: many DDP buckets), `tpN` (parallel.tensor=N), `sp` (sequence parallel),
 `lp` (parallel.loss_parallel=true: the loss on logits split by vocabulary),
 `ppN` (parallel.pipeline=N), `gpipe` / `1f1b` / `i1f1b` / `zb` / `zbv` / `dualpipev` (parallel.pipeline_schedule),
-`layersN` (model.n_layer=N), `mbN` (data.micro_batch_size=N), `cpN` (parallel.context=N), `devtimed`
+`layersN` (model.n_layer=N), `mbN` (data.micro_batch_size=N), `cpN` (parallel.context=N), `freeze` (model.freeze:
+the embeddings and the first block, i.e. the first pipeline stage, do not train), `devtimed`
 (communication metered as on CUDA: parallel/comm.py's device-timed DDP hook and asynchronous FSDP collectives, here
 over gloo, which times nothing on a device).
 An argument with `=` is a setting for every variant (e.g. `model.name=hf:DIR` trains a Hugging Face model).
@@ -50,7 +51,8 @@ FLAGS = {"ac": "parallel.activation_checkpointing=true", "offload": "parallel.cp
          "gpipe": "parallel.pipeline_schedule=gpipe", "1f1b": "parallel.pipeline_schedule=1f1b",
          "i1f1b": "parallel.pipeline_schedule=interleaved-1f1b", "zb": "parallel.pipeline_schedule=zero-bubble",
          "zbv": "parallel.pipeline_schedule=zbv", "dualpipev": "parallel.pipeline_schedule=dualpipev",
-         "layers": "model.n_layer={}", "mb": "data.micro_batch_size={}", "cp": "parallel.context={}"}
+         "layers": "model.n_layer={}", "mb": "data.micro_batch_size={}", "cp": "parallel.context={}",
+         "freeze": "model.freeze=tok_emb.*,pos_emb.*,blocks.0.*"}
 
 
 def overrides(variant: str) -> list[str]:

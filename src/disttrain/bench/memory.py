@@ -28,6 +28,8 @@ from disttrain.errors import ArgumentParser, ConfigError, make_folder
 
 PARALLEL_DEGREES = ("parallel.pipeline", "parallel.tensor", "parallel.context")
 KINDS = ("params", "grads", "optimizer", "activations")
+FROZEN = "tok_emb.*,pos_emb.*,blocks.0.*"
+"""model.freeze of the `frozen` rows: the embeddings and the first block (a 2-stage pipeline's first stage)."""
 LAYOUTS = {
     "tp2": ("parallel.tensor=2",),
     "tp2+sp": ("parallel.tensor=2", "parallel.sequence_parallel=true"),
@@ -40,6 +42,9 @@ LAYOUTS = {
     "pp2-dualpipev": ("parallel.pipeline=2", "parallel.pipeline_schedule=dualpipev"),
     "cp2": ("parallel.context=2",),
     "cp2-fsdp": ("parallel.context=2", "parallel.strategy=fsdp"),
+    "frozen": (f"model.freeze={FROZEN}",),
+    "frozen-fsdp": (f"model.freeze={FROZEN}", "parallel.strategy=fsdp"),
+    "pp2-frozen": ("parallel.pipeline=2", f"model.freeze={FROZEN}"),
 }
 """Layouts of the model over the ranks (parallel.pipeline / parallel.tensor / parallel.context), the data axis taking
 the rest (ddp unless the layout names a strategy; with 2 ranks per data coordinate pp2-fsdp is pp2-1f1b). Measured

@@ -203,6 +203,10 @@ def _prepare_train(args: argparse.Namespace):
         from disttrain.models import resolve_factory
 
         resolve_factory(cfg.model.name)  # import errors surface here, before any worker starts
+    if cfg.model.freeze:
+        from disttrain.memory import meta_model
+
+        meta_model(cfg.model)  # model.freeze's patterns are matched on the meta device, before any worker starts
     if cfg.data.tokenizer:
         from disttrain.corpus import check_source
         from disttrain.models import vocab_size

@@ -3,6 +3,7 @@ anything else is `"package.module:factory"`."""
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
 from collections.abc import Callable
 
@@ -50,4 +51,27 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model.name = {cfg.name!r}: the factory returned {type(model).__name__}, "
                           "not a torch.nn.Module")
+    return freeze(model, cfg.freeze)
+
+
+def freeze(model: nn.Module, patterns: str) -> nn.Module:
+    """`model.freeze`: the parameters whose names match one of the comma-separated glob `patterns` stop training
+    (`requires_grad = False`, before any strategy wraps the model, so that every strategy leaves them out of its
+    gradient traffic and the optimizer holds no state for them). A pattern that matches nothing, or patterns that
+    match every parameter, are a ConfigError."""
+    globs = [p.strip() for p in patterns.split(",") if p.strip()]
+    if not globs:
+        return model
+    named = dict(model.named_parameters())
+    for pattern in globs:
+        hits = fnmatch.filter(named, pattern)
+        if not hits:
+            first = next(iter(named), "x.weight")
+            raise ConfigError(f"model.freeze: {pattern!r} matches no parameter of the model, whose names read "
+                              f"{', '.join(list(named)[:4])}, ...; a pattern matches whole names: e.g. "
+                              f"\"{first.rpartition('.')[0] or first}.*\" freezes a module")
+        for name in hits:
+            named[name].requires_grad_(False)
+    if not any(p.requires_grad for p in named.values()):
+        raise ConfigError(f"model.freeze = {patterns!r} freezes every parameter of the model: leave some to train")
     return model

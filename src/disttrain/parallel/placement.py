@@ -33,10 +33,11 @@ def rank_stages(layout: MeshLayout, parallel: ParallelConfig, pipeline_rank: int
 
 
 def stage_parameters(model: nn.Module, layout: MeshLayout, parallel: ParallelConfig,
-                     pipeline_rank: int) -> list[tuple[str, nn.Parameter]]:
-    """(first name, parameter) of every trainable parameter the pipeline rank holds, each once."""
+                     pipeline_rank: int, trainable: bool = True) -> list[tuple[str, nn.Parameter]]:
+    """(first name, parameter) of every trainable (or, `trainable=False`, frozen) parameter the pipeline rank holds,
+    each once."""
     if layout.pipeline == 1:
-        return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        return [(n, p) for n, p in model.named_parameters() if p.requires_grad == trainable]
     fam = pipeline.FAMILIES[pipeline.family_of(model)]
     stages = pipeline.stage_count(parallel, layout.pipeline)
     bounds = pipeline.stage_bounds(model, stages, parallel.pipeline_split)
@@ -48,7 +49,7 @@ def stage_parameters(model: nn.Module, layout: MeshLayout, parallel: ParallelCon
     if stages - 1 in mine:
         modules += [model.get_submodule(name) for name in fam.head]
     kept = {id(p) for module in modules for p in module.parameters()}
-    held = [(n, p) for n, p in model.named_parameters() if id(p) in kept and p.requires_grad]
+    held = [(n, p) for n, p in model.named_parameters() if id(p) in kept and p.requires_grad == trainable]
     if layout.data > 1 and 0 in mine and stages - 1 in mine:  # a V's rank 0: the head's own copy of a tied weight
         head = tuple(f"{name}." for name in fam.head)
         names, ids = {n for n, _ in held}, {id(p) for _, p in held}
@@ -83,10 +84,11 @@ def tensor_splits(model: nn.Module) -> dict[str, int]:
     return out
 
 
-def local_shapes(model: nn.Module, layout: MeshLayout, parallel: ParallelConfig, pipeline_rank: int) -> list[Shape]:
-    """Shapes of the parameters one rank holds under `layout` before the data axis shards them: its pipeline
-    stage(s), each tensor-parallel shard's local part (all tensor ranks hold the same shapes)."""
-    params = stage_parameters(model, layout, parallel, pipeline_rank)
+def local_shapes(model: nn.Module, layout: MeshLayout, parallel: ParallelConfig, pipeline_rank: int,
+                 trainable: bool = True) -> list[Shape]:
+    """Shapes of the trainable (or frozen) parameters one rank holds under `layout` before the data axis shards
+    them: its pipeline stage(s), each tensor-parallel shard's local part (all tensor ranks hold the same shapes)."""
+    params = stage_parameters(model, layout, parallel, pipeline_rank, trainable)
     splits = tensor_splits(model) if layout.tensor > 1 else {}
     # a tied weight is split as any of its names is (embedding and head agree)
     aliases = {}

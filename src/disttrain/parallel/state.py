@@ -35,12 +35,18 @@ def full_state_dict_fns(model, sharded: bool = False) -> dict[str, Callable]:
         return share_tied(model, model_state), optimizer_state
 
     def load_state_dict(optimizer, model_state: dict, optimizer_state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
-        full = not any(hasattr(t, "to_local") for t in model_state.values())
-        set_state_dict(model, optimizer, model_state_dict=model_state,
-                       optim_state_dict=canonical_names(model, optimizer_state),
-                       options=StateDictOptions(full_state_dict=full))
+        options = StateDictOptions(full_state_dict=not any(hasattr(t, "to_local") for t in model_state.values()))
+        if any(group["params"] for group in optimizer.param_groups):
+            set_state_dict(model, optimizer, model_state_dict=model_state,
+                           optim_state_dict=canonical_names(model, optimizer_state), options=options)
+            return
+        # an optimizer with nothing to update (a pipeline stage whose parameters are all frozen): torch's
+        # set_state_dict cannot place its state; it has none, only the groups' settings
+        set_model_state_dict(model, model_state, options=options)
+        optimizer.load_state_dict({"state": {}, "param_groups": [{**group, "params": []}
+                                                                 for group in optimizer_state["param_groups"]]})
 
     return {"state_dict": state_dict, "load_state_dict": load_state_dict}
 
