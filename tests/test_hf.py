@@ -146,6 +146,8 @@ PARITY = ["ddp", "ddp+ac", "zero1", "zero1+ac", "zero2", "zero2+ac", "fsdp", "fs
           "ddp+pp2+1f1b", "ddp+pp2+gpipe", "ddp+pp2+i1f1b", "ddp+pp2+zb", "ddp+pp2+zbv", "ddp+pp2+dualpipev",
           # context parallel: each sequence in two chunks (HF's labels shifted before the cut), with checkpointing
           "ddp+cp2", "fsdp+cp2+ac"]
+# the embeddings (tied to the head) and the first layer frozen (model.freeze): against one process frozen alike
+FROZEN = ["fsdp+freeze", "ddp+pp2+1f1b+freeze", "deepspeed+stage3+freeze"]
 # 4 ranks: tp2 x fsdp2 (the sharded start), pp2 x dp2, pp2 x fsdp2 (gpipe, zero-bubble), hsdp 2 x 2
 PARITY_FOUR = ["fsdp+tp2", "ddp+pp2", "fsdp+pp2+gpipe", "fsdp+pp2+zb", "hsdp:2"]
 
@@ -159,9 +161,10 @@ def parity(llama_dir, tmp_path_factory):
         return [run_cli(["launch", "--fork", "--nproc", str(world),
                          "--run-dir", str(tmp / f"launch{world}"), script, str(tmp),
                          *settings, *variants], tmp, timeout=400)
-                for world, variants in ((2, PARITY), (4, PARITY_FOUR))]
+                for world, variants in ((2, PARITY + FROZEN), (4, PARITY_FOUR))]
 
-    single, multi = run_alongside([sys.executable, script, str(tmp), *settings, "single"], tmp, launches)
+    single, multi = run_alongside([sys.executable, script, str(tmp), *settings, "single", "single+freeze"], tmp,
+                                  launches)
     assert single.returncode == 0, single.stderr
     for launched in multi:
         assert launched.returncode == 0, launched.stderr[-3000:]
@@ -172,12 +175,12 @@ def parity(llama_dir, tmp_path_factory):
             run["params"] = {}
             for part in (tmp / str(world)).glob(f"{glob.escape(variant)}.*safetensors"):  # a pipeline's stages
                 run["params"].update(load_file(part))
-    return loaded[1]["single"], {**loaded[2], **loaded[4]}  # (the two launches' variant names differ)
+    return loaded[1], {**loaded[2], **loaded[4]}  # (the two launches' variant names differ)
 
 
 def test_trainer_uses_hf_label_convention(llama_dir, parity):
     """The Trainer's first step on the built-in data is transformers' loss on the same global batch of windows."""
-    single, _ = parity
+    single = parity[0]["single"]
     cfg = load_config(None, ["model.seq_len=32", "data.global_batch_size=16"])
     train, _ = build_datasets(cfg.data, cfg.model.seq_len, aligned=True)
     indices = GlobalSampler(len(train), cfg.run.seed, cfg.data.shuffle).global_indices(0, 16)
@@ -189,10 +192,10 @@ def test_trainer_uses_hf_label_convention(llama_dir, parity):
     assert single["losses"][-1] < single["losses"][0] - 0.5  # it learns
 
 
-@pytest.mark.parametrize("variant", PARITY + PARITY_FOUR)
+@pytest.mark.parametrize("variant", PARITY + PARITY_FOUR + FROZEN)
 def test_hf_model_matches_single_process(parity, variant):
-    single, two = parity
-    got = two[variant]
+    one, two = parity
+    single, got = one["single+freeze" if "freeze" in variant else "single"], two[variant]
     assert len(got["losses"]) == 10
     assert got["losses"] == pytest.approx(single["losses"], abs=1e-5)
     assert got["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-4)
@@ -200,6 +203,20 @@ def test_hf_model_matches_single_process(parity, variant):
     assert got["params"].keys() == single["params"].keys()
     for name, tensor in single["params"].items():
         assert torch.allclose(got["params"][name], tensor, atol=1e-5), name
+
+
+def test_frozen_hf_parameters_keep_their_pretrained_values(llama_dir, parity):
+    """model.freeze on a Hugging Face Llama: the frozen embeddings and first layer leave training (and the sharded
+    start, and a pipeline stage with nothing to train) equal to the weights file, bit for bit; the rest trains."""
+    from safetensors.torch import load_file
+
+    one, two = parity
+    pretrained = load_file(llama_dir / "model.safetensors")
+    frozen = {n for n in pretrained if n.startswith(("model.embed_tokens.", "model.layers.0."))}
+    assert frozen and len(frozen) < len(pretrained)
+    for variant, run in [("single+freeze", one["single+freeze"]), *((v, two[v]) for v in FROZEN)]:
+        for name, weight in pretrained.items():
+            assert torch.equal(run["params"][name], weight) == (name in frozen), (variant, name)
 
 
 def test_sharded_start_reads_only_each_ranks_rows(llama_dir, tmp_path):
