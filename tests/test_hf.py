@@ -259,17 +259,19 @@ def test_directory_without_config_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-@pytest.mark.parametrize("micro, seq_len", [(4, 32), (2, 64)])
-def test_memory_estimate_matches_measurement(llama_dir, checkpointing, micro, seq_len):
+@pytest.mark.parametrize("micro, seq_len, freeze", [(4, 32, ""), (2, 64, ""),
+                                                    (4, 32, "model.embed_tokens.*,model.layers.0.*")])
+def test_memory_estimate_matches_measurement(llama_dir, checkpointing, micro, seq_len, freeze):
     """`estimate-memory` for an HF model: parameters, gradients and optimizer state exact, activations within 10%
-    of what autograd really saves (seen: exact)."""
+    of what autograd really saves (seen: exact), also with the embeddings (tied to the head) and the first layer
+    frozen, which keep none (model.freeze)."""
     from disttrain.data import collate
     from disttrain.memory import estimate, measure
     from disttrain.models import build_model
     from disttrain.optim import optimizer_factory
 
     cfg = load_config(None, [f"model.name=hf:{llama_dir}", f"model.seq_len={seq_len}", "parallel.strategy=single",
-                             f"data.micro_batch_size={micro}",
+                             f"data.micro_batch_size={micro}", f"model.freeze={freeze}",
                              f"parallel.activation_checkpointing={str(checkpointing).lower()}"])
     train, _ = build_datasets(cfg.data, seq_len, aligned=True)
     measured = measure(lambda: create_backend(build_model(cfg.model), optimizer_factory(cfg.optim), cfg.parallel),

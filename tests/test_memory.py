@@ -35,6 +35,7 @@ def measured_4_ranks(tmp_path_factory):
 
 
 FROZEN = ("frozen", "frozen-fsdp", "pp2-frozen")
+KINDS = ("params", "grads", "optimizer", "activations")
 TOLERANCE = 0.001
 """Relative error allowed (fp32 on CPU): the torch-native strategies measure 0.0%, DeepSpeed's offload 0.01%."""
 
@@ -49,7 +50,7 @@ def test_estimate_matches_measurement_for_every_strategy(measured):
     seen = set()
     for row in (r for r in measured["rows"] if not r.get("layout") and r["strategy"] not in FROZEN):
         seen.add((row["world"], row["strategy"], row["ac"]))
-        for kind in ("params", "grads", "optimizer", "activations"):
+        for kind in KINDS:
             est, meas = row["estimated"][kind], row["measured"][kind]
             assert meas > 0 and abs(est - meas) <= tolerance(row["strategy"], kind) * meas, \
                 (row["strategy"], row["world"], kind, est, meas)
@@ -81,7 +82,7 @@ def test_estimate_matches_measurement_in_16_bits(measured_16bit, measured, preci
     rows = measured_16bit[precision]
     assert {r["strategy"] for r in rows} >= {"single", "ddp", "zero1", "fsdp"}
     for row in rows:
-        for kind in ("params", "grads", "optimizer", "activations"):
+        for kind in KINDS:
             est, meas = row["estimated"][kind], row["measured"][kind]
             # bf16-mixed's autocast caches are estimated within 1% (measured 0.97%), the rest exactly
             allowed = max(0.015 if precision == "bf16-mixed" else 0.0, tolerance(row["strategy"], kind))
@@ -123,7 +124,7 @@ def _check_layout_rows(rows: list[dict], expected: dict[str, str]) -> dict:
         if row["strategy"] not in expected:
             continue
         assert row["layout"] == expected[row["strategy"]]
-        for kind in ("params", "grads", "optimizer", "activations"):
+        for kind in KINDS:
             est, meas = row["estimated"][kind], row["measured"][kind]
             assert meas > 0 and abs(est - meas) <= LAYOUT_TOLERANCE * meas, \
                 (row["strategy"], row["rank"], kind, est, meas)
@@ -153,19 +154,19 @@ def test_estimate_matches_measurement_under_tensor_and_pipeline_layouts(measured
 
 def test_frozen_parameters_are_held_without_gradients_or_optimizer_state(measured):
     """model.freeze: the frozen parameters are held (sharded under FSDP) but have no gradient and no optimizer state,
-    exactly as estimated; a pipeline stage with nothing to train holds neither. Activations are estimated as if
-    every block trained, an upper bound (frozen leading blocks keep none)."""
+    exactly as estimated; a pipeline stage with nothing to train holds neither. The frozen embeddings and first
+    block keep no activations, and the frozen (tied) head keeps no input: estimated exactly too."""
     rows = {(r["strategy"], r["rank"]): r for r in measured["rows"] if r["world"] == 2 and not r["ac"]}
     for label, whole in (("frozen", "ddp"), ("frozen-fsdp", "fsdp"), ("pp2-frozen", "pp2-1f1b")):
         for rank in (0, 1):
             row, est, unfrozen = rows[label, rank]["measured"], rows[label, rank]["estimated"], rows[whole, rank]
-            for kind in ("params", "grads", "optimizer"):
+            for kind in KINDS:
                 assert abs(est[kind] - row[kind]) <= TOLERANCE * max(row[kind], 1), (label, rank, kind, est, row)
             assert row["params"] == unfrozen["measured"]["params"]
             if label != "pp2-frozen" or rank == 0:  # (the last stage: block 1 and the head, both trained)
                 assert row["grads"] < 0.9 * unfrozen["measured"]["grads"], (label, rank)
                 assert row["optimizer"] < 0.9 * unfrozen["measured"]["optimizer"], (label, rank)
-            assert row["activations"] <= est["activations"], (label, rank)
+            assert row["activations"] < 0.6 * unfrozen["measured"]["activations"] or (label, rank) == ("pp2-frozen", 1)
     assert rows["pp2-frozen", 0]["measured"]["grads"] == rows["pp2-frozen", 0]["measured"]["optimizer"] == 0
 
 

@@ -22,12 +22,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from disttrain.config import Config, ModelConfig
 from disttrain.parallel import pipeline, placement, registry, tensor
+from disttrain.parallel.activation_checkpoint import transformer_blocks
 from disttrain.parallel.layout import replicated
 from disttrain.parallel.mesh import MeshLayout, layout_for
 from disttrain.parallel.state import local_tensor
@@ -68,13 +70,25 @@ def param_shapes(model_cfg: ModelConfig, trainable: bool = True) -> list[torch.S
     return [p.shape for p in meta_model(model_cfg).parameters() if p.requires_grad == trainable]
 
 
+class Frozen(NamedTuple):
+    """What model.freeze spares the activations (`frozen_parts`)."""
+    blocks: int = 0
+    """Leading transformer blocks that keep nothing."""
+    embeds: bool = True
+    """The embeddings train (and keep the token ids)."""
+    head: bool = True
+    """The output projection trains (and keeps its input)."""
+
+
 def gpt_activation_bytes(m: ModelConfig, micro_batch: int, checkpointing: bool, precision: str = "fp32",
                          linears: str = "autocast", *, tensor: int = 1, sequence_parallel: bool = False,
                          split_logits: bool = False,
-                         blocks: int | None = None, embeds: bool = True, head: bool = True, ids: bool = True) -> int:
+                         blocks: int | None = None, embeds: bool = True, head: bool = True, ids: bool = True,
+                         head_trains: bool = True) -> int:
     """Bytes autograd keeps for backward after the forward of one micro-batch of the reference GPT (or of a
     pipeline stage of it: `blocks` blocks, with the embedding if `embeds` and ln_f, the head and the loss if
-    `head`; `ids`: with the token ids the embedding saves, which a pipeline keeps for the whole step apart).
+    `head`; `ids`: with the token ids the embedding saves, which a pipeline keeps for the whole step apart;
+    `head_trains`: a frozen head's weight (model.freeze) needs no gradient, so the head keeps no input).
 
     Per block and token: LayerNorm inputs and their mean/rstd (in the residual stream's dtype: float32, or
     bfloat16 under bf16-true), LayerNorm outputs (2 x d), the q, k and v outputs (3 d), the
@@ -118,7 +132,8 @@ def gpt_activation_bytes(m: ModelConfig, micro_batch: int, checkpointing: bool, 
     if embeds:  # the token ids and the positions the embeddings save
         total += (8 * b * t if ids else 0) + 8 * t
     if head:  # ln_f, the float32 log-softmax, the int64 targets, the loss's total weight (fp16: and its scale)
-        total += b * t // sp * (res * d + 2 * res) + b * t * (ln_out * d + 4 * v // (tp if split_logits else 1) + 8) + 4
+        total += b * t // sp * (res * d + 2 * res) + 4
+        total += b * t * (ln_out * d * head_trains + 4 * v // (tp if split_logits else 1) + 8)
         total += 4 if precision == "fp16-mixed" else 0
     weights = ((0 if checkpointing else n * 12 * d * d) + (v * d if head else 0)) * copies // tp
     return total + weights
@@ -128,7 +143,8 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 """Hugging Face `model_type`s with Llama's layer (RMSNorm, rotary attention with grouped KV heads, SwiGLU MLP)."""
 
 
-def llama_activation_bytes(hf: dict, micro_batch: int, seq_len: int, checkpointing: bool) -> int:
+def llama_activation_bytes(hf: dict, micro_batch: int, seq_len: int, checkpointing: bool,
+                           frozen: Frozen | None = None) -> int:
     """Bytes autograd keeps for backward after the forward of one micro-batch of a Llama-family HF model (fp32, SDPA
     attention on CPU or a fused kernel, unpadded batch), counted op by op for transformers' implementation.
 
@@ -137,8 +153,9 @@ def llama_activation_bytes(hf: dict, micro_batch: int, seq_len: int, checkpointi
     projection's input (d); the MLP keeps gate, SiLU(gate), up and the down projection's input (4 x intermediate).
     Outside: token ids, the rotary cos/sin (t x head_dim each, shared by the layers), the final norm and the
     float32 log-softmax over the vocabulary of the t - 1 shifted positions with their int64 targets. With
-    checkpointing a layer keeps only its input (and cos/sin are recomputed)."""
-    b, t, d, n = micro_batch, seq_len, hf["hidden_size"], hf["num_hidden_layers"]
+    checkpointing a layer keeps only its input (and cos/sin are recomputed). `frozen`: what model.freeze spares."""
+    frozen = frozen or Frozen()
+    b, t, d, n = micro_batch, seq_len, hf["hidden_size"], hf["num_hidden_layers"] - frozen.blocks
     heads = hf["num_attention_heads"]
     kv, head_dim = hf.get("num_key_value_heads") or heads, hf.get("head_dim") or d // heads
     inter, vocab = hf["intermediate_size"], hf["vocab_size"]
@@ -147,8 +164,29 @@ def llama_activation_bytes(hf: dict, micro_batch: int, seq_len: int, checkpointi
     else:
         layer = 4 * (3 * d + 1) * 2 + 4 * (d + 2 * kv * head_dim + d) + 4 * heads + 4 * 4 * inter
         rotary = 2 * 4 * t * head_dim
-    outside = 8 * b * t + rotary + b * t * 4 * (3 * d + 1) + b * (t - 1) * (4 * vocab + 8) + 4
-    return b * t * n * layer + outside
+    norm = 4 * (2 * d + 1 + d * frozen.head)  # (a frozen lm_head keeps no input)
+    outside = 8 * b * t * frozen.embeds + rotary + b * t * norm + b * (t - 1) * (4 * vocab + 8) + 4
+    # the first trained layer's input needs no gradient (frozen embeddings and layers before it): its first RMSNorm
+    # keeps neither that input (pow's) nor the rstd (the product's), only the normalised tensor (measured)
+    spared = 4 * (d + 1) if not frozen.embeds and n and not checkpointing else 0
+    return b * t * (n * layer - spared) + outside
+
+
+def frozen_parts(model: nn.Module) -> Frozen:
+    """Autograd saves nothing for frozen embeddings and the frozen blocks before the first trained parameter, since
+    nothing before them needs a gradient, and a frozen head keeps no input (measured). A frozen block after a
+    trained one still passes gradients back: counted in full, an upper bound."""
+    family = pipeline.FAMILIES[pipeline.family_of(model)]
+
+    def trains(*names: str) -> bool:
+        return any(p.requires_grad for name in names for p in model.get_submodule(name).parameters())
+
+    head = trains(family.head[-1])
+    if trains(*family.embeddings):
+        return Frozen(0, True, head)
+    blocks = transformer_blocks(model)
+    skip = next((i for i, block in enumerate(blocks) if any(p.requires_grad for p in block.parameters())), len(blocks))
+    return Frozen(skip, False, head)
 
 
 def _activations(cfg: Config, layout, mesh: MeshLayout | None = None, model: nn.Module | None = None,
@@ -161,8 +199,11 @@ def _activations(cfg: Config, layout, mesh: MeshLayout | None = None, model: nn.
     if mesh is not None:
         return None, None, ["activations under parallel.pipeline / parallel.tensor are estimated for the reference "
                             "GPT only; measure your model instead (`disttrain bench memory`)"]
+    frozen = frozen_parts(meta_model(cfg.model)) if cfg.model.freeze else Frozen()
     if cfg.model.name == "gpt":
-        acts, acts_ac = (gpt_activation_bytes(cfg.model, micro, ac, precision, layout.linears) for ac in (False, True))
+        acts, acts_ac = (gpt_activation_bytes(cfg.model, micro, ac, precision, layout.linears,
+                                              blocks=cfg.model.n_layer - frozen.blocks, embeds=frozen.embeds,
+                                              head_trains=frozen.head) for ac in (False, True))
         notes = []
         if precision in ("bf16-mixed", "fp16-mixed") and layout.linears == "autocast":
             notes.append("activations include the 16-bit weight copies autocast saves for backward")
@@ -172,7 +213,7 @@ def _activations(cfg: Config, layout, mesh: MeshLayout | None = None, model: nn.
 
         hf = json.loads((hf_directory(cfg.model.name) / "config.json").read_text())
         if hf.get("model_type") in LLAMA_FAMILY and precision == "fp32":
-            acts, acts_ac = (llama_activation_bytes(hf, micro, cfg.model.seq_len, ac) for ac in (False, True))
+            acts, acts_ac = (llama_activation_bytes(hf, micro, cfg.model.seq_len, ac, frozen) for ac in (False, True))
             return acts, acts_ac, []
         return None, None, [f"activations are estimated for Llama-family HF models ({', '.join(LLAMA_FAMILY)}) in "
                             "fp32 only; measure your model instead (`disttrain bench memory`)"]
@@ -195,9 +236,9 @@ def estimate(cfg: Config, world: int, strategy: str | None = None, rank: int | N
         acts, acts_ac, notes = _activations(cfg, layout)
         result = MemoryEstimate(spec.name, world, layout.params, layout.grads, layout.optimizer, acts, acts_ac,
                                 list(layout.notes) + notes)
-    if cfg.model.freeze:
-        result.notes.append("model.freeze: activations as if every block trained, an upper bound (blocks before the "
-                            "first trained parameter keep none)")
+    if cfg.model.freeze and result.activations is not None:
+        result.notes.append("model.freeze: the frozen embeddings and blocks before the first trained one keep no "
+                            "activations; the others are counted in full, an upper bound")
     return result
 
 
@@ -258,20 +299,24 @@ def _gpt_split_activations(cfg: Config, linears: str, mesh: MeshLayout, model: n
     bounds = pipeline.stage_bounds(model, last + 1, p.pipeline_split)
     microbatches = cfg.data.global_batch_size // (mesh.data * micro) if mesh.pipeline > 1 else 1
     chunk = dataclasses.replace(m, seq_len=m.seq_len // mesh.context)  # (context parallelism: this rank's chunk)
+    frozen = frozen_parts(model)
+    trained = [max(0, high - max(low, frozen.blocks)) for low, high in bounds]  # the blocks that keep activations
     out, counts, exact = [], [], True
     for ac in (False, True):
         gathered = 0 if ac else _gathered_kv(m, micro, mesh.context, p.precision)
-        sizes = tuple(gathered * (bounds[stage][1] - bounds[stage][0]) +
+        sizes = tuple(gathered * trained[stage] +
                       gpt_activation_bytes(chunk, micro, ac, p.precision, linears, tensor=mesh.tensor,
                                            sequence_parallel=p.sequence_parallel,
                                            split_logits=tensor.splits_logits(p, mesh, m.vocab_size),
-                                           blocks=bounds[stage][1] - bounds[stage][0], embeds=stage == 0,
-                                           head=stage == last, ids=mesh.pipeline == 1) for stage in stages)
+                                           blocks=trained[stage], embeds=stage == 0 and frozen.embeds,
+                                           head=stage == last, ids=mesh.pipeline == 1, head_trains=frozen.head)
+                      for stage in stages)
         chunks, exact = placement.in_flight(p.pipeline_schedule, mesh.pipeline, stage_rank, microbatches, sizes) \
             if mesh.pipeline > 1 else ([0], True)
         counts.append(len(chunks))
         out.append(sum(sizes[c] for c in chunks)
-                   + (8 * microbatches * micro * m.seq_len if 0 in stages and mesh.pipeline > 1 else 0))
+                   + (8 * microbatches * micro * m.seq_len if 0 in stages and frozen.embeds and mesh.pipeline > 1
+                      else 0))
     notes = []
     if mesh.tensor > 1 and p.precision != "fp32":  # checked: fp32; bf16-mixed tp2 measured 11% below the estimate
         notes.append("activations under parallel.tensor > 1 are checked in fp32; in 16 bits they are approximate")

@@ -89,7 +89,7 @@ def _variants(args, world: int) -> list[tuple[str, str, bool, tuple[str, ...], i
     """(label, strategy, activation checkpointing, config overrides, micro-batches) for each run at `world` ranks,
     from the strategy registry: every spec's option sets (its defaults when it lists none), with and without
     activation checkpointing where the option sets are the defaults, one micro-batch each; then the `--layouts`
-    that fit `world` (> 1) ranks, with ddp on the data axis, `MICRO_BATCHES` micro-batches each."""
+    that fit `world` (> 1) ranks, with ddp on the data axis, `MICRO_BATCHES` micro-batches each; DeepSpeed's last."""
     from disttrain.config import strategies_for
     from disttrain.parallel import registry
 
@@ -100,8 +100,10 @@ def _variants(args, world: int) -> list[tuple[str, str, bool, tuple[str, ...], i
     os.replace(tmp, ds_json)
     one_micro_batch = f"data.global_batch_size={args.micro * world}"  # per step, as the strategy rows measure
     runnable = set(strategies_for(_config(args, "auto", False, (one_micro_batch,)), world))  # installed, valid here
-    out = []
+    out, last = [], []  # last: DeepSpeed's rows (ZeRO-3 replaces torch.nn.functional.linear for the rest of the
+    # process, which then keeps a frozen layer's input too), after every torch-native row and layout
     for spec in map(registry.get, registry.names()):
+        rows = last if spec.package == "deepspeed" else out
         if spec.name not in chosen or spec.name not in runnable:
             continue  # e.g. a precision the strategy refuses
         extra = (one_micro_batch,)
@@ -110,9 +112,9 @@ def _variants(args, world: int) -> list[tuple[str, str, bool, tuple[str, ...], i
         if "hsdp_shard_size" in spec.options:  # shard groups of 1 rank, replicated across them: not fsdp's layout
             extra += ("parallel.hsdp_shard_size=1",)
         if spec.variants:
-            out += [(label, spec.name, False, (*overrides, *extra), 1) for label, overrides in spec.variants]
+            rows += [(label, spec.name, False, (*overrides, *extra), 1) for label, overrides in spec.variants]
         else:
-            out += [(spec.name, spec.name, ac, extra, 1) for ac in (False, True)]
+            rows += [(spec.name, spec.name, ac, extra, 1) for ac in (False, True)]
     for label in filter(None, args.layouts.split(",")):
         settings = dict(o.split("=") for o in LAYOUTS[label])
         strategy = settings.pop("parallel.strategy", "ddp")
@@ -121,7 +123,7 @@ def _variants(args, world: int) -> list[tuple[str, str, bool, tuple[str, ...], i
             batch = f"data.global_batch_size={args.micro * world // split * MICRO_BATCHES}"
             out.append((label, strategy, False,
                         (*(f"{k}={v}" for k, v in settings.items()), batch), MICRO_BATCHES))
-    return out
+    return out + last
 
 
 def _worker(args) -> None:
