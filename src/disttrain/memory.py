@@ -199,8 +199,8 @@ def _activations(cfg: Config, layout, mesh: MeshLayout | None = None, model: nn.
     if mesh is not None:
         return None, None, ["activations under parallel.pipeline / parallel.tensor are estimated for the reference "
                             "GPT only; measure your model instead (`disttrain bench memory`)"]
-    frozen = frozen_parts(meta_model(cfg.model)) if cfg.model.freeze else Frozen()
     if cfg.model.name == "gpt":
+        frozen = frozen_parts(meta_model(cfg.model)) if cfg.model.freeze else Frozen()
         acts, acts_ac = (gpt_activation_bytes(cfg.model, micro, ac, precision, layout.linears,
                                               blocks=cfg.model.n_layer - frozen.blocks, embeds=frozen.embeds,
                                               head_trains=frozen.head) for ac in (False, True))
@@ -213,6 +213,7 @@ def _activations(cfg: Config, layout, mesh: MeshLayout | None = None, model: nn.
 
         hf = json.loads((hf_directory(cfg.model.name) / "config.json").read_text())
         if hf.get("model_type") in LLAMA_FAMILY and precision == "fp32":
+            frozen = frozen_parts(meta_model(cfg.model)) if cfg.model.freeze else Frozen()
             acts, acts_ac = (llama_activation_bytes(hf, micro, cfg.model.seq_len, ac, frozen) for ac in (False, True))
             return acts, acts_ac, []
         return None, None, [f"activations are estimated for Llama-family HF models ({', '.join(LLAMA_FAMILY)}) in "
