@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from conftest import SCRIPTS
 from disttrain.bench import memory as memory_bench
 from disttrain.cli import main
 from disttrain.config import load_config
@@ -168,6 +169,17 @@ def test_frozen_parameters_are_held_without_gradients_or_optimizer_state(measure
                 assert row["optimizer"] < 0.9 * unfrozen["measured"]["optimizer"], (label, rank)
             assert row["activations"] < 0.6 * unfrozen["measured"]["activations"] or (label, rank) == ("pp2-frozen", 1)
     assert rows["pp2-frozen", 0]["measured"]["grads"] == rows["pp2-frozen", 0]["measured"]["optimizer"] == 0
+
+
+def test_a_users_model_with_frozen_parameters_is_estimated_without_activations(monkeypatch):
+    """model.freeze on a model the estimator has no activation formula for: the model states still come out (the
+    frozen 64 MiB are held, without gradients or optimizer state), the activations are unknown."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    cfg = load_config(None, ["model.name=tiny_models:bigram_with_ballast", "model.freeze=ballast"])
+    est = estimate(cfg, 2, "ddp")
+    table = 256 * 256 * 4
+    assert est.params == 16 * 2**20 * 4 + table and est.optimizer == 2 * table + 4
+    assert est.activations is None and not any("model.freeze" in note for note in est.notes)
 
 
 def test_estimate_matches_measurement_for_a_pipeline_with_a_data_axis(measured_4_ranks):
