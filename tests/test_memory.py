@@ -172,14 +172,16 @@ def test_frozen_parameters_are_held_without_gradients_or_optimizer_state(measure
 
 
 def test_a_users_model_with_frozen_parameters_is_estimated_without_activations(monkeypatch):
-    """model.freeze on a model the estimator has no activation formula for: the model states still come out (the
-    frozen 64 MiB are held, without gradients or optimizer state), the activations are unknown."""
+    """A model the estimator has no activation formula for, which freezes 64 MiB itself: its model states still
+    come out, the frozen bytes held without gradients or optimizer state; with model.freeze set as well the same
+    (the freeze check runs only where activations are estimated), and the activations are unknown."""
     monkeypatch.syspath_prepend(str(SCRIPTS))
-    cfg = load_config(None, ["model.name=tiny_models:bigram_with_ballast", "model.freeze=ballast"])
-    est = estimate(cfg, 2, "ddp")
     table = 256 * 256 * 4
-    assert est.params == 16 * 2**20 * 4 + table and est.optimizer == 2 * table + 4
-    assert est.activations is None and not any("model.freeze" in note for note in est.notes)
+    for freeze in ("", "ballast"):
+        cfg = load_config(None, ["model.name=tiny_models:bigram_with_ballast", f"model.freeze={freeze}"])
+        est = estimate(cfg, 2, "ddp")
+        assert est.params == 16 * 2**20 * 4 + table and est.optimizer == 2 * table + 4, freeze
+        assert est.activations is None and not any("model.freeze" in note for note in est.notes)
 
 
 def test_estimate_matches_measurement_for_a_pipeline_with_a_data_axis(measured_4_ranks):

@@ -53,3 +53,43 @@ def test_a_user_optimizer_keeps_its_learning_rate_unless_a_schedule_is_asked_for
     rates = [m["lr"] for m in read_metrics(cfg.run_dir)]
     assert len(rates) == 5
     assert (rates == [0.05] * 5) is constant
+
+
+def test_a_state_saved_without_the_empty_group_resumes_exactly():
+    """The factory keeps both groups (matrices decayed, the rest), even empty: a bias-free model's second is empty.
+    A state without it (saved under DeepSpeed, which drops empty groups, or before 2026-11-27) loads, the
+    scheduler's per-group entries too, and training goes on as if uninterrupted."""
+    import copy
+
+    from disttrain.backend import create_backend
+    from disttrain.config import ParallelConfig
+    from disttrain.optim import optimizer_factory
+
+    def backend():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8, bias=False), torch.nn.Linear(8, 1, bias=False))
+        cfg = OptimConfig(lr=0.05, warmup_steps=2)
+        return create_backend(model, optimizer_factory(cfg), ParallelConfig(strategy="single"),
+                              scheduler_factory=scheduler_factory(cfg, 10),
+                              loss_fn=lambda out, batch: torch.nn.functional.mse_loss(out, batch[1]))
+
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    batch = (x, x.sum(1, keepdim=True))
+
+    def train(b, steps):
+        for _ in range(steps):
+            b.forward_backward(batch)
+            b.optim_step()
+        return [p.detach().clone() for p in b.model.parameters()]
+
+    first = backend()
+    assert [len(g["params"]) for g in first.optimizer.param_groups] == [2, 0]
+    train(first, 3)
+    state = copy.deepcopy(first.state_dict())
+    expected = train(first, 2)
+    state["optimizer"]["param_groups"] = state["optimizer"]["param_groups"][:1]  # the state as DeepSpeed saves it
+    state["scheduler"] = {k: v[:1] if isinstance(v, list) else v for k, v in state["scheduler"].items()}
+    resumed = backend()
+    resumed.load_state_dict(state)
+    assert [len(g["params"]) for g in resumed.optimizer.param_groups] == [2, 0]
+    assert all(torch.equal(a, b) for a, b in zip(train(resumed, 2), expected, strict=True))

@@ -27,13 +27,16 @@ TWO = ["ddp+tp2", "ddp+tp2+sp", "ddp+tp2+lp", "fsdp+tp2", "ddp+pp2+gpipe", "ddp+
        "ddp+cp2", "fsdp+cp2+ac",
        # frozen parameters (model.freeze): the first pipeline stage has nothing to train (an empty optimizer, no
        # gradient to clip) under 1F1B and zero-bubble; FSDP2 and ZeRO shard groups of trainable and frozen ones
-       "ddp+pp2+freeze", "ddp+pp2+zb+layers4+freeze", "fsdp+tp2+freeze", "fsdp+freeze", "zero2+freeze"]
+       # (sequence parallel: torch's SequenceParallel re-registers the norms' parameters, which stay frozen)
+       "ddp+pp2+freeze", "ddp+pp2+zb+layers4+freeze", "fsdp+tp2+freeze", "ddp+tp2+sp+freeze", "fsdp+freeze",
+       "zero2+freeze"]
 # bf16-mixed: against one process in bf16-mixed, to bf16's rounding
 MIXED = ["ddp+tp2+bf16+lp", "ddp+pp2+bf16", "ddp+cp2+bf16"]
 # 4 ranks: tp2 x fsdp2, tp2 (sequence parallel) x replicate2, hsdp 2 x 2, pp2 x replicate2, pp2 x fsdp2, pp2 x tp2,
 # pp2 x fsdp2 under zero-bubble, pp2 x replicate2 under zbv and pp2 x fsdp2 under dualpipev, fsdp2 x cp2
 FOUR = ["fsdp+tp2+lp", "ddp+tp2+sp", "hsdp:2", "ddp+pp2", "fsdp+pp2", "ddp+pp2+tp2", "fsdp+pp2+zb+layers4",
-        "ddp+pp2+zbv+layers4", "fsdp+pp2+dualpipev+layers4+mb2", "fsdp+cp2"]
+        "ddp+pp2+zbv+layers4", "fsdp+pp2+dualpipev+layers4+mb2", "fsdp+cp2",
+        "fsdp+pp2+freeze"]  # (a first stage with nothing to train, its data axis sharded over 2 ranks)
 # checkpoints across layouts: A>B trains A to step 6, saves, and B resumes it to step 12
 RESUMES = ["ddp+tp2>fsdp", "fsdp>ddp+tp2+sp+lp", "ddp+tp2>ddp+tp2", "ddp+pp2+1f1b>fsdp", "fsdp>ddp+pp2+gpipe",
            "ddp+pp2>ddp+pp2", "ddp+pp2>ddp+tp2", "ddp+pp2+zbv+layers4>fsdp+layers4", "ddp+cp2>fsdp",
@@ -203,11 +206,14 @@ def test_frozen_parameters_stay_as_initialised_under_every_layout(runs):
         built = build_model(cfg.model)
         frozen = {n for n, p in built.named_parameters() if not p.requires_grad}
         assert frozen and len(frozen) < len(list(built.parameters()))
-        for variant, run in [("single+freeze", references["single+freeze"]), *multi[2].items()]:
+        checked = []
+        for variant, run in [*references.items(), *multi[2].items(), *multi[4].items()]:
             if "freeze" not in variant or ("layers4" in variant) != (layers == 4):
                 continue
+            checked.append(variant.rpartition(">")[2])
             for name, param in built.named_parameters():
                 assert torch.equal(run["params"][name], param.detach()) == (name in frozen), (variant, name)
+        assert len(checked) == (2 if layers == 4 else 8), checked
 
 
 @pytest.mark.parametrize("variant", MIXED)
@@ -389,3 +395,13 @@ def test_context_parallel_cuts_each_sequence_at_the_chunk_and_refuses_a_mask_it_
     assert torch.equal(last["input_ids"], torch.tensor([[6, 7, 0], [14, 15, 0]]))
     assert torch.equal(last["labels"][:, 2], torch.tensor([-100, -100]))
     assert torch.equal(last["position_ids"], torch.tensor([[6, 7, 8]] * 2))
+
+
+@pytest.mark.parametrize("pattern", ["lm_head.weight", "tok_emb.*"])
+def test_either_name_of_a_tied_weight_freezes_it(pattern):
+    """model.freeze matches every name of a parameter: the head's weight is the embedding's (tied), one parameter."""
+    from disttrain.models import build_model
+
+    model = build_model(load_config(None, [f"model.freeze={pattern}"]).model)
+    assert model.lm_head.weight is model.tok_emb.weight
+    assert [n for n, p in model.named_parameters() if not p.requires_grad] == ["tok_emb.weight"]

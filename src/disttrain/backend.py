@@ -29,7 +29,7 @@ from disttrain.errors import ConfigError, UserError
 from disttrain.losses import causal_lm_loss, default_loss, lm_loss, shifted, takes_split_logits
 from disttrain.models.hf import is_hf_model
 from disttrain.models.meta import has_meta_parameters, materialize
-from disttrain.optim import OptimizerFactory
+from disttrain.optim import OptimizerFactory, align_groups
 from disttrain.parallel import Prepared, compose, registry
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from disttrain.parallel.fsdp import reshard_gathered
@@ -378,7 +378,10 @@ class TrainingBackend:
         and dtype already fit (a checkpoint's are read fresh): to start a second backend from the `state_dict()` of one
         that goes on training, pass `copy.deepcopy(state)`, or both will step the same moments and step counts."""
         built = [{k: g[k] for k in OPTIMIZER_IMPLEMENTATION if k in g} for g in self.optimizer.param_groups]
-        self.prepared.load_state_dict(self.optimizer, state["model"], state["optimizer"])
+        optimizer_state, scheduler_state = align_groups(
+            self.optimizer.param_groups, state["optimizer"], state.get("scheduler"),
+            self.scheduler.state_dict() if self.scheduler is not None else None)
+        self.prepared.load_state_dict(self.optimizer, state["model"], optimizer_state)
         inner = getattr(self.optimizer, "optim", None)  # ZeRO-1's local optimizer, the one that steps: torch's
         # load took its flags from the saved groups too and put its step counts on the host
         for optimizer in (self.optimizer, *([inner] if isinstance(inner, torch.optim.Optimizer) else [])):
@@ -388,8 +391,8 @@ class TrainingBackend:
         if self.scaler is not None and "grad_scaler" in state:
             self.scaler.load_state_dict(state["grad_scaler"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
-        if self.scheduler is not None and "scheduler" in state:
-            self.scheduler.load_state_dict(state["scheduler"])
+        if self.scheduler is not None and scheduler_state is not None:
+            self.scheduler.load_state_dict(scheduler_state)
         self.step = int(state["step"])
 
 

@@ -65,8 +65,10 @@ class ModelConfig:
     freeze: str = ""
     """Parameters that do not train: comma-separated glob patterns over the model's parameter names (as
     `model.named_parameters()` gives them), e.g. `"tok_emb.*,blocks.0.*"` or, for a Hugging Face Llama,
-    `"model.embed_tokens.*"`. They get no gradient, no optimizer state, no gradient traffic; checkpoints still hold
-    them. A pattern that matches nothing, or one that leaves nothing to train, is refused."""
+    `"model.embed_tokens.*"`. `*` matches dots too: `"blocks.1*"` also matches blocks 10-19, `"blocks.1.*"` does
+    not. A tied weight (an embedding shared with the head) is one parameter: either name freezes it. Frozen
+    parameters get no gradient, no optimizer state, no gradient traffic; checkpoints still hold them. A pattern
+    that matches nothing, or patterns that leave nothing to train, are refused."""
 
 
 @dataclass

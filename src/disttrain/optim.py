@@ -39,6 +39,35 @@ def optimizer_factory(cfg: OptimConfig) -> OptimizerFactory:
     return build
 
 
+def align_groups(groups: list[dict], optimizer_state: dict, scheduler_state: dict | None = None,
+                 own_scheduler_state: dict | None = None) -> tuple[dict, dict | None]:
+    """A saved optimizer (and LR scheduler) state whose parameter groups differ from this optimizer's `groups` only
+    by empty ones, fitted to them: the factory keeps empty groups, DeepSpeed drops them (and checkpoints before
+    2026-11-27 had none). Saved empty groups this optimizer lacks are left out; this optimizer's own empty groups
+    (with its scheduler's entries for them) are put in where the saved state lacks them. Anything else is returned
+    unchanged (the load then says what differs)."""
+    saved = optimizer_state.get("param_groups")
+    if saved is None or len(saved) == len(groups):
+        return optimizer_state, scheduler_state
+    if len(saved) > len(groups):
+        order = [i for i, group in enumerate(saved) if group["params"]]  # the saved group for each of ours
+    else:
+        rest = iter(range(len(saved)))
+        order = [next(rest, None) if group["params"] else None for group in groups]  # None: our own empty group
+        if sum(i is not None for i in order) != len(saved):
+            order = []
+    if len(order) != len(groups):
+        return optimizer_state, scheduler_state
+    fitted = [saved[i] if i is not None else {**{k: v for k, v in group.items() if k != "params"}, "params": []}
+              for group, i in zip(groups, order, strict=True)]
+    if scheduler_state is not None and own_scheduler_state is not None:  # (LambdaLR: base_lrs, _last_lr per group)
+        scheduler_state = {key: [value[i] if i is not None else own_scheduler_state[key][j]
+                                 for j, i in enumerate(order)]
+                           if isinstance(value, list) and len(value) == len(saved) else value
+                           for key, value in scheduler_state.items()}
+    return {**optimizer_state, "param_groups": fitted}, scheduler_state
+
+
 def _fused_supported(params: list[torch.Tensor]) -> bool:
     """torch's fused optimizer kernels exist for floating-point parameters on CPU and CUDA."""
     return bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)

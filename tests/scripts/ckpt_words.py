@@ -132,6 +132,7 @@ def main() -> None:
     # rank 1 comes to a save after rank 0 gave up waiting for it: the outcome is settled once, so rank 1 stops too,
     # instead of going on alone into the save's collectives
     late = CheckpointManager(folder / "late", CheckpointConfig(arrival_timeout_s=1), runtime)
+    dist.barrier()
     if runtime.rank == 1:
         time.sleep(2.5)
     try:

@@ -10,7 +10,8 @@ A variant is `strategy[+flag...][:hsdp_shard_size]`, flags: `ac` (activation che
 `lp` (parallel.loss_parallel=true: the loss on logits split by vocabulary),
 `ppN` (parallel.pipeline=N), `gpipe` / `1f1b` / `i1f1b` / `zb` / `zbv` / `dualpipev` (parallel.pipeline_schedule),
 `layersN` (model.n_layer=N), `mbN` (data.micro_batch_size=N), `cpN` (parallel.context=N), `freeze` (model.freeze:
-the embeddings and the first block, i.e. the first pipeline stage, do not train; `FROZEN`), `devtimed`
+the embeddings and the first block, i.e. the first pipeline stage, do not train), `freezevec` (model.freeze: the
+biases and norms, so that the optimizer's group of them is empty; both `FROZEN`), `devtimed`
 (communication metered as on CUDA: parallel/comm.py's device-timed DDP hook and asynchronous FSDP collectives, here
 over gloo, which times nothing on a device).
 An argument with `=` is a setting for every variant (e.g. `model.name=hf:DIR` trains a Hugging Face model).
@@ -52,8 +53,9 @@ FLAGS = {"ac": "parallel.activation_checkpointing=true", "offload": "parallel.cp
          "i1f1b": "parallel.pipeline_schedule=interleaved-1f1b", "zb": "parallel.pipeline_schedule=zero-bubble",
          "zbv": "parallel.pipeline_schedule=zbv", "dualpipev": "parallel.pipeline_schedule=dualpipev",
          "layers": "model.n_layer={}", "mb": "data.micro_batch_size={}", "cp": "parallel.context={}"}
-FROZEN = {"gpt": "tok_emb.*,pos_emb.*,blocks.0.*", "hf": "model.embed_tokens.*,model.layers.0.*"}
-"""model.freeze of the `freeze` flag, by the model's names: the reference GPT's, or a Hugging Face Llama's."""
+FROZEN = {"freeze": {"gpt": "tok_emb.*,pos_emb.*,blocks.0.*", "hf": "model.embed_tokens.*,model.layers.0.*"},
+          "freezevec": {"gpt": "*.bias,*ln*", "hf": "*norm*"}}
+"""model.freeze of the `freeze` flags, by the model's names: the reference GPT's, or a Hugging Face Llama's."""
 
 
 def overrides(variant: str) -> list[str]:
@@ -62,9 +64,9 @@ def overrides(variant: str) -> list[str]:
     out = [f"parallel.strategy={strategy}"]
     for flag in (f for f in flags if f != "devtimed"):
         key = flag.rstrip("0123456789")
-        if key == "freeze":
+        if key in FROZEN:
             hf = any(setting.startswith("model.name=hf:") for setting in SETTINGS)
-            out.append(f"model.freeze={FROZEN['hf' if hf else 'gpt']}")
+            out.append(f"model.freeze={FROZEN[key]['hf' if hf else 'gpt']}")
             continue
         out.append(FLAGS[key].format(flag[len(key):]))
     return out + ([f"parallel.hsdp_shard_size={shard}"] if shard else [])

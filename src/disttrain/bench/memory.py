@@ -10,10 +10,11 @@ of d_model^2 elements so that both whole and partitioned parameters occur. The r
 measurement side by side, with the per-rank model-state bytes of fsdp vs ddp and the optimizer-state bytes
 of zero1 vs ddp. Results: `<out>/memory.json` and `<out>/memory.md`.
 
-In the same launch, at world size N, the model-parallel `--layouts` that fit N ranks (tensor parallelism with and
-without sequence parallelism, a 2-stage pipeline under 1F1B and GPipe, the data axis taking the ranks left) run a
-step of `MICRO_BATCHES` micro-batches: a pipeline's activations are the peak it keeps in flight during its
-schedule (memory.SavedPeak), estimated per rank from its stage.
+In the same launch, at world size N, the `--layouts` that fit N ranks (tensor parallelism with and without
+sequence parallelism, a 2-stage pipeline under 1F1B and GPipe, the data axis taking the ranks left; and, on request,
+the embeddings and first block frozen, `frozen*`) run a step of `MICRO_BATCHES` micro-batches: a pipeline's
+activations are the peak it keeps in flight during its schedule (memory.SavedPeak), estimated per rank from its
+stage. DeepSpeed's rows run last: ZeRO-3 replaces torch.nn.functional.linear for the rest of the process.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def _args(argv):
                         "only); each runs the option sets its spec lists (deepspeed: ZeRO stages 0-3, and 1-3 with "
                         "offload)")
     p.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS),
-                   help="comma-separated model-parallel layouts measured at world size --nproc where they fit "
+                   help="comma-separated layouts measured at world size --nproc where they fit: model-parallel "
+                        "ones, and frozen parameters (frozen*: model.freeze of FROZEN) "
                         f"({', '.join(LAYOUTS)}), each over {MICRO_BATCHES} micro-batches; empty: none")
     p.add_argument("--world-sizes", default="",
                    help="comma-separated world sizes to launch (default: 1 and --nproc)")

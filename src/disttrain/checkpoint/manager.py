@@ -202,9 +202,10 @@ class CheckpointManager:
         keys = [f"{prefix}/{r}" for r in range(self.world_size)]
         try:
             store.wait(keys, timedelta(seconds=self.cfg.arrival_timeout_s))
-            proposal = "go"
+            missing = ""
         except Exception:  # DistStoreError (a timeout) in recent torch, RuntimeError in older ones
-            proposal = f"{self.rank}:" + ",".join(str(r) for r, key in enumerate(keys) if not store.check([key]))
+            missing = ",".join(str(r) for r, key in enumerate(keys) if not store.check([key]))
+        proposal = f"{self.rank}:{missing}" if missing else "go"  # (the last came just after the timeout: go)
         outcome = store.compare_set(f"{prefix}/outcome", "", proposal).decode()
         if outcome == "go":
             return

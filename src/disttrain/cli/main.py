@@ -203,10 +203,15 @@ def _prepare_train(args: argparse.Namespace):
         from disttrain.models import resolve_factory
 
         resolve_factory(cfg.model.name)  # import errors surface here, before any worker starts
-    if cfg.model.freeze:
+    if cfg.model.freeze:  # its patterns are matched on the meta device, before any worker starts
         from disttrain.memory import meta_model
 
-        meta_model(cfg.model)  # model.freeze's patterns are matched on the meta device, before any worker starts
+        try:
+            meta_model(cfg.model)
+        except ConfigError:
+            raise
+        except Exception:  # a factory that cannot build on the meta device: the workers check the patterns
+            pass
     if cfg.data.tokenizer:
         from disttrain.corpus import check_source
         from disttrain.models import vocab_size

@@ -62,7 +62,7 @@ def freeze(model: nn.Module, patterns: str) -> nn.Module:
     globs = [p.strip() for p in patterns.split(",") if p.strip()]
     if not globs:
         return model
-    named = dict(model.named_parameters())
+    named = dict(model.named_parameters(remove_duplicate=False))  # (a tied weight under each of its names)
     for pattern in globs:
         hits = fnmatch.filter(named, pattern)
         if not hits:

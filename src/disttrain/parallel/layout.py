@@ -27,7 +27,7 @@ class MemoryLayout:
     grads: int
     optimizer: int
     linears: str = "autocast"
-    """What the linear layers save for backward under mixed precision (see memory.gpt_activation_bytes):
+    """What the linear layers save for backward under mixed precision (see activations.gpt_activation_bytes):
     "autocast" (16-bit weight copies), "gathered16" (FSDP2 gathers in 16 bits) or "zero3" (DeepSpeed)."""
     notes: list[str] = field(default_factory=list)
 

@@ -106,11 +106,15 @@ def parallelize(model: nn.Module, tp_mesh, sequence_parallel: bool, split_logits
             input_kwarg_layouts={"hidden_states": seq}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
         ) if kind == "llama" else PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
         block_plan[plan["mlp"]] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     blocks = transformer_blocks(model)
     for block in blocks:
         parallelize_module(block, tp_mesh, block_plan)
     parallelize_module(model, tp_mesh, _outer_plan(model, kind, sequence_parallel, blocks, split_logits))
     _retie(model, ties)
+    for name, param in model.named_parameters(remove_duplicate=False):  # (torch's SequenceParallel re-registers
+        if name in frozen:  # the norms' parameters as trainable: model.freeze's stay frozen)
+            param.requires_grad_(False)
     whole = [m for m in model.modules() if any(not isinstance(p, DTensor) for p in m.parameters(recurse=False))]
     for module in whole:  # positions, and the norms when the sequence is not split
         Replicated()._apply(module, tp_mesh)

@@ -89,7 +89,8 @@ class EnginePrepared(Prepared):
         self.params = dict(self.model.named_parameters())  # a sharded start replaced the meta parameters
         optimizer = unfused(factory)(self.model)  # torch's fused kernels refuse the engine's tensors
         names = {p: n for n, p in self.params.items()}
-        self.group_names = [[names[p] for p in group["params"]] for group in optimizer.param_groups]
+        # (DeepSpeed drops the empty groups from the optimizer: the backend fits a saved state's to it)
+        self.group_names = [[names[p] for p in group["params"]] for group in optimizer.param_groups if group["params"]]
         numel = sum(p.numel() for p in self.params.values() if p.requires_grad)
         config = DeepSpeedConfig.from_parallel(self.cfg, self.world, grad_clip, model_numel=numel).to_dict()
         self.engine, _, _, _ = self.ds.initialize(model=self.model, optimizer=optimizer, config=config,
