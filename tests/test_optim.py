@@ -93,3 +93,75 @@ def test_a_state_saved_without_the_empty_group_resumes_exactly():
     resumed.load_state_dict(state)
     assert [len(g["params"]) for g in resumed.optimizer.param_groups] == [2, 0]
     assert all(torch.equal(a, b) for a, b in zip(train(resumed, 2), expected, strict=True))
+
+
+def test_align_groups_fits_a_state_that_differs_by_empty_groups_only():
+    """Saved longer (torch-native, into DeepSpeed's filtered optimizer), shorter (DeepSpeed's or an old state, into
+    the factory's), into a stage with nothing to train, with a SequentialLR's nested per-group lists; otherwise a
+    ConfigError."""
+    from disttrain.errors import ConfigError
+    from disttrain.optim import align_groups
+
+    def groups(*sizes, wd=(0.1, 0.0, 0.2)):
+        return [{"params": [f"p{i}{j}" for j in range(n)], "weight_decay": wd[i], "lr": 1.0}
+                for i, n in enumerate(sizes)]
+
+    saved = groups(2, 0, 1)  # the factory's, the middle one empty
+    lambdas = {"base_lrs": [1.0, 2.0, 3.0], "_last_lr": [0.1, 0.2, 0.3], "last_epoch": 4}
+    ds = groups(2, 1, wd=(0.1, 0.2))  # DeepSpeed dropped the empty one
+    fitted, sched = align_groups(ds, {"param_groups": saved}, lambdas, {"base_lrs": [9, 9], "_last_lr": [9, 9]})
+    assert [g["params"] for g in fitted["param_groups"]] == [["p00", "p01"], ["p20"]]
+    assert sched == {"base_lrs": [1.0, 3.0], "_last_lr": [0.1, 0.3], "last_epoch": 4}
+    fitted, sched = align_groups(saved, {"param_groups": ds}, {"base_lrs": [1.0, 3.0], "last_epoch": 4},
+                                 {"base_lrs": [7, 8, 9]})
+    assert [(g["params"], g["weight_decay"]) for g in fitted["param_groups"]] == \
+        [(["p00", "p01"], 0.1), ([], 0.0), (["p10"], 0.2)]
+    assert sched == {"base_lrs": [1.0, 8, 3.0], "last_epoch": 4}
+    stage = groups(0, 0, 0)  # a pipeline stage with nothing to train: its own groups, the saved scalars
+    fitted, sched = align_groups(stage, {"param_groups": ds}, {"base_lrs": [1.0, 3.0], "last_epoch": 4},
+                                 {"base_lrs": [7, 8, 9], "last_epoch": 0})
+    assert [g["params"] for g in fitted["param_groups"]] == [[], [], []] and sched["last_epoch"] == 4
+    assert sched["base_lrs"] == [7, 8, 9]
+    nested = {"_schedulers": [{"base_lrs": [1.0, 3.0]}, {"base_lrs": [5.0, 6.0]}], "_milestones": [2]}
+    own = {"_schedulers": [{"base_lrs": [7, 8, 9]}, {"base_lrs": [7, 8, 9]}], "_milestones": [2]}
+    _, sched = align_groups(saved, {"param_groups": ds}, nested, own)
+    assert sched["_schedulers"] == [{"base_lrs": [1.0, 8, 3.0]}, {"base_lrs": [5.0, 8, 6.0]}]
+    with pytest.raises(ConfigError, match="differ by more than empty groups"):
+        align_groups(groups(2, 1, 1), {"param_groups": groups(2, 1)})
+
+
+def test_several_empty_groups_resume_under_a_torch_native_strategy():
+    """torch's set_state_dict places at most one empty group: a user's per-block groups with two of them frozen
+    resume all the same, to the uninterrupted run's parameters."""
+    import copy
+
+    from disttrain.backend import create_backend
+    from disttrain.config import ParallelConfig
+
+    def backend():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+        model[0].requires_grad_(False)
+        model[1].requires_grad_(False)
+        return create_backend(model, lambda m: torch.optim.AdamW(
+            [{"params": [p for p in block.parameters() if p.requires_grad], "lr": 0.01 * (i + 1)}
+             for i, block in enumerate(m)]), ParallelConfig(strategy="single"),
+            loss_fn=lambda out, batch: torch.nn.functional.mse_loss(out, batch[1]))
+
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    batch = (x, x.sum(1, keepdim=True))
+
+    def train(b, steps):
+        for _ in range(steps):
+            b.forward_backward(batch)
+            b.optim_step()
+        return [p.detach().clone() for p in b.model.parameters()]
+
+    first = backend()
+    train(first, 2)
+    state = copy.deepcopy(first.state_dict())
+    expected = train(first, 2)
+    resumed = backend()
+    resumed.load_state_dict(state)
+    assert [g["lr"] for g in resumed.optimizer.param_groups] == [0.01, 0.02, 0.03]
+    assert all(torch.equal(a, b) for a, b in zip(train(resumed, 2), expected, strict=True))

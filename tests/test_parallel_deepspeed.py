@@ -18,9 +18,10 @@ STAGES = ["deepspeed+stage0", "deepspeed+stage1", "deepspeed+stage2", "deepspeed
           "deepspeed+stage2+offload", "deepspeed+stage3+offload"]
 UNCLIPPED = ["deepspeed+stage0+sgd+noclip", "deepspeed+stage2+sgd+noclip", "deepspeed+stage3+sgd+noclip"]
 RESUMES = ["deepspeed+stage2>ddp", "ddp>deepspeed+stage3"]  # trained to step 6 under A, resumed under B
-# the biases and norms frozen: the factory's group of them is empty, and DeepSpeed drops it (backend: align_groups)
+# the biases and norms frozen: the factory's group of them is empty, and DeepSpeed drops it (optim.align_groups);
+# with the embeddings and first block frozen too, into a pipeline whose first stage has nothing to train
 EMPTY_GROUP = ["deepspeed+stage2+freezevec>ddp+freezevec", "fsdp+freezevec>deepspeed+stage3+freezevec",
-               "deepspeed+stage0+freezevec>zero1+freezevec"]
+               "deepspeed+stage0+freezevec>zero1+freezevec", "deepspeed+stage2+freezeboth>ddp+pp2+freezeboth"]
 BF16 = "deepspeed+stage2+bf16"  # autocast around the engine, fp32 weights: within bf16-mixed's tolerance
 # fp16-mixed: autocast, fp32 weights, disttrain's dynamic loss scale driving the engine's: the same numbers as
 # ddp under fp16-mixed (torch's GradScaler), skipped steps included
@@ -28,7 +29,7 @@ FP16 = ["ddp+fp16", "deepspeed+stage0+fp16", "deepspeed+stage1+fp16", "deepspeed
         "deepspeed+stage3+fp16", "deepspeed+stage2+offload+fp16"]
 
 
-ONE_PROCESS = ["single", "plain", "plain+sgd+noclip", "single+freezevec"]
+ONE_PROCESS = ["single", "plain", "plain+sgd+noclip", "single+freezevec", "single+freezeboth"]
 LAUNCHED = [*STAGES, *UNCLIPPED, *RESUMES, *EMPTY_GROUP, BF16, *FP16]
 """Trained by conftest's `gpt_parity`, in the same two processes as test_parallel_fsdp.py's variants."""
 
@@ -38,7 +39,7 @@ def results(gpt_parity):
     pytest.importorskip("deepspeed")
     one, two = gpt_parity
     two = {**two, "plain": one["plain"], "plain+sgd+noclip": one["plain+sgd+noclip"]}
-    return one["single"], {**two, "single+freezevec": one["single+freezevec"]}
+    return one["single"], {**two, **{v: one[v] for v in ("single+freezevec", "single+freezeboth")}}
 
 
 @pytest.mark.parametrize("variant", STAGES + UNCLIPPED)
@@ -83,7 +84,8 @@ def test_fp16_mixed_matches_ddp_under_fp16_mixed(results, variant):
 @pytest.mark.parametrize("variant", RESUMES + EMPTY_GROUP)
 def test_checkpoint_resumes_across_strategies(results, variant):
     reference, two = results
-    reference = two["single+freezevec"] if "freezevec" in variant else reference
+    for frozen in ("freezevec", "freezeboth"):
+        reference = two[f"single+{frozen}"] if frozen in variant else reference
     assert two[variant]["losses"] == pytest.approx(reference["losses"][6:], abs=1e-5)
     assert two[variant]["eval"]["12"] == pytest.approx(reference["eval"]["12"], abs=1e-5)
 

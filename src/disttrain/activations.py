@@ -141,22 +141,28 @@ def spared_by_freeze(model: nn.Module, linears: str) -> Spared:
     return Spared(skip, True, head)
 
 
-def activations(cfg: Config, layout, model: nn.Module, mesh: MeshLayout | None = None,
-                 stage_rank: int = 0) -> tuple[int | None, int | None, list[str]]:
+def activations(cfg: Config, linears: str, model: nn.Module, mesh: MeshLayout | None = None,
+                stage_rank: int = 0) -> tuple[int | None, int | None, list[str]]:
     """(activations, with checkpointing, notes) for the models the estimator knows: the reference GPT (on any
-    layout), and Llama-family HF models in fp32 (model not split); `model` built on the meta device."""
+    layout), and Llama-family HF models in fp32 (model not split); `model` built on the meta device, `linears` what
+    the strategy's linear layers save (parallel/layout.py)."""
     precision, micro = cfg.parallel.precision, cfg.data.micro_batch_size
+    notes = []
+    if not all(p.requires_grad for p in model.parameters()):
+        notes.append("frozen parameters: the frozen embeddings and blocks before the first trained one keep no "
+                     "activations, a frozen head keeps no input; other frozen blocks are counted in full (an upper "
+                     "bound)")
     if mesh is not None and cfg.model.name == "gpt":
-        return _gpt_split_activations(cfg, layout.linears, mesh, model, stage_rank)
+        acts, acts_ac, split_notes = _gpt_split_activations(cfg, linears, mesh, model, stage_rank)
+        return acts, acts_ac, split_notes + notes
     if mesh is not None:
         return None, None, ["activations under parallel.pipeline / parallel.tensor are estimated for the reference "
                             "GPT only; measure your model instead (`disttrain bench memory`)"]
     if cfg.model.name == "gpt":
-        spared = spared_by_freeze(model, layout.linears)
-        acts, acts_ac = (gpt_activation_bytes(cfg.model, micro, ac, precision, layout.linears, spared=spared)
+        spared = spared_by_freeze(model, linears)
+        acts, acts_ac = (gpt_activation_bytes(cfg.model, micro, ac, precision, linears, spared=spared)
                          for ac in (False, True))
-        notes = []
-        if precision in ("bf16-mixed", "fp16-mixed") and layout.linears == "autocast":
+        if precision in ("bf16-mixed", "fp16-mixed") and linears == "autocast":
             notes.append("activations include the 16-bit weight copies autocast saves for backward")
         return acts, acts_ac, notes
     if cfg.model.name.startswith("hf:"):
@@ -164,9 +170,9 @@ def activations(cfg: Config, layout, model: nn.Module, mesh: MeshLayout | None =
 
         hf = json.loads((hf_directory(cfg.model.name) / "config.json").read_text())
         if hf.get("model_type") in LLAMA_FAMILY and precision == "fp32":
-            spared = spared_by_freeze(model, layout.linears)
+            spared = spared_by_freeze(model, linears)
             acts, acts_ac = (llama_activation_bytes(hf, micro, cfg.model.seq_len, ac, spared) for ac in (False, True))
-            return acts, acts_ac, []
+            return acts, acts_ac, notes
         return None, None, [f"activations are estimated for Llama-family HF models ({', '.join(LLAMA_FAMILY)}) in "
                             "fp32 only; measure your model instead (`disttrain bench memory`)"]
     return None, None, ["activations are estimated for the reference GPT and Llama-family HF models only; "

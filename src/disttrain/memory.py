@@ -73,20 +73,15 @@ def estimate(cfg: Config, world: int, strategy: str | None = None, rank: int | N
     spec = registry.resolve(strategy or cfg.parallel.strategy, world)
     mesh = layout_for(cfg.parallel, world, spec)
     if mesh.model_parallel:
-        result = _split_estimate(cfg, spec, mesh, rank)
-    else:
-        model = meta_model(cfg.model)
-        trained, frozen = ([tuple(p.shape) for p in model.parameters() if p.requires_grad == t] for t in (True, False))
-        layout = spec.memory(trained, cfg, world, rank)
-        if frozen:  # frozen parameters (model.freeze, or the model's own) are held, with no gradient or state
-            layout.params += spec.memory(frozen, cfg, world, rank).params
-        acts, acts_ac, notes = activations(cfg, layout, model)
-        result = MemoryEstimate(spec.name, world, layout.params, layout.grads, layout.optimizer, acts, acts_ac,
-                                list(layout.notes) + notes)
-    if cfg.model.freeze and result.activations is not None:
-        result.notes.append("model.freeze: the frozen embeddings and blocks before the first trained one keep no "
-                            "activations; the others are counted in full, an upper bound")
-    return result
+        return _split_estimate(cfg, spec, mesh, rank)
+    model = meta_model(cfg.model)
+    trained, frozen = ([tuple(p.shape) for p in model.parameters() if p.requires_grad == t] for t in (True, False))
+    layout = spec.memory(trained, cfg, world, rank)
+    if frozen:  # frozen parameters (model.freeze, or the model's own) are held, with no gradient or state
+        layout.params += spec.memory(frozen, cfg, world, rank).params
+    acts, acts_ac, notes = activations(cfg, layout.linears, model)
+    return MemoryEstimate(spec.name, world, layout.params, layout.grads, layout.optimizer, acts, acts_ac,
+                          list(layout.notes) + notes)
 
 
 def _split_estimate(cfg: Config, spec, mesh: MeshLayout, rank: int | None) -> MemoryEstimate:
@@ -118,7 +113,7 @@ def _rank_estimate(cfg: Config, spec, mesh: MeshLayout, model: nn.Module, rank: 
     else:  # no data axis: the split model as it is (parallel/compose.py)
         layout = replicated(shapes, cfg, 1, None)
         layout.params += replicated(frozen, cfg, 1, None).params
-    acts, acts_ac, notes = activations(cfg, layout, model, mesh, stage_rank)
+    acts, acts_ac, notes = activations(cfg, layout.linears, model, mesh, stage_rank)
     return MemoryEstimate(spec.name, mesh.world, layout.params, layout.grads, layout.optimizer, acts, acts_ac,
                           list(layout.notes) + notes, mesh.describe(), rank)
 

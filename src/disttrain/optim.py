@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from disttrain.config import OptimConfig
+from disttrain.errors import ConfigError
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 
@@ -43,29 +44,46 @@ def align_groups(groups: list[dict], optimizer_state: dict, scheduler_state: dic
                  own_scheduler_state: dict | None = None) -> tuple[dict, dict | None]:
     """A saved optimizer (and LR scheduler) state whose parameter groups differ from this optimizer's `groups` only
     by empty ones, fitted to them: the factory keeps empty groups, DeepSpeed drops them (and checkpoints before
-    2026-11-27 had none). Saved empty groups this optimizer lacks are left out; this optimizer's own empty groups
-    (with its scheduler's entries for them) are put in where the saved state lacks them. Anything else is returned
-    unchanged (the load then says what differs)."""
+    2026-11-27 had none). Saved empty groups this optimizer lacks are left out; where it has an empty group the
+    saved state lacks, its own settings (and its scheduler's per-group entries) go in; an optimizer with nothing to
+    update (a pipeline stage whose parameters are all frozen) keeps its own groups. Counts that differ otherwise
+    are a ConfigError."""
     saved = optimizer_state.get("param_groups")
     if saved is None or len(saved) == len(groups):
         return optimizer_state, scheduler_state
+    full = [bool(group["params"]) for group in groups]  # (DeepSpeed ZeRO-3's groups hold none: its partitions)
+    order: list[int | None] = []  # for each of ours: the saved group it takes, or None (its own, empty)
     if len(saved) > len(groups):
-        order = [i for i, group in enumerate(saved) if group["params"]]  # the saved group for each of ours
-    else:
+        order = [i for i, group in enumerate(saved) if group["params"]]
+    elif not any(full):
+        order = [None] * len(groups)
+    elif sum(full) == len(saved):
         rest = iter(range(len(saved)))
-        order = [next(rest, None) if group["params"] else None for group in groups]  # None: our own empty group
-        if sum(i is not None for i in order) != len(saved):
-            order = []
+        order = [next(rest) if has else None for has in full]
     if len(order) != len(groups):
-        return optimizer_state, scheduler_state
+        raise ConfigError(f"the checkpoint's optimizer has {len(saved)} parameter groups and this one {len(groups)}, "
+                          "which differ by more than empty groups; resume with the optimizer it was saved with")
     fitted = [saved[i] if i is not None else {**{k: v for k, v in group.items() if k != "params"}, "params": []}
               for group, i in zip(groups, order, strict=True)]
-    if scheduler_state is not None and own_scheduler_state is not None:  # (LambdaLR: base_lrs, _last_lr per group)
-        scheduler_state = {key: [value[i] if i is not None else own_scheduler_state[key][j]
-                                 for j, i in enumerate(order)]
-                           if isinstance(value, list) and len(value) == len(saved) else value
-                           for key, value in scheduler_state.items()}
+    if scheduler_state is not None and own_scheduler_state is not None:
+        scheduler_state = _fit_scheduler(scheduler_state, own_scheduler_state, order, len(saved))
     return {**optimizer_state, "param_groups": fitted}, scheduler_state
+
+
+def _fit_scheduler(state: dict, own: dict, order: list[int | None], saved_groups: int) -> dict:
+    """A scheduler's state with its per-group lists (LambdaLR's base_lrs, _last_lr, lr_lambdas; those of the
+    schedulers a SequentialLR or ChainedScheduler holds) in `order` (`align_groups`); the rest as saved."""
+    out = {}
+    for key, value in state.items():
+        mine = own.get(key)
+        if key == "_schedulers" and isinstance(value, list) and isinstance(mine, list) and len(value) == len(mine):
+            out[key] = [_fit_scheduler(s, o, order, saved_groups) for s, o in zip(value, mine, strict=True)]
+        elif isinstance(value, list) and len(value) == saved_groups and isinstance(mine, list) \
+                and len(mine) == len(order):
+            out[key] = [value[i] if i is not None else mine[j] for j, i in enumerate(order)]
+        else:
+            out[key] = value
+    return out
 
 
 def _fused_supported(params: list[torch.Tensor]) -> bool:

@@ -11,7 +11,8 @@ A variant is `strategy[+flag...][:hsdp_shard_size]`, flags: `ac` (activation che
 `ppN` (parallel.pipeline=N), `gpipe` / `1f1b` / `i1f1b` / `zb` / `zbv` / `dualpipev` (parallel.pipeline_schedule),
 `layersN` (model.n_layer=N), `mbN` (data.micro_batch_size=N), `cpN` (parallel.context=N), `freeze` (model.freeze:
 the embeddings and the first block, i.e. the first pipeline stage, do not train), `freezevec` (model.freeze: the
-biases and norms, so that the optimizer's group of them is empty; both `FROZEN`), `devtimed`
+biases and norms, so that the optimizer's group of them is empty), `freezeboth` (the two; all three `FROZEN`),
+`devtimed`
 (communication metered as on CUDA: parallel/comm.py's device-timed DDP hook and asynchronous FSDP collectives, here
 over gloo, which times nothing on a device).
 An argument with `=` is a setting for every variant (e.g. `model.name=hf:DIR` trains a Hugging Face model).
@@ -54,7 +55,8 @@ FLAGS = {"ac": "parallel.activation_checkpointing=true", "offload": "parallel.cp
          "zbv": "parallel.pipeline_schedule=zbv", "dualpipev": "parallel.pipeline_schedule=dualpipev",
          "layers": "model.n_layer={}", "mb": "data.micro_batch_size={}", "cp": "parallel.context={}"}
 FROZEN = {"freeze": {"gpt": "tok_emb.*,pos_emb.*,blocks.0.*", "hf": "model.embed_tokens.*,model.layers.0.*"},
-          "freezevec": {"gpt": "*.bias,*ln*", "hf": "*norm*"}}
+          "freezevec": {"gpt": "*.bias,*ln*", "hf": "*norm*"},
+          "freezeboth": {"gpt": "tok_emb.*,pos_emb.*,blocks.0.*,*.bias,*ln*"}}
 """model.freeze of the `freeze` flags, by the model's names: the reference GPT's, or a Hugging Face Llama's."""
 
 

@@ -38,15 +38,26 @@ def full_state_dict_fns(model, sharded: bool = False) -> dict[str, Callable]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
         options = StateDictOptions(full_state_dict=not any(hasattr(t, "to_local") for t in model_state.values()))
-        if any(group["params"] for group in optimizer.param_groups):
-            set_state_dict(model, optimizer, model_state_dict=model_state,
-                           optim_state_dict=canonical_names(model, optimizer_state), options=options)
+        optimizer_state = canonical_names(model, optimizer_state)
+        groups, saved = optimizer.param_groups, optimizer_state["param_groups"]
+        empty = [i for i, group in enumerate(groups) if not group["params"]]
+        if not empty or len(saved) != len(groups) or any(saved[i]["params"] for i in empty):  # (torch: what differs)
+            set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                           options=options)
             return
-        # an optimizer with nothing to update (a pipeline stage whose parameters are all frozen): torch's
-        # set_state_dict cannot place its state; it has none, only the groups' settings
-        set_model_state_dict(model, model_state, options=options)
-        optimizer.load_state_dict({"state": {}, "param_groups": [{**group, "params": []}
-                                                                 for group in optimizer_state["param_groups"]]})
+        # torch's set_state_dict places at most one empty group, and none where nothing else is: the empty groups
+        # (a model.freeze that empties one, a stage with nothing to train) stand aside and take their saved settings
+        optimizer.param_groups = [group for i, group in enumerate(groups) if i not in empty]
+        try:
+            if optimizer.param_groups:
+                kept = {**optimizer_state, "param_groups": [g for i, g in enumerate(saved) if i not in empty]}
+                set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=kept, options=options)
+            else:
+                set_model_state_dict(model, model_state, options=options)
+        finally:
+            loaded = iter(optimizer.param_groups)  # (a load replaces the group dicts)
+            optimizer.param_groups = [{**groups[i], **{k: v for k, v in saved[i].items() if k != "params"}}
+                                      if i in empty else next(loaded) for i in range(len(groups))]
 
     return {"state_dict": state_dict, "load_state_dict": load_state_dict}
 

@@ -112,8 +112,9 @@ def parallelize(model: nn.Module, tp_mesh, sequence_parallel: bool, split_logits
         parallelize_module(block, tp_mesh, block_plan)
     parallelize_module(model, tp_mesh, _outer_plan(model, kind, sequence_parallel, blocks, split_logits))
     _retie(model, ties)
-    for name, param in model.named_parameters(remove_duplicate=False):  # (torch's SequenceParallel re-registers
-        if name in frozen:  # the norms' parameters as trainable: model.freeze's stay frozen)
+    # torch's SequenceParallel re-registers the norms' parameters as trainable: model.freeze's stay frozen
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name in frozen:
             param.requires_grad_(False)
     whole = [m for m in model.modules() if any(not isinstance(p, DTensor) for p in m.parameters(recurse=False))]
     for module in whole:  # positions, and the norms when the sequence is not split
