@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from disttrain.config import OptimConfig
-from disttrain.errors import ConfigError
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 
@@ -46,8 +45,8 @@ def align_groups(groups: list[dict], optimizer_state: dict, scheduler_state: dic
     by empty ones, fitted to them: the factory keeps empty groups, DeepSpeed drops them (and checkpoints before
     2026-11-27 had none). Saved empty groups this optimizer lacks are left out; where it has an empty group the
     saved state lacks, its own settings (and its scheduler's per-group entries) go in; an optimizer with nothing to
-    update (a pipeline stage whose parameters are all frozen) keeps its own groups. Counts that differ otherwise
-    are a ConfigError."""
+    update (a pipeline stage whose parameters are all frozen) keeps its own groups. Anything else is returned
+    unchanged."""
     saved = optimizer_state.get("param_groups")
     if saved is None or len(saved) == len(groups):
         return optimizer_state, scheduler_state
@@ -60,9 +59,8 @@ def align_groups(groups: list[dict], optimizer_state: dict, scheduler_state: dic
     elif sum(full) == len(saved):
         rest = iter(range(len(saved)))
         order = [next(rest) if has else None for has in full]
-    if len(order) != len(groups):
-        raise ConfigError(f"the checkpoint's optimizer has {len(saved)} parameter groups and this one {len(groups)}, "
-                          "which differ by more than empty groups; resume with the optimizer it was saved with")
+    if len(order) != len(groups):  # (groups made otherwise: torch's load maps them by parameter name, or says why)
+        return optimizer_state, scheduler_state
     fitted = [saved[i] if i is not None else {**{k: v for k, v in group.items() if k != "params"}, "params": []}
               for group, i in zip(groups, order, strict=True)]
     if scheduler_state is not None and own_scheduler_state is not None:
