@@ -45,12 +45,31 @@ def test_gpt_flops_per_token_match_torch_flop_counter():
     assert flops_per_token(model, 48) == pytest.approx(expected, rel=0.02)
 
 
+@pytest.mark.parametrize("frozen", ["tok_emb.*,pos_emb.*,blocks.0.*,blocks.1.*", "blocks.1.*", "tok_emb.*",
+                                    "*.bias,*ln*"])
+def test_frozen_parameters_count_no_weight_gradient(frozen):
+    """model.freeze: a frozen matmul is forward and input gradient only (4x), forward only (2x, with attention
+    forward only) in the frozen blocks before the first trained one; counted as torch counts (6 x every parameter
+    would put MFU at 1.8x for the first case)."""
+    from disttrain.models import freeze
+
+    model = freeze(GPT(ModelConfig(n_layer=3, n_head=4, d_model=96, seq_len=48, vocab_size=300)), frozen)
+    batch = torch.randint(0, 300, (2, 48))
+    expected = counted_flops(model, batch) / batch.numel()
+    assert flops_per_token(model, 48) == pytest.approx(expected, rel=0.02)
+
+
 def test_hf_llama_flops_per_token_match_torch_flop_counter():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, vocab_size=256,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = transformers.LlamaForCausalLM(config)
     batch = torch.randint(0, 256, (2, 40))
+    expected = counted_flops(model, batch) / batch.numel()
+    assert flops_per_token(model, 40) == pytest.approx(expected, rel=0.02)
+    from disttrain.models import freeze  # the embeddings (and the head) and the first layer frozen
+
+    freeze(model, "model.embed_tokens.*,model.layers.0.*")
     expected = counted_flops(model, batch) / batch.numel()
     assert flops_per_token(model, 40) == pytest.approx(expected, rel=0.02)
 

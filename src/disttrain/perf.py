@@ -104,17 +104,41 @@ def flops_per_token(model: nn.Module, seq_len: int) -> int:
 
     Parameters are counted from the module tree: every parameter except those only an `nn.Embedding` uses (a table
     lookup is not a matmul); an embedding tied to the output head counts once. Models without a transformer config
-    get the 6 x parameters term only."""
+    get the 6 x parameters term only. A frozen parameter (model.freeze) needs no weight gradient: 4 x (forward, and
+    the gradient of its input), or 2 x in the frozen blocks before the first trained parameter, where no gradient
+    flows and attention is forward only (4 x width x sequence per layer)."""
     lookup_only: set[int] = set()
     used: set[int] = set()
     for module in model.modules():
         for param in module.parameters(recurse=False):
             (lookup_only if isinstance(module, nn.Embedding) else used).add(id(param))
     params = {id(p): p for p in model.parameters()}
-    n = sum(_numel(p) for key, p in params.items() if key in used or key not in lookup_only)
+    prefix, prefix_layers = _frozen_prefix(model)
+    n = sum((6 if p.requires_grad else 2 if key in prefix else 4) * _numel(p)
+            for key, p in params.items() if key in used or key not in lookup_only)
     shape = _shape(model)
-    attention = 12 * shape[0] * shape[1] * seq_len if shape else 0
-    return 6 * n + attention
+    attention = (12 * (shape[0] - prefix_layers) + 4 * prefix_layers) * shape[1] * seq_len if shape else 0
+    return n + attention
+
+
+def _frozen_prefix(model: nn.Module) -> tuple[set[int], int]:
+    """(ids of the parameters of the frozen transformer blocks before the first trained parameter, how many blocks):
+    nothing before them needs a gradient, so their backward does not run."""
+    from disttrain.parallel.activation_checkpoint import transformer_blocks
+
+    blocks = transformer_blocks(model)
+    first = {id(p) for p in blocks[0].parameters()} if blocks else set()
+    for param in model.parameters():  # the embeddings, registered before the blocks
+        if id(param) in first:
+            break
+        if param.requires_grad:
+            return set(), 0
+    prefix: set[int] = set()
+    for count, block in enumerate(blocks):
+        if any(p.requires_grad for p in block.parameters()):
+            return prefix, count
+        prefix |= {id(p) for p in block.parameters()}
+    return prefix, len(blocks)
 
 
 def peak_memory_gib(device: torch.device) -> float:
