@@ -164,3 +164,24 @@ def test_several_empty_groups_resume_under_a_torch_native_strategy():
     resumed.load_state_dict(state)
     assert [g["lr"] for g in resumed.optimizer.param_groups] == [0.01, 0.02, 0.03]
     assert all(torch.equal(a, b) for a, b in zip(train(resumed, 2), expected, strict=True))
+
+
+def test_a_schedule_of_other_groups_is_refused_at_load():
+    """A state saved with another optimizer (one group, not the factory's two, neither empty): torch's load maps
+    the optimizer's state by name, but the schedule's per-group lists cannot be: one line at load, not a failure
+    at the first step after it."""
+    from disttrain.backend import create_backend
+    from disttrain.config import ParallelConfig
+    from disttrain.errors import ConfigError
+    from disttrain.optim import optimizer_factory
+
+    cfg = OptimConfig(lr=0.05, warmup_steps=2)
+
+    def backend(factory):
+        torch.manual_seed(0)
+        return create_backend(torch.nn.Linear(4, 1), factory, ParallelConfig(strategy="single"),
+                              scheduler_factory=scheduler_factory(cfg, 10))
+
+    saved = backend(lambda m: torch.optim.AdamW(m.parameters(), lr=0.05)).state_dict()
+    with pytest.raises(ConfigError, match="schedule covers 1 parameter groups and this optimizer has 2"):
+        backend(optimizer_factory(cfg)).load_state_dict(saved)

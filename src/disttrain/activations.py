@@ -12,7 +12,7 @@ from torch import nn
 
 from disttrain.config import Config, ModelConfig
 from disttrain.parallel import pipeline, placement, tensor
-from disttrain.parallel.activation_checkpoint import transformer_blocks
+from disttrain.parallel.activation_checkpoint import leading_frozen_blocks
 from disttrain.parallel.mesh import MeshLayout
 
 
@@ -122,23 +122,16 @@ def llama_activation_bytes(hf: dict, micro_batch: int, seq_len: int, checkpointi
 
 
 def spared_by_freeze(model: nn.Module, linears: str) -> Spared:
-    """Autograd saves nothing for frozen embeddings and the frozen blocks before the first trained parameter, since
-    nothing before them needs a gradient, and a frozen head keeps no input (measured; but DeepSpeed ZeRO-3's linear,
+    """Autograd saves nothing for frozen embeddings and the frozen blocks before the first trained parameter
+    (`leading_frozen_blocks`), and a frozen head keeps no input (measured; but DeepSpeed ZeRO-3's linear,
     `linears == "zero3"`, keeps it). A frozen block after a trained one still passes gradients back: counted in
     full, an upper bound."""
     if all(p.requires_grad for p in model.parameters()):
         return NOTHING_SPARED
-    family = pipeline.FAMILIES[pipeline.family_of(model)]
-
-    def trains(*names: str) -> bool:
-        return any(p.requires_grad for name in names for p in model.get_submodule(name).parameters())
-
-    head = not trains(family.head[-1]) and linears != "zero3"
-    if trains(*family.embeddings):
-        return Spared(0, False, head)
-    blocks = transformer_blocks(model)
-    skip = next((i for i, block in enumerate(blocks) if any(p.requires_grad for p in block.parameters())), len(blocks))
-    return Spared(skip, True, head)
+    head = model.get_submodule(pipeline.FAMILIES[pipeline.family_of(model)].head[-1])
+    skip = leading_frozen_blocks(model)
+    head_frozen = not any(p.requires_grad for p in head.parameters())
+    return Spared(skip or 0, skip is not None, head_frozen and linears != "zero3")
 
 
 def activations(cfg: Config, linears: str, model: nn.Module, mesh: MeshLayout | None = None,

@@ -378,9 +378,14 @@ class TrainingBackend:
         and dtype already fit (a checkpoint's are read fresh): to start a second backend from the `state_dict()` of one
         that goes on training, pass `copy.deepcopy(state)`, or both will step the same moments and step counts."""
         built = [{k: g[k] for k in OPTIMIZER_IMPLEMENTATION if k in g} for g in self.optimizer.param_groups]
+        groups = self.optimizer.param_groups
         optimizer_state, scheduler_state = align_groups(
-            self.optimizer.param_groups, state["optimizer"], state.get("scheduler"),
+            groups, state["optimizer"], state.get("scheduler"),
             self.scheduler.state_dict() if self.scheduler is not None else None)
+        if self.scheduler is not None and len((scheduler_state or {}).get("base_lrs", groups)) != len(groups):
+            raise ConfigError(f"the checkpoint's learning-rate schedule covers {len(scheduler_state['base_lrs'])} "
+                              f"parameter groups and this optimizer has {len(groups)}: resume with the optimizer "
+                              "(and model.freeze) it was saved with")  # (its first step would fail, less clearly)
         self.prepared.load_state_dict(self.optimizer, state["model"], optimizer_state)
         inner = getattr(self.optimizer, "optim", None)  # ZeRO-1's local optimizer, the one that steps: torch's
         # load took its flags from the saved groups too and put its step counts on the host

@@ -59,7 +59,7 @@ def align_groups(groups: list[dict], optimizer_state: dict, scheduler_state: dic
     elif sum(full) == len(saved):
         rest = iter(range(len(saved)))
         order = [next(rest) if has else None for has in full]
-    if len(order) != len(groups):  # (groups made otherwise: torch's load maps them by parameter name, or says why)
+    if len(order) != len(groups):  # (groups made otherwise: the strategy's load maps them, or refuses)
         return optimizer_state, scheduler_state
     fitted = [saved[i] if i is not None else {**{k: v for k, v in group.items() if k != "params"}, "params": []}
               for group, i in zip(groups, order, strict=True)]

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from disttrain.parallel.activation_checkpoint import leading_frozen_blocks, transformer_blocks
 from disttrain.parallel.comm import merge_intervals
 
 # Dense peak TFLOP/s of one device by the dtype its matmuls run in (vendor data sheets, without sparsity).
@@ -106,39 +107,31 @@ def flops_per_token(model: nn.Module, seq_len: int) -> int:
     lookup is not a matmul); an embedding tied to the output head counts once. Models without a transformer config
     get the 6 x parameters term only. A frozen parameter (model.freeze) needs no weight gradient: 4 x (forward, and
     the gradient of its input), or 2 x in the frozen blocks before the first trained parameter, where no gradient
-    flows and attention is forward only (4 x width x sequence per layer)."""
+    flows and attention is forward only (4 x width x sequence per layer). Exact for whole frozen blocks; beyond
+    that an upper bound (a trained matmul whose input needs no gradient, e.g. the head alone trained, skips that
+    gradient: 4 x, counted 6 x)."""
     lookup_only: set[int] = set()
     used: set[int] = set()
     for module in model.modules():
         for param in module.parameters(recurse=False):
             (lookup_only if isinstance(module, nn.Embedding) else used).add(id(param))
     params = {id(p): p for p in model.parameters()}
-    prefix, prefix_layers = _frozen_prefix(model)
+    shape = _shape(model)
+    prefix, prefix_layers = _frozen_prefix(model, shape[0] if shape else None)
     n = sum((6 if p.requires_grad else 2 if key in prefix else 4) * _numel(p)
             for key, p in params.items() if key in used or key not in lookup_only)
-    shape = _shape(model)
     attention = (12 * (shape[0] - prefix_layers) + 4 * prefix_layers) * shape[1] * seq_len if shape else 0
     return n + attention
 
 
-def _frozen_prefix(model: nn.Module) -> tuple[set[int], int]:
-    """(ids of the parameters of the frozen transformer blocks before the first trained parameter, how many blocks):
-    nothing before them needs a gradient, so their backward does not run."""
-    from disttrain.parallel.activation_checkpoint import transformer_blocks
-
+def _frozen_prefix(model: nn.Module, layers: int | None) -> tuple[set[int], int]:
+    """(ids of the parameters of the frozen blocks before the first trained parameter, how many blocks): their
+    backward does not run. Nothing where the blocks found are not the model's `layers` (a mixture of experts' list)."""
     blocks = transformer_blocks(model)
-    first = {id(p) for p in blocks[0].parameters()} if blocks else set()
-    for param in model.parameters():  # the embeddings, registered before the blocks
-        if id(param) in first:
-            break
-        if param.requires_grad:
-            return set(), 0
-    prefix: set[int] = set()
-    for count, block in enumerate(blocks):
-        if any(p.requires_grad for p in block.parameters()):
-            return prefix, count
-        prefix |= {id(p) for p in block.parameters()}
-    return prefix, len(blocks)
+    count = leading_frozen_blocks(model)
+    if not count or (layers is not None and len(blocks) != layers):
+        return set(), 0
+    return {id(p) for block in blocks[:count] for p in block.parameters()}, count
 
 
 def peak_memory_gib(device: torch.device) -> float:

@@ -14,6 +14,22 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=len)) if lists else []
 
 
+def leading_frozen_blocks(model: nn.Module) -> int | None:
+    """How many transformer blocks, from the first, hold only frozen parameters (model.freeze), where every
+    parameter registered before the first block (the embeddings) is frozen too: nothing before the first trained
+    parameter needs a gradient, so autograd neither keeps activations for them nor runs their backward. None where a
+    parameter before the blocks trains."""
+    blocks = transformer_blocks(model)
+    first = {id(p) for p in blocks[0].parameters()} if blocks else set()
+    for param in model.parameters():  # in registration order: the embeddings before the blocks
+        if id(param) in first:
+            break
+        if param.requires_grad:
+            return None
+    return next((i for i, block in enumerate(blocks) if any(p.requires_grad for p in block.parameters())),
+                len(blocks))
+
+
 def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute each transformer block's activations in backward instead of keeping them.
 
