@@ -55,6 +55,15 @@ def test_a_user_optimizer_keeps_its_learning_rate_unless_a_schedule_is_asked_for
     assert (rates == [0.05] * 5) is constant
 
 
+def _train(backend, steps: int) -> list[torch.Tensor]:
+    """`steps` steps of a sum-regression batch; the parameters after them."""
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    for _ in range(steps):
+        backend.forward_backward((x, x.sum(1, keepdim=True)))
+        backend.optim_step()
+    return [p.detach().clone() for p in backend.model.parameters()]
+
+
 def test_a_state_saved_without_the_empty_group_resumes_exactly():
     """The factory keeps both groups (matrices decayed, the rest), even empty: a bias-free model's second is empty.
     A state without it (saved under DeepSpeed, which drops empty groups, or before 2026-11-27) loads, the
@@ -73,26 +82,17 @@ def test_a_state_saved_without_the_empty_group_resumes_exactly():
                               scheduler_factory=scheduler_factory(cfg, 10),
                               loss_fn=lambda out, batch: torch.nn.functional.mse_loss(out, batch[1]))
 
-    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
-    batch = (x, x.sum(1, keepdim=True))
-
-    def train(b, steps):
-        for _ in range(steps):
-            b.forward_backward(batch)
-            b.optim_step()
-        return [p.detach().clone() for p in b.model.parameters()]
-
     first = backend()
     assert [len(g["params"]) for g in first.optimizer.param_groups] == [2, 0]
-    train(first, 3)
+    _train(first, 3)
     state = copy.deepcopy(first.state_dict())
-    expected = train(first, 2)
+    expected = _train(first, 2)
     state["optimizer"]["param_groups"] = state["optimizer"]["param_groups"][:1]  # the state as DeepSpeed saves it
     state["scheduler"] = {k: v[:1] if isinstance(v, list) else v for k, v in state["scheduler"].items()}
     resumed = backend()
     resumed.load_state_dict(state)
     assert [len(g["params"]) for g in resumed.optimizer.param_groups] == [2, 0]
-    assert all(torch.equal(a, b) for a, b in zip(train(resumed, 2), expected, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(_train(resumed, 2), expected, strict=True))
 
 
 def test_align_groups_fits_a_state_that_differs_by_empty_groups_only():
@@ -147,23 +147,14 @@ def test_several_empty_groups_resume_under_a_torch_native_strategy():
              for i, block in enumerate(m)]), ParallelConfig(strategy="single"),
             loss_fn=lambda out, batch: torch.nn.functional.mse_loss(out, batch[1]))
 
-    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
-    batch = (x, x.sum(1, keepdim=True))
-
-    def train(b, steps):
-        for _ in range(steps):
-            b.forward_backward(batch)
-            b.optim_step()
-        return [p.detach().clone() for p in b.model.parameters()]
-
     first = backend()
-    train(first, 2)
+    _train(first, 2)
     state = copy.deepcopy(first.state_dict())
-    expected = train(first, 2)
+    expected = _train(first, 2)
     resumed = backend()
     resumed.load_state_dict(state)
     assert [g["lr"] for g in resumed.optimizer.param_groups] == [0.01, 0.02, 0.03]
-    assert all(torch.equal(a, b) for a, b in zip(train(resumed, 2), expected, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(_train(resumed, 2), expected, strict=True))
 
 
 def test_a_schedule_of_other_groups_is_refused_at_load():
