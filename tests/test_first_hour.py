@@ -71,6 +71,14 @@ def test_dry_run_and_the_spellings_torchrun_users_type(tmp_path, capsys):
         assert "world:      2 rank(s) = 1 node(s) x 2 process(es)" in out and "layout:     dp_shard2" in out
     assert "batch:      32 sequences per step = 2 data shard(s) x 16 = 2 micro-batch(es) of 8" in out
     assert "memory:     per rank:" in out and "total" in out and "--nproc-per-node 2" in out
+    from disttrain.config import load_config
+    from disttrain.models.gpt import GPT
+
+    named = dict(GPT(load_config(None, []).model).named_parameters())
+    share = sum(p.numel() for n, p in named.items() if n.startswith(("tok_emb.", "blocks.0."))) / \
+        sum(p.numel() for p in named.values())
+    out = dry_run(capsys, "--set", "model.freeze=tok_emb.*,blocks.0.*", *out_dir)  # what model.freeze keeps back
+    assert f"model:      gpt ({share:.0%} of its parameters frozen by model.freeze)" in out
     assert f"x {os.cpu_count()} process(es)" in dry_run(capsys, "--nproc", "cpu", *out_dir)
     assert "x 1 process(es)" in dry_run(capsys, "--nproc", "auto", *out_dir)  # no GPU here: 1
     out = dry_run(capsys, "--nproc", "2", "--nnodes", "2", "--master_addr", "10.0.0.1", "--master-port", "1234",

@@ -22,7 +22,8 @@ def describe_plan(cfg: Config, plan) -> str:
     lines = [f"disttrain train --dry-run: nothing started, nothing written (run dir would be {cfg.run_dir})",
              f"world:      {world} rank(s) = {plan.nnodes} node(s) x {cfg.dist.nproc} process(es); launcher "
              f"{cfg.dist.launcher}",
-             f"model:      {cfg.model.name}; strategy {cfg.parallel.strategy}, precision {cfg.parallel.precision}",
+             f"model:      {cfg.model.name}{_frozen(cfg)}; strategy {cfg.parallel.strategy}, precision "
+             f"{cfg.parallel.precision}",
              f"layout:     {layout.describe()} (pipeline x data replicate x data shard x tensor)",
              f"batch:      {d.global_batch_size} sequences per step = {layout.data} data shard(s) x {per_rank} "
              f"= {accumulation} micro-batch(es) of {d.micro_batch_size or per_rank} x seq_len {cfg.model.seq_len}",
@@ -48,6 +49,20 @@ def describe_plan(cfg: Config, plan) -> str:
         argv = torchrun_argv(plan, ["disttrain.run", str(cfg.run_dir / "config.toml")], cfg.run_dir / "logs", True)
         lines.append("launch:     torchrun " + shlex.join(argv))
     return "\n".join(lines)
+
+
+def _frozen(cfg: Config) -> str:
+    """How much model.freeze keeps from training, counted on the meta-built model ("" without it)."""
+    if not cfg.model.freeze:
+        return ""
+    from disttrain.memory import meta_model
+
+    try:
+        params = list(meta_model(cfg.model).parameters())
+    except Exception:  # a factory that cannot build on the meta device: the workers freeze it
+        return " (model.freeze set)"
+    frozen = sum(p.numel() for p in params if not p.requires_grad)
+    return f" ({frozen / sum(p.numel() for p in params):.0%} of its parameters frozen by model.freeze)"
 
 
 def _size(n: int) -> str:
