@@ -26,6 +26,7 @@ from torch import nn
 
 from disttrain.activations import activations
 from disttrain.config import Config, ModelConfig
+from disttrain.errors import ConfigError
 from disttrain.parallel import placement, registry
 from disttrain.parallel.layout import replicated
 from disttrain.parallel.mesh import MeshLayout, layout_for
@@ -59,6 +60,19 @@ def meta_model(model_cfg: ModelConfig) -> nn.Module:
 
     with torch.device("meta"):
         return build_model(model_cfg)
+
+
+def frozen_share(model_cfg: ModelConfig) -> float | None:
+    """The share of the parameters model.freeze keeps from training, its patterns matched on the meta-built model
+    (a ConfigError where they match nothing or everything); None where the model cannot be built on the meta
+    device (a factory of the user's: the workers match them)."""
+    try:
+        params = list(meta_model(model_cfg).parameters())
+    except ConfigError:
+        raise
+    except Exception:
+        return None
+    return sum(p.numel() for p in params if not p.requires_grad) / max(1, sum(p.numel() for p in params))
 
 
 def param_shapes(model_cfg: ModelConfig) -> list[torch.Size]:

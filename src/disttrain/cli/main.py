@@ -203,15 +203,10 @@ def _prepare_train(args: argparse.Namespace):
         from disttrain.models import resolve_factory
 
         resolve_factory(cfg.model.name)  # import errors surface here, before any worker starts
-    if cfg.model.freeze:  # its patterns are matched on the meta device, before any worker starts
-        from disttrain.memory import meta_model
+    if cfg.model.freeze:
+        from disttrain.memory import frozen_share
 
-        try:
-            meta_model(cfg.model)
-        except ConfigError:
-            raise
-        except Exception:  # a factory that cannot build on the meta device: the workers check the patterns
-            pass
+        frozen_share(cfg.model)  # its patterns are matched on the meta device, before any worker starts
     if cfg.data.tokenizer:
         from disttrain.corpus import check_source
         from disttrain.models import vocab_size

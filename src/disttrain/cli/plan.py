@@ -52,17 +52,13 @@ def describe_plan(cfg: Config, plan) -> str:
 
 
 def _frozen(cfg: Config) -> str:
-    """How much model.freeze keeps from training, counted on the meta-built model ("" without it)."""
+    """How much model.freeze keeps from training ("" without it)."""
     if not cfg.model.freeze:
         return ""
-    from disttrain.memory import meta_model
+    from disttrain.memory import frozen_share
 
-    try:
-        params = list(meta_model(cfg.model).parameters())
-    except Exception:  # a factory that cannot build on the meta device: the workers freeze it
-        return " (model.freeze set)"
-    frozen = sum(p.numel() for p in params if not p.requires_grad)
-    return f" ({frozen / sum(p.numel() for p in params):.0%} of its parameters frozen by model.freeze)"
+    share = frozen_share(cfg.model)
+    return " (model.freeze set)" if share is None else f" ({share:.0%} of its parameters frozen by model.freeze)"
 
 
 def _size(n: int) -> str:
