@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from disttrain.parallel.activation_checkpoint import leading_frozen_blocks, transformer_blocks
+from disttrain.parallel.activation_checkpoint import transformer_blocks
 from disttrain.parallel.comm import merge_intervals
 
 # Dense peak TFLOP/s of one device by the dtype its matmuls run in (vendor data sheets, without sparsity).
@@ -105,33 +105,48 @@ def flops_per_token(model: nn.Module, seq_len: int) -> int:
 
     Parameters are counted from the module tree: every parameter except those only an `nn.Embedding` uses (a table
     lookup is not a matmul); an embedding tied to the output head counts once. Models without a transformer config
-    get the 6 x parameters term only. A frozen parameter (model.freeze) needs no weight gradient: 4 x (forward, and
-    the gradient of its input), or 2 x in the frozen blocks before the first trained parameter, where no gradient
-    flows and attention is forward only (4 x width x sequence per layer). Exact for whole frozen blocks; beyond
-    that an upper bound (a trained matmul whose input needs no gradient, e.g. the head alone trained, skips that
-    gradient: 4 x, counted 6 x)."""
+    get the 6 x parameters term only. With frozen parameters (model.freeze), see `_frozen_flops`."""
+    if not all(p.requires_grad for p in model.parameters()):
+        return _frozen_flops(model, seq_len)
     lookup_only: set[int] = set()
     used: set[int] = set()
     for module in model.modules():
         for param in module.parameters(recurse=False):
             (lookup_only if isinstance(module, nn.Embedding) else used).add(id(param))
     params = {id(p): p for p in model.parameters()}
+    n = sum(_numel(p) for key, p in params.items() if key in used or key not in lookup_only)
     shape = _shape(model)
-    prefix, prefix_layers = _frozen_prefix(model, shape[0] if shape else None)
-    n = sum((6 if p.requires_grad else 2 if key in prefix else 4) * _numel(p)
-            for key, p in params.items() if key in used or key not in lookup_only)
-    attention = (12 * (shape[0] - prefix_layers) + 4 * prefix_layers) * shape[1] * seq_len if shape else 0
-    return n + attention
+    attention = 12 * shape[0] * shape[1] * seq_len if shape else 0
+    return 6 * n + attention
 
 
-def _frozen_prefix(model: nn.Module, layers: int | None) -> tuple[set[int], int]:
-    """(ids of the parameters of the frozen blocks before the first trained parameter, how many blocks): their
-    backward does not run. Nothing where the blocks found are not the model's `layers` (a mixture of experts' list)."""
+def _frozen_flops(model: nn.Module, seq_len: int) -> int:
+    """`flops_per_token` where some parameters are frozen, walking the modules in registration order (forward order
+    for the reference GPT and Hugging Face decoders, but for the modules inside a transformer block): a parameter's
+    matmul costs 2 (forward) + 2 (its input's gradient, where a trained parameter upstream, or in its block, needs
+    it) + 2 (its own gradient, where it trains); a layer's attention costs 4 x width x sequence forward, 8 more
+    where a gradient flows through the layer. Exact for whole frozen blocks, else an upper bound."""
+    shape = _shape(model)
     blocks = transformer_blocks(model)
-    count = leading_frozen_blocks(model)
-    if not count or (layers is not None and len(blocks) != layers):
-        return set(), 0
-    return {id(p) for block in blocks[:count] for p in block.parameters()}, count
+    layer_of = {id(m): i for i, block in enumerate(blocks) for m in block.modules()}
+    trains = [any(p.requires_grad for p in block.parameters()) for block in blocks]
+    counted: set[int] = set()
+    flows = False  # a trained parameter upstream: what follows passes a gradient back
+    backward: set[int] = set()  # the layers a gradient flows through
+    n = 0
+    for module in model.modules():
+        layer = layer_of.get(id(module))
+        flows = flows or (layer is not None and trains[layer])  # (a block's own order may not be its forward's)
+        for param in module.parameters(recurse=False):
+            if not isinstance(module, nn.Embedding) and id(param) not in counted:  # (a lookup is not a matmul)
+                counted.add(id(param))
+                n += (2 + 2 * flows + 2 * param.requires_grad) * _numel(param)
+            flows = flows or param.requires_grad
+        if flows and layer is not None:
+            backward.add(layer)
+    if not shape or len(blocks) != shape[0]:  # (the blocks found are not the layers: a mixture of experts' list)
+        return n + (12 * shape[0] * shape[1] * seq_len if shape else 0)
+    return n + (4 * shape[0] + 8 * len(backward)) * shape[1] * seq_len
 
 
 def peak_memory_gib(device: torch.device) -> float:
