@@ -105,33 +105,20 @@ def flops_per_token(model: nn.Module, seq_len: int) -> int:
 
     Parameters are counted from the module tree: every parameter except those only an `nn.Embedding` uses (a table
     lookup is not a matmul); an embedding tied to the output head counts once. Models without a transformer config
-    get the 6 x parameters term only. With frozen parameters (model.freeze), see `_frozen_flops`."""
-    if not all(p.requires_grad for p in model.parameters()):
-        return _frozen_flops(model, seq_len)
-    lookup_only: set[int] = set()
-    used: set[int] = set()
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            (lookup_only if isinstance(module, nn.Embedding) else used).add(id(param))
-    params = {id(p): p for p in model.parameters()}
-    n = sum(_numel(p) for key, p in params.items() if key in used or key not in lookup_only)
-    shape = _shape(model)
-    attention = 12 * shape[0] * shape[1] * seq_len if shape else 0
-    return 6 * n + attention
+    get the parameters term only.
 
-
-def _frozen_flops(model: nn.Module, seq_len: int) -> int:
-    """`flops_per_token` where some parameters are frozen, walking the modules in registration order (forward order
-    for the reference GPT and Hugging Face decoders, but for the modules inside a transformer block): a parameter's
-    matmul costs 2 (forward) + 2 (its input's gradient, where a trained parameter upstream, or in its block, needs
-    it) + 2 (its own gradient, where it trains); a layer's attention costs 4 x width x sequence forward, 8 more
-    where a gradient flows through the layer. Exact for whole frozen blocks, else an upper bound."""
+    With frozen parameters (model.freeze), the modules are walked in registration order (forward order for the
+    reference GPT and Hugging Face decoders, but for the modules inside a transformer block): a parameter's matmul
+    costs 2 (forward) + 2 (its input's gradient, where a trained parameter upstream, or in its block, needs it) + 2
+    (its own gradient, where it trains); a layer's attention 4 x width x sequence forward, 8 more where a gradient
+    flows through the layer. Exact for whole frozen blocks, else an upper bound. With every parameter trained, every
+    input's gradient is counted, as PaLM's count does."""
     shape = _shape(model)
     blocks = transformer_blocks(model)
     layer_of = {id(m): i for i, block in enumerate(blocks) for m in block.modules()}
     trains = [any(p.requires_grad for p in block.parameters()) for block in blocks]
     counted: set[int] = set()
-    flows = False  # a trained parameter upstream: what follows passes a gradient back
+    flows = all(p.requires_grad for p in model.parameters())  # a gradient passes back through what follows
     backward: set[int] = set()  # the layers a gradient flows through
     n = 0
     for module in model.modules():
