@@ -322,3 +322,23 @@ def test_verify_runs_an_hf_model(llama_dir, tmp_path):
                       "--strategies", "fsdp,zero2", "--steps", "3"], tmp_path, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "fsdp" in result.stdout and "zero2" in result.stdout
+
+
+def test_bench_predict_counts_an_hf_model_from_its_module_tree(llama_dir, tmp_path):
+    """`bench predict` of `hf:DIR`, built on the meta device: its blocks, what model.freeze leaves to train, and its
+    FLOPs (perf.flops_by_unit) become the scale model's units."""
+    from disttrain.bench.predict import counted_shape
+    from disttrain.cli.main import main as cli
+    from disttrain.models import build_model
+    from disttrain.perf import flops_per_token
+
+    cfg = load_config(None, [f"model.name=hf:{llama_dir}", "model.seq_len=32",
+                             "model.freeze=model.embed_tokens.*,model.layers.0.*"])
+    shape, model = counted_shape(cfg.model), build_model(cfg.model)
+    assert shape.name == "LlamaForCausalLM of 4 blocks" and len(shape.units()) == 5
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    assert shape.trained_params == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert shape.units()[1].backward_flops == 0 and shape.flops_per_token() == flops_per_token(model, 32)
+    assert cli(["bench", "predict", "--set", f"model.name=hf:{llama_dir}", "--set", "model.seq_len=32",
+                "--strategy", "fsdp", "--gpus", "8,64", "--out", str(tmp_path)]) == 0
+    assert "| fsdp | 64 |" in (tmp_path / "predict.md").read_text()

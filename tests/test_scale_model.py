@@ -127,6 +127,62 @@ def test_cpu_ranks_beyond_the_cores_share_them():
     assert sm.step_time("ddp", 3, work, net).compute_s == pytest.approx(0.15)
 
 
+def test_frozen_parameters_are_gathered_but_never_reduced():
+    # a root and 4 blocks; model.freeze took the root (a tied head: forward and its input's gradient) and blocks 0-1
+    # (before the first trained parameter: no gradient reaches them)
+    block, front = sm.UnitShape(1e6, 1e6, 2e6, 4e6), sm.UnitShape(1e6, 0, 2e6, 0)
+    trained = sm.ModelShape("m", 4.5e6, 1e6, 4, counted=(sm.UnitShape(0.5e6, 0.5e6, 1e6, 2e6),) + (block,) * 4)
+    frozen = sm.ModelShape("m", 4.5e6, 1e6, 4, counted=(sm.UnitShape(0.5e6, 0, 1e6, 1e6), front, front, block, block))
+    assert frozen.trained_params == 2e6 and trained.trained_params == 4.5e6
+    assert frozen.flops_per_token() == 1e6 + 1e6 + 2 * 2e6 + 2 * 6e6
+    net, n = flat(sm.Link(1e-6, 10e9)), 4
+
+    def wire(strategy, model):
+        return sm.step_time(strategy, n, sm.Workload(model, 1.0, 1, "fp32", log_every=0), net).wire_bytes
+
+    assert wire("ddp", frozen) == pytest.approx(2 * 3 / 4 * 4 * 2e6, rel=1e-12)  # the trained gradients only
+    assert wire("zero1", frozen) == pytest.approx(2 * 3 / 4 * 4 * 2e6 + 3 / 4 * 4 * 2e6, rel=1e-12)  # + the updated
+    norm = 2 * 3 / 4 * 8  # the sharded gradients' norm
+    # every unit gathered for forward, again for backward only where a gradient reaches it; reduced: what trains
+    assert wire("fsdp", frozen) == pytest.approx(3 / 4 * 4 * ((0.5e6 + 2 * 1e6 + 2 * 2 * 1e6) + 2e6) + norm, rel=1e-12)
+    assert wire("fsdp", trained) == pytest.approx(3 / 4 * 4 * ((0.5e6 + 4 * 2 * 1e6) + 4.5e6) + norm, rel=1e-12)
+    slow = flat(sm.Link(1e-6, 1e8))  # the bytes decide: less to reduce, a shorter step
+    for strategy in ("ddp", "zero2", "fsdp"):
+        steps = [sm.step_time(strategy, n, sm.Workload(m, 0.01, 1, "fp32"), slow).step_s for m in (frozen, trained)]
+        assert steps[0] < steps[1], strategy
+
+
+def test_uncounted_units_split_compute_as_before():
+    units = LLAMA.units()
+    assert len(units) == 33 and sum(u.params for u in units) == pytest.approx(LLAMA.params, rel=1e-12)
+    assert sum(u.forward_flops + u.backward_flops for u in units) == pytest.approx(LLAMA.flops_per_token(), rel=1e-12)
+    assert all(u.backward_flops == 2 * u.forward_flops and u.trained == u.params for u in units)
+
+
+def test_a_config_s_model_is_counted_from_its_module_tree():
+    pytest.importorskip("torch")
+    from disttrain.bench.predict import counted_shape
+    from disttrain.config import ModelConfig
+    from disttrain.models import build_model
+    from disttrain.perf import flops_per_token
+
+    cfg = ModelConfig(n_layer=3, d_model=96, n_head=4, seq_len=48, vocab_size=300)
+    shape, closed = counted_shape(cfg), sm.gpt_shape(3, 96, 48, 300)
+    assert (shape.params, shape.layer_params, shape.n_layer) == (closed.params, closed.layer_params, 3)
+    assert shape.trained_params == shape.params
+    assert shape.flops_per_token() == flops_per_token(build_model(cfg), 48)
+    assert shape.flops_per_token() == pytest.approx(closed.flops_per_token(), rel=0.02)  # (+ biases and norms)
+    frozen_cfg = replace(cfg, freeze="tok_emb.*,pos_emb.*,blocks.0.*")
+    model, frozen = build_model(frozen_cfg), counted_shape(frozen_cfg)
+    assert frozen.trained_params == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    root, first, second = frozen.units()[:3]
+    # ln_f trains (its input gradient and its own: 4 x its 2 x 96), the tied head passes its input gradient back
+    assert root.trained == 2 * 96 and root.backward_flops == 2 * 300 * 96 + 4 * 2 * 96
+    assert (first.trained, first.backward_flops) == (0, 0) and first.forward_flops > 0  # no gradient reaches block 0
+    assert second.trained == second.params and second.backward_flops == 2 * second.forward_flops
+    assert frozen.flops_per_token() == flops_per_token(model, 48) < shape.flops_per_token()
+
+
 def test_shapes_and_flops():
     torch = pytest.importorskip("torch")
     from disttrain.config import ModelConfig

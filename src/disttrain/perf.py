@@ -101,7 +101,13 @@ def _shape(model: nn.Module) -> tuple[int, int] | None:
 def flops_per_token(model: nn.Module, seq_len: int) -> int:
     """Training FLOPs per token (forward + backward): 6 x the parameters that multiply activations, plus the
     attention scores and their weighted sum, 12 x layers x attention width x sequence length (PaLM's count, as
-    torchtitan reports MFU; causal masking is not discounted).
+    torchtitan reports MFU; causal masking is not discounted). The sum of `flops_by_unit`, which says how."""
+    return sum(forward + backward for forward, backward in flops_by_unit(model, seq_len))
+
+
+def flops_by_unit(model: nn.Module, seq_len: int) -> list[tuple[int, int]]:
+    """(forward, backward) training FLOPs per token of each of the model's FSDP units: what is outside the
+    transformer blocks (embeddings, final norm, head) first, then each block.
 
     Parameters are counted from the module tree: every parameter except those only an `nn.Embedding` uses (a table
     lookup is not a matmul); an embedding tied to the output head counts once. Models without a transformer config
@@ -120,20 +126,27 @@ def flops_per_token(model: nn.Module, seq_len: int) -> int:
     counted: set[int] = set()
     flows = all(p.requires_grad for p in model.parameters())  # a gradient passes back through what follows
     backward: set[int] = set()  # the layers a gradient flows through
-    n = 0
+    forward_flops, backward_flops = [0] * (len(blocks) + 1), [0] * (len(blocks) + 1)
     for module in model.modules():
         layer = layer_of.get(id(module))
+        unit = 0 if layer is None else layer + 1
         flows = flows or (layer is not None and trains[layer])  # (a block's own order may not be its forward's)
         for param in module.parameters(recurse=False):
             if not isinstance(module, nn.Embedding) and id(param) not in counted:  # (a lookup is not a matmul)
                 counted.add(id(param))
-                n += (2 + 2 * flows + 2 * param.requires_grad) * _numel(param)
+                forward_flops[unit] += 2 * _numel(param)
+                backward_flops[unit] += (2 * flows + 2 * param.requires_grad) * _numel(param)
             flows = flows or param.requires_grad
         if flows and layer is not None:
             backward.add(layer)
-    if not shape or len(blocks) != shape[0]:  # (the blocks found are not the layers: a mixture of experts' list)
-        return n + (12 * shape[0] * shape[1] * seq_len if shape else 0)
-    return n + (4 * shape[0] + 8 * len(backward)) * shape[1] * seq_len
+    if shape and len(blocks) == shape[0]:
+        for layer in range(len(blocks)):
+            forward_flops[layer + 1] += 4 * shape[1] * seq_len
+            backward_flops[layer + 1] += 8 * shape[1] * seq_len * (layer in backward)
+    elif shape:  # (the blocks found are not the layers, a mixture of experts' list: attention counted in the root)
+        forward_flops[0] += 4 * shape[0] * shape[1] * seq_len
+        backward_flops[0] += 8 * shape[0] * shape[1] * seq_len
+    return list(zip(forward_flops, backward_flops, strict=True))
 
 
 def peak_memory_gib(device: torch.device) -> float:

@@ -12,11 +12,13 @@ from disttrain.bench import predict, predict_measure
 from disttrain.bench import scale_model as sm
 from disttrain.bench.published_scaling import PUBLISHED
 from disttrain.cli.main import main as cli
+from disttrain.config import ModelConfig
 
 FIT = {"backend": "gloo", "world_size": 2, "device": "cpu", "host": "h", "date": "d",
        "collectives": {c: {"alpha_s": 4e-4, "beta_s_per_byte": 1e-9} for c in sm.COLLECTIVES}}
 TINY = ["--set", "model.n_layer=2", "--set", "model.d_model=64", "--set", "model.n_head=4", "--set",
         "model.seq_len=32"]
+SHAPE = predict.counted_shape(ModelConfig(n_layer=2, d_model=64, n_head=4, seq_len=32))  # TINY's model, counted
 
 
 def test_forecast_writes_the_table(tmp_path, capsys):
@@ -29,6 +31,18 @@ def test_forecast_writes_the_table(tmp_path, capsys):
     assert float(rows[3]["step_s"]) == pytest.approx(expected.step_s, rel=1e-9)
     assert float(rows[2]["efficiency"]) == 1.0 and float(rows[3]["efficiency"]) < 1.0
     assert "| fsdp | 64 |" in (tmp_path / "predict.md").read_text() and "| fsdp | 64 |" in capsys.readouterr().out
+
+
+def test_forecast_of_a_config_counts_what_model_freeze_leaves_to_reduce(tmp_path):
+    for name, settings in (("all", []), ("frozen", ["--set", "model.freeze=tok_emb.*,pos_emb.*,blocks.0.*"])):
+        assert cli(["bench", "predict", *TINY, *settings, "--strategy", "ddp,fsdp", "--gpus", "8,64", "--compute-s",
+                    "0.1", "--out", str(tmp_path / name)]) == 0
+    rows = {name: {(r["strategy"], r["gpus"]): float(r["wire_bytes_per_gpu"])
+                   for r in csv.DictReader(open(tmp_path / name / "predict.csv"))} for name in ("all", "frozen")}
+    assert rows["all"].keys() == rows["frozen"].keys() and len(rows["all"]) == 4
+    assert all(rows["frozen"][key] < rows["all"][key] for key in rows["all"])
+    frozen = 1 - (SHAPE.units()[2].params + 2 * 64) / SHAPE.params  # all but block 1 and the final norm
+    assert f"{frozen:.0%} of the parameters frozen (model.freeze" in (tmp_path / "frozen" / "predict.md").read_text()
 
 
 def validate(tmp_path, measured_csv: str) -> list[dict]:
@@ -45,7 +59,7 @@ def test_validate_against_a_minimal_csv_and_the_published_cases(tmp_path):
                               "single,1,0.1\n")
     measured = [r for r in rows if r["check"] == "measured"]
     assert [(r["case"], r["gpus"]) for r in measured] == [("ddp", "1"), ("ddp", "2"), ("fsdp", "1"), ("fsdp", "2")]
-    work = sm.Workload(sm.gpt_shape(2, 64, 32, 256), 0.1, 1.0, "fp32", cpu_cores=2, log_every=1)  # (a CSV without
+    work = sm.Workload(SHAPE, 0.1, 1.0, "fp32", cpu_cores=2, log_every=1)  # (a CSV without
     ddp2 = sm.step_time("ddp", 2, work, sm.interconnect_from_fit(FIT))  # log_every: disttrain logged every step)
     assert float(measured[1]["predicted"]) == pytest.approx(ddp2.step_s, rel=1e-9)
     assert float(measured[1]["error"]) == pytest.approx(ddp2.step_s / 0.12 - 1, rel=1e-9)
@@ -71,7 +85,7 @@ def test_one_sitting_measures_steps_and_links_then_validates(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "s" / "scaling.csv")))
     assert [(r["strategy"], r["world_size"], r["global_batch"]) for r in rows] == [("fsdp", "1", "2"),
                                                                                   ("fsdp", "2", "4")]
-    assert all(float(r["step_time_s"]) > 0 and r["params"] == str(sm.gpt_shape(2, 64, 32, 256).params) for r in rows)
+    assert all(float(r["step_time_s"]) > 0 and r["params"] == str(SHAPE.params) for r in rows)
     fit = json.loads((tmp_path / "s" / "comm" / "comm_fit.json").read_text())
     assert set(fit["collectives"]) == {"all_reduce", "all_gather", "reduce_scatter"}
     assert {tuple(f["sizes_bytes"]) for f in fit["collectives"].values()} == {(2**16, 2**24)}  # the step's sizes
@@ -82,7 +96,7 @@ def test_one_sitting_measures_steps_and_links_then_validates(tmp_path):
         (tmp_path / "s" / "predict.md").read_text()
     checked = [r for r in csv.DictReader(open(tmp_path / "s" / "predict.csv")) if r["check"] == "measured"]
     assert {r["log_every"] for r in rows} == {"10"}  # the default: a median step gathers no figures
-    work = sm.Workload(sm.gpt_shape(2, 64, 32, 256), float(rows[0]["step_time_s"]), 1.0, "fp32", cpu_cores=2,
+    work = sm.Workload(SHAPE, float(rows[0]["step_time_s"]), 1.0, "fp32", cpu_cores=2,
                        log_every=0)
     fsdp2 = sm.step_time("fsdp", 2, work, sm.interconnect_from_fit(fit))
     assert float(checked[1]["predicted"]) == pytest.approx(fsdp2.step_s, rel=1e-9)  # from the pooled links
@@ -108,6 +122,9 @@ def test_rounds_of_comm_runs_pool_their_calls():
     (["--gpus", "0,8"], "--gpus '0,8': give counts >= 1"),
     (["--model", "gpt5"], "--model 'gpt5' is not a preset"),
     (["--model", "resnet50"], "the FLOPs of resnet50 are not modelled; give --compute-s"),
+    (["--set", "model.name=no_such_module:build"], "model.name = 'no_such_module:build': cannot import"),
+    (["--set", "model.name=needs_real_tensors:build"], "model.name = 'needs_real_tensors:build': the model cannot be "
+     "built on the meta device to count it (RuntimeError"),
     (["--validate", "--measured", "x.csv"], "--validate --measured needs --interconnect measured:"),
     (["--measure", "--world-sizes", "1,two"], "--world-sizes '1,two': give counts"),
     (["--measure", "--world-sizes", "1,100000"], "--world-sizes: 100000 ranks is more than this machine can start"),
@@ -132,6 +149,9 @@ def test_rounds_of_comm_runs_pool_their_calls():
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "needs_real_tensors.py").write_text(  # a factory that reads a value: nothing to read on meta
+        "import torch\n\ndef build(cfg):\n    torch.nn.Linear(int(torch.ones(()).item()), 2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "fit.json").write_text(json.dumps(FIT))
     (tmp_path / "busy.csv").write_text("strategy,world_size,step_time_s,other_cpu\nddp,1,0.1,0.5\n")
     (tmp_path / "text.csv").write_text("strategy,world_size,step_time_s\nddp,1,fast\n")
@@ -155,7 +175,7 @@ def test_validate_reads_the_series_of_a_bench_scaling_csv(tmp_path):
     rows = [r for r in csv.DictReader(open(tmp_path / "predict.csv")) if r["check"] == "measured"]
     assert [(r["case"], r["gpus"]) for r in rows] == [("ddp weak disttrain", "1"), ("ddp weak disttrain", "2"),
                                                       ("ddp weak hand-written", "1"), ("ddp weak hand-written", "2")]
-    work = sm.Workload(sm.gpt_shape(2, 64, 32, 256), 0.12, 1.0, "fp32", micro_steps=6, cpu_cores=2, log_every=1)
+    work = sm.Workload(SHAPE, 0.12, 1.0, "fp32", micro_steps=6, cpu_cores=2, log_every=1)
     net = sm.interconnect_from_fit(FIT)
     assert float(rows[1]["predicted"]) == pytest.approx(sm.step_time("ddp", 2, work, net).step_s,
                                                         rel=1e-9)  # 24 per rank in micro-batches of 4

@@ -12,7 +12,8 @@ this machine does not have, from one device's compute time and an alpha-beta mod
 The model (scale_model.py, docs/architecture.md "The scale model"): compute of one step on one device, measured
 (`--compute-s`) or FLOPs / (peak x MFU) with FLOPs per token = 6 x params + 12 x layers x d_model x seq; plus each
 strategy's collectives (ring / hierarchical alpha-beta times) overlapped with the compute they can hide behind.
-Without `--model` the reference GPT of CONFIG / `--set` is modelled. Writes `<out>/predict.md` and `predict.csv`.
+Without `--model` the model of CONFIG / `--set` is modelled, counted from its module tree built on the meta device
+(`counted_shape`: `model.freeze` included). Writes `<out>/predict.md` and `predict.csv`.
 
 `--validate` checks the model: (i) with `--measured` (the CSV of `disttrain bench scaling`, or of `--measure`, or a
 minimal one with the columns strategy, world_size, step_time_s) and a comm_fit.json from `disttrain bench comm` on
@@ -47,10 +48,10 @@ from disttrain.bench.scale_model import (
     STRATEGIES,
     Interconnect,
     ModelShape,
+    UnitShape,
     Workload,
     canonical_strategy,
     compute_seconds,
-    gpt_shape,
     interconnect_from_fit,
     predict,
     step_time,
@@ -66,9 +67,9 @@ LOCAL_BATCH = {"llama3-8b": 2, "llama3-70b": 1, "resnet50": 32, "bert-large": 32
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = ArgumentParser(prog="disttrain bench predict", description=__doc__.split("\n")[0])
-    p.add_argument("config", nargs="?", help="TOML config of the reference GPT (default: the built-in job)")
+    p.add_argument("config", nargs="?", help="TOML config of the model (default: the built-in job)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--model", default="", help="a preset instead of the config's GPT: " + ", ".join(MODELS))
+    p.add_argument("--model", default="", help="a preset instead of the config's model: " + ", ".join(MODELS))
     p.add_argument("--strategy", default="fsdp", help="comma-separated: " + ", ".join(STRATEGIES) + " (zero3 = fsdp)")
     p.add_argument("--gpus", default="8,64,512,1024", help="GPU counts, comma-separated")
     p.add_argument("--interconnect", default="",
@@ -122,21 +123,50 @@ def interconnect(spec: str) -> tuple[Interconnect, dict | None]:
 
 def model_shape(args: argparse.Namespace) -> tuple[ModelShape, int, str, int]:
     """(shape, default local batch, default precision, steps per logged line) of --model (run by disttrain with its
-    default `train.log_every`), else of the config's reference GPT."""
+    default `train.log_every`), else of the config's model."""
     from disttrain.config import TrainConfig, load_config
 
     if args.model:
         if args.model not in MODELS:
             raise ConfigError(f"--model {args.model!r} is not a preset; choose from {', '.join(MODELS)}, or leave it "
-                              "out to model the reference GPT of CONFIG / --set")
+                              "out to model the model of CONFIG / --set")
         return MODELS[args.model], LOCAL_BATCH[args.model], "bf16-mixed", TrainConfig().log_every
     cfg = load_config(args.config, args.overrides)
-    if cfg.model.name != "gpt":
-        raise ConfigError(f"model.name = {cfg.model.name!r}: only the reference GPT's shape is known here; use "
-                          "--model PRESET, or --compute-s with a preset of the same size")
-    m = cfg.model
-    return (gpt_shape(m.n_layer, m.d_model, m.seq_len, m.vocab_size), cfg.data.micro_batch_size, cfg.parallel.precision,
-            cfg.train.log_every)
+    return counted_shape(cfg.model), cfg.data.micro_batch_size, cfg.parallel.precision, cfg.train.log_every
+
+
+def counted_shape(model_cfg) -> ModelShape:
+    """The config's model as the scale model sees it, counted from its module tree built on the meta device (no
+    memory): its units (what lies outside the transformer blocks, then each block), their parameters, those that
+    train (model.freeze), and their forward and backward FLOPs per token (`perf.flops_by_unit`)."""
+    from disttrain.memory import meta_model
+    from disttrain.parallel.activation_checkpoint import transformer_blocks
+    from disttrain.perf import flops_by_unit
+
+    try:
+        model = meta_model(model_cfg)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"model.name = {model_cfg.name!r}: the model cannot be built on the meta device to count "
+                          f"it ({type(exc).__name__}: {exc}); use --model PRESET, or --compute-s with a preset of the "
+                          "same size") from None
+    blocks = transformer_blocks(model)
+    inside = {id(p) for block in blocks for p in block.parameters()}
+    groups = [[p for p in model.parameters() if id(p) not in inside]] + [list(b.parameters()) for b in blocks]
+    units = tuple(UnitShape(sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad),
+                            forward, backward)
+                  for params, (forward, backward) in zip(groups, flops_by_unit(model, model_cfg.seq_len), strict=True))
+    params = sum(u.params for u in units)
+    layer = (params - units[0].params) / max(1, len(blocks))
+    name = (f"gpt {len(blocks)}x{model_cfg.d_model}" if model_cfg.name == "gpt"
+            else f"{type(model).__name__} of {len(blocks)} blocks")
+    return ModelShape(name, params, layer, len(blocks), seq_len=model_cfg.seq_len, counted=units)
+
+
+def _frozen(shape: ModelShape) -> str:
+    frozen = 1 - shape.trained_params / shape.params
+    return f", {frozen:.0%} of the parameters frozen (model.freeze: gathered, never reduced)" if frozen else ""
 
 
 def _precision(args: argparse.Namespace, default: str) -> str:
@@ -236,8 +266,8 @@ def forecast(args, strategies, gpus, shape, local_batch, precision, net, fit, *,
                          "efficiency": p.efficiency})
     lines = [f"# Predicted scaling: {shape.name}, {', '.join(strategies)} ({_date()})", "",
              f"- model: {shape.params / 1e6:,.1f} M parameters, {shape.n_layer} blocks of "
-             f"{shape.layer_params / 1e6:,.2f} M; {local} x {max(shape.seq_len, 1)} tokens per GPU per step "
-             f"({local // micro} micro-batch{'es' if local // micro > 1 else ''})",
+             f"{shape.layer_params / 1e6:,.2f} M{_frozen(shape)}; {local} x {max(shape.seq_len, 1)} tokens per GPU per "
+             f"step ({local // micro} micro-batch{'es' if local // micro > 1 else ''})",
              f"- compute of one step on one device: {compute:.4g} s, {source}",
              f"- precision {precision}: bytes per element stored / gathered / reduced "
              + " / ".join(map(str, BYTES[precision])),

@@ -155,10 +155,24 @@ def _phases(collective: str, nbytes: float, n: int, net: Interconnect) -> float:
 
 
 @dataclass(frozen=True)
+class UnitShape:
+    """One FSDP unit of a model: what lies outside the transformer blocks (the root: embeddings, final norm, head),
+    or one block."""
+
+    params: float
+    trained: float
+    """Parameters with a gradient: the others (model.freeze) are gathered but never reduced."""
+    forward_flops: float
+    backward_flops: float
+    """Per token; 0 where no gradient reaches the unit (frozen blocks before the first trained parameter). Where a
+    model's FLOPs are not known, its parameters stand in for them (a share of the step is all they give)."""
+
+
+@dataclass(frozen=True)
 class ModelShape:
     name: str
     params: float
-    """All parameters (what is communicated)."""
+    """All parameters (what is gathered)."""
     layer_params: float = 0.0
     """Parameters of one transformer block: the FSDP unit. The rest (embeddings, head) is the root unit."""
     n_layer: int = 0
@@ -166,14 +180,38 @@ class ModelShape:
     seq_len: int = 0
     matmul_params: float = 0.0
     """Parameters used in matrix multiplies (6 FLOPs per token each); 0 = FLOPs unknown: give the compute time."""
+    counted: tuple[UnitShape, ...] = ()
+    """The units as counted from a model's module tree (`bench predict` with a config: `perf.flops_by_unit`, frozen
+    parameters and all); empty: every parameter trained, the FLOPs from the formula, forward a third of each unit's."""
 
     @property
     def root_params(self) -> float:
         return self.params - self.n_layer * self.layer_params
 
+    @property
+    def trained_params(self) -> float:
+        return sum(u.trained for u in self.units())
+
     def flops_per_token(self) -> float:
-        """6 x params + 12 x layers x d_model x seq (forward + backward, attention scores included)."""
+        """6 x params + 12 x layers x d_model x seq (forward + backward, attention scores included), or the sum of the
+        counted units'."""
+        if self.counted:
+            return sum(u.forward_flops + u.backward_flops for u in self.counted)
         return 6 * self.matmul_params + 12 * self.n_layer * self.d_model * self.seq_len
+
+    def units(self) -> list[UnitShape]:
+        """The root unit, then each block (one unit without blocks). Uncounted, each unit's FLOPs by the formula when
+        known (a block: 6 x its parameters + its attention, the root the rest), else its parameters."""
+        if self.counted:
+            return list(self.counted)
+        if self.n_layer == 0:
+            return [UnitShape(self.params, self.params, self.params / 3, 2 * self.params / 3)]
+        total = self.flops_per_token() if self.matmul_params else self.params
+        block = (6 * self.layer_params + 12 * self.d_model * self.seq_len if self.matmul_params
+                 else self.layer_params)
+        root = max(0.0, total - self.n_layer * block)
+        return ([UnitShape(self.root_params, self.root_params, root / 3, 2 * root / 3)]
+                + [UnitShape(self.layer_params, self.layer_params, block / 3, 2 * block / 3)] * self.n_layer)
 
 
 def gpt_shape(n_layer: int, d_model: int, seq_len: int, vocab_size: int) -> ModelShape:
@@ -214,7 +252,6 @@ class Workload:
     micro_steps: int = 1
     """Accumulation micro-batches per step; gradients are reduced on the last one only."""
     bucket_bytes: float = 25 * 2**20
-    backward_fraction: float = 2 / 3
     cpu_cores: int = 0
     """0 on accelerators. On CPU, ranks beyond the cores share them, and so do gloo's communication threads."""
     log_every: int = 10
@@ -241,8 +278,9 @@ def canonical_strategy(name: str) -> str:
 class Unit:
     """What is gathered and reduced together (an FSDP block or root, a DDP bucket) and its share of compute."""
 
-    compute: float
-    """Share of the step's compute (forward and backward alike)."""
+    forward: float
+    backward: float
+    """Shares of the step's compute (of forward + backward + the optimizer's step, which the backward share holds)."""
     gather_fwd: float = 0.0
     gather_bwd: float = 0.0
     reduce: float = 0.0
@@ -263,7 +301,7 @@ class Step:
         return self.step_s - self.compute_s
 
 
-def _pass(units: list[Unit], seconds: float, gather: str, reduce: bool, t: float, comm: float
+def _pass(units: list[Unit], seconds: float, part: str, gather: str, reduce: bool, t: float, comm: float
           ) -> tuple[float, float]:
     """One forward or backward pass over `units` (in execution order) on two streams, compute and one FIFO of
     collectives: a unit starts when its all-gather is done; the next unit's all-gather is issued when a unit
@@ -280,28 +318,16 @@ def _pass(units: list[Unit], seconds: float, gather: str, reduce: bool, t: float
         start = max(t, ready)
         if i + 1 < len(units):
             ready = issue(units[i + 1], start)
-        t = start + u.compute * seconds
+        t = start + getattr(u, part) * seconds
         if reduce and u.reduce:
             comm = max(comm, t) + u.reduce
     return t, comm
 
 
-def _compute_shares(model: ModelShape) -> list[float]:
-    """Fraction of a step's compute in the root unit, then in each block: by FLOPs when known, else by parameters."""
-    if model.n_layer == 0:
-        return [1.0]
-    if model.matmul_params:
-        block = 6 * model.layer_params + 12 * model.d_model * model.seq_len
-        per_block = block / model.flops_per_token()
-    else:
-        per_block = model.layer_params / model.params
-    return [max(0.0, 1 - model.n_layer * per_block)] + [per_block] * model.n_layer
-
-
 def _buckets(model: ModelShape, grad_bytes: int, bucket_bytes: float) -> list[float]:
-    """DDP's gradient buckets in forward order (bytes): filled from the last parameter, so the bucket reduced last
-    (holding the first parameters) is the partial one."""
-    total = model.params * grad_bytes
+    """DDP's gradient buckets in forward order (bytes), of the trained parameters: filled from the last parameter, so
+    the bucket reduced last (holding the first parameters) is the partial one."""
+    total = model.trained_params * grad_bytes
     full, rest = divmod(total, bucket_bytes)
     return ([rest] if rest else []) + [bucket_bytes] * int(full)
 
@@ -330,21 +356,25 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
     after = wire("all_reduce", 8, shard) if sharded else 0.0
     if work.log_every:
         after += wire("all_gather", 40 * n, n, times=1 / work.log_every) / work.log_every
-    if not sharded:
+    shapes = model.units()
+    flops = sum(u.forward_flops + u.backward_flops for u in shapes)
+    if not sharded:  # the buckets spread over the compute: (the backward of a frozen front reduces nothing)
+        forward, backward = (sum(getattr(u, k) for u in shapes) / flops for k in ("forward_flops", "backward_flops"))
         buckets = _buckets(model, stored, work.bucket_bytes)
-        units = [Unit(b / sum(buckets), reduce=wire("all_reduce", b, n)) for b in buckets]
-        after += wire("all_gather", model.params * stored, n) if strategy == "zero1" else 0.0
+        units = [Unit(forward * b / sum(buckets), backward * b / sum(buckets), reduce=wire("all_reduce", b, n))
+                 for b in buckets] or [Unit(forward, backward)]
+        after += wire("all_gather", model.trained_params * stored, n) if strategy == "zero1" else 0.0
         return units, after, sent
     replicas = n // shard
     units = []
-    sizes = [model.root_params] + [model.layer_params] * model.n_layer
-    for i, (share, params) in enumerate(zip(_compute_shares(model), sizes, strict=True)):
-        again = strategy in ("fsdp", "hsdp") and i > 0  # gathered again for backward; the root stays gathered
-        gather = wire("all_gather", params * gathered, shard, work.micro_steps * (2 if again else 1))
-        reduce = wire("reduce_scatter", params * reduced, shard)
+    for i, u in enumerate(shapes):
+        # gathered again for backward where a gradient reaches the block; the root stays gathered
+        again = strategy in ("fsdp", "hsdp") and i > 0 and u.backward_flops > 0
+        gather = wire("all_gather", u.params * gathered, shard, work.micro_steps * (2 if again else 1))
+        reduce = wire("reduce_scatter", u.trained * reduced, shard)
         if replicas > 1:  # hsdp: the shard's gradient is all-reduced across the nodes' replicas
-            reduce += wire("all_reduce", params * reduced / shard, replicas, across=True)
-        units.append(Unit(share, gather, gather if again else 0.0, reduce))
+            reduce += wire("all_reduce", u.trained * reduced / shard, replicas, across=True)
+        units.append(Unit(u.forward_flops / flops, u.backward_flops / flops, gather, gather if again else 0.0, reduce))
     return units, after, sent
 
 
@@ -361,12 +391,11 @@ def step_time(strategy: str, n: int, work: Workload, net: Interconnect) -> Step:
                   + sum(u.reduce for u in units) + after)
     if work.cpu_cores and local >= work.cpu_cores:  # no free core: gloo's threads take turns with compute
         return Step(compute + comm_total * slowdown, compute, comm_total * slowdown, sent)
-    fwd = compute * (1 - work.backward_fraction) / work.micro_steps
-    bwd = compute * work.backward_fraction / work.micro_steps
+    seconds = compute / work.micro_steps
     t = comm = 0.0
     for m in range(work.micro_steps):
-        t, comm = _pass(units, fwd, "gather_fwd", False, t, comm)
-        t, comm = _pass(units[::-1], bwd, "gather_bwd", m == work.micro_steps - 1, t, comm)
+        t, comm = _pass(units, seconds, "forward", "gather_fwd", False, t, comm)
+        t, comm = _pass(units[::-1], seconds, "backward", "gather_bwd", m == work.micro_steps - 1, t, comm)
     return Step(max(t, comm) + after, compute, comm_total, sent)
 
 
@@ -392,7 +421,7 @@ def predict(strategy: str, counts: list[int], work: Workload, net: Interconnect)
 
 def compute_seconds(model: ModelShape, tokens: float, tflops: float, mfu: float) -> float:
     """One device's step compute from FLOPs: tokens x FLOPs per token / (peak x MFU)."""
-    if not model.matmul_params:
+    if not (model.matmul_params or model.counted):
         raise ConfigError(f"the FLOPs of {model.name} are not modelled; give --compute-s (seconds of one step on "
                           "one device)")
     return tokens * model.flops_per_token() / (tflops * 1e12 * mfu)
