@@ -6,6 +6,7 @@ save_checkpoint with is_best, rotation that keeps the best, load_latest_checkpoi
 fresh sharded model and optimizer, and the manager called by rank 0 alone (it must fail fast, not hang)."""
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -82,6 +83,14 @@ def main() -> None:
                         "moments": len(fresh_opt.state) == len(list(fresh.parameters()))}
     best = manager.load_best_checkpoint(fresh)
     result["best"] = {"step": best["step"], "equal": full(fresh) == saved[2]}
+    dist.barrier()  # the check-ins' keys in the store: those of the last one only (each earlier one deleted)
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    prefix = f"disttrain/ckpt_arrive/{os.path.normpath(str(folder))}"
+    calls = CheckpointManager._arrivals[os.path.normpath(str(folder))]
+    result["check_ins"] = [k for k in range(1, calls + 1) if any(_get_default_store().check([f"{prefix}/{k}/{key}"])
+                                                                for key in [*range(runtime.world_size), "outcome"])]
+    result["calls"] = calls
     # rank 0 still writing a slow full-layout state when the next save and a load come: the others wait for it, and
     # arrival_timeout_s bounds only the check-in of a rank that never calls
     slow = CheckpointManager(folder / "slow", CheckpointConfig(async_save=True, arrival_timeout_s=1.5), runtime)

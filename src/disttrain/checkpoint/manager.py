@@ -207,7 +207,11 @@ class CheckpointManager:
             missing = ",".join(str(r) for r, key in enumerate(keys) if not store.check([key]))
         proposal = f"{self.rank}:{missing}" if missing else "go"  # (the last came just after the timeout: go)
         outcome = store.compare_set(f"{prefix}/outcome", "", proposal).decode()
-        if outcome == "go":
+        if outcome == "go":  # every rank is past the previous check-in, where none reads its keys any more
+            previous = f"disttrain/ckpt_arrive/{folder}/{calls - 1}"
+            store.delete_key(f"{previous}/{self.rank}")  # (the store keeps one check-in per folder, not the job's)
+            if self.rank == 0:
+                store.delete_key(f"{previous}/outcome")
             return
         waiter, missing = outcome.split(":")
         if self.rank in map(int, missing.split(",")):
