@@ -35,7 +35,8 @@ def test_the_design_documents_words_on_two_sharded_ranks(tmp_path):
         assert ("rank 0 could not create the folder" if what == "folder" else "another rank") in \
             blocked[1]["outcome"], blocked
     late = [json.loads((tmp_path / f"late{rank}.json").read_text()) for rank in range(2)]  # one outcome, settled
-    assert [lt["kept"] for lt in late] == [[], []], late
+    assert [lt["kept"] for lt in late] == [[1], [1]], late
+    assert [lt["check_ins"] for lt in late] == [[3], [3]], late  # a failed check-in's keys go at the next that settles
     assert late[0]["outcome"].startswith("ArrivalError") and "rank 0 waited 1 s for rank(s) 1" in late[0]["outcome"]
     assert late[1]["outcome"].startswith("ArrivalError") and "rank 1 came to it after rank 0" in late[1]["outcome"]
     assert "collective" in out["lonely"] and "rank(s) 1" in out["lonely"] and "if rank == 0" in out["lonely"]

@@ -143,13 +143,28 @@ def test_frozen_parameters_are_gathered_but_never_reduced():
     assert wire("ddp", frozen) == pytest.approx(2 * 3 / 4 * 4 * 2e6, rel=1e-12)  # the trained gradients only
     assert wire("zero1", frozen) == pytest.approx(2 * 3 / 4 * 4 * 2e6 + 3 / 4 * 4 * 2e6, rel=1e-12)  # + the updated
     norm = 2 * 3 / 4 * 8  # the sharded gradients' norm
-    # every unit gathered for forward, again for backward only where a gradient reaches it; reduced: what trains
-    assert wire("fsdp", frozen) == pytest.approx(3 / 4 * 4 * ((0.5e6 + 2 * 1e6 + 2 * 2 * 1e6) + 2e6) + norm, rel=1e-12)
+    # every unit gathered for forward; again for backward where its backward runs, or the next unit's does (FSDP2's
+    # pre-backward of block 2 prefetches block 1, which has none); reduced: what trains
+    assert wire("fsdp", frozen) == pytest.approx(3 / 4 * 4 * ((0.5e6 + 1e6 + 2 * 3 * 1e6) + 2e6) + norm, rel=1e-12)
     assert wire("fsdp", trained) == pytest.approx(3 / 4 * 4 * ((0.5e6 + 4 * 2 * 1e6) + 4.5e6) + norm, rel=1e-12)
     slow = flat(sm.Link(1e-6, 1e8))  # the bytes decide: less to reduce, a shorter step
     for strategy in ("ddp", "zero2", "fsdp"):
         steps = [sm.step_time(strategy, n, sm.Workload(m, 0.01, 1, "fp32"), slow).step_s for m in (frozen, trained)]
         assert steps[0] < steps[1], strategy
+
+
+def test_ddp_buckets_wait_for_the_backward_of_frozen_blocks_after_the_last_trained_one():
+    # the root and block 0 train, block 1 is frozen (its backward passes the input's gradient on: 1 of 8 FLOPs)
+    model = sm.ModelShape("m", 3e6, 1e6, 2, counted=(sm.UnitShape(1e6, 1e6, 1, 2), sm.UnitShape(1e6, 1e6, 1, 2),
+                                                     sm.UnitShape(1e6, 0, 1, 1)))
+    work = sm.Workload(model, 1.0, 1, "fp32", bucket_bytes=2e6, log_every=0)  # 8 MB of gradients: 4 buckets
+    step = sm.step_time("ddp", 2, work, flat(sm.Link(0.0, 2e6 / 0.2)))  # 0.2 s per bucket's all-reduce
+    # forward 3/8 s; block 1's backward 1/8 s readies nothing; then a bucket every 1/8 s, their all-reduces queued
+    ends = [0.5 + k / 8 for k in range(1, 5)]
+    comm = 0.0
+    for end in ends:
+        comm = max(comm, end) + 0.2
+    assert step.step_s == pytest.approx(comm, rel=1e-12) and comm == pytest.approx(1.425, rel=1e-12)
 
 
 def test_uncounted_units_split_compute_as_before():
@@ -180,7 +195,10 @@ def test_a_config_s_model_is_counted_from_its_module_tree():
     assert root.trained == 2 * 96 and root.backward_flops == 2 * 300 * 96 + 4 * 2 * 96
     assert (first.trained, first.backward_flops) == (0, 0) and first.forward_flops > 0  # no gradient reaches block 0
     assert second.trained == second.params and second.backward_flops == 2 * second.forward_flops
-    assert frozen.flops_per_token() == flops_per_token(model, 48) < shape.flops_per_token()
+    # what freezing saves: the tied head's weight gradient and block 0's whole backward (its parameters' two
+    # gradients and its attention's backward)
+    saved = 2 * 300 * 96 + 4 * first.params + 8 * 96 * 48
+    assert frozen.flops_per_token() == shape.flops_per_token() - saved
 
 
 def test_shapes_and_flops():

@@ -42,7 +42,7 @@ def test_forecast_of_a_config_counts_what_model_freeze_leaves_to_reduce(tmp_path
     assert rows["all"].keys() == rows["frozen"].keys() and len(rows["all"]) == 4
     assert all(rows["frozen"][key] < rows["all"][key] for key in rows["all"])
     frozen = 1 - (SHAPE.units()[2].params + 2 * 64) / SHAPE.params  # all but block 1 and the final norm
-    assert f"{frozen:.0%} of the parameters frozen (model.freeze" in (tmp_path / "frozen" / "predict.md").read_text()
+    assert f"{frozen:.1%} of the parameters frozen (model.freeze" in (tmp_path / "frozen" / "predict.md").read_text()
 
 
 def validate(tmp_path, measured_csv: str) -> list[dict]:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.distributed_c10d import _get_default_store
 from torch.distributed.fsdp import fully_shard
 
 from disttrain.checkpoint import CheckpointError, CheckpointManager
@@ -84,8 +85,6 @@ def main() -> None:
     best = manager.load_best_checkpoint(fresh)
     result["best"] = {"step": best["step"], "equal": full(fresh) == saved[2]}
     dist.barrier()  # the check-ins' keys in the store: those of the last one only (each earlier one deleted)
-    from torch.distributed.distributed_c10d import _get_default_store
-
     prefix = f"disttrain/ckpt_arrive/{os.path.normpath(str(folder))}"
     calls = CheckpointManager._arrivals[os.path.normpath(str(folder))]
     result["check_ins"] = [k for k in range(1, calls + 1) if any(_get_default_store().check([f"{prefix}/{k}/{key}"])
@@ -141,15 +140,23 @@ def main() -> None:
     # rank 1 comes to a save after rank 0 gave up waiting for it: the outcome is settled once, so rank 1 stops too,
     # instead of going on alone into the save's collectives
     late = CheckpointManager(folder / "late", CheckpointConfig(arrival_timeout_s=1), runtime)
+    late.save_checkpoint(model, 1, optimizer)
     dist.barrier()
     if runtime.rank == 1:
         time.sleep(2.5)
     try:
-        late.save_checkpoint(model, 1, optimizer)
+        late.save_checkpoint(model, 2, optimizer)
         outcome = "saved"
     except CheckpointError as exc:
         outcome = f"{type(exc).__name__}: {exc}"
-    (out.parent / f"late{runtime.rank}.json").write_text(json.dumps({"outcome": outcome, "kept": late.list()}))
+    kept = late.list()
+    dist.barrier()  # the caller caught it on every rank and saves again: the store then drops both check-ins before
+    late.save_checkpoint(model, 3, optimizer)
+    prefix = f"disttrain/ckpt_arrive/{os.path.normpath(str(folder / 'late'))}"
+    stored = [k for k in (1, 2, 3) if any(_get_default_store().check([f"{prefix}/{k}/{key}"])
+                                          for key in [*range(runtime.world_size), "outcome"])]
+    (out.parent / f"late{runtime.rank}.json").write_text(json.dumps({"outcome": outcome, "kept": kept,
+                                                                     "check_ins": stored}))
     dist.barrier()
     # the manager called under `if rank == 0`: rank 0 stops with a message, rank 1 is never blocked
     lonely = CheckpointManager(folder / "lonely", CheckpointConfig(arrival_timeout_s=3), runtime)

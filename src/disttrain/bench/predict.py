@@ -10,7 +10,8 @@ this machine does not have, from one device's compute time and an alpha-beta mod
     disttrain bench predict --measure --validate [CONFIG] [--set ...] [--rounds 3] [--world-sizes 1,2,3]
 
 The model (scale_model.py, docs/architecture.md "The scale model"): compute of one step on one device, measured
-(`--compute-s`) or FLOPs / (peak x MFU) with FLOPs per token = 6 x params + 12 x layers x d_model x seq; plus each
+(`--compute-s`) or FLOPs / (peak x MFU) with FLOPs per token = 6 x params + 12 x layers x d_model x seq (a config's
+model: counted from its modules, `perf.flops_by_unit`, frozen parameters' gradients left out); plus each
 strategy's collectives (ring / hierarchical alpha-beta times) overlapped with the compute they can hide behind.
 Without `--model` the model of CONFIG / `--set` is modelled, counted from its module tree built on the meta device
 (`counted_shape`: `model.freeze` included). Writes `<out>/predict.md` and `predict.csv`.
@@ -158,6 +159,10 @@ def counted_shape(model_cfg) -> ModelShape:
                             forward, backward)
                   for params, (forward, backward) in zip(groups, flops_by_unit(model, model_cfg.seq_len), strict=True))
     params = sum(u.params for u in units)
+    if not sum(u.forward_flops for u in units):
+        raise ConfigError(f"model.name = {model_cfg.name!r}: no parameter of the model multiplies activations, so its "
+                          "FLOPs and its share of them per block cannot be counted; use --model PRESET, or "
+                          "--compute-s with a preset of the same size")
     layer = (params - units[0].params) / max(1, len(blocks))
     name = (f"gpt {len(blocks)}x{model_cfg.d_model}" if model_cfg.name == "gpt"
             else f"{type(model).__name__} of {len(blocks)} blocks")
@@ -166,7 +171,7 @@ def counted_shape(model_cfg) -> ModelShape:
 
 def _frozen(shape: ModelShape) -> str:
     frozen = 1 - shape.trained_params / shape.params
-    return f", {frozen:.0%} of the parameters frozen (model.freeze: gathered, never reduced)" if frozen else ""
+    return f", {frozen:.1%} of the parameters frozen (model.freeze: gathered, never reduced)" if frozen else ""
 
 
 def _precision(args: argparse.Namespace, default: str) -> str:

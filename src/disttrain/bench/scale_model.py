@@ -358,18 +358,28 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
         after += wire("all_gather", 40 * n, n, times=1 / work.log_every) / work.log_every
     shapes = model.units()
     flops = sum(u.forward_flops + u.backward_flops for u in shapes)
-    if not sharded:  # the buckets spread over the compute: (the backward of a frozen front reduces nothing)
-        forward, backward = (sum(getattr(u, k) for u in shapes) / flops for k in ("forward_flops", "backward_flops"))
+    if not sharded:
+        # the buckets spread over the compute of the units from the first to the last that trains (forward order):
+        # the backward of the frozen units after the last one comes first and readies no gradient (a frozen front's
+        # backward is nothing)
+        last = max((i for i, u in enumerate(shapes) if u.trained), default=-1)
+        head, tail = shapes[:last + 1], shapes[last + 1:]
+        forward, backward = (sum(getattr(u, k) for u in head) / flops for k in ("forward_flops", "backward_flops"))
         buckets = _buckets(model, stored, work.bucket_bytes)
         units = [Unit(forward * b / sum(buckets), backward * b / sum(buckets), reduce=wire("all_reduce", b, n))
                  for b in buckets] or [Unit(forward, backward)]
+        if tail:
+            units.append(Unit(*(sum(getattr(u, k) for u in tail) / flops for k in ("forward_flops", "backward_flops"))))
         after += wire("all_gather", model.trained_params * stored, n) if strategy == "zero1" else 0.0
         return units, after, sent
     replicas = n // shard
     units = []
     for i, u in enumerate(shapes):
-        # gathered again for backward where a gradient reaches the block; the root stays gathered
-        again = strategy in ("fsdp", "hsdp") and i > 0 and u.backward_flops > 0
+        # gathered again for backward where the block's backward runs, or the next unit's does (FSDP2's implicit
+        # prefetch: a unit's pre-backward gathers the unit before it in forward order, run or not; the root's, which
+        # always runs, the last block); the root stays gathered. (`parallel.fsdp_prefetch` = d would gather d.)
+        follows = shapes[i + 1].backward_flops > 0 if i + 1 < len(shapes) else True
+        again = strategy in ("fsdp", "hsdp") and i > 0 and (u.backward_flops > 0 or follows)
         gather = wire("all_gather", u.params * gathered, shard, work.micro_steps * (2 if again else 1))
         reduce = wire("reduce_scatter", u.trained * reduced, shard)
         if replicas > 1:  # hsdp: the shard's gradient is all-reduced across the nodes' replicas

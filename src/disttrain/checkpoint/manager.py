@@ -106,6 +106,8 @@ class CheckpointManager:
     _arrivals: dict[str, int] = {}
     """Collective calls (save, load) so far per folder, in this process: every rank counts the same, also across
     the managers a caller creates for one folder (the TrainingService's workers make one per command)."""
+    _tidied: dict[str, int] = {}
+    """Per folder, the check-ins whose keys this process has deleted from the store (all up to this one)."""
 
     def __init__(self, directory: str | Path, cfg: CheckpointConfig | None = None, runtime: Runtime | None = None,
                  info: dict[str, Any] | None = None, timeout_s: float = 600.0):
@@ -207,11 +209,12 @@ class CheckpointManager:
             missing = ",".join(str(r) for r, key in enumerate(keys) if not store.check([key]))
         proposal = f"{self.rank}:{missing}" if missing else "go"  # (the last came just after the timeout: go)
         outcome = store.compare_set(f"{prefix}/outcome", "", proposal).decode()
-        if outcome == "go":  # every rank is past the previous check-in, where none reads its keys any more
-            previous = f"disttrain/ckpt_arrive/{folder}/{calls - 1}"
-            store.delete_key(f"{previous}/{self.rank}")  # (the store keeps one check-in per folder, not the job's)
-            if self.rank == 0:
-                store.delete_key(f"{previous}/outcome")
+        if outcome == "go":  # every rank is past the earlier check-ins, where none reads their keys any more
+            for earlier in range(CheckpointManager._tidied.get(folder, 0) + 1, calls):  # (one, unless one failed)
+                store.delete_key(f"disttrain/ckpt_arrive/{folder}/{earlier}/{self.rank}")
+                if self.rank == 0:
+                    store.delete_key(f"disttrain/ckpt_arrive/{folder}/{earlier}/outcome")
+            CheckpointManager._tidied[folder] = calls - 1  # (the store keeps one check-in per folder)
             return
         waiter, missing = outcome.split(":")
         if self.rank in map(int, missing.split(",")):
