@@ -74,6 +74,23 @@ def test_fsdp_moves_one_and_a_half_times_ddp_bytes_in_fp32():
     assert sm.step_time("zero2", 64, work, NET).wire_bytes < fsdp
 
 
+def test_gradient_compression_sends_two_bytes_an_element_and_buckets_set_the_calls():
+    work = sm.Workload(LLAMA, 1.0, 8192, precision="fp32", log_every=0)
+    for strategy, collective in (("ddp", "all_reduce"), ("fsdp", "reduce_scatter")):
+        plain = sm.step_time(strategy, 64, work, NET).wire_bytes
+        for compression in ("fp16", "bf16"):
+            halved = sm.step_time(strategy, 64, replace(work, grad_compression=compression), NET).wire_bytes
+            assert plain - halved == pytest.approx(sm.bus_factor(collective, 64) * LLAMA.params * 2, rel=1e-9)
+    cpu = sm.interconnect_from_fit({"world_size": 2, "backend": "gloo", "device": "cpu", "collectives": {
+        c: {"alpha_s": 2e-3, "beta_s_per_byte": 1e-9} for c in sm.COLLECTIVES}})
+    shape = sm.gpt_shape(2, 64, 32, 256)  # 0.43 MB of fp32 gradients
+    one, many = (sm.step_time("ddp", 2, sm.Workload(shape, 0.05, 1, "fp32", bucket_bytes=b, cpu_cores=2,
+                                                    log_every=0), cpu) for b in (25 * 2**20, 2**16))
+    calls = math.ceil(shape.params * 4 / 2**16)  # a call's alpha for each bucket, the bytes the same
+    assert many.comm_s - one.comm_s == pytest.approx((calls - 1) * 2e-3, rel=1e-9)
+    assert many.wire_bytes == pytest.approx(one.wire_bytes, rel=1e-12)
+
+
 def test_ddp_hides_the_all_reduce_behind_backward_except_the_last_bucket():
     link = sm.Link(0.0, 1e9)  # 1 GB/s, so the bytes decide
     model = sm.ModelShape("m", 100e6 / 4)  # 100 MB of fp32 gradients = 4 buckets of 25 MiB (+ a partial one)

@@ -45,6 +45,23 @@ def test_forecast_of_a_config_counts_what_model_freeze_leaves_to_reduce(tmp_path
     assert f"{frozen:.1%} of the parameters frozen (model.freeze" in (tmp_path / "frozen" / "predict.md").read_text()
 
 
+def test_forecast_takes_the_config_s_compression_and_buckets(tmp_path):
+    runs = {"plain": [], "bf16": ["--set", "parallel.grad_compression=bf16"],
+            "buckets": ["--set", "parallel.bucket_cap_mb=0.01", "--set", "train.log_every=1"]}
+    for name, settings in runs.items():
+        assert cli(["bench", "predict", *TINY, *settings, "--strategy", "ddp", "--gpus", "1,2", "--compute-s", "0.1",
+                    "--interconnect", "v100-nvlink+100gbe", "--out", str(tmp_path / name)]) == 0
+    rows = {name: list(csv.DictReader(open(tmp_path / name / "predict.csv")))[1] for name in runs}
+    work = sm.Workload(SHAPE, 0.1, 1, "fp32")
+    net = sm.PRESETS["v100-nvlink+100gbe"]
+    for name, expected in (("plain", work), ("bf16", replace(work, grad_compression="bf16")),
+                           ("buckets", replace(work, bucket_bytes=0.01 * 2**20, log_every=1))):
+        assert float(rows[name]["step_s"]) == pytest.approx(sm.step_time("ddp", 2, expected, net).step_s, rel=1e-9)
+    assert float(rows["bf16"]["wire_bytes_per_gpu"]) < float(rows["plain"]["wire_bytes_per_gpu"])
+    assert "gradient compression bf16; DDP buckets of 25 MiB" in (tmp_path / "bf16" / "predict.md").read_text()
+    assert "DDP buckets of 0.01 MiB; a logged line every 1 steps" in (tmp_path / "buckets" / "predict.md").read_text()
+
+
 def validate(tmp_path, measured_csv: str) -> list[dict]:
     """`bench predict --validate` of the tiny GPT against `measured_csv` and FIT: the rows of predict.csv."""
     (tmp_path / "comm_fit.json").write_text(json.dumps(FIT))
@@ -122,6 +139,8 @@ def test_rounds_of_comm_runs_pool_their_calls():
     (["--gpus", "0,8"], "--gpus '0,8': give counts >= 1"),
     (["--model", "gpt5"], "--model 'gpt5' is not a preset"),
     (["--model", "resnet50"], "the FLOPs of resnet50 are not modelled; give --compute-s"),
+    (["--set", "parallel.grad_compression=powersgd"], "parallel.grad_compression = 'powersgd': its low-rank factors' "
+     "bytes are not modelled"),
     (["--set", "model.name=no_such_module:build"], "model.name = 'no_such_module:build': cannot import"),
     (["--set", "model.name=needs_real_tensors:build"], "model.name = 'needs_real_tensors:build': the model cannot be "
      "built on the meta device to count it (RuntimeError"),
@@ -169,11 +188,13 @@ def test_validate_reads_the_series_of_a_bench_scaling_csv(tmp_path):
     (tmp_path / "scaling.csv").write_text(
         "strategy,loop,mode,world_size,sweep_key,sweep_value,global_batch,micro_batch,log_every,step_time_s\n"
         "ddp,disttrain,weak,1,,,24,4,1,0.12\nddp,hand-written,weak,1,,,24,4,0,0.12\nddp,disttrain,weak,2,,,48,4,1,0.2\n"
-        "ddp,hand-written,weak,2,,,48,4,0,0.19\nfsdp,disttrain,strong,2,,,24,4,10,0.1\n")
+        "ddp,hand-written,weak,2,,,48,4,0,0.19\nfsdp,disttrain,strong,2,,,24,4,10,0.1\n"
+        "ddp,disttrain,weak,1,parallel.bucket_cap_mb,0.01,24,4,1,0.12\n"
+        "ddp,disttrain,weak,2,parallel.bucket_cap_mb,0.01,48,4,1,0.2\n")
     assert cli(["bench", "predict", "--validate", *TINY, "--measured", str(tmp_path / "scaling.csv"),
                 "--interconnect", f"measured:{tmp_path}", "--cpu-cores", "2", "--out", str(tmp_path)]) == 0
     rows = [r for r in csv.DictReader(open(tmp_path / "predict.csv")) if r["check"] == "measured"]
-    assert [(r["case"], r["gpus"]) for r in rows] == [("ddp weak disttrain", "1"), ("ddp weak disttrain", "2"),
+    assert [(r["case"], r["gpus"]) for r in rows[:4]] == [("ddp weak disttrain", "1"), ("ddp weak disttrain", "2"),
                                                       ("ddp weak hand-written", "1"), ("ddp weak hand-written", "2")]
     work = sm.Workload(SHAPE, 0.12, 1.0, "fp32", micro_steps=6, cpu_cores=2, log_every=1)
     net = sm.interconnect_from_fit(FIT)
@@ -182,6 +203,10 @@ def test_validate_reads_the_series_of_a_bench_scaling_csv(tmp_path):
     assert float(rows[3]["predicted"]) == pytest.approx(  # the hand-written loop gathers no figures per step
         sm.step_time("ddp", 2, replace(work, log_every=0), net).step_s, rel=1e-9)
     assert float(rows[3]["predicted"]) < float(rows[1]["predicted"])
+    assert [(r["case"], r["gpus"]) for r in rows[4:]] == [("ddp weak disttrain parallel.bucket_cap_mb 0.01", "1"),
+                                                          ("ddp weak disttrain parallel.bucket_cap_mb 0.01", "2")]
+    swept = sm.step_time("ddp", 2, replace(work, bucket_bytes=0.01 * 2**20), net).step_s  # each series its buckets
+    assert float(rows[5]["predicted"]) == pytest.approx(swept, rel=1e-9) and swept > float(rows[1]["predicted"])
     report = (tmp_path / "predict.md").read_text()
     # a row's step time is a median: with a line every 10 steps the median step gathers nothing
     assert [predict._log_every(r) for r in ({"log_every": "10", "loop": "disttrain"}, {"log_every": "1"},

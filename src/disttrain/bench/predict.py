@@ -122,18 +122,30 @@ def interconnect(spec: str) -> tuple[Interconnect, dict | None]:
                           "`disttrain bench comm --out DIR` first") from None
 
 
-def model_shape(args: argparse.Namespace) -> tuple[ModelShape, int, str, int]:
-    """(shape, default local batch, default precision, steps per logged line) of --model (run by disttrain with its
-    default `train.log_every`), else of the config's model."""
-    from disttrain.config import TrainConfig, load_config
+def model_shape(args: argparse.Namespace) -> tuple[ModelShape, int, str, dict]:
+    """(shape, default local batch, default precision, `settings`) of --model (run by disttrain with its defaults),
+    else of the config's model."""
+    from disttrain.config import Config, load_config
 
     if args.model:
         if args.model not in MODELS:
             raise ConfigError(f"--model {args.model!r} is not a preset; choose from {', '.join(MODELS)}, or leave it "
                               "out to model the model of CONFIG / --set")
-        return MODELS[args.model], LOCAL_BATCH[args.model], "bf16-mixed", TrainConfig().log_every
+        return MODELS[args.model], LOCAL_BATCH[args.model], "bf16-mixed", settings(Config())
     cfg = load_config(args.config, args.overrides)
-    return counted_shape(cfg.model), cfg.data.micro_batch_size, cfg.parallel.precision, cfg.train.log_every
+    return counted_shape(cfg.model), cfg.data.micro_batch_size, cfg.parallel.precision, settings(cfg)
+
+
+def settings(cfg) -> dict:
+    """What a config sets of a step's collectives, as `Workload`'s fields: the steps per logged line (each gathers
+    the ranks' figures), DDP's bucket size and the gradients' compression."""
+    p = cfg.parallel
+    if p.grad_compression == "powersgd":
+        raise ConfigError("parallel.grad_compression = 'powersgd': its low-rank factors' bytes are not modelled; "
+                          "predict with --set parallel.grad_compression=none (an upper bound on the bytes), or "
+                          "measure it with `disttrain bench scaling`")
+    return {"log_every": cfg.train.log_every, "bucket_bytes": p.bucket_cap_mb * 2**20,
+            "grad_compression": p.grad_compression}
 
 
 def counted_shape(model_cfg) -> ModelShape:
@@ -194,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     if not strategies:
         raise ConfigError(f"--strategy {args.strategy!r} names no strategy; e.g. --strategy fsdp or ddp,fsdp")
     gpus = integers(args.gpus, "--gpus", "counts >= 1", "8,64,512")
-    shape, local_batch, precision, log_every = model_shape(args)
+    shape, local_batch, precision, job = model_shape(args)
     precision = _precision(args, precision)
     sitting = args.measure and args.validate
     if sitting and args.interconnect:
@@ -220,9 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         net, fit = interconnect(args.interconnect)
     net = with_gpus_per_node(net, args.gpus_per_node) if args.gpus_per_node else net
     if args.validate:
-        text, rows = validate(args, shape, precision, net, fit)
+        text, rows = validate(args, shape, precision, net, fit, job)
     else:
-        text, rows = forecast(args, strategies, gpus, shape, local_batch, precision, net, fit, log_every=log_every)
+        text, rows = forecast(args, strategies, gpus, shape, local_batch, precision, net, fit, job)
     _write(make_folder(Path(args.out).resolve(), "--out"), text, rows)
     print(text)
     return 0
@@ -242,8 +254,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
                   ("--steps", args.steps, 1, "steps >= 1"), ("--warmup", args.warmup, 0, "steps >= 0"))
 
 
-def forecast(args, strategies, gpus, shape, local_batch, precision, net, fit, *, log_every: int
-             ) -> tuple[str, list[dict]]:
+def forecast(args, strategies, gpus, shape, local_batch, precision, net, fit, job: dict) -> tuple[str, list[dict]]:
     local = args.local_batch or local_batch
     micro = args.micro_batch or local
     if local % micro:
@@ -259,8 +270,7 @@ def forecast(args, strategies, gpus, shape, local_batch, precision, net, fit, *,
         compute = compute_seconds(shape, tokens, tflops, args.mfu)
         source = (f"{shape.flops_per_token():.3g} FLOPs/token / ({tflops:g} TFLOP/s x MFU {args.mfu:g}"
                   + ("" if args.tflops else f"; the H100's dense peak in {precision}") + ")")
-    work = Workload(shape, compute, tokens, precision, local // micro, cpu_cores=_cores(args, fit),
-                    log_every=log_every)
+    work = Workload(shape, compute, tokens, precision, local // micro, cpu_cores=_cores(args, fit), **job)
     rows = []
     for strategy in strategies:
         for p in predict(strategy, gpus, work, net):
@@ -275,7 +285,8 @@ def forecast(args, strategies, gpus, shape, local_batch, precision, net, fit, *,
              f"step ({local // micro} micro-batch{'es' if local // micro > 1 else ''})",
              f"- compute of one step on one device: {compute:.4g} s, {source}",
              f"- precision {precision}: bytes per element stored / gathered / reduced "
-             + " / ".join(map(str, BYTES[precision])),
+             + " / ".join(map(str, BYTES[precision])) + f"; gradient compression {job['grad_compression']}; DDP "
+             f"buckets of {job['bucket_bytes'] / 2**20:g} MiB; a logged line every {job['log_every']} steps",
              f"- interconnect {net.name}: {net.gpus_per_node} devices per node; {net.note}", "",
              "| strategy | GPUs | step (s) | compute (s) | collectives (s) | exposed (s) | tokens/s per GPU | "
              "efficiency |",
@@ -291,13 +302,14 @@ SERIES_KEYS = ("strategy", "mode", "loop", "sweep_key", "sweep_value")
 """Columns that tell one measured series from another (`bench scaling` adds the loop and a swept setting)."""
 
 
-Measured = dict[str, tuple[str, dict[int, dict]]]
+Measured = dict[str, tuple[str, dict[int, dict], str]]
+"""label -> (strategy, world size -> figures, the series' swept setting as `section.key=value` or '')."""
 
 
 def read_measured(path: Path, params: float, max_other_cpu: float) -> tuple[Measured, int]:
     """(label -> (strategy, world size -> {step_time_s, local: samples per rank per step (0 if unknown),
-    micro_steps}) for every series of a modelled strategy, rows left out). A row whose `other_cpu` (where the CSV has
-    one) is above `max_other_cpu` measured its neighbours too and is left out."""
+    micro_steps}, swept setting) for every series of a modelled strategy, rows left out). A row whose `other_cpu`
+    (where the CSV has one) is above `max_other_cpu` measured its neighbours too and is left out."""
     try:
         with open(path, newline="") as f:
             table = list(csv.DictReader(f))
@@ -336,7 +348,9 @@ def read_measured(path: Path, params: float, max_other_cpu: float) -> tuple[Meas
             by_world[world] = {"step_time_s": statistics.median(float(r["step_time_s"]) for r in rows),
                                "local": local, "micro_steps": max(1, round(local / micro)) if micro else 1,
                                "log_every": _log_every(rows[0])}
-        result[label] = (strategy, by_world)
+        first = worlds[min(worlds)][0]
+        swept = f"{first['sweep_key']}={first['sweep_value']}" if first.get("sweep_key") else ""
+        result[label] = (strategy, by_world, swept)
     return result, len(noisy)
 
 
@@ -364,14 +378,21 @@ def _check_row(path: Path, line: int, row: dict) -> None:
                           + ", ".join(f"{k} {v!r}" for k, v in row.items() if k != "strategy"))
 
 
-def validate(args, shape, precision, net, fit) -> tuple[str, list[dict]]:
+def _swept(args: argparse.Namespace, swept: str) -> dict:
+    """The settings of a measured series whose `bench scaling --sweep` set `section.key=value` on top of CONFIG."""
+    from disttrain.config import load_config
+
+    return settings(load_config(args.config, [*args.overrides, swept]))
+
+
+def validate(args, shape, precision, net, fit, base_job: dict) -> tuple[str, list[dict]]:
     rows, lines = [], [f"# Validation of the scale model ({_date()})", ""]
     if args.measured:
         if fit is None:
             raise ConfigError("--validate --measured needs --interconnect measured:PATH/comm_fit.json from "
                               "`disttrain bench comm` on the machine the CSV was measured on")
         measured, dropped = read_measured(Path(args.measured), shape.params, args.max_other_cpu)
-        worlds = [w for _, by_world in measured.values() for w in by_world]
+        worlds = [w for _, by_world, _ in measured.values() for w in by_world]
         net = with_gpus_per_node(net, args.gpus_per_node or max(worlds))  # every rank on this one machine
         cores = _cores(args, fit)
         lines += [f"## (i) Measured on this machine: {args.measured}", "",
@@ -380,15 +401,16 @@ def validate(args, shape, precision, net, fit) -> tuple[str, list[dict]]:
                   "from the 1-rank step. Target: |error| <= 10%.", "",
                   "| series | ranks | measured (s) | predicted (s) | error | collectives (s) |",
                   "|---|---|---|---|---|---|"]
-        skipped = [label for label, (_, by_world) in measured.items() if 1 not in by_world]
-        for label, (strategy, by_world) in measured.items():
+        skipped = [label for label, (_, by_world, _) in measured.items() if 1 not in by_world]
+        for label, (strategy, by_world, swept) in measured.items():
             if label in skipped:
                 continue
+            job = _swept(args, swept) if swept else base_job
             base = by_world[1]
             for world, m in sorted(by_world.items()):
                 scale = m["local"] / base["local"] if base["local"] else 1.0
                 work = Workload(shape, base["step_time_s"] * scale, 1.0, precision, m["micro_steps"], cpu_cores=cores,
-                                log_every=m["log_every"])  # (the gathers a row's median step pays)
+                                **{**job, "log_every": m["log_every"]})  # (the gathers a row's median step pays)
                 s = step_time(strategy, world, work, net)
                 error = s.step_s / m["step_time_s"] - 1
                 rows.append({"check": "measured", "case": label, "gpus": world, "reference": m["step_time_s"],

@@ -252,6 +252,10 @@ class Workload:
     micro_steps: int = 1
     """Accumulation micro-batches per step; gradients are reduced on the last one only."""
     bucket_bytes: float = 25 * 2**20
+    """DDP's bucket size (`parallel.bucket_cap_mb`), in the gradients' stored dtype."""
+    grad_compression: str = "none"
+    """`parallel.grad_compression`: fp16 / bf16 send DDP's buckets and FSDP's reduce-scatters in 2 bytes an element
+    (powersgd is not modelled)."""
     cpu_cores: int = 0
     """0 on accelerators. On CPU, ranks beyond the cores share them, and so do gloo's communication threads."""
     log_every: int = 10
@@ -335,6 +339,8 @@ def _buckets(model: ModelShape, grad_bytes: int, bucket_bytes: float) -> list[fl
 def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[list[Unit], float, float]:
     """(units in forward order, seconds of collectives after backward, wire bytes per step)."""
     model, (stored, gathered, reduced) = work.model, BYTES[work.precision]
+    compressed = 2 if work.grad_compression in ("fp16", "bf16") else 0  # (DDP's hook halves each bucket it sends)
+    reduced = compressed or reduced
 
     def wire(collective: str, nbytes: float, ranks: int, times: float = 1, across: bool = False) -> float:
         nonlocal sent
@@ -366,7 +372,8 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
         head, tail = shapes[:last + 1], shapes[last + 1:]
         forward, backward = (sum(getattr(u, k) for u in head) / flops for k in ("forward_flops", "backward_flops"))
         buckets = _buckets(model, stored, work.bucket_bytes)
-        units = [Unit(forward * b / sum(buckets), backward * b / sum(buckets), reduce=wire("all_reduce", b, n))
+        units = [Unit(forward * b / sum(buckets), backward * b / sum(buckets),
+                      reduce=wire("all_reduce", b * (compressed or stored) / stored, n))
                  for b in buckets] or [Unit(forward, backward)]
         if tail:
             units.append(Unit(*(sum(getattr(u, k) for u in tail) / flops for k in ("forward_flops", "backward_flops"))))
