@@ -45,6 +45,13 @@ def test_forecast_of_a_config_counts_what_model_freeze_leaves_to_reduce(tmp_path
     assert f"{frozen:.1%} of the parameters frozen (model.freeze" in (tmp_path / "frozen" / "predict.md").read_text()
 
 
+def test_the_strategy_is_the_config_s_where_modelled(tmp_path):
+    for strategy, expected in (("ddp", "ddp"), ("zero2", "zero2"), ("deepspeed", "fsdp"), ("auto", "fsdp")):
+        assert cli(["bench", "predict", *TINY, "--set", f"parallel.strategy={strategy}", "--gpus", "8", "--out",
+                    str(tmp_path / strategy)]) == 0
+        assert {r["strategy"] for r in csv.DictReader(open(tmp_path / strategy / "predict.csv"))} == {expected}
+
+
 def test_forecast_takes_the_config_s_compression_and_buckets(tmp_path):
     runs = {"plain": [], "bf16": ["--set", "parallel.grad_compression=bf16"],
             "buckets": ["--set", "parallel.bucket_cap_mb=0.01", "--set", "train.log_every=1"]}
@@ -148,6 +155,8 @@ def test_rounds_of_comm_runs_pool_their_calls():
     (["--measure", "--world-sizes", "1,two"], "--world-sizes '1,two': give counts"),
     (["--measure", "--world-sizes", "1,100000"], "--world-sizes: 100000 ranks is more than this machine can start"),
     (["--measure", "--validate", "--rounds", "0"], "--rounds 0: give 1 or more"),
+    (["--measure", "--set", "parallel.bucket_cap_mb=1"], "--strategies fsdp at 1 ranks: parallel.bucket_cap_mb = 1.0 "
+     "needs a strategy that uses it (ddp, zero1), not 'fsdp'"),
     (["--validate", "--measured", "busy.csv", "--interconnect", "measured:fit.json"], "--measured busy.csv: every row "
      "was measured while other processes kept more than 0.1 cores busy"),
     (["--strategy", ","], "--strategy ',' names no strategy"),

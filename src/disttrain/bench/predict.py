@@ -41,6 +41,7 @@ from pathlib import Path
 from disttrain.bench import check_numbers, integers
 from disttrain.bench.published_scaling import PUBLISHED
 from disttrain.bench.scale_model import (
+    ALIASES,
     BYTES,
     H100_BF16_TFLOPS,
     H100_FP32_TFLOPS,
@@ -71,7 +72,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("config", nargs="?", help="TOML config of the model (default: the built-in job)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--model", default="", help="a preset instead of the config's model: " + ", ".join(MODELS))
-    p.add_argument("--strategy", default="fsdp", help="comma-separated: " + ", ".join(STRATEGIES) + " (zero3 = fsdp)")
+    p.add_argument("--strategy", default="", help="comma-separated: " + ", ".join(STRATEGIES) + " (zero3 = fsdp; "
+                   "default: the config's parallel.strategy where modelled, else fsdp)")
     p.add_argument("--gpus", default="8,64,512,1024", help="GPU counts, comma-separated")
     p.add_argument("--interconnect", default="",
                    help=", ".join(PRESETS) + ", or measured:PATH (comm_fit.json of `disttrain bench comm`); default "
@@ -134,6 +136,14 @@ def model_shape(args: argparse.Namespace) -> tuple[ModelShape, int, str, dict]:
         return MODELS[args.model], LOCAL_BATCH[args.model], "bf16-mixed", settings(Config())
     cfg = load_config(args.config, args.overrides)
     return counted_shape(cfg.model), cfg.data.micro_batch_size, cfg.parallel.precision, settings(cfg)
+
+
+def _strategy(args: argparse.Namespace) -> str:
+    """The config's `parallel.strategy` where the scale model knows it (zero3 = fsdp), else fsdp (also for --model)."""
+    from disttrain.config import load_config
+
+    name = "fsdp" if args.model else load_config(args.config, args.overrides).parallel.strategy
+    return name if ALIASES.get(name, name) in STRATEGIES else "fsdp"
 
 
 def settings(cfg) -> dict:
@@ -202,7 +212,8 @@ def _cores(args: argparse.Namespace, fit: dict | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
     _check_numbers(args)
-    strategies = list(dict.fromkeys(canonical_strategy(s) for s in args.strategy.split(",") if s.strip()))
+    strategies = list(dict.fromkeys(canonical_strategy(s) for s in (args.strategy or _strategy(args)).split(",")
+                                    if s.strip()))
     if not strategies:
         raise ConfigError(f"--strategy {args.strategy!r} names no strategy; e.g. --strategy fsdp or ddp,fsdp")
     gpus = integers(args.gpus, "--gpus", "counts >= 1", "8,64,512")
@@ -219,10 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         from disttrain.bench import predict_measure
 
         args.world_sizes = integers(args.world_sizes, "--world-sizes", "counts >= 1", "1,2,3")
+        args.micro_batch = args.micro_batch or local_batch  # the config's micro-batch unless given
         predict_measure.check(args)
         if args.rounds < 1:
             raise ConfigError(f"--rounds {args.rounds}: give 1 or more (3 steadies the busy links)")
-        args.micro_batch = args.micro_batch or local_batch  # the config's micro-batch unless given
         out = make_folder(Path(args.out).resolve(), "--out")
         if not sitting:
             print(f"disttrain: wrote {predict_measure.measure(args, out)}")

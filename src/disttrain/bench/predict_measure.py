@@ -43,7 +43,7 @@ def check(args: argparse.Namespace) -> None:
 
     from disttrain.bench import rank_limit
     from disttrain.bench.scale_model import canonical_strategy
-    from disttrain.config import load_config, uses_cuda
+    from disttrain.config import load_config, uses_cuda, validate
 
     gpus = torch.cuda.device_count()
     limit, what = rank_limit(gpus if uses_cuda(load_config(args.config, args.overrides), gpus) else 0)
@@ -59,6 +59,13 @@ def check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--strategies {args.strategies}: {str(exc).removeprefix('--strategy ')}") from None
     if not names:
         raise ConfigError(f"--strategies {args.strategies!r} names no strategy; e.g. --strategies ddp,fsdp")
+    for name in names:  # each strategy's run at each world size, as its ranks will check it: before any starts
+        for world in args.world_sizes:
+            try:
+                validate(load_config(args.config, [*_overrides(args, world), f"parallel.strategy={name}"]), gpus,
+                         world)
+            except ConfigError as exc:
+                raise ConfigError(f"--strategies {name} at {world} ranks: {exc}") from None
 
 
 def measure(args: argparse.Namespace, out: Path) -> Path:
