@@ -65,7 +65,8 @@ def test_forecast_takes_the_config_s_compression_and_buckets(tmp_path):
                            ("buckets", replace(work, bucket_bytes=0.01 * 2**20, log_every=1))):
         assert float(rows[name]["step_s"]) == pytest.approx(sm.step_time("ddp", 2, expected, net).step_s, rel=1e-9)
     assert float(rows["bf16"]["wire_bytes_per_gpu"]) < float(rows["plain"]["wire_bytes_per_gpu"])
-    assert "gradient compression bf16; DDP buckets of 25 MiB" in (tmp_path / "bf16" / "predict.md").read_text()
+    assert "gradient compression bf16: bytes per element stored / gathered / reduced 4 / 4 / 2; DDP buckets of 25 " \
+        "MiB" in (tmp_path / "bf16" / "predict.md").read_text()
     assert "DDP buckets of 0.01 MiB; a logged line every 1 steps" in (tmp_path / "buckets" / "predict.md").read_text()
 
 

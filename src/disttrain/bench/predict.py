@@ -191,6 +191,11 @@ def counted_shape(model_cfg) -> ModelShape:
     return ModelShape(name, params, layer, len(blocks), seq_len=model_cfg.seq_len, counted=units)
 
 
+def _bytes(precision: str, compression: str) -> str:
+    stored, gathered, reduced = BYTES[precision]
+    return f"{stored} / {gathered} / {2 if compression in ('fp16', 'bf16') else reduced}"
+
+
 def _frozen(shape: ModelShape) -> str:
     frozen = 1 - shape.trained_params / shape.params
     return f", {frozen:.1%} of the parameters frozen (model.freeze: gathered, never reduced)" if frozen else ""
@@ -295,9 +300,9 @@ def forecast(args, strategies, gpus, shape, local_batch, precision, net, fit, jo
              f"{shape.layer_params / 1e6:,.2f} M{_frozen(shape)}; {local} x {max(shape.seq_len, 1)} tokens per GPU per "
              f"step ({local // micro} micro-batch{'es' if local // micro > 1 else ''})",
              f"- compute of one step on one device: {compute:.4g} s, {source}",
-             f"- precision {precision}: bytes per element stored / gathered / reduced "
-             + " / ".join(map(str, BYTES[precision])) + f"; gradient compression {job['grad_compression']}; DDP "
-             f"buckets of {job['bucket_bytes'] / 2**20:g} MiB; a logged line every {job['log_every']} steps",
+             f"- precision {precision}, gradient compression {job['grad_compression']}: bytes per element stored / "
+             f"gathered / reduced {_bytes(precision, job['grad_compression'])}; DDP buckets of "
+             f"{job['bucket_bytes'] / 2**20:g} MiB; a logged line every {job['log_every']} steps",
              f"- interconnect {net.name}: {net.gpus_per_node} devices per node; {net.note}", "",
              "| strategy | GPUs | step (s) | compute (s) | collectives (s) | exposed (s) | tokens/s per GPU | "
              "efficiency |",
