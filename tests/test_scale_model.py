@@ -91,6 +91,14 @@ def test_gradient_compression_sends_two_bytes_an_element_and_buckets_set_the_cal
     assert many.wire_bytes == pytest.approx(one.wire_bytes, rel=1e-12)
 
 
+def test_ddp_buckets_hold_whole_tensors_from_the_last_parameter():
+    # as DDP's rebuilt buckets: in the order gradients are ready, closed once they reach the cap
+    model = sm.ModelShape("m", 1030, counted=(sm.UnitShape(1030, 1030, 1, 2),), grad_tensors=(10, 10, 1000, 10))
+    assert sm._buckets(model, 4, 40) == [40, 40, 4000, 40]  # forward order; an even split would make 103
+    assert sm._buckets(model, 4, 100) == [80, 4040]  # the first parameters' bucket is the partial one
+    assert sm._buckets(model, 4, 25 * 2**20) == [4120]
+
+
 def test_ddp_hides_the_all_reduce_behind_backward_except_the_last_bucket():
     link = sm.Link(0.0, 1e9)  # 1 GB/s, so the bytes decide
     model = sm.ModelShape("m", 100e6 / 4)  # 100 MB of fp32 gradients = 4 buckets of 25 MiB (+ a partial one)

@@ -45,11 +45,20 @@ def test_forecast_of_a_config_counts_what_model_freeze_leaves_to_reduce(tmp_path
     assert f"{frozen:.1%} of the parameters frozen (model.freeze" in (tmp_path / "frozen" / "predict.md").read_text()
 
 
-def test_the_strategy_is_the_config_s_where_modelled(tmp_path):
-    for strategy, expected in (("ddp", "ddp"), ("zero2", "zero2"), ("deepspeed", "fsdp"), ("auto", "fsdp")):
-        assert cli(["bench", "predict", *TINY, "--set", f"parallel.strategy={strategy}", "--gpus", "8", "--out",
-                    str(tmp_path / strategy)]) == 0
-        assert {r["strategy"] for r in csv.DictReader(open(tmp_path / strategy / "predict.csv"))} == {expected}
+@pytest.mark.parametrize("settings, expected", [
+    (["parallel.strategy=auto"], "ddp"),  # (what auto runs on several ranks)
+    (["parallel.strategy=zero1"], "zero1"),
+    (["parallel.strategy=deepspeed"], "zero2"),  # its default stage
+    (["parallel.strategy=deepspeed", "parallel.deepspeed_stage=3"], "fsdp"),
+    (["parallel.strategy=fsdp", "parallel.reshard_after_forward=false"], "zero2"),  # gathered once, kept for backward
+])
+def test_the_strategy_is_the_one_the_config_s_job_runs(settings, expected, tmp_path):
+    sets = [x for setting in settings for x in ("--set", setting)]
+    assert cli(["bench", "predict", *TINY, *sets, "--gpus", "8", "--out", str(tmp_path)]) == 0
+    assert {r["strategy"] for r in csv.DictReader(open(tmp_path / "predict.csv"))} == {expected}
+    strategy = settings[0].partition("=")[2]
+    assert f"the config's parallel.strategy = '{strategy}', modelled as {expected}" in \
+        (tmp_path / "predict.md").read_text()
 
 
 def test_forecast_takes_the_config_s_compression_and_buckets(tmp_path):
@@ -149,6 +158,11 @@ def test_rounds_of_comm_runs_pool_their_calls():
     (["--model", "resnet50"], "the FLOPs of resnet50 are not modelled; give --compute-s"),
     (["--set", "parallel.grad_compression=powersgd"], "parallel.grad_compression = 'powersgd': its low-rank factors' "
      "bytes are not modelled"),
+    (["--measure", "--strategies", "fsdp", "--set", "parallel.grad_compression=powersgd"], "--strategies fsdp at 1 "
+     "ranks: parallel.grad_compression = 'powersgd' is a DDP communication hook"),  # (--measure models nothing)
+    (["--strategy", "ddp", "--set", "parallel.bucket_cap_mb=0"], "parallel.bucket_cap_mb = 0.0: must be > 0"),
+    (["--set", "parallel.strategy=single"], "parallel.strategy = 'single' is not modelled; give --strategy"),
+    (["--set", "parallel.strategy=fsdpp"], "parallel.strategy = 'fsdpp' is not known"),
     (["--set", "model.name=no_such_module:build"], "model.name = 'no_such_module:build': cannot import"),
     (["--set", "model.name=needs_real_tensors:build"], "model.name = 'needs_real_tensors:build': the model cannot be "
      "built on the meta device to count it (RuntimeError"),
@@ -200,7 +214,11 @@ def test_validate_reads_the_series_of_a_bench_scaling_csv(tmp_path):
         "ddp,disttrain,weak,1,,,24,4,1,0.12\nddp,hand-written,weak,1,,,24,4,0,0.12\nddp,disttrain,weak,2,,,48,4,1,0.2\n"
         "ddp,hand-written,weak,2,,,48,4,0,0.19\nfsdp,disttrain,strong,2,,,24,4,10,0.1\n"
         "ddp,disttrain,weak,1,parallel.bucket_cap_mb,0.01,24,4,1,0.12\n"
-        "ddp,disttrain,weak,2,parallel.bucket_cap_mb,0.01,48,4,1,0.2\n")
+        "ddp,disttrain,weak,2,parallel.bucket_cap_mb,0.01,48,4,1,0.2\n"
+        "ddp,disttrain,weak,1,parallel.grad_compression,powersgd,24,4,1,0.12\n"
+        "ddp,disttrain,weak,2,parallel.grad_compression,powersgd,48,4,1,0.2\n"
+        "ddp,disttrain,weak,1,model.d_model,128,24,4,1,0.12\n"
+        "ddp,disttrain,weak,2,model.d_model,128,48,4,1,0.2\n")
     assert cli(["bench", "predict", "--validate", *TINY, "--measured", str(tmp_path / "scaling.csv"),
                 "--interconnect", f"measured:{tmp_path}", "--cpu-cores", "2", "--out", str(tmp_path)]) == 0
     rows = [r for r in csv.DictReader(open(tmp_path / "predict.csv")) if r["check"] == "measured"]
@@ -222,3 +240,7 @@ def test_validate_reads_the_series_of_a_bench_scaling_csv(tmp_path):
     assert [predict._log_every(r) for r in ({"log_every": "10", "loop": "disttrain"}, {"log_every": "1"},
                                             {"loop": "hand-written"}, {"loop": "disttrain"})] == [0, 1, 0, 1]
     assert "Not predicted (no 1-rank row to start from): fsdp strong disttrain." in report
+    assert ("Not predicted: ddp weak disttrain parallel.grad_compression powersgd (parallel.grad_compression = "
+            "'powersgd': its low-rank factors' bytes are not modelled") in report
+    assert "ddp weak disttrain model.d_model 128 (its sweep of model.d_model is not modelled)" in report
+    assert len(rows) == 6  # the other series were predicted

@@ -41,7 +41,6 @@ from pathlib import Path
 from disttrain.bench import check_numbers, integers
 from disttrain.bench.published_scaling import PUBLISHED
 from disttrain.bench.scale_model import (
-    ALIASES,
     BYTES,
     H100_BF16_TFLOPS,
     H100_FP32_TFLOPS,
@@ -124,8 +123,8 @@ def interconnect(spec: str) -> tuple[Interconnect, dict | None]:
                           "`disttrain bench comm --out DIR` first") from None
 
 
-def model_shape(args: argparse.Namespace) -> tuple[ModelShape, int, str, dict]:
-    """(shape, default local batch, default precision, `settings`) of --model (run by disttrain with its defaults),
+def model_shape(args: argparse.Namespace):
+    """(shape, default local batch, default precision, the config) of --model (run by disttrain with its defaults),
     else of the config's model."""
     from disttrain.config import Config, load_config
 
@@ -133,27 +132,47 @@ def model_shape(args: argparse.Namespace) -> tuple[ModelShape, int, str, dict]:
         if args.model not in MODELS:
             raise ConfigError(f"--model {args.model!r} is not a preset; choose from {', '.join(MODELS)}, or leave it "
                               "out to model the model of CONFIG / --set")
-        return MODELS[args.model], LOCAL_BATCH[args.model], "bf16-mixed", settings(Config())
+        return MODELS[args.model], LOCAL_BATCH[args.model], "bf16-mixed", Config()
     cfg = load_config(args.config, args.overrides)
-    return counted_shape(cfg.model), cfg.data.micro_batch_size, cfg.parallel.precision, settings(cfg)
+    return counted_shape(cfg.model), cfg.data.micro_batch_size, cfg.parallel.precision, cfg
 
 
-def _strategy(args: argparse.Namespace) -> str:
-    """The config's `parallel.strategy` where the scale model knows it (zero3 = fsdp), else fsdp (also for --model)."""
-    from disttrain.config import load_config
+def config_strategy(cfg) -> str:
+    """The modelled strategy the config's job runs on several ranks: `auto` is ddp there, DeepSpeed's stages 0-3
+    are ddp, zero1, zero2 and fsdp (ZeRO-3), fsdp that keeps its parameters gathered after forward
+    (`parallel.reshard_after_forward = false`) is zero2; `single` and an unknown name are one line."""
+    from disttrain.parallel import registry
 
-    name = "fsdp" if args.model else load_config(args.config, args.overrides).parallel.strategy
-    return name if ALIASES.get(name, name) in STRATEGIES else "fsdp"
+    p = cfg.parallel
+    name = registry.resolve(p.strategy, 2).name  # (an unknown name: the registry's one line)
+    if name == "deepspeed":
+        name = ("ddp", "zero1", "zero2", "fsdp")[p.deepspeed_stage] if 0 <= p.deepspeed_stage <= 3 else name
+    if name == "fsdp" and not p.reshard_after_forward:
+        name = "zero2"
+    if name not in STRATEGIES:
+        raise ConfigError(f"parallel.strategy = {p.strategy!r} is not modelled; give --strategy (one or more of "
+                          f"{', '.join(STRATEGIES)})")
+    return name
 
 
 def settings(cfg) -> dict:
-    """What a config sets of a step's collectives, as `Workload`'s fields: the steps per logged line (each gathers
-    the ranks' figures), DDP's bucket size and the gradients' compression."""
+    """What a config sets of a step's collectives that the scale model takes, as `Workload`'s fields: the steps per
+    logged line (each gathers the ranks' figures), DDP's bucket size and the gradients' compression. (Not taken:
+    `parallel.hsdp_shard_size`, hsdp shards within a node of the interconnect; `parallel.fsdp_prefetch`.)"""
+    from disttrain.config import CHOICES
+
     p = cfg.parallel
+    if p.grad_compression not in CHOICES["parallel.grad_compression"]:
+        raise ConfigError(f"parallel.grad_compression = {p.grad_compression!r}: choose from "
+                          f"{', '.join(CHOICES['parallel.grad_compression'])}")
     if p.grad_compression == "powersgd":
         raise ConfigError("parallel.grad_compression = 'powersgd': its low-rank factors' bytes are not modelled; "
                           "predict with --set parallel.grad_compression=none (an upper bound on the bytes), or "
                           "measure it with `disttrain bench scaling`")
+    if not (p.bucket_cap_mb > 0 and math.isfinite(p.bucket_cap_mb)):
+        raise ConfigError(f"parallel.bucket_cap_mb = {p.bucket_cap_mb}: must be > 0")
+    if cfg.train.log_every < 1:
+        raise ConfigError(f"train.log_every = {cfg.train.log_every}: must be >= 1")
     return {"log_every": cfg.train.log_every, "bucket_bytes": p.bucket_cap_mb * 2**20,
             "grad_compression": p.grad_compression}
 
@@ -188,7 +207,8 @@ def counted_shape(model_cfg) -> ModelShape:
     layer = (params - units[0].params) / max(1, len(blocks))
     name = (f"gpt {len(blocks)}x{model_cfg.d_model}" if model_cfg.name == "gpt"
             else f"{type(model).__name__} of {len(blocks)} blocks")
-    return ModelShape(name, params, layer, len(blocks), seq_len=model_cfg.seq_len, counted=units)
+    return ModelShape(name, params, layer, len(blocks), seq_len=model_cfg.seq_len, counted=units,
+                      grad_tensors=tuple(p.numel() for p in model.parameters() if p.requires_grad))
 
 
 def _bytes(precision: str, compression: str) -> str:
@@ -217,12 +237,11 @@ def _cores(args: argparse.Namespace, fit: dict | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
     _check_numbers(args)
-    strategies = list(dict.fromkeys(canonical_strategy(s) for s in (args.strategy or _strategy(args)).split(",")
-                                    if s.strip()))
-    if not strategies:
+    strategies = list(dict.fromkeys(canonical_strategy(s) for s in args.strategy.split(",") if s.strip()))
+    if args.strategy and not strategies:
         raise ConfigError(f"--strategy {args.strategy!r} names no strategy; e.g. --strategy fsdp or ddp,fsdp")
     gpus = integers(args.gpus, "--gpus", "counts >= 1", "8,64,512")
-    shape, local_batch, precision, job = model_shape(args)
+    shape, local_batch, precision, cfg = model_shape(args)
     precision = _precision(args, precision)
     sitting = args.measure and args.validate
     if sitting and args.interconnect:
@@ -248,9 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         net, fit = interconnect(args.interconnect)
     net = with_gpus_per_node(net, args.gpus_per_node) if args.gpus_per_node else net
     if args.validate:
-        text, rows = validate(args, shape, precision, net, fit, job)
+        text, rows = validate(args, shape, precision, net, fit, cfg)
     else:
-        text, rows = forecast(args, strategies, gpus, shape, local_batch, precision, net, fit, job)
+        text, rows = forecast(args, strategies, gpus, shape, local_batch, precision, net, fit, cfg)
     _write(make_folder(Path(args.out).resolve(), "--out"), text, rows)
     print(text)
     return 0
@@ -270,7 +289,11 @@ def _check_numbers(args: argparse.Namespace) -> None:
                   ("--steps", args.steps, 1, "steps >= 1"), ("--warmup", args.warmup, 0, "steps >= 0"))
 
 
-def forecast(args, strategies, gpus, shape, local_batch, precision, net, fit, job: dict) -> tuple[str, list[dict]]:
+def forecast(args, strategies, gpus, shape, local_batch, precision, net, fit, cfg) -> tuple[str, list[dict]]:
+    job = settings(cfg)
+    picked = "" if strategies or args.model else (f"- strategy: the config's parallel.strategy = "
+                                                  f"{cfg.parallel.strategy!r}, modelled as {config_strategy(cfg)}")
+    strategies = strategies or ["fsdp" if args.model else config_strategy(cfg)]
     local = args.local_batch or local_batch
     micro = args.micro_batch or local
     if local % micro:
@@ -296,6 +319,7 @@ def forecast(args, strategies, gpus, shape, local_batch, precision, net, fit, jo
                          "wire_bytes_per_gpu": s.wire_bytes, "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu,
                          "efficiency": p.efficiency})
     lines = [f"# Predicted scaling: {shape.name}, {', '.join(strategies)} ({_date()})", "",
+             *([picked] if picked else []),
              f"- model: {shape.params / 1e6:,.1f} M parameters, {shape.n_layer} blocks of "
              f"{shape.layer_params / 1e6:,.2f} M{_frozen(shape)}; {local} x {max(shape.seq_len, 1)} tokens per GPU per "
              f"step ({local // micro} micro-batch{'es' if local // micro > 1 else ''})",
@@ -394,14 +418,26 @@ def _check_row(path: Path, line: int, row: dict) -> None:
                           + ", ".join(f"{k} {v!r}" for k, v in row.items() if k != "strategy"))
 
 
-def _swept(args: argparse.Namespace, swept: str) -> dict:
-    """The settings of a measured series whose `bench scaling --sweep` set `section.key=value` on top of CONFIG."""
+MODELLED_SWEEPS = ("parallel.bucket_cap_mb", "parallel.grad_compression", "train.log_every",
+                   "parallel.activation_checkpointing", "data.", "optim.")
+"""`bench scaling --sweep` keys a measured series can be predicted under: what `settings` takes, the batch (the
+rows' columns) and what changes compute only (measured in the series' own 1-rank row). A sweep of another key (the
+model, the precision, a strategy's layout) is listed as not predicted."""
+
+
+def _job(args: argparse.Namespace, cfg, swept: str) -> dict:
+    """The settings of a measured series: the config's, with the setting its `bench scaling --sweep` swept."""
     from disttrain.config import load_config
 
+    if not swept:
+        return settings(cfg)
+    key = swept.partition("=")[0]
+    if not any(key == m or (m.endswith(".") and key.startswith(m)) for m in MODELLED_SWEEPS):
+        raise ConfigError(f"its sweep of {key} is not modelled")
     return settings(load_config(args.config, [*args.overrides, swept]))
 
 
-def validate(args, shape, precision, net, fit, base_job: dict) -> tuple[str, list[dict]]:
+def validate(args, shape, precision, net, fit, cfg) -> tuple[str, list[dict]]:
     rows, lines = [], [f"# Validation of the scale model ({_date()})", ""]
     if args.measured:
         if fit is None:
@@ -418,10 +454,15 @@ def validate(args, shape, precision, net, fit, base_job: dict) -> tuple[str, lis
                   "| series | ranks | measured (s) | predicted (s) | error | collectives (s) |",
                   "|---|---|---|---|---|---|"]
         skipped = [label for label, (_, by_world, _) in measured.items() if 1 not in by_world]
+        refused = []
         for label, (strategy, by_world, swept) in measured.items():
             if label in skipped:
                 continue
-            job = _swept(args, swept) if swept else base_job
+            try:
+                job = _job(args, cfg, swept)
+            except ConfigError as exc:  # (a series swept to powersgd, or over the model: the others are checked)
+                refused.append(f"{label} ({exc})")
+                continue
             base = by_world[1]
             for world, m in sorted(by_world.items()):
                 scale = m["local"] / base["local"] if base["local"] else 1.0
@@ -435,6 +476,11 @@ def validate(args, shape, precision, net, fit, base_job: dict) -> tuple[str, lis
                              f"{s.comm_s:.4f} |")
         if skipped:
             lines += ["", f"Not predicted (no 1-rank row to start from): {', '.join(skipped)}."]
+        if refused:
+            lines += ["", f"Not predicted: {'; '.join(refused)}."]
+        if not rows:
+            raise ConfigError(f"--measured {args.measured}: no series could be predicted ("
+                              + "; ".join(refused + [f"{label}: no 1-rank row" for label in skipped]) + ")")
         if dropped:
             lines += ["", f"Left out: {dropped} rows measured while other processes kept more than "
                       f"{args.max_other_cpu:g} cores busy (their `other_cpu`)."]

@@ -183,6 +183,9 @@ class ModelShape:
     counted: tuple[UnitShape, ...] = ()
     """The units as counted from a model's module tree (`bench predict` with a config: `perf.flops_by_unit`, frozen
     parameters and all); empty: every parameter trained, the FLOPs from the formula, forward a third of each unit's."""
+    grad_tensors: tuple[int, ...] = ()
+    """Elements of each trained parameter in registration order (counted models): DDP fills a bucket with whole
+    tensors. Empty: the gradients split evenly into buckets."""
 
     @property
     def root_params(self) -> float:
@@ -238,7 +241,8 @@ MODELS: dict[str, ModelShape] = {
 BYTES: dict[str, tuple[int, int, int]] = {  # (stored parameters and DDP gradients, FSDP gather, FSDP reduce)
     "fp32": (4, 4, 4), "bf16-mixed": (4, 2, 4), "fp16-mixed": (4, 2, 4), "bf16-true": (2, 2, 2)}
 """Bytes per element on the wire under each precision (precision.py: FSDP gathers in the compute dtype and
-reduces in fp32; DDP and ZeRO-1 move the stored parameters' dtype)."""
+reduces in fp32; DDP and ZeRO-1 move the stored parameters' dtype). `Workload.grad_compression` fp16 / bf16 makes
+the reductions 2 bytes (DDP's hook, FSDP's reduce dtype)."""
 
 
 @dataclass(frozen=True)
@@ -329,8 +333,17 @@ def _pass(units: list[Unit], seconds: float, part: str, gather: str, reduce: boo
 
 
 def _buckets(model: ModelShape, grad_bytes: int, bucket_bytes: float) -> list[float]:
-    """DDP's gradient buckets in forward order (bytes), of the trained parameters: filled from the last parameter, so
-    the bucket reduced last (holding the first parameters) is the partial one."""
+    """DDP's gradient buckets in forward order (bytes), of the trained parameters: filled from the last parameter, a
+    bucket closed once it holds `bucket_bytes` or more (whole tensors, where the model's are known), so the bucket
+    reduced last (holding the first parameters) is the partial one."""
+    if model.grad_tensors:
+        buckets, size = [], 0.0
+        for numel in reversed(model.grad_tensors):
+            size += numel * grad_bytes
+            if size >= bucket_bytes:
+                buckets.append(size)
+                size = 0.0
+        return ([size] if size else []) + buckets[::-1]
     total = model.trained_params * grad_bytes
     full, rest = divmod(total, bucket_bytes)
     return ([rest] if rest else []) + [bucket_bytes] * int(full)
