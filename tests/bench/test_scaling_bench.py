@@ -3,6 +3,7 @@ checks that each figure is the one its own measurements give) and bad input refu
 
 import csv
 import importlib.util
+import json
 import math
 import os
 
@@ -45,6 +46,20 @@ def test_scaling_benchmark_rows_hand_written_loop_and_sweep(tmp_path):
     losses = {(r["world_size"], r["sweep_value"]): float(r["eval_loss"]) for r in rows if r["loop"] == "disttrain"}
     for w in ("1", "2"):
         assert losses[w, "1"] == pytest.approx(losses[w, "25"], rel=1e-5)
+    # the model's size in every row: `bench predict --validate` checks a CSV against the model it is given
+    from disttrain.config import load_config
+    from disttrain.models import build_model
+
+    params = sum(p.numel() for p in build_model(load_config(None, TINY[1::2]).model).parameters())
+    assert {r["params"] for r in rows} == {str(params)}
+    fit = {"backend": "gloo", "world_size": 2, "device": "cpu", "collectives": {
+        c: {"alpha_s": 1e-3, "beta_s_per_byte": 1e-9} for c in ("all_reduce", "all_gather", "reduce_scatter")}}
+    (tmp_path / "comm_fit.json").write_text(json.dumps(fit))
+    check = ["bench", "predict", "--validate", "--measured", str(out / "scaling.csv"), "--interconnect",
+             f"measured:{tmp_path}", "--out", str(tmp_path / "p")]
+    assert main([*check, *TINY]) == 0
+    assert "| ddp weak disttrain parallel.bucket_cap_mb 1 | 2 |" in (tmp_path / "p" / "predict.md").read_text()
+    assert main([*check, *TINY, "--set", "model.d_model=64"]) == 2  # another model: refused in one line
     md = (out / "scaling.md").read_text()
     assert md.strip() in result.stdout
     assert "disttrain's ddp against the hand-written DDP loop" in md
