@@ -327,7 +327,7 @@ def test_verify_runs_an_hf_model(llama_dir, tmp_path):
 def test_bench_predict_counts_an_hf_model_from_its_module_tree(llama_dir, tmp_path):
     """`bench predict` of `hf:DIR`, built on the meta device: its blocks, what model.freeze leaves to train, and its
     FLOPs (perf.flops_by_unit) become the scale model's units."""
-    from disttrain.bench.predict import counted_shape
+    from disttrain.bench.predict_job import counted_shape
     from disttrain.cli.main import main as cli
     from disttrain.models import build_model
     from disttrain.perf import flops_per_token

@@ -201,7 +201,7 @@ def test_uncounted_units_split_compute_as_before():
 
 def test_a_config_s_model_is_counted_from_its_module_tree():
     pytest.importorskip("torch")
-    from disttrain.bench.predict import counted_shape
+    from disttrain.bench.predict_job import counted_shape
     from disttrain.config import ModelConfig
     from disttrain.models import build_model
     from disttrain.perf import flops_per_token

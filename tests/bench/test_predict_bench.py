@@ -10,6 +10,7 @@ import pytest
 from conftest import run_cli
 from disttrain.bench import predict, predict_measure
 from disttrain.bench import scale_model as sm
+from disttrain.bench.predict_job import counted_shape
 from disttrain.bench.published_scaling import PUBLISHED
 from disttrain.cli.main import main as cli
 from disttrain.config import ModelConfig
@@ -18,7 +19,7 @@ FIT = {"backend": "gloo", "world_size": 2, "device": "cpu", "host": "h", "date":
        "collectives": {c: {"alpha_s": 4e-4, "beta_s_per_byte": 1e-9} for c in sm.COLLECTIVES}}
 TINY = ["--set", "model.n_layer=2", "--set", "model.d_model=64", "--set", "model.n_head=4", "--set",
         "model.seq_len=32"]
-SHAPE = predict.counted_shape(ModelConfig(n_layer=2, d_model=64, n_head=4, seq_len=32))  # TINY's model, counted
+SHAPE = counted_shape(ModelConfig(n_layer=2, d_model=64, n_head=4, seq_len=32))  # TINY's model, counted
 
 
 def test_forecast_writes_the_table(tmp_path, capsys):
@@ -62,6 +63,13 @@ def test_the_strategy_is_the_one_the_config_s_job_runs(settings, expected, tmp_p
 
 
 def test_forecast_takes_the_config_s_compression_and_buckets(tmp_path):
+    preset = ["--model", "llama3-8b", "--strategy", "ddp", "--gpus", "8,64"]  # a preset takes the config's settings
+    for name, settings in (("preset", []), ("preset_bf16", ["--set", "parallel.grad_compression=bf16"])):
+        assert cli(["bench", "predict", *preset, *settings, "--out", str(tmp_path / name)]) == 0
+    wire = {name: float(list(csv.DictReader(open(tmp_path / name / "predict.csv")))[1]["wire_bytes_per_gpu"])
+            for name in ("preset", "preset_bf16")}
+    assert wire["preset_bf16"] == pytest.approx(wire["preset"] - 2 * 63 / 64 * sm.MODELS["llama3-8b"].params * 2,
+                                                rel=1e-9)
     runs = {"plain": [], "bf16": ["--set", "parallel.grad_compression=bf16"],
             "buckets": ["--set", "parallel.bucket_cap_mb=0.01", "--set", "train.log_every=1"]}
     for name, settings in runs.items():
@@ -100,6 +108,18 @@ def test_validate_against_a_minimal_csv_and_the_published_cases(tmp_path):
     published = [r for r in rows if r["check"] == "published"]
     assert len(published) == len(PUBLISHED)
     assert "| yes |" in (tmp_path / "predict.md").read_text()
+
+
+def test_a_csv_measured_on_another_job_is_refused(tmp_path, capsys):
+    (tmp_path / "comm_fit.json").write_text(json.dumps(FIT))
+    for column, value, says in (("params", SHAPE.params + 1, "parameters"),
+                                ("trained_params", SHAPE.params - 1, "trained parameters (model.freeze)")):
+        sizes = {"params": SHAPE.params, "trained_params": SHAPE.params, column: value}
+        (tmp_path / "scaling.csv").write_text(f"strategy,world_size,step_time_s,params,trained_params\n"
+                                              f"ddp,1,0.1,{sizes['params']},{sizes['trained_params']}\n")
+        assert cli(["bench", "predict", "--validate", *TINY, "--measured", str(tmp_path / "scaling.csv"),
+                    "--interconnect", f"measured:{tmp_path}", "--out", str(tmp_path / "out")]) == 2
+        assert f"was measured on a model of {value} {says}, the model given here has" in capsys.readouterr().err
 
 
 def test_rows_measured_next_to_busy_neighbours_are_left_out(tmp_path):
@@ -159,10 +179,13 @@ def test_rounds_of_comm_runs_pool_their_calls():
     (["--set", "parallel.grad_compression=powersgd"], "parallel.grad_compression = 'powersgd': its low-rank factors' "
      "bytes are not modelled"),
     (["--measure", "--strategies", "fsdp", "--set", "parallel.grad_compression=powersgd"], "--strategies fsdp at 1 "
-     "ranks: parallel.grad_compression = 'powersgd' is a DDP communication hook"),  # (--measure models nothing)
+     "rank: parallel.grad_compression = 'powersgd' is a DDP communication hook"),  # (--measure models nothing)
     (["--strategy", "ddp", "--set", "parallel.bucket_cap_mb=0"], "parallel.bucket_cap_mb = 0.0: must be > 0"),
     (["--set", "parallel.strategy=single"], "parallel.strategy = 'single' is not modelled; give --strategy"),
     (["--set", "parallel.strategy=fsdpp"], "parallel.strategy = 'fsdpp' is not known"),
+    (["--set", "parallel.pipeline=2"], "parallel.pipeline = 2: the scale model has data parallelism only"),
+    (["--set", "parallel.strategy=hsdp", "--set", "parallel.reshard_after_forward=false"],
+     "parallel.reshard_after_forward = false with hsdp is not modelled"),
     (["--set", "model.name=no_such_module:build"], "model.name = 'no_such_module:build': cannot import"),
     (["--set", "model.name=needs_real_tensors:build"], "model.name = 'needs_real_tensors:build': the model cannot be "
      "built on the meta device to count it (RuntimeError"),
@@ -170,7 +193,7 @@ def test_rounds_of_comm_runs_pool_their_calls():
     (["--measure", "--world-sizes", "1,two"], "--world-sizes '1,two': give counts"),
     (["--measure", "--world-sizes", "1,100000"], "--world-sizes: 100000 ranks is more than this machine can start"),
     (["--measure", "--validate", "--rounds", "0"], "--rounds 0: give 1 or more"),
-    (["--measure", "--set", "parallel.bucket_cap_mb=1"], "--strategies fsdp at 1 ranks: parallel.bucket_cap_mb = 1.0 "
+    (["--measure", "--set", "parallel.bucket_cap_mb=1"], "--strategies fsdp at 1 rank: parallel.bucket_cap_mb = 1.0 "
      "needs a strategy that uses it (ddp, zero1), not 'fsdp'"),
     (["--validate", "--measured", "busy.csv", "--interconnect", "measured:fit.json"], "--measured busy.csv: every row "
      "was measured while other processes kept more than 0.1 cores busy"),

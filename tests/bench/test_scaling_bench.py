@@ -16,7 +16,7 @@ TINY = ["--set", "model.n_layer=1", "--set", "model.d_model=32", "--set", "model
         "--set", "data.global_batch_size=8", "--set", "data.micro_batch_size=4", "--set", "train.eval_samples=16"]
 
 
-def test_scaling_benchmark_rows_hand_written_loop_and_sweep(tmp_path):
+def test_scaling_benchmark_rows_hand_written_loop_and_sweep(tmp_path, capsys):
     out = tmp_path / "b"
     result = run_cli(["bench", "scaling", "--strategies", "ddp", "--world-sizes", "1,2", "--mode", "weak",
                       "--sweep", "parallel.bucket_cap_mb=1,25", "--steps", "1", "--rounds", "2", "--eval-steps", "2",
@@ -51,7 +51,7 @@ def test_scaling_benchmark_rows_hand_written_loop_and_sweep(tmp_path):
     from disttrain.models import build_model
 
     params = sum(p.numel() for p in build_model(load_config(None, TINY[1::2]).model).parameters())
-    assert {r["params"] for r in rows} == {str(params)}
+    assert {r["params"] for r in rows} == {str(params)} and {r["trained_params"] for r in rows} == {str(params)}
     fit = {"backend": "gloo", "world_size": 2, "device": "cpu", "collectives": {
         c: {"alpha_s": 1e-3, "beta_s_per_byte": 1e-9} for c in ("all_reduce", "all_gather", "reduce_scatter")}}
     (tmp_path / "comm_fit.json").write_text(json.dumps(fit))
@@ -59,7 +59,9 @@ def test_scaling_benchmark_rows_hand_written_loop_and_sweep(tmp_path):
              f"measured:{tmp_path}", "--out", str(tmp_path / "p")]
     assert main([*check, *TINY]) == 0
     assert "| ddp weak disttrain parallel.bucket_cap_mb 1 | 2 |" in (tmp_path / "p" / "predict.md").read_text()
+    capsys.readouterr()
     assert main([*check, *TINY, "--set", "model.d_model=64"]) == 2  # another model: refused in one line
+    assert "was measured on a model of" in capsys.readouterr().err
     md = (out / "scaling.md").read_text()
     assert md.strip() in result.stdout
     assert "disttrain's ddp against the hand-written DDP loop" in md

@@ -1,7 +1,7 @@
 """Benchmark: predicted step time, tokens/s per GPU and scaling efficiency of a data-parallel strategy at GPU counts
 this machine does not have, from one device's compute time and an alpha-beta model of the interconnect.
 
-    disttrain bench predict [CONFIG] [--set ...] [--model llama3-8b] [--strategy fsdp] [--gpus 8,64,512,1024]
+    disttrain bench predict [CONFIG] [--set ...] [--model llama3-8b] [--strategy ddp,fsdp] [--gpus 8,64,512,1024]
         [--interconnect h100-nvlink+ib-ndr | measured:DIR/comm_fit.json] [--compute-s S | --tflops T --mfu M]
         [--local-batch B] [--precision bf16-mixed] [--out bench_results]
     disttrain bench predict --validate [CONFIG] [--set ...] [--measured DIR/scaling.csv
@@ -13,13 +13,17 @@ The model (scale_model.py, docs/architecture.md "The scale model"): compute of o
 (`--compute-s`) or FLOPs / (peak x MFU) with FLOPs per token = 6 x params + 12 x layers x d_model x seq (a config's
 model: counted from its modules, `perf.flops_by_unit`, frozen parameters' gradients left out); plus each
 strategy's collectives (ring / hierarchical alpha-beta times) overlapped with the compute they can hide behind.
-Without `--model` the model of CONFIG / `--set` is modelled, counted from its module tree built on the meta device
-(`counted_shape`: `model.freeze` included). Writes `<out>/predict.md` and `predict.csv`.
+Without `--model` the job of CONFIG / `--set` is modelled (predict_job.py): its model counted from its module tree
+built on the meta device (`model.freeze` included), the strategy it runs on several ranks unless `--strategy` names
+others, its gradient compression, DDP buckets and logged lines; with `--model`, the preset with the config's
+settings. Writes `<out>/predict.md` and `predict.csv`.
 
 `--validate` checks the model: (i) with `--measured` (the CSV of `disttrain bench scaling`, or of `--measure`, or a
-minimal one with the columns strategy, world_size, step_time_s) and a comm_fit.json from `disttrain bench comm` on
-the same machine (on a CPU machine whose cores all run ranks, `--busy step`: each call timed after a phase of
-compute, as a step issues it): every N-rank step time predicted from the 1-rank one (error %, target <= 10%);
+minimal one with the columns strategy, world_size, step_time_s; its `params` and `trained_params`, where given, must
+be the model's; a series of `bench scaling --sweep` is predicted with its swept setting) and a comm_fit.json from
+`disttrain bench comm` on the same machine (on a CPU machine whose cores all run ranks, `--busy step`: each call
+timed after a phase of compute, as a step issues it): every N-rank step time predicted from the 1-rank one (error %,
+target <= 10%);
 (ii) published scaling (torchtitan's Llama 3 8B FSDP, the PyTorch DDP paper's weak scaling): predicted vs published
 efficiency. `--measure` writes `<out>/scaling.csv` from this machine (predict_measure.py). `--measure --validate`
 does (i) in one sitting: `--rounds` rounds of the step times and a `bench comm --busy step` fit over the sizes the
@@ -39,6 +43,7 @@ import time
 from pathlib import Path
 
 from disttrain.bench import check_numbers, integers
+from disttrain.bench.predict_job import config_strategy, counted_shape, series_settings, settings
 from disttrain.bench.published_scaling import PUBLISHED
 from disttrain.bench.scale_model import (
     BYTES,
@@ -49,15 +54,16 @@ from disttrain.bench.scale_model import (
     STRATEGIES,
     Interconnect,
     ModelShape,
-    UnitShape,
     Workload,
     canonical_strategy,
     compute_seconds,
     interconnect_from_fit,
     predict,
+    reduced_bytes,
     step_time,
     with_gpus_per_node,
 )
+from disttrain.config import Config
 from disttrain.errors import ArgumentParser, ConfigError, make_folder
 
 DEFAULT_NET = "h100-nvlink+ib-ndr"
@@ -72,7 +78,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--model", default="", help="a preset instead of the config's model: " + ", ".join(MODELS))
     p.add_argument("--strategy", default="", help="comma-separated: " + ", ".join(STRATEGIES) + " (zero3 = fsdp; "
-                   "default: the config's parallel.strategy where modelled, else fsdp)")
+                   "default: fsdp with --model, else what the config's parallel.strategy runs on several ranks: auto "
+                   "= ddp, DeepSpeed by its stage)")
     p.add_argument("--gpus", default="8,64,512,1024", help="GPU counts, comma-separated")
     p.add_argument("--interconnect", default="",
                    help=", ".join(PRESETS) + ", or measured:PATH (comm_fit.json of `disttrain bench comm`); default "
@@ -123,97 +130,18 @@ def interconnect(spec: str) -> tuple[Interconnect, dict | None]:
                           "`disttrain bench comm --out DIR` first") from None
 
 
-def model_shape(args: argparse.Namespace):
-    """(shape, default local batch, default precision, the config) of --model (run by disttrain with its defaults),
-    else of the config's model."""
-    from disttrain.config import Config, load_config
+def model_shape(args: argparse.Namespace) -> tuple[ModelShape, int, str, Config]:
+    """(shape, default local batch, default precision, the config): of --model, a preset (its batch, bf16-mixed) with
+    the config's other settings; else the config's model, counted."""
+    from disttrain.config import load_config
 
+    cfg = load_config(args.config, args.overrides)
     if args.model:
         if args.model not in MODELS:
             raise ConfigError(f"--model {args.model!r} is not a preset; choose from {', '.join(MODELS)}, or leave it "
                               "out to model the model of CONFIG / --set")
-        return MODELS[args.model], LOCAL_BATCH[args.model], "bf16-mixed", Config()
-    cfg = load_config(args.config, args.overrides)
+        return MODELS[args.model], LOCAL_BATCH[args.model], "bf16-mixed", cfg
     return counted_shape(cfg.model), cfg.data.micro_batch_size, cfg.parallel.precision, cfg
-
-
-def config_strategy(cfg) -> str:
-    """The modelled strategy the config's job runs on several ranks: `auto` is ddp there, DeepSpeed's stages 0-3
-    are ddp, zero1, zero2 and fsdp (ZeRO-3), fsdp that keeps its parameters gathered after forward
-    (`parallel.reshard_after_forward = false`) is zero2; `single` and an unknown name are one line."""
-    from disttrain.parallel import registry
-
-    p = cfg.parallel
-    name = registry.resolve(p.strategy, 2).name  # (an unknown name: the registry's one line)
-    if name == "deepspeed":
-        name = ("ddp", "zero1", "zero2", "fsdp")[p.deepspeed_stage] if 0 <= p.deepspeed_stage <= 3 else name
-    if name == "fsdp" and not p.reshard_after_forward:
-        name = "zero2"
-    if name not in STRATEGIES:
-        raise ConfigError(f"parallel.strategy = {p.strategy!r} is not modelled; give --strategy (one or more of "
-                          f"{', '.join(STRATEGIES)})")
-    return name
-
-
-def settings(cfg) -> dict:
-    """What a config sets of a step's collectives that the scale model takes, as `Workload`'s fields: the steps per
-    logged line (each gathers the ranks' figures), DDP's bucket size and the gradients' compression. (Not taken:
-    `parallel.hsdp_shard_size`, hsdp shards within a node of the interconnect; `parallel.fsdp_prefetch`.)"""
-    from disttrain.config import CHOICES
-
-    p = cfg.parallel
-    if p.grad_compression not in CHOICES["parallel.grad_compression"]:
-        raise ConfigError(f"parallel.grad_compression = {p.grad_compression!r}: choose from "
-                          f"{', '.join(CHOICES['parallel.grad_compression'])}")
-    if p.grad_compression == "powersgd":
-        raise ConfigError("parallel.grad_compression = 'powersgd': its low-rank factors' bytes are not modelled; "
-                          "predict with --set parallel.grad_compression=none (an upper bound on the bytes), or "
-                          "measure it with `disttrain bench scaling`")
-    if not (p.bucket_cap_mb > 0 and math.isfinite(p.bucket_cap_mb)):
-        raise ConfigError(f"parallel.bucket_cap_mb = {p.bucket_cap_mb}: must be > 0")
-    if cfg.train.log_every < 1:
-        raise ConfigError(f"train.log_every = {cfg.train.log_every}: must be >= 1")
-    return {"log_every": cfg.train.log_every, "bucket_bytes": p.bucket_cap_mb * 2**20,
-            "grad_compression": p.grad_compression}
-
-
-def counted_shape(model_cfg) -> ModelShape:
-    """The config's model as the scale model sees it, counted from its module tree built on the meta device (no
-    memory): its units (what lies outside the transformer blocks, then each block), their parameters, those that
-    train (model.freeze), and their forward and backward FLOPs per token (`perf.flops_by_unit`)."""
-    from disttrain.memory import meta_model
-    from disttrain.parallel.activation_checkpoint import transformer_blocks
-    from disttrain.perf import flops_by_unit
-
-    try:
-        model = meta_model(model_cfg)
-    except ConfigError:
-        raise
-    except Exception as exc:
-        raise ConfigError(f"model.name = {model_cfg.name!r}: the model cannot be built on the meta device to count "
-                          f"it ({type(exc).__name__}: {exc}); use --model PRESET, or --compute-s with a preset of the "
-                          "same size") from None
-    blocks = transformer_blocks(model)
-    inside = {id(p) for block in blocks for p in block.parameters()}
-    groups = [[p for p in model.parameters() if id(p) not in inside]] + [list(b.parameters()) for b in blocks]
-    units = tuple(UnitShape(sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad),
-                            forward, backward)
-                  for params, (forward, backward) in zip(groups, flops_by_unit(model, model_cfg.seq_len), strict=True))
-    params = sum(u.params for u in units)
-    if not sum(u.forward_flops for u in units):
-        raise ConfigError(f"model.name = {model_cfg.name!r}: no parameter of the model multiplies activations, so its "
-                          "FLOPs and its share of them per block cannot be counted; use --model PRESET, or "
-                          "--compute-s with a preset of the same size")
-    layer = (params - units[0].params) / max(1, len(blocks))
-    name = (f"gpt {len(blocks)}x{model_cfg.d_model}" if model_cfg.name == "gpt"
-            else f"{type(model).__name__} of {len(blocks)} blocks")
-    return ModelShape(name, params, layer, len(blocks), seq_len=model_cfg.seq_len, counted=units,
-                      grad_tensors=tuple(p.numel() for p in model.parameters() if p.requires_grad))
-
-
-def _bytes(precision: str, compression: str) -> str:
-    stored, gathered, reduced = BYTES[precision]
-    return f"{stored} / {gathered} / {2 if compression in ('fp16', 'bf16') else reduced}"
 
 
 def _frozen(shape: ModelShape) -> str:
@@ -325,7 +253,8 @@ def forecast(args, strategies, gpus, shape, local_batch, precision, net, fit, cf
              f"step ({local // micro} micro-batch{'es' if local // micro > 1 else ''})",
              f"- compute of one step on one device: {compute:.4g} s, {source}",
              f"- precision {precision}, gradient compression {job['grad_compression']}: bytes per element stored / "
-             f"gathered / reduced {_bytes(precision, job['grad_compression'])}; DDP buckets of "
+             f"gathered / reduced {' / '.join(map(str, BYTES[precision][:2]))} / "
+             f"{reduced_bytes(precision, job['grad_compression'])}; DDP buckets of "
              f"{job['bucket_bytes'] / 2**20:g} MiB; a logged line every {job['log_every']} steps",
              f"- interconnect {net.name}: {net.gpus_per_node} devices per node; {net.note}", "",
              "| strategy | GPUs | step (s) | compute (s) | collectives (s) | exposed (s) | tokens/s per GPU | "
@@ -346,10 +275,13 @@ Measured = dict[str, tuple[str, dict[int, dict], str]]
 """label -> (strategy, world size -> figures, the series' swept setting as `section.key=value` or '')."""
 
 
-def read_measured(path: Path, params: float, max_other_cpu: float) -> tuple[Measured, int]:
+def read_measured(path: Path, shape: ModelShape, max_other_cpu: float) -> tuple[Measured, int]:
     """(label -> (strategy, world size -> {step_time_s, local: samples per rank per step (0 if unknown),
-    micro_steps}, swept setting) for every series of a modelled strategy, rows left out). A row whose `other_cpu`
-    (where the CSV has one) is above `max_other_cpu` measured its neighbours too and is left out."""
+    micro_steps, log_every: 1 where the row's median step gathered the ranks' figures}, swept setting) for every
+    series of a modelled strategy, rows left out). A row whose `other_cpu` (where the CSV has one) is above
+    `max_other_cpu` measured its neighbours too and is left out. A CSV whose `params` or `trained_params` (where it
+    has them) are not the model's was measured on another job: one line (but for a series swept over the model,
+    which `series_settings` leaves out)."""
     try:
         with open(path, newline="") as f:
             table = list(csv.DictReader(f))
@@ -362,11 +294,13 @@ def read_measured(path: Path, params: float, max_other_cpu: float) -> tuple[Meas
                           "step_time_s)")
     for line, row in enumerate(table, start=2):
         _check_row(path, line, row)
-    wrong = {r["params"] for r in table if r.get("params") and abs(float(r["params"]) - params) > 0.5
-             and not r.get("sweep_key", "").startswith("model.")}  # (a series swept over the model: not predicted)
-    if wrong:
-        raise ConfigError(f"--measured {path} was measured on a model of {', '.join(sorted(wrong))} parameters, the "
-                          f"model given here has {params:.0f}: pass the same CONFIG / --set as the measurement")
+    for column, own, what in (("params", shape.params, "parameters"), ("trained_params", shape.trained_params,
+                                                                         "trained parameters (model.freeze)")):
+        wrong = {r[column] for r in table if r.get(column) and abs(float(r[column]) - own) > 0.5
+                 and not (r.get("sweep_key") or "").startswith("model.")}  # (swept over the model: not predicted)
+        if wrong:
+            raise ConfigError(f"--measured {path} was measured on a model of {', '.join(sorted(wrong))} {what}, the "
+                              f"model given here has {own:.0f}: pass the same CONFIG / --set as the measurement")
     noisy = [r for r in table if float(r.get("other_cpu") or 0.0) > max_other_cpu]
     if table and len(noisy) == len(table):
         raise ConfigError(f"--measured {path}: every row was measured while other processes kept more than "
@@ -409,33 +343,15 @@ def _check_row(path: Path, line: int, row: dict) -> None:
     """A measured row's figures are numbers: world size >= 1, step time > 0, the optional columns numeric."""
     try:
         world, step = int(row["world_size"]), float(row["step_time_s"])
-        numbers = [float(row[k]) for k in ("global_batch", "micro_batch", "log_every", "params", "other_cpu")
-                   if row.get(k)]
+        numbers = [float(row[k]) for k in ("global_batch", "micro_batch", "log_every", "params", "trained_params",
+                                           "other_cpu") if row.get(k)]
     except (TypeError, ValueError):
         world, step, numbers = 0, 0.0, []
     if world < 1 or not 0 < step < math.inf or not all(math.isfinite(x) and x >= 0 for x in numbers):
         raise ConfigError(f"--measured {path}, line {line}: expected a world_size >= 1, a step_time_s > 0 (seconds) "
-                          "and numbers >= 0 in global_batch, micro_batch, log_every, params and other_cpu; got "
+                          "and numbers >= 0 in global_batch, micro_batch, log_every, params, trained_params and "
+                          "other_cpu; got "
                           + ", ".join(f"{k} {v!r}" for k, v in row.items() if k != "strategy"))
-
-
-MODELLED_SWEEPS = ("parallel.bucket_cap_mb", "parallel.grad_compression", "train.log_every",
-                   "parallel.activation_checkpointing", "data.", "optim.")
-"""`bench scaling --sweep` keys a measured series can be predicted under: what `settings` takes, the batch (the
-rows' columns) and what changes compute only (measured in the series' own 1-rank row). A sweep of another key (the
-model, the precision, a strategy's layout) is listed as not predicted."""
-
-
-def _job(args: argparse.Namespace, cfg, swept: str) -> dict:
-    """The settings of a measured series: the config's, with the setting its `bench scaling --sweep` swept."""
-    from disttrain.config import load_config
-
-    if not swept:
-        return settings(cfg)
-    key = swept.partition("=")[0]
-    if not any(key == m or (m.endswith(".") and key.startswith(m)) for m in MODELLED_SWEEPS):
-        raise ConfigError(f"its sweep of {key} is not modelled")
-    return settings(load_config(args.config, [*args.overrides, swept]))
 
 
 def validate(args, shape, precision, net, fit, cfg) -> tuple[str, list[dict]]:
@@ -444,7 +360,7 @@ def validate(args, shape, precision, net, fit, cfg) -> tuple[str, list[dict]]:
         if fit is None:
             raise ConfigError("--validate --measured needs --interconnect measured:PATH/comm_fit.json from "
                               "`disttrain bench comm` on the machine the CSV was measured on")
-        measured, dropped = read_measured(Path(args.measured), shape.params, args.max_other_cpu)
+        measured, dropped = read_measured(Path(args.measured), shape, args.max_other_cpu)
         worlds = [w for _, by_world, _ in measured.values() for w in by_world]
         net = with_gpus_per_node(net, args.gpus_per_node or max(worlds))  # every rank on this one machine
         cores = _cores(args, fit)
@@ -460,7 +376,7 @@ def validate(args, shape, precision, net, fit, cfg) -> tuple[str, list[dict]]:
             if label in skipped:
                 continue
             try:
-                job = _job(args, cfg, swept)
+                job = series_settings(args.config, args.overrides, cfg, swept)
             except ConfigError as exc:  # (a series swept to powersgd, or over the model: the others are checked)
                 refused.append(f"{label} ({exc})")
                 continue

@@ -6,11 +6,11 @@ For each world size (one launch each) and strategy: the Trainer's step (`Trainer
 accumulation), 1 torch thread per rank, `--warmup` untimed steps then `--steps` timed ones; the figure is rank 0's
 median (every step ends in the backend's all-reduce of the loss totals, so rank 0 waits for the slowest).
 Writes `<out>/scaling.csv` with the columns `disttrain bench scaling` writes (strategy, mode, world_size,
-global_batch, micro_batch, log_every, step_time_s, tokens_per_s) plus step_time_std_s (over the timed steps), params,
-cores, `rank_cpu` (a rank's CPU time, gloo's threads included, over the wall time: 1.0 = a core kept busy) and
-`other_cpu`: the cores other processes kept busy during the timed steps (the machine's busy time from /proc/stat less
-this job's ranks' CPU time, over the wall time). On a shared machine a row with other_cpu well above 0 measured the
-neighbours too.
+global_batch, micro_batch, log_every, params, trained_params, step_time_s, tokens_per_s) plus step_time_std_s (over
+the timed steps), cores, `rank_cpu` (a rank's CPU time, gloo's threads included, over the wall time: 1.0 = a core
+kept busy) and `other_cpu`: the cores other processes kept busy during the timed steps (the machine's busy time
+from /proc/stat less this job's ranks' CPU time, over the wall time). On a shared machine a row with other_cpu well
+above 0 measured the neighbours too.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 from disttrain.errors import ArgumentParser, ConfigError
 
 COLUMNS = ["strategy", "mode", "world_size", "global_batch", "micro_batch", "log_every", "step_time_s",
-           "step_time_std_s", "tokens_per_s", "params", "cores", "rank_cpu", "other_cpu"]
+           "step_time_std_s", "tokens_per_s", "params", "trained_params", "cores", "rank_cpu", "other_cpu"]
 
 
 def _overrides(args: argparse.Namespace, world: int) -> list[str]:
@@ -59,13 +59,15 @@ def check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--strategies {args.strategies}: {str(exc).removeprefix('--strategy ')}") from None
     if not names:
         raise ConfigError(f"--strategies {args.strategies!r} names no strategy; e.g. --strategies ddp,fsdp")
-    for name in names:  # each strategy's run at each world size, as its ranks will check it: before any starts
+    args.strategies = ",".join(dict.fromkeys(names))  # (the ranks run the names the scale model reads back)
+    for name in dict.fromkeys(names):  # each strategy's run at each world size, as its ranks will check it
         for world in args.world_sizes:
             try:
                 validate(load_config(args.config, [*_overrides(args, world), f"parallel.strategy={name}"]), gpus,
                          world)
             except ConfigError as exc:
-                raise ConfigError(f"--strategies {name} at {world} ranks: {exc}") from None
+                raise ConfigError(f"--strategies {name} at {world} rank{'s' if world > 1 else ''}: {exc} (or leave "
+                                  f"{name} out of --strategies)") from None
 
 
 def measure(args: argparse.Namespace, out: Path) -> Path:
@@ -182,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from disttrain.bench import busy_seconds, other_cpu, own_seconds
     from disttrain.bench.overhead import _disttrain_loop
+    from disttrain.bench.predict_job import model_sizes
     from disttrain.config import load_config
     from disttrain.data import GlobalSampler, build_datasets
     from disttrain.models import build_model
@@ -193,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     runtime = init_runtime(cfg.dist, always_form_group=True)
     train, _ = build_datasets(cfg.data, cfg.model.seq_len)
     sampler = GlobalSampler(len(train), cfg.run.seed)
-    params = sum(p.numel() for p in build_model(cfg.model).parameters())
+    sizes = model_sizes(build_model(cfg.model))
     for strategy in [s for s in args.strategies.split(",") if s]:
         cfg.parallel.strategy = strategy
         step = _disttrain_loop(cfg, runtime, train, sampler)  # the Trainer's step, as bench overhead times it
@@ -215,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
             row = {"strategy": strategy, "mode": "weak", "world_size": world, "global_batch": args.micro_batch * world,
                    "micro_batch": args.micro_batch, "log_every": cfg.train.log_every, "step_time_s": median,
                    "step_time_std_s": statistics.stdev(times[args.warmup:]) if args.steps > 1 else 0.0,
-                   "tokens_per_s": args.micro_batch * world * cfg.model.seq_len / median, "params": params,
+                   "tokens_per_s": args.micro_batch * world * cfg.model.seq_len / median, **sizes,
                    "cores": len(os.sched_getaffinity(0)), "rank_cpu": round(ours.item() / world / wall, 3),
                    "other_cpu": round(others, 3)}
             with open(Path(args.out) / "predict_measure_rows.jsonl", "a") as f:

@@ -179,7 +179,8 @@ class ModelShape:
     d_model: int = 0
     seq_len: int = 0
     matmul_params: float = 0.0
-    """Parameters used in matrix multiplies (6 FLOPs per token each); 0 = FLOPs unknown: give the compute time."""
+    """Parameters used in matrix multiplies (6 FLOPs per token each); 0 and nothing `counted` = FLOPs unknown: give
+    the compute time."""
     counted: tuple[UnitShape, ...] = ()
     """The units as counted from a model's module tree (`bench predict` with a config: `perf.flops_by_unit`, frozen
     parameters and all); empty: every parameter trained, the FLOPs from the formula, forward a third of each unit's."""
@@ -218,7 +219,9 @@ class ModelShape:
 
 
 def gpt_shape(n_layer: int, d_model: int, seq_len: int, vocab_size: int) -> ModelShape:
-    """disttrain's reference GPT (models/gpt.py): tied embeddings, learned positions, biased linears."""
+    """disttrain's reference GPT (models/gpt.py) in closed form: tied embeddings, learned positions, biased linears.
+    (`bench predict` counts a config's model instead, `predict_job.counted_shape`; this form keeps the scale model's
+    own tests free of torch, and checks that count.)"""
     layer = 12 * d_model**2 + 13 * d_model
     rest = vocab_size * d_model + seq_len * d_model + 2 * d_model
     return ModelShape(f"gpt {n_layer}x{d_model}", n_layer * layer + rest, layer, n_layer, d_model, seq_len,
@@ -242,7 +245,15 @@ BYTES: dict[str, tuple[int, int, int]] = {  # (stored parameters and DDP gradien
     "fp32": (4, 4, 4), "bf16-mixed": (4, 2, 4), "fp16-mixed": (4, 2, 4), "bf16-true": (2, 2, 2)}
 """Bytes per element on the wire under each precision (precision.py: FSDP gathers in the compute dtype and
 reduces in fp32; DDP and ZeRO-1 move the stored parameters' dtype). `Workload.grad_compression` fp16 / bf16 makes
-the reductions 2 bytes (DDP's hook, FSDP's reduce dtype)."""
+the reductions 2 bytes (DDP's hook, FSDP's reduce dtype): `reduced_bytes`."""
+
+COMPRESSED = ("fp16", "bf16")
+"""`parallel.grad_compression` values that reduce gradients in 2 bytes an element."""
+
+
+def reduced_bytes(precision: str, grad_compression: str = "none") -> int:
+    """Bytes per element of a gradient reduction under FSDP (DDP's too where compressed)."""
+    return 2 if grad_compression in COMPRESSED else BYTES[precision][2]
 
 
 @dataclass(frozen=True)
@@ -284,7 +295,8 @@ def canonical_strategy(name: str) -> str:
 
 @dataclass(frozen=True)
 class Unit:
-    """What is gathered and reduced together (an FSDP block or root, a DDP bucket) and its share of compute."""
+    """What is gathered and reduced together (an FSDP block or root, a DDP bucket, or DDP's frozen units after the
+    last trained one, which reduce nothing) and its shares of compute."""
 
     forward: float
     backward: float
@@ -351,9 +363,9 @@ def _buckets(model: ModelShape, grad_bytes: int, bucket_bytes: float) -> list[fl
 
 def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[list[Unit], float, float]:
     """(units in forward order, seconds of collectives after backward, wire bytes per step)."""
-    model, (stored, gathered, reduced) = work.model, BYTES[work.precision]
-    compressed = 2 if work.grad_compression in ("fp16", "bf16") else 0  # (DDP's hook halves each bucket it sends)
-    reduced = compressed or reduced
+    model, (stored, gathered, _) = work.model, BYTES[work.precision]
+    reduced = reduced_bytes(work.precision, work.grad_compression)
+    compressed = reduced if work.grad_compression in COMPRESSED else 0  # (DDP's hook sends each bucket in it)
 
     def wire(collective: str, nbytes: float, ranks: int, times: float = 1, across: bool = False) -> float:
         nonlocal sent

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 COLUMNS = ("strategy", "loop", "mode", "world_size", "sweep_key", "sweep_value", "global_batch", "micro_batch",
-           "log_every", "params", "step_time_s", "tokens_per_s", "tokens_per_s_per_rank", "efficiency", "target",
-           "result", "efficiency_vs_hand_written", "comm_fraction", "comm_bytes", "mem_peak_gib", "mfu", "eval_loss",
-           "oversubscribed", "launches")
+           "log_every", "params", "trained_params", "step_time_s", "tokens_per_s", "tokens_per_s_per_rank",
+           "efficiency", "target", "result", "efficiency_vs_hand_written", "comm_fraction", "comm_bytes",
+           "mem_peak_gib", "mfu", "eval_loss", "oversubscribed", "launches")
 TARGETS = {"weak": 0.90, "strong": 0.80}
 VS_HAND_WRITTEN_TARGET = 0.98
 PLOT_HINT = "PNGs not written: matplotlib is not installed; pip install 'disttrain[plot]'"
