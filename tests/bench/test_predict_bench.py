@@ -212,6 +212,8 @@ def test_rounds_of_comm_runs_pool_their_calls():
      "expected a world_size >= 1, a step_time_s > 0"),
     (["--validate", "--measured", "tp.csv", "--interconnect", "measured:fit.json"], "--measured tp.csv: no row of a "
      "modelled strategy"),
+    (["--validate", "--measured", "two.csv", "--interconnect", "measured:fit.json"], "--measured two.csv: no series "
+     "could be predicted (ddp: no 1-rank row)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -222,6 +224,7 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path, monke
     (tmp_path / "busy.csv").write_text("strategy,world_size,step_time_s,other_cpu\nddp,1,0.1,0.5\n")
     (tmp_path / "text.csv").write_text("strategy,world_size,step_time_s\nddp,1,fast\n")
     (tmp_path / "tp.csv").write_text("strategy,world_size,step_time_s\ntp,1,0.1\n")
+    (tmp_path / "two.csv").write_text("strategy,world_size,step_time_s\nddp,2,0.1\n")
     (tmp_path / "list.json").write_text(json.dumps({**FIT, "collectives": []}))
     (tmp_path / "one.json").write_text(json.dumps({**FIT, "world_size": 1}))
     assert cli(["bench", "predict", *args, "--out", str(tmp_path / "out")]) == 2
