@@ -122,6 +122,16 @@ def test_a_csv_measured_on_another_job_is_refused(tmp_path, capsys):
         assert f"was measured on a model of {value} {says}, the model given here has" in capsys.readouterr().err
 
 
+def test_a_model_that_cannot_be_built_on_meta_leaves_the_size_columns_blank(tmp_path, monkeypatch):
+    from disttrain.bench.predict_job import config_sizes
+
+    (tmp_path / "reads_values.py").write_text("import torch\n\ndef build(cfg):\n    torch.ones(()).item()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert config_sizes(ModelConfig(name="reads_values:build")) == {"params": "", "trained_params": ""}
+    assert config_sizes(ModelConfig(n_layer=2, d_model=64, n_head=4, seq_len=32)) == {
+        "params": SHAPE.params, "trained_params": SHAPE.params}
+
+
 def test_rows_measured_next_to_busy_neighbours_are_left_out(tmp_path):
     rows = validate(tmp_path, "strategy,world_size,step_time_s,other_cpu\nddp,1,0.1,0.0\nddp,2,0.12,0.05\n"
                               "ddp,2,9.0,0.9\n")

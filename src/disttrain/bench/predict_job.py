@@ -61,6 +61,17 @@ def model_sizes(model) -> dict[str, int]:
             "trained_params": sum(p.numel() for p in params if p.requires_grad)}
 
 
+def config_sizes(model_cfg: ModelConfig) -> dict[str, int | str]:
+    """`model_sizes` of the config's model built on the meta device; blank where it cannot be built there (a factory
+    of the user's that reads values): a CSV's blank columns go unchecked."""
+    from disttrain.memory import meta_model
+
+    try:
+        return model_sizes(meta_model(model_cfg))
+    except Exception:
+        return {"params": "", "trained_params": ""}
+
+
 def config_strategy(cfg: Config) -> str:
     """The modelled strategy the config's job runs on several ranks: `auto` is ddp there, DeepSpeed's stages 0-3
     are ddp, zero1, zero2 and fsdp (ZeRO-3), fsdp that keeps its parameters gathered after forward

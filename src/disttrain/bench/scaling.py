@@ -267,9 +267,8 @@ def row_config(base, strategy: str, key: str, value: str, mode: str, world: int)
 
 def _worker(args: argparse.Namespace) -> None:
     from disttrain.bench.overhead import PLAIN_PRECISIONS
-    from disttrain.bench.predict_job import model_sizes
+    from disttrain.bench.predict_job import config_sizes
     from disttrain.config import load_config
-    from disttrain.memory import meta_model
     from disttrain.runtime import exit_process, init_runtime, shutdown
 
     base = load_config(args.base)
@@ -286,7 +285,7 @@ def _worker(args: argparse.Namespace) -> None:
             rows.append({"strategy": strategy, "mode": args.mode, "world_size": runtime.world_size,
                          "sweep_key": key if value else "", "sweep_value": value,
                          "global_batch": cfg.data.global_batch_size, "micro_batch": cfg.data.micro_batch_size,
-                         "seq_len": cfg.model.seq_len, **model_sizes(meta_model(cfg.model)), **row})
+                         "seq_len": cfg.model.seq_len, **config_sizes(cfg.model), **row})
     if runtime.is_main_process():
         path = Path(args.out) / "scaling_run" / f"rows_w{runtime.world_size}.json"
         path.with_suffix(".tmp").write_text(json.dumps(rows))
