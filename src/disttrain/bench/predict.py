@@ -219,9 +219,11 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 def forecast(args, strategies, gpus, shape, local_batch, precision, net, fit, cfg) -> tuple[str, list[dict]]:
     job = settings(cfg)
-    picked = "" if strategies or args.model else (f"- strategy: the config's parallel.strategy = "
-                                                  f"{cfg.parallel.strategy!r}, modelled as {config_strategy(cfg)}")
-    strategies = strategies or ["fsdp" if args.model else config_strategy(cfg)]
+    picked = ""
+    if not strategies:
+        strategies = ["fsdp" if args.model else config_strategy(cfg)]
+        picked = "" if args.model else (f"- strategy: the config's parallel.strategy = {cfg.parallel.strategy!r}, "
+                                        f"modelled as {strategies[0]}")
     local = args.local_batch or local_batch
     micro = args.micro_batch or local
     if local % micro:

@@ -365,7 +365,7 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
     """(units in forward order, seconds of collectives after backward, wire bytes per step)."""
     model, (stored, gathered, _) = work.model, BYTES[work.precision]
     reduced = reduced_bytes(work.precision, work.grad_compression)
-    compressed = reduced if work.grad_compression in COMPRESSED else 0  # (DDP's hook sends each bucket in it)
+    ddp_wire = reduced if work.grad_compression in COMPRESSED else stored  # (DDP's hook sends each bucket in it)
 
     def wire(collective: str, nbytes: float, ranks: int, times: float = 1, across: bool = False) -> float:
         nonlocal sent
@@ -393,15 +393,17 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
         # the buckets spread over the compute of the units from the first to the last that trains (forward order):
         # the backward of the frozen units after the last one comes first and readies no gradient (a frozen front's
         # backward is nothing)
+        def shares(group: list[UnitShape]) -> tuple[float, float]:
+            return sum(u.forward_flops for u in group) / flops, sum(u.backward_flops for u in group) / flops
+
         last = max((i for i, u in enumerate(shapes) if u.trained), default=-1)
-        head, tail = shapes[:last + 1], shapes[last + 1:]
-        forward, backward = (sum(getattr(u, k) for u in head) / flops for k in ("forward_flops", "backward_flops"))
+        (forward, backward), tail = shares(shapes[:last + 1]), shapes[last + 1:]
         buckets = _buckets(model, stored, work.bucket_bytes)
         units = [Unit(forward * b / sum(buckets), backward * b / sum(buckets),
-                      reduce=wire("all_reduce", b * (compressed or stored) / stored, n))
+                      reduce=wire("all_reduce", b * ddp_wire / stored, n))
                  for b in buckets] or [Unit(forward, backward)]
         if tail:
-            units.append(Unit(*(sum(getattr(u, k) for u in tail) / flops for k in ("forward_flops", "backward_flops"))))
+            units.append(Unit(*shares(tail)))
         after += wire("all_gather", model.trained_params * stored, n) if strategy == "zero1" else 0.0
         return units, after, sent
     replicas = n // shard
