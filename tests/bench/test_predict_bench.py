@@ -76,7 +76,7 @@ def test_forecast_takes_the_config_s_compression_and_buckets(tmp_path):
         assert cli(["bench", "predict", *TINY, *settings, "--strategy", "ddp", "--gpus", "1,2", "--compute-s", "0.1",
                     "--interconnect", "v100-nvlink+100gbe", "--out", str(tmp_path / name)]) == 0
     rows = {name: list(csv.DictReader(open(tmp_path / name / "predict.csv")))[1] for name in runs}
-    work = sm.Workload(SHAPE, 0.1, 1, "fp32")
+    work = sm.Workload(SHAPE, 0.1, 1, "fp32", micro_steps=4)  # (the built-in job: 32 sequences in micro-batches of 8)
     net = sm.PRESETS["v100-nvlink+100gbe"]
     for name, expected in (("plain", work), ("bf16", replace(work, grad_compression="bf16")),
                            ("buckets", replace(work, bucket_bytes=0.01 * 2**20, log_every=1))):
@@ -85,6 +85,29 @@ def test_forecast_takes_the_config_s_compression_and_buckets(tmp_path):
     assert "gradient compression bf16: bytes per element stored / gathered / reduced 4 / 4 / 2; DDP buckets of 25 " \
         "MiB" in (tmp_path / "bf16" / "predict.md").read_text()
     assert "DDP buckets of 0.01 MiB; a logged line every 1 steps" in (tmp_path / "buckets" / "predict.md").read_text()
+
+
+def test_forecast_of_a_config_takes_its_batch_per_gpu_and_accumulation(tmp_path):
+    """The built-in job's 32 sequences on 1 rank in micro-batches of 8 (gradients reduced on the 4th), or on 4 ranks
+    (8 each, no accumulation); flags override the config's."""
+    runs = {"one": ([], 32, 4), "four": (["--set", "dist.nproc=4"], 8, 1),
+            "flags": (["--local-batch", "12", "--micro-batch", "3"], 12, 4), "local": (["--local-batch", "6"], 6, 1)}
+    net = sm.PRESETS["v100-nvlink+100gbe"]
+    for name, (flags, local, micro_steps) in runs.items():
+        assert cli(["bench", "predict", *TINY, *flags, "--strategy", "ddp,fsdp", "--gpus", "1,16", "--compute-s",
+                    "0.1", "--interconnect", "v100-nvlink+100gbe", "--out", str(tmp_path / name)]) == 0
+        rows = list(csv.DictReader(open(tmp_path / name / "predict.csv")))
+        work = sm.Workload(SHAPE, 0.1, local * 32, "fp32", micro_steps=micro_steps)
+        for row in rows:
+            expected = sm.step_time(row["strategy"], int(row["gpus"]), work, net)
+            assert float(row["step_s"]) == pytest.approx(expected.step_s, rel=1e-9)
+            assert float(row["tokens_per_s_per_gpu"]) == pytest.approx(local * 32 / expected.step_s, rel=1e-9)
+    comm = {name: [float(r["comm_s"]) for r in csv.DictReader(open(tmp_path / name / "predict.csv"))]
+            for name in ("one", "four")}
+    assert comm["one"][1] == comm["four"][1]  # ddp reduces once a step, accumulated or not;
+    assert comm["one"][3] > 2 * comm["four"][3]  # fsdp gathers again for each micro-batch (4 x), reduces once
+    assert "32 x 32 tokens per GPU per step (the config's: data.global_batch_size 32 over dist.nproc 1; 4 " \
+        "micro-batches of 8: gradients reduced on the last)" in (tmp_path / "one" / "predict.md").read_text()
 
 
 def validate(tmp_path, measured_csv: str) -> list[dict]:
@@ -208,6 +231,10 @@ def test_rounds_of_comm_runs_pool_their_calls():
     (["--validate", "--measured", "busy.csv", "--interconnect", "measured:fit.json"], "--measured busy.csv: every row "
      "was measured while other processes kept more than 0.1 cores busy"),
     (["--strategy", ","], "--strategy ',' names no strategy"),
+    (["--micro-batch", "5"], "--micro-batch 5: the batch per GPU, 32 (the config's: data.global_batch_size 32 over "
+     "dist.nproc 1), is not a multiple of it"),
+    (["--set", "data.global_batch_size=36"], "data.global_batch_size = 36 is not a positive multiple of "
+     "data.micro_batch_size x dist.nproc = 8 x 1"),
     (["--mfu", "0"], "--mfu 0: give a fraction in (0, 1]"),
     (["--mfu", "1.5"], "--mfu 1.5: give a fraction in (0, 1]"),
     (["--tflops", "nan"], "--tflops nan: give a peak > 0"),

@@ -15,7 +15,9 @@ model: counted from its modules, `perf.flops_by_unit`, frozen parameters' gradie
 strategy's collectives (ring / hierarchical alpha-beta times) overlapped with the compute they can hide behind.
 Without `--model` the job of CONFIG / `--set` is modelled (predict_job.py): its model counted from its module tree
 built on the meta device (`model.freeze` included), the strategy it runs on several ranks unless `--strategy` names
-others, its gradient compression, DDP buckets and logged lines; with `--model`, the preset with the config's
+others, its batch per GPU and accumulation (`data.global_batch_size` over `dist.nproc` ranks, in micro-batches of
+`data.micro_batch_size`; `--local-batch`, `--micro-batch` override them), its gradient compression, DDP buckets and
+logged lines; with `--model`, the preset with the config's
 settings. Writes `<out>/predict.md` and `predict.csv`.
 
 `--validate` checks the model: (i) with `--measured` (the CSV of `disttrain bench scaling`, or of `--measure`, or a
@@ -43,7 +45,7 @@ import time
 from pathlib import Path
 
 from disttrain.bench import check_numbers, integers
-from disttrain.bench.predict_job import config_strategy, counted_shape, series_settings, settings
+from disttrain.bench.predict_job import config_batch, config_strategy, counted_shape, series_settings, settings
 from disttrain.bench.published_scaling import PUBLISHED
 from disttrain.bench.scale_model import (
     BYTES,
@@ -89,9 +91,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tflops", type=float, default=0.0, help="peak TFLOP/s (default: the H100 SXM's dense peak in "
                    "the precision's matmul dtype: 989 in bf16 / fp16, 67 in fp32)")
     p.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilisation of one device")
-    p.add_argument("--local-batch", type=int, default=0, help="sequences per GPU per step (default: the model's)")
+    p.add_argument("--local-batch", type=int, default=0, help="sequences per GPU per step (default: the preset's, or "
+                   "the config's data.global_batch_size / dist.nproc)")
     p.add_argument("--micro-batch", type=int, default=0,
-                   help="sequences per forward pass: --local-batch / this = accumulation (default: no accumulation)")
+                   help="sequences per forward pass: the batch per GPU / this = accumulation (default: the config's "
+                        "data.micro_batch_size; none with --model or --local-batch); --measure: per rank")
     p.add_argument("--precision", default="", help="one of " + ", ".join(BYTES) + " (default: the config's, or "
                    "bf16-mixed for --model)")
     p.add_argument("--cpu-cores", type=int, default=-1,
@@ -130,9 +134,9 @@ def interconnect(spec: str) -> tuple[Interconnect, dict | None]:
                           "`disttrain bench comm --out DIR` first") from None
 
 
-def model_shape(args: argparse.Namespace) -> tuple[ModelShape, int, str, Config]:
-    """(shape, default local batch, default precision, the config): of --model, a preset (its batch, bf16-mixed) with
-    the config's other settings; else the config's model, counted."""
+def model_shape(args: argparse.Namespace) -> tuple[ModelShape, str, Config]:
+    """(shape, default precision, the config): of --model, a preset (bf16-mixed) with the config's other settings;
+    else the config's model, counted."""
     from disttrain.config import load_config
 
     cfg = load_config(args.config, args.overrides)
@@ -140,8 +144,14 @@ def model_shape(args: argparse.Namespace) -> tuple[ModelShape, int, str, Config]
         if args.model not in MODELS:
             raise ConfigError(f"--model {args.model!r} is not a preset; choose from {', '.join(MODELS)}, or leave it "
                               "out to model the model of CONFIG / --set")
-        return MODELS[args.model], LOCAL_BATCH[args.model], "bf16-mixed", cfg
-    return counted_shape(cfg.model), cfg.data.micro_batch_size, cfg.parallel.precision, cfg
+        return MODELS[args.model], "bf16-mixed", cfg
+    return counted_shape(cfg.model), cfg.parallel.precision, cfg
+
+
+def default_batch(args: argparse.Namespace, cfg: Config) -> tuple[int, int]:
+    """(sequences per GPU per step, per forward pass) where no flag gives them: a preset's batch, not accumulated,
+    or the config's job's (`config_batch`)."""
+    return (LOCAL_BATCH[args.model],) * 2 if args.model else config_batch(cfg)
 
 
 def _frozen(shape: ModelShape) -> str:
@@ -169,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.strategy and not strategies:
         raise ConfigError(f"--strategy {args.strategy!r} names no strategy; e.g. --strategy fsdp or ddp,fsdp")
     gpus = integers(args.gpus, "--gpus", "counts >= 1", "8,64,512")
-    shape, local_batch, precision, cfg = model_shape(args)
+    shape, precision, cfg = model_shape(args)
     precision = _precision(args, precision)
     sitting = args.measure and args.validate
     if sitting and args.interconnect:
@@ -182,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         from disttrain.bench import predict_measure
 
         args.world_sizes = integers(args.world_sizes, "--world-sizes", "counts >= 1", "1,2,3")
-        args.micro_batch = args.micro_batch or local_batch  # the config's micro-batch unless given
+        args.micro_batch = args.micro_batch or (LOCAL_BATCH[args.model] if args.model else cfg.data.micro_batch_size)
         predict_measure.check(args)
         if args.rounds < 1:
             raise ConfigError(f"--rounds {args.rounds}: give 1 or more (3 steadies the busy links)")
@@ -197,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.validate:
         text, rows = validate(args, shape, precision, net, fit, cfg)
     else:
-        text, rows = forecast(args, strategies, gpus, shape, local_batch, precision, net, fit, cfg)
+        text, rows = forecast(args, strategies, gpus, shape, precision, net, fit, cfg)
     _write(make_folder(Path(args.out).resolve(), "--out"), text, rows)
     print(text)
     return 0
@@ -217,17 +227,20 @@ def _check_numbers(args: argparse.Namespace) -> None:
                   ("--steps", args.steps, 1, "steps >= 1"), ("--warmup", args.warmup, 0, "steps >= 0"))
 
 
-def forecast(args, strategies, gpus, shape, local_batch, precision, net, fit, cfg) -> tuple[str, list[dict]]:
+def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[str, list[dict]]:
     job = settings(cfg)
     picked = ""
     if not strategies:
         strategies = ["fsdp" if args.model else config_strategy(cfg)]
         picked = "" if args.model else (f"- strategy: the config's parallel.strategy = {cfg.parallel.strategy!r}, "
                                         f"modelled as {strategies[0]}")
-    local = args.local_batch or local_batch
-    micro = args.micro_batch or local
+    local, micro = (args.local_batch, args.local_batch) if args.local_batch else default_batch(args, cfg)
+    micro = args.micro_batch or micro  # (--local-batch alone: no accumulation)
+    given = ("--local-batch" if args.local_batch else "the preset's" if args.model else
+             f"the config's: data.global_batch_size {cfg.data.global_batch_size} over dist.nproc {cfg.dist.nproc}")
     if local % micro:
-        raise ConfigError(f"--local-batch {local} is not a multiple of --micro-batch {micro}")
+        raise ConfigError(f"--micro-batch {micro}: the batch per GPU, {local} ({given}), is not a multiple of it; "
+                          "give a divisor of it, or --local-batch")
     tokens = local * max(shape.seq_len, 1)
     if args.compute_s:
         compute, source = args.compute_s, "given (--compute-s)"
@@ -252,7 +265,8 @@ def forecast(args, strategies, gpus, shape, local_batch, precision, net, fit, cf
              *([picked] if picked else []),
              f"- model: {shape.params / 1e6:,.1f} M parameters, {shape.n_layer} blocks of "
              f"{shape.layer_params / 1e6:,.2f} M{_frozen(shape)}; {local} x {max(shape.seq_len, 1)} tokens per GPU per "
-             f"step ({local // micro} micro-batch{'es' if local // micro > 1 else ''})",
+             f"step ({given}; " + (f"{local // micro} micro-batches of {micro}: gradients reduced on the last)"
+                                   if local > micro else "no accumulation)"),
              f"- compute of one step on one device: {compute:.4g} s, {source}",
              f"- precision {precision}, gradient compression {job['grad_compression']}: bytes per element stored / "
              f"gathered / reduced {' / '.join(map(str, BYTES[precision][:2]))} / "

@@ -1,7 +1,7 @@
 """What `disttrain bench predict` models of a config's job: its model counted from the module tree (`counted_shape`),
-the strategy the job runs on several ranks (`config_strategy`) and the settings that change a step's collectives
-(`settings`); for a measured series of `bench scaling --sweep`, the config with its swept setting (`series_settings`).
-"""
+its batch per GPU and accumulation (`config_batch`), the strategy the job runs on several ranks (`config_strategy`)
+and the settings that change a step's collectives (`settings`); for a measured series of `bench scaling --sweep`,
+the config with its swept setting (`series_settings`)."""
 
 from __future__ import annotations
 
@@ -70,6 +70,20 @@ def config_sizes(model_cfg: ModelConfig) -> dict[str, int | str]:
         return model_sizes(meta_model(model_cfg))
     except Exception:
         return {"params": "", "trained_params": ""}
+
+
+def config_batch(cfg: Config) -> tuple[int, int]:
+    """(sequences per GPU per step, sequences per forward pass) of the config's job: `data.global_batch_size` over
+    its `dist.nproc` ranks, in micro-batches of `data.micro_batch_size` (the Trainer accumulates the rest, and
+    reduces the gradients on the last micro-batch only). A forecast keeps this batch per GPU at every count (weak
+    scaling)."""
+    d, world = cfg.data, cfg.dist.nproc
+    if world < 1 or d.micro_batch_size < 1 or d.global_batch_size < 1 or \
+            d.global_batch_size % (world * d.micro_batch_size):
+        raise ConfigError(f"data.global_batch_size = {d.global_batch_size} is not a positive multiple of "
+                          f"data.micro_batch_size x dist.nproc = {d.micro_batch_size} x {world}: the job's batch per "
+                          "GPU is unknown; fix them, or give --local-batch and --micro-batch")
+    return d.global_batch_size // world, d.micro_batch_size
 
 
 def config_strategy(cfg: Config) -> str:
