@@ -229,7 +229,7 @@ def processes_mentioning(marker: str) -> list[int]:
 
 @pytest.fixture(autouse=True)
 def no_process_group_left():
-    """A process group a test formed in pytest's own process (a one-rank group: `bench.gpu._runtime(group=True)`) is
+    """A process group a test formed in pytest's own process (a one-rank group: `bench.gpu.kit.runtime(group=True)`) is
     destroyed after it, as `runtime.shutdown` would: a later test's `init_runtime` would take it for the user's."""
     yield
     dist = sys.modules.get("torch.distributed")  # (a test that never imported torch formed no group)

@@ -329,12 +329,12 @@ def test_ddp_holds_accumulated_gradients_beside_its_buckets_and_the_estimate_cou
     import torch
 
     from disttrain.backend import create_backend
-    from disttrain.bench.gpu import _runtime
+    from disttrain.bench.gpu.kit import runtime as one_rank_runtime
     from disttrain.memory import measure
     from disttrain.models.gpt import GPT
     from disttrain.optim import optimizer_factory
 
-    runtime = _runtime(torch.device("cpu"), group=True)
+    runtime = one_rank_runtime(torch.device("cpu"), group=True)
     x = torch.randint(0, 256, (2, 16))
     grads = {}
     for strategy, micro_batches in (("ddp", 2), ("ddp", 1), ("zero1", 2), ("single", 2)):

@@ -93,7 +93,7 @@ def test_a_static_graph_trains_one_micro_batch_per_step_and_refuses_to_accumulat
     import torch
 
     from disttrain.backend import create_backend
-    from disttrain.bench.gpu import _runtime
+    from disttrain.bench.gpu.kit import runtime as one_rank_runtime
     from disttrain.config import ConfigError, load_config
     from disttrain.models.gpt import GPT
     from disttrain.optim import optimizer_factory
@@ -101,7 +101,7 @@ def test_a_static_graph_trains_one_micro_batch_per_step_and_refuses_to_accumulat
     cfg = load_config(None, ["parallel.strategy=ddp", "parallel.static_graph=true", "model.n_layer=1",
                              "model.d_model=32", "model.seq_len=16"])
     backend = create_backend(GPT(cfg.model), optimizer_factory(cfg.optim), cfg.parallel,
-                             runtime=_runtime(torch.device("cpu"), group=True))
+                             runtime=one_rank_runtime(torch.device("cpu"), group=True))
     x = torch.randint(0, cfg.model.vocab_size, (2, 16))
     losses = []
     for _ in range(3):

@@ -22,13 +22,13 @@ def test_without_a_gpu_says_so_and_writes_nothing(tmp_path):
 
 def test_micro_batch_picker_takes_the_largest_power_of_two_that_fits():
     def total(micro):
-        return estimate(gpu.config(TINY, micro, "single", "bf16-mixed"), 1, "single").total(False)
+        return estimate(gpu.kit.config(TINY, micro, "single", "bf16-mixed"), 1, "single").total(False)
 
     assert total(8) < total(16)
-    assert gpu.pick_micro_batch(TINY, "bf16-mixed", total(8)) == 8  # exactly the estimate fits
-    assert gpu.pick_micro_batch(TINY, "bf16-mixed", total(16) - 1) == 8
-    assert gpu.pick_micro_batch(TINY, "bf16-mixed", total(1) - 1) is None  # not even one sequence
-    assert gpu.pick_micro_batch(TINY, "bf16-mixed", 1e15, limit=32) == 32
+    assert gpu.memory.pick_micro_batch(TINY, "bf16-mixed", total(8)) == 8  # exactly the estimate fits
+    assert gpu.memory.pick_micro_batch(TINY, "bf16-mixed", total(16) - 1) == 8
+    assert gpu.memory.pick_micro_batch(TINY, "bf16-mixed", total(1) - 1) is None  # not even one sequence
+    assert gpu.memory.pick_micro_batch(TINY, "bf16-mixed", 1e15, limit=32) == 32
 
 
 def test_a_failing_check_is_reported_and_the_others_still_run():
@@ -64,7 +64,7 @@ def test_a_check_that_cannot_run_here_is_skipped_not_failed():
 
 def test_defaults_are_the_issues_sizes():
     args = gpu._args([])
-    assert gpu.mfu_size(args) == {"n_layer": 24, "d_model": 2048, "n_head": 16, "seq_len": 2048,
+    assert gpu.memory.mfu_size(args) == {"n_layer": 24, "d_model": 2048, "n_head": 16, "seq_len": 2048,
                                   "vocab_size": 50304}
     assert args.out == "docs/benchmarks/gpu.md" and args.compile and args.mfu_precision == "bf16-mixed"
     assert [name for name, _ in gpu.CHECKS] == ["nccl", "steps bf16-mixed", "steps fp16-mixed", "steps bf16-true",
@@ -190,7 +190,7 @@ def test_the_bare_loop_is_disttrains_step_without_its_figures(tmp_path, strategy
     from disttrain.data import GlobalSampler, build_datasets
     from disttrain.parallel import comm
 
-    runtime = gpu._runtime(torch.device("cpu"), group=True)  # the one-rank group of the overhead check
+    runtime = gpu.kit.runtime(torch.device("cpu"), group=True)  # the one-rank group of the overhead check
     bench = argparse.Namespace(global_batch=4, micro=2, nproc=1, out=str(tmp_path), rounds=2, steps=1, set=[])
     cfg = overhead._config(bench, strategy, ("model.n_layer=1", "model.d_model=32", "model.n_head=2"))
     train, _ = build_datasets(cfg.data, cfg.model.seq_len)
