@@ -9,7 +9,7 @@ from disttrain.config import describe
 
 def config_reference() -> str:
     lines = ["# Configuration reference", "",
-             "Generated from `src/disttrain/config.py` by `python -m disttrain.cli.docs > docs/config.md`;",
+             "Generated from `src/disttrain/config/sections.py` by `python -m disttrain.cli.docs > docs/config.md`;",
              "a test fails when it is out of date. Set any key in a TOML file (`[section]` then `key = value`)",
              "or on the command line with `--set section.key=value`.", ""]
     section = None
