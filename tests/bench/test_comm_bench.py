@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import run_cli
-from disttrain.bench import comm
+from disttrain.bench import comm, comm_report
 from disttrain.cli.main import main as cli
 
 
@@ -60,7 +60,7 @@ def test_fit_is_sane(run):
 def test_report_without_matplotlib_writes_everything_else(run, tmp_path, monkeypatch, capsys):
     out, _ = run
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
-    comm.report(json.loads((out / "comm_raw.json").read_text()), tmp_path)
+    comm_report.report(json.loads((out / "comm_raw.json").read_text()), tmp_path)
     assert capsys.readouterr().err.strip() == "disttrain: comm.png not written: pip install 'disttrain[plot]'"
     assert {p.name for p in tmp_path.iterdir()} == {"comm.csv", "comm.md", "comm_fit.json"}
     assert "pip install 'disttrain[plot]'" in (tmp_path / "comm.md").read_text()

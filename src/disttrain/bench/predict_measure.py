@@ -108,7 +108,7 @@ def sitting(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
     docs/benchmarks/predict.md.)"""
     import torch
 
-    from disttrain.bench import comm
+    from disttrain.bench import comm, comm_report
     from disttrain.config import load_config, uses_cuda
 
     cfg = load_config(args.config, args.overrides)
@@ -132,7 +132,7 @@ def sitting(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
         raws.append(json.loads((here / "comm" / "comm_raw.json").read_text()))
     (out / "comm").mkdir(exist_ok=True)
     quiet = [raw for raw in raws if raw["other_cpu"] <= args.max_other_cpu] or raws  # as read_measured does rows
-    comm.report({**pool(quiet), "fit_statistic": "mean"}, out / "comm")
+    comm_report.report({**pool(quiet), "fit_statistic": "mean"}, out / "comm")
     path = out / "scaling.csv"
     _write(path, rows)
     return path, out / "comm" / "comm_fit.json"
