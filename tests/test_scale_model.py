@@ -91,6 +91,36 @@ def test_gradient_compression_sends_two_bytes_an_element_and_buckets_set_the_cal
     assert many.wire_bytes == pytest.approx(one.wire_bytes, rel=1e-12)
 
 
+def test_a_cpu_host_pays_the_cpu_time_of_the_buckets_issued_during_backward():
+    # every core running a rank, the CPU time per call measured: a bucket issued while backward goes on costs its
+    # CPU time (gloo's threads take the cores), its waiting overlaps the compute; the last one issued is waited for
+    alpha, beta, cpu_alpha, cpu_beta = 2e-3, 1e-9, 5e-4, 2e-9
+    fit = {"world_size": 2, "backend": "gloo", "device": "cpu", "collectives": {
+        c: {"alpha_s": alpha, "beta_s_per_byte": beta} for c in sm.COLLECTIVES}}
+    timed = {**fit, "collectives": {c: {**f, "cpu_alpha_s": cpu_alpha, "cpu_beta_s_per_byte": cpu_beta}
+                                    for c, f in fit["collectives"].items()}}
+    wall, cpu = sm.interconnect_from_fit(fit), sm.interconnect_from_fit(timed)
+    assert wall.cpu is None and sm.collective_time("all_reduce", 1e6, 2, replace(cpu, intra=cpu.cpu)) == \
+        pytest.approx(cpu_alpha + cpu_beta * 1e6, rel=1e-12)
+    shape = sm.gpt_shape(2, 64, 32, 256)
+    work = sm.Workload(shape, 0.05, 1, "fp32", bucket_bytes=2**16, cpu_cores=2, log_every=0)
+    buckets = sm._buckets(shape, 4, 2**16)
+    assert len(buckets) > 2
+    before = sm.step_time("ddp", 2, work, wall)
+    after = sm.step_time("ddp", 2, work, cpu)
+    assert before.step_s == pytest.approx(0.05 + sum(alpha + beta * b for b in buckets), rel=1e-12)
+    assert after.step_s == pytest.approx(0.05 + alpha + beta * buckets[0]  # the first parameters' bucket: the last
+                                         + sum(cpu_alpha + cpu_beta * b for b in buckets[1:]), rel=1e-12)
+    assert after.comm_s == before.comm_s and after.wire_bytes == before.wire_bytes
+    one = replace(work, bucket_bytes=25 * 2**20)  # one bucket, waited for whole: as without the CPU time
+    assert sm.step_time("ddp", 2, one, cpu).step_s == sm.step_time("ddp", 2, one, wall).step_s
+    for strategy in ("fsdp", "zero2"):  # FSDP's collectives block the step: their whole time, as before
+        assert sm.step_time(strategy, 2, work, cpu).step_s == sm.step_time(strategy, 2, work, wall).step_s
+    with pytest.raises(ConfigError, match="all_gather's cpu_alpha_s and cpu_beta_s_per_byte must be finite"):
+        sm.interconnect_from_fit({**timed, "collectives": {**timed["collectives"], "all_gather": {
+            "alpha_s": alpha, "beta_s_per_byte": beta, "cpu_alpha_s": -1.0, "cpu_beta_s_per_byte": 0.0}}})
+
+
 def test_ddp_buckets_hold_whole_tensors_from_the_last_parameter():
     # as DDP's rebuilt buckets: in the order gradients are ready, closed once they reach the cap
     model = sm.ModelShape("m", 1030, counted=(sm.UnitShape(1030, 1030, 1, 2),), grad_tensors=(10, 10, 1000, 10))

@@ -192,13 +192,16 @@ def test_one_sitting_measures_steps_and_links_then_validates(tmp_path):
 def test_rounds_of_comm_runs_pool_their_calls():
     def raw(times, other):
         return {"world_size": 2, "other_cpu": other, "date": str(other),
-                "rows": [{"collective": "all_gather", "bytes": b, "iterations": len(times), "times_s": times}
-                         for b in (1024, 4096)]}
+                "rows": [{"collective": "all_gather", "bytes": b, "iterations": len(times), "times_s": times,
+                          "cpu_s": [t / 10 for t in times]} for b in (1024, 4096)]}
 
     pooled = predict_measure.pool([raw([1.0, 2.0], 0.1), raw([3.0], 0.3)])
-    assert [(r["bytes"], r["iterations"], r["times_s"]) for r in pooled["rows"]] == [
-        (1024, 3, [1.0, 2.0, 3.0]), (4096, 3, [1.0, 2.0, 3.0])]
+    assert [(r["bytes"], r["iterations"], r["times_s"], r["cpu_s"]) for r in pooled["rows"]] == [
+        (b, 3, [1.0, 2.0, 3.0], [0.1, 0.2, 0.3]) for b in (1024, 4096)]
     assert pooled["other_cpu"] == 0.3 and pooled["date"] == "0.3"  # the busiest neighbours, the last date
+    older = raw([3.0], 0.3)
+    del older["rows"][0]["cpu_s"]  # a run without CPU times: the pooled size has none
+    assert "cpu_s" not in predict_measure.pool([raw([1.0], 0.1), older])["rows"][0]
 
 
 @pytest.mark.parametrize("args, message", [

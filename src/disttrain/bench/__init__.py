@@ -73,6 +73,27 @@ def own_seconds() -> float:
     return t.user + t.system
 
 
+def backend_threads_seconds() -> float | None:
+    """CPU seconds of this process's threads that Python did not start: a process group's own (gloo's workers and
+    its loop), from Linux's per-thread scheduler statistics (nanoseconds); None where there are none to read."""
+    import threading
+
+    ours = {t.native_id for t in threading.enumerate()}
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return None
+    total = 0
+    for tid in tids:
+        if tid in ours:
+            continue
+        try:
+            total += int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):  # (a thread that ended meanwhile)
+            continue
+    return total / 1e9
+
+
 def other_cpu(busy: float, own_all_ranks: float, wall: float) -> float:
     """Cores other processes kept busy over `wall` seconds: the machine's busy time less this job's ranks' own.
     A benchmark on a shared machine reports it, so that a figure measured next to a neighbour's job is seen as such."""

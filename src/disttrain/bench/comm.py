@@ -167,9 +167,12 @@ HOLD_CYCLES = 2_000_000
 to issue the call."""
 
 
-def _measure(runs: list, iters: list[int], warmup: int, device, before=None) -> list[list[float]]:
+def _measure(runs: list, iters: list[int], warmup: int, device, before=None
+             ) -> tuple[list[list[float]], list[list[float]] | None]:
     """Per-call seconds of the slowest rank for each of `runs`, each call started after a barrier (and `before()`,
-    untimed, when given). The sizes take turns (one call of each per round, a size leaving once it has its
+    untimed, when given); on a CPU, also the CPU seconds the call took on the process group's own threads (gloo's:
+    `backend_threads_seconds`; the rank's thread, which waits, aside), the most of any rank, or None where Linux's
+    per-thread figures cannot be read. The sizes take turns (one call of each per round, a size leaving once it has its
     iterations), so that a slow spell of the machine lands on all of them rather than bending the curve at one
     size. On CUDA a call is timed by two events on the caller's stream, which a collective without `async_op` holds
     until nccl's stream has done it; the stream is held busy for about a millisecond before the first event
@@ -179,8 +182,14 @@ def _measure(runs: list, iters: list[int], warmup: int, device, before=None) -> 
     import torch
     import torch.distributed as dist
 
+    from disttrain.bench import backend_threads_seconds
+
     cuda = device.type == "cuda"
     times: list[list[float]] = [[] for _ in runs]
+    cpus: list[list[float]] = [[] for _ in runs]
+    readable = torch.tensor([not cuda and backend_threads_seconds() is not None], device=device)
+    dist.all_reduce(readable, op=dist.ReduceOp.MIN)  # (CPU seconds from every rank, or from none)
+    threads = backend_threads_seconds if readable.item() else None
     for i in range(warmup + max(iters)):
         for k, run in enumerate(runs):
             if i >= warmup + iters[k]:
@@ -198,15 +207,19 @@ def _measure(runs: list, iters: list[int], warmup: int, device, before=None) -> 
                 end.synchronize()
                 seconds = begin.elapsed_time(end) / 1e3
             else:
+                cpu = threads() if threads else 0.0
                 start = time.perf_counter()
                 run()
                 seconds = time.perf_counter() - start
+                cpu = threads() - cpu if threads else 0.0
             if i >= warmup:
                 times[k].append(seconds)
-    slowest = torch.tensor([t for ts in times for t in ts], dtype=torch.float64, device=device)
+                cpus[k].append(0.0 if cuda else cpu)
+    slowest = torch.tensor([t for ts in times + cpus for t in ts], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     flat = iter(slowest.tolist())
-    return [[next(flat) for _ in ts] for ts in times]
+    walls, cpus = [[next(flat) for _ in ts] for ts in times], [[next(flat) for _ in ts] for ts in cpus]
+    return walls, cpus if threads else None
 
 
 def _compute(stop: threading.Event) -> None:
@@ -257,9 +270,10 @@ def _worker(args: argparse.Namespace) -> None:
         every = sizes(parse_size(args.min_size, ""), parse_size(args.max_size, ""), args.factor)
         ops = [_operation(collective, size, n, runtime.device, fresh=step) for size in every]
         iters = [iterations(size, args.iters, args.min_iters) for size in every]
-        times = _measure([run for _, run in ops], iters, args.warmup, runtime.device, before)
-        rows += [{"collective": collective, "bytes": nbytes, "iterations": k, "times_s": t}
-                 for (nbytes, _), k, t in zip(ops, iters, times, strict=True)]
+        times, cpus = _measure([run for _, run in ops], iters, args.warmup, runtime.device, before)
+        rows += [{"collective": collective, "bytes": nbytes, "iterations": k, "times_s": t,
+                  **({"cpu_s": cpus[j]} if cpus else {})}
+                 for j, ((nbytes, _), k, t) in enumerate(zip(ops, iters, times, strict=True))]
         del ops
     stop.set()
     ours = torch.tensor([own_seconds() - own], dtype=torch.float64, device=runtime.device)  # nccl: CUDA only

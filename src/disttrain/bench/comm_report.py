@@ -17,7 +17,9 @@ from disttrain.bench.scale_model import bus_factor, fit_alpha_beta
 def summarise(raw: dict) -> tuple[list[dict], dict]:
     """(CSV rows, the fit) of the raw per-iteration times. The fit goes through each size's median, or its mean where
     `raw["fit_statistic"]` says so (`disttrain bench predict`'s pooled sitting: a step pays the sum of its calls, so
-    their expectation, and a bimodal time's median jumps between the modes where the mean moves with their mix)."""
+    their expectation, and a bimodal time's median jumps between the modes where the mean moves with their mix).
+    On a CPU host the CPU seconds of the process group's threads per call (`cpu_s`) are fitted the same way
+    (`cpu_alpha_s`, `cpu_beta_s_per_byte`): what a call issued while its rank computes takes from the cores."""
     n, table = raw["world_size"], []
     statistic = raw.get("fit_statistic", "median")
     for r in raw["rows"]:
@@ -26,15 +28,21 @@ def summarise(raw: dict) -> tuple[list[dict], dict]:
         table.append({"collective": r["collective"], "bytes": r["bytes"], "world_size": n, "backend": raw["backend"],
                       "iterations": r["iterations"], "time_median_s": median,
                       "time_mean_s": statistics.mean(r["times_s"]), "time_min_s": min(r["times_s"]),
-                      "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(r["collective"], n)})
+                      "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(r["collective"], n),
+                      **({"cpu_median_s": statistics.median(r["cpu_s"]), "cpu_mean_s": statistics.mean(r["cpu_s"])}
+                         if r.get("cpu_s") else {})})
     fits = {}
     for c in dict.fromkeys(r["collective"] for r in table):
-        points = [(r["bytes"], r[f"time_{statistic}_s"]) for r in table if r["collective"] == c]
+        rows = [r for r in table if r["collective"] == c]
+        points = [(r["bytes"], r[f"time_{statistic}_s"]) for r in rows]
         alpha, beta = fit_alpha_beta([b for b, _ in points], [t for _, t in points])
         worst = max(abs(alpha + beta * b - t) / t for b, t in points)
         fits[c] = {"alpha_s": alpha, "beta_s_per_byte": beta, "bandwidth_Bps": 1 / beta if beta else None,
                    "bus_bandwidth_Bps": bus_factor(c, n) / beta if beta else None, "max_rel_error": worst,
                    "sizes_bytes": [points[0][0], points[-1][0]]}
+        if all(r.get(f"cpu_{statistic}_s", 0) > 0 for r in rows):  # (a CPU host's: the backend's threads' time)
+            cpu_alpha, cpu_beta = fit_alpha_beta([r["bytes"] for r in rows], [r[f"cpu_{statistic}_s"] for r in rows])
+            fits[c].update(cpu_alpha_s=cpu_alpha, cpu_beta_s_per_byte=cpu_beta)
     fit = {"backend": raw["backend"], "world_size": n, "device": raw["device"], "host": raw["host"],
            "date": raw["date"], "torch": raw["torch"], "model": "t = alpha + beta * bytes (nccl-tests' size)",
            "statistic": statistic,
@@ -87,6 +95,14 @@ def report(raw: dict, out: Path) -> None:
         bw = f"{f['bandwidth_Bps'] / 1e9:.3f} | {f['bus_bandwidth_Bps'] / 1e9:.3f}" if f["beta_s_per_byte"] else "- | -"
         lines.append(f"| {c} | {f['alpha_s'] * 1e6:.1f} | {f['beta_s_per_byte'] * 1e9:.4f} | {bw} | "
                      f"{f['max_rel_error'] * 100:.0f}% |")
+    cpu = {c: f for c, f in fit["collectives"].items() if "cpu_alpha_s" in f}
+    if cpu:
+        lines += ["", "CPU time of the process group's threads (gloo's) per call, fitted the same way: what a call "
+                  "issued while its rank computes takes from the cores (the scale model charges it for DDP's buckets "
+                  "on a host whose cores all run ranks):", "", "| collective | cpu alpha (us) | cpu beta (ns/byte) |",
+                  "|---|---|---|"]
+        lines += [f"| {c} | {f['cpu_alpha_s'] * 1e6:.1f} | {f['cpu_beta_s_per_byte'] * 1e9:.4f} |"
+                  for c, f in cpu.items()]
     lines += ["", "comm.png: latency and bus bandwidth vs size." if plotted else
               "comm.png not written: pip install 'disttrain[plot]'", "",
               f"Machine: {raw['host']} ({raw['machine']}); torch {raw['torch']}, disttrain {__version__}, Python "

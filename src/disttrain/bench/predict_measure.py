@@ -154,8 +154,11 @@ def pool(raws: list[dict]) -> dict:
     for row in raws[0]["rows"]:
         same = [r for raw in raws for r in raw["rows"] if (r["collective"], r["bytes"]) == (row["collective"],
                                                                                              row["bytes"])]
-        pooled["rows"].append({**row, "iterations": sum(r["iterations"] for r in same),
-                               "times_s": [t for r in same for t in r["times_s"]]})
+        pooled["rows"].append({**{k: v for k, v in row.items() if k != "cpu_s"},
+                               "iterations": sum(r["iterations"] for r in same),
+                               "times_s": [t for r in same for t in r["times_s"]],
+                               **({"cpu_s": [t for r in same for t in r["cpu_s"]]}
+                                  if all(r.get("cpu_s") for r in same) else {})})
     return pooled
 
 

@@ -73,6 +73,10 @@ class Interconnect:
     inter: Mapping[str, Link]
     """Per collective, across nodes: each GPU's share of its node's network."""
     note: str = ""
+    cpu: Mapping[str, Link] | None = None
+    """Per collective, on a CPU host where measured (`bench comm`'s `cpu_alpha_s`, `cpu_beta_s_per_byte`): the CPU
+    time a call takes on the process group's threads, which is what a call issued while its rank computes costs a
+    host whose cores all run ranks (its waiting overlaps the compute)."""
 
 
 def uniform(link: Link) -> dict[str, Link]:
@@ -100,22 +104,27 @@ def interconnect_from_fit(fit: Mapping, name: str = "measured") -> Interconnect:
     if world < 2:
         raise ConfigError(f"{name}: world_size {world}: a fit of links needs 2 or more ranks; rerun `disttrain bench "
                           "comm` with --nproc 2 or more")
-    links = {}
+    links, cpu = {}, {}
     for c, f in fit["collectives"].items():
-        numbers = [f["alpha_s"], f["beta_s_per_byte"]]
-        if not all(isinstance(x, int | float) and math.isfinite(x) and x >= 0 for x in numbers):
-            raise ConfigError(f"{name}: {c}'s alpha_s and beta_s_per_byte must be finite numbers >= 0, not "
-                              f"{numbers}; rerun `disttrain bench comm`")
+        for prefix in ("", "cpu_") if per_call and "cpu_alpha_s" in f else ("",):
+            numbers = [f.get(f"{prefix}alpha_s"), f.get(f"{prefix}beta_s_per_byte")]
+            if not all(isinstance(x, int | float) and math.isfinite(x) and x >= 0 for x in numbers):
+                raise ConfigError(f"{name}: {c}'s {prefix}alpha_s and {prefix}beta_s_per_byte must be finite numbers "
+                                  f">= 0, not {numbers}; rerun `disttrain bench comm`")
         bandwidth = bus_factor(c, world) / f["beta_s_per_byte"] if f["beta_s_per_byte"] > 0 else math.inf
         links[c] = (Link(0.0, bandwidth, call_s=f["alpha_s"]) if per_call
                     else Link(f["alpha_s"] / max(ring_steps(c, world), 1), bandwidth))
+        if per_call and "cpu_alpha_s" in f:
+            beta = f["cpu_beta_s_per_byte"]
+            cpu[c] = Link(0.0, bus_factor(c, world) / beta if beta > 0 else math.inf, call_s=f["cpu_alpha_s"])
     missing = [c for c in ("all_reduce", "all_gather", "reduce_scatter") if c not in links]
     if missing:
         raise ConfigError(f"{name}: the fit has no {', '.join(missing)}; rerun `disttrain bench comm` with them")
     busy = {"step": f", each rank computing {fit.get('compute_ms', 0):g} ms before each call (--busy step)",
             True: ", each rank's core computing meanwhile (--busy 1)"}.get(fit.get("busy"), "")
     return Interconnect(name, world, links, links, f"{fit['backend']} on {fit.get('host', '?')}, {world} ranks{busy}, "
-                        f"measured {fit.get('date', '?')}")
+                        f"measured {fit.get('date', '?')}" + ("; CPU time per call too" if cpu else ""),
+                        cpu=cpu if set(cpu) == set(links) else None)
 
 
 def _ring(collective: str, nbytes: float, n: int, link: Link) -> float:
@@ -305,6 +314,9 @@ class Unit:
     gather_bwd: float = 0.0
     reduce: float = 0.0
     """Seconds of each collective."""
+    reduce_cpu: float | None = None
+    """A DDP bucket's all-reduce: its CPU seconds on the process group's threads, where measured
+    (`Interconnect.cpu`)."""
 
 
 @dataclass
@@ -399,8 +411,10 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
         last = max((i for i, u in enumerate(shapes) if u.trained), default=-1)
         (forward, backward), tail = shares(shapes[:last + 1]), shapes[last + 1:]
         buckets = _buckets(model, stored, work.bucket_bytes)
+        cpu = replace(net, intra=net.cpu, inter=net.cpu) if net.cpu else None
         units = [Unit(forward * b / sum(buckets), backward * b / sum(buckets),
-                      reduce=wire("all_reduce", b * ddp_wire / stored, n))
+                      reduce=wire("all_reduce", b * ddp_wire / stored, n),
+                      reduce_cpu=collective_time("all_reduce", b * ddp_wire / stored, n, cpu) if cpu else None)
                  for b in buckets] or [Unit(forward, backward)]
         if tail:
             units.append(Unit(*shares(tail)))
@@ -422,6 +436,15 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
     return units, after, sent
 
 
+def _waits_behind_backward(units: list[Unit]) -> float:
+    """Seconds of DDP's bucket all-reduces that a host whose cores all run ranks does not pay, where their CPU time
+    was measured: a bucket issued while backward goes on costs the step its CPU time (the backend's threads take the
+    cores from compute), its waiting overlaps the compute; the bucket of the first parameters in forward order,
+    issued when backward ends, is waited for whole."""
+    buckets = [u for u in units if u.reduce_cpu is not None]
+    return sum(u.reduce - min(u.reduce, u.reduce_cpu) for u in buckets[1:])
+
+
 def step_time(strategy: str, n: int, work: Workload, net: Interconnect) -> Step:
     """One optimizer step on `n` devices (weak scaling: `work` is one device's share at every `n`)."""
     strategy = canonical_strategy(strategy)
@@ -434,7 +457,8 @@ def step_time(strategy: str, n: int, work: Workload, net: Interconnect) -> Step:
     comm_total = (sum(u.gather_fwd + u.gather_bwd for u in units) * work.micro_steps
                   + sum(u.reduce for u in units) + after)
     if work.cpu_cores and local >= work.cpu_cores:  # no free core: gloo's threads take turns with compute
-        return Step(compute + comm_total * slowdown, compute, comm_total * slowdown, sent)
+        charged = comm_total - _waits_behind_backward(units)
+        return Step(compute + charged * slowdown, compute, comm_total * slowdown, sent)
     seconds = compute / work.micro_steps
     t = comm = 0.0
     for m in range(work.micro_steps):
