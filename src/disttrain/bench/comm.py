@@ -27,9 +27,10 @@ Per collective, alpha (s) and beta (s/byte) of t = alpha + beta * S are fitted b
 error (scale_model.fit_alpha_beta), so small and large sizes both count. On a CPU each call's CPU seconds on the
 process group's own threads (gloo's; `bench.backend_threads_seconds`, read before and after the call, outside its
 timing) are recorded and fitted the same way (`cpu_alpha_s`, `cpu_beta_s_per_byte`): what a call issued while its
-rank computes takes from the cores, which the scale model charges DDP's buckets on a host whose cores all run ranks. Results: `<out>/comm.csv`, `comm.md`
-(table, fit, config, versions, machine, date), `comm.png` (latency and busbw vs size, log-log; needs matplotlib)
-and `comm_fit.json` (the fit, which `disttrain bench predict --interconnect measured:PATH` reads).
+rank computes takes from the cores, which the scale model charges DDP's buckets on a host whose cores all run ranks.
+Results (comm_report.py): `<out>/comm.csv`, `comm.md` (table, fit, config, versions, machine, date), `comm.png`
+(latency and busbw vs size, log-log; needs matplotlib) and `comm_fit.json` (the fit, which `disttrain bench predict
+--interconnect measured:PATH` reads).
 """
 
 from __future__ import annotations
