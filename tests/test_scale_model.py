@@ -112,6 +112,8 @@ def test_a_cpu_host_pays_the_cpu_time_of_the_buckets_issued_during_backward():
     assert after.step_s == pytest.approx(0.05 + alpha + beta * buckets[0]  # the first parameters' bucket: the last
                                          + sum(cpu_alpha + cpu_beta * b for b in buckets[1:]), rel=1e-12)
     assert after.comm_s == before.comm_s and after.wire_bytes == before.wire_bytes
+    assert sm.step_time("zero1", 2, work, cpu).step_s == pytest.approx(  # DDP's buckets, then its exposed all-gather
+        after.step_s + sm.collective_time("all_gather", shape.params * 4, 2, cpu), rel=1e-12)
     one = replace(work, bucket_bytes=25 * 2**20)  # one bucket, waited for whole: as without the CPU time
     assert sm.step_time("ddp", 2, one, cpu).step_s == sm.step_time("ddp", 2, one, wall).step_s
     for strategy in ("fsdp", "zero2"):  # FSDP's collectives block the step: their whole time, as before

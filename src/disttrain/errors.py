@@ -1,7 +1,7 @@
 """How a failure reaches the user: the exit code and the one line every entry point prints. The bottom layer
 (imports nothing of disttrain, nor torch).
 
-`ConfigError` lives here (not in config.py) because the strategy registry, below the config, raises it too.
+`ConfigError` lives here (not in the config package) because the strategy registry, below the config, raises it too.
 `ConfigError`, `CheckpointError`, `NonFiniteError` and `Preempted` derive from `UserError`, so the CLI and the
 worker entry point map them without importing the modules that raise them. Out-of-memory errors are recognised
 by class: `MemoryError` (host) and `torch.OutOfMemoryError`, which is a `RuntimeError`, not a `MemoryError`.

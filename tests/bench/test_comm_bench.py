@@ -4,13 +4,17 @@ matplotlib, and bad input (one line, exit 2)."""
 import csv
 import importlib.util
 import json
+import os
 import sys
+import threading
 
 import pytest
 
 from conftest import run_cli
 from disttrain.bench import comm, comm_report
 from disttrain.cli.main import main as cli
+
+SCHEDSTAT = os.path.isfile(f"/proc/self/task/{threading.get_native_id()}/schedstat")
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +30,8 @@ def test_table_columns_and_bus_bandwidth_follow_the_measured_time(run):
     out, result = run
     rows = list(csv.DictReader(open(out / "comm.csv")))
     assert list(rows[0]) == ["collective", "bytes", "world_size", "backend", "iterations", "time_median_s",
-                             "time_mean_s", "time_min_s", "algbw_GBps", "busbw_GBps", "cpu_median_s", "cpu_mean_s"]
+                             "time_mean_s", "time_min_s", "algbw_GBps", "busbw_GBps",
+                             *(["cpu_median_s", "cpu_mean_s"] if SCHEDSTAT else [])]
     assert [r["collective"] for r in rows[::4]] == list(comm.COLLECTIVES)  # 1K, 4K, 16K, 64K each
     assert {int(r["bytes"]) for r in rows} == {1024, 4096, 16384, 65536}
     factor = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "broadcast": 1.0, "all_to_all": 0.5}
@@ -37,8 +42,9 @@ def test_table_columns_and_bus_bandwidth_follow_the_measured_time(run):
         assert float(r["algbw_GBps"]) == pytest.approx(int(r["bytes"]) / t / 1e9, rel=1e-9)
         assert float(r["busbw_GBps"]) == pytest.approx(float(r["algbw_GBps"]) * factor[r["collective"]], rel=1e-9)
     raw = json.loads((out / "comm_raw.json").read_text())
-    assert all(len(r["times_s"]) == len(r["cpu_s"]) == r["iterations"] == 3 for r in raw["rows"])
-    assert all(c > 0 for r in raw["rows"] for c in r["cpu_s"])  # gloo's threads worked on every call
+    assert all(len(r["times_s"]) == r["iterations"] == 3 for r in raw["rows"])
+    if SCHEDSTAT:  # (Linux's per-thread CPU times)
+        assert all(len(r["cpu_s"]) == 3 and min(r["cpu_s"]) > 0 for r in raw["rows"])  # gloo's threads worked
     assert "| all_to_all | 64K | 65536 | 3 |" in result.stdout
     assert (out / "comm.png").is_file() == (importlib.util.find_spec("matplotlib") is not None)
 
@@ -52,8 +58,9 @@ def test_fit_is_sane(run):
     for c, f in fit["collectives"].items():
         times = [float(r["time_median_s"]) for r in rows if r["collective"] == c]
         assert f["alpha_s"] >= 0 and f["beta_s_per_byte"] >= 0 and f["alpha_s"] + f["beta_s_per_byte"] > 0
-        assert f["cpu_alpha_s"] >= 0 and f["cpu_beta_s_per_byte"] >= 0  # (gloo's threads' CPU time per call)
-        assert f["cpu_alpha_s"] + f["cpu_beta_s_per_byte"] > 0
+        if SCHEDSTAT:  # gloo's threads' CPU time per call, fitted the same way
+            assert f["cpu_alpha_s"] >= 0 and f["cpu_beta_s_per_byte"] >= 0
+            assert f["cpu_alpha_s"] + f["cpu_beta_s_per_byte"] > 0
         assert f["alpha_s"] <= max(times)  # latency cannot exceed the slowest call it was fitted to
         assert f["max_rel_error"] == pytest.approx(max(
             abs(f["alpha_s"] + f["beta_s_per_byte"] * int(r["bytes"]) - float(r["time_median_s"]))

@@ -106,8 +106,8 @@ def test_forecast_of_a_config_takes_its_batch_per_gpu_and_accumulation(tmp_path)
             for name in ("one", "four")}
     assert comm["one"][1] == comm["four"][1]  # ddp reduces once a step, accumulated or not;
     assert comm["one"][3] > 2 * comm["four"][3]  # fsdp gathers again for each micro-batch (4 x), reduces once
-    assert "32 x 32 tokens per GPU per step (the config's: data.global_batch_size 32 over dist.nproc 1; 4 " \
-        "micro-batches of 8: gradients reduced on the last)" in (tmp_path / "one" / "predict.md").read_text()
+    assert "32 x 32 tokens per GPU per step (the config's: data.global_batch_size 32 over dist.nproc 1, one node's " \
+        "ranks; 4 micro-batches of 8: gradients reduced on the last)" in (tmp_path / "one" / "predict.md").read_text()
 
 
 def validate(tmp_path, measured_csv: str) -> list[dict]:
@@ -235,7 +235,9 @@ def test_rounds_of_comm_runs_pool_their_calls():
      "was measured while other processes kept more than 0.1 cores busy"),
     (["--strategy", ","], "--strategy ',' names no strategy"),
     (["--micro-batch", "5"], "--micro-batch 5: the batch per GPU, 32 (the config's: data.global_batch_size 32 over "
-     "dist.nproc 1), is not a multiple of it"),
+     "dist.nproc 1, one node's ranks), is not a multiple of it"),
+    (["--interconnect", "measured:fit.json"], "--interconnect measured:...: give --compute-s, one device's step of 32 "
+     "sequences in micro-batches of 8"),
     (["--set", "data.global_batch_size=36"], "data.global_batch_size = 36 is not a positive multiple of "
      "data.micro_batch_size x dist.nproc = 8 x 1"),
     (["--mfu", "0"], "--mfu 0: give a fraction in (0, 1]"),

@@ -75,7 +75,7 @@ def own_seconds() -> float:
 
 def backend_threads_seconds() -> float | None:
     """CPU seconds of this process's threads that Python did not start: a process group's own (gloo's workers and
-    its loop), from Linux's per-thread scheduler statistics (nanoseconds); None where there are none to read."""
+    its loop), from Linux's per-thread scheduler statistics (nanoseconds); None where they cannot be read."""
     import threading
 
     ours = {t.native_id for t in threading.enumerate()}
@@ -83,15 +83,16 @@ def backend_threads_seconds() -> float | None:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
         return None
-    total = 0
+    total, read = 0, False
     for tid in tids:
         if tid in ours:
             continue
         try:
             total += int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0])
-        except (OSError, ValueError, IndexError):  # (a thread that ended meanwhile)
+            read = True
+        except (OSError, ValueError, IndexError):  # (a thread that ended meanwhile; no schedstat in this kernel)
             continue
-    return total / 1e9
+    return total / 1e9 if read else None
 
 
 def other_cpu(busy: float, own_all_ranks: float, wall: float) -> float:

@@ -71,7 +71,7 @@ def report(raw: dict, out: Path) -> None:
 
     table, fit = summarise(raw)
     with open(out / "comm.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(table[0]))
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for row in table for k in row)))
         writer.writeheader()
         writer.writerows(table)
     (out / "comm_fit.json").write_text(json.dumps(fit, indent=2))

@@ -3,7 +3,7 @@ this machine does not have, from one device's compute time and an alpha-beta mod
 
     disttrain bench predict [CONFIG] [--set ...] [--model llama3-8b] [--strategy ddp,fsdp] [--gpus 8,64,512,1024]
         [--interconnect h100-nvlink+ib-ndr | measured:DIR/comm_fit.json] [--compute-s S | --tflops T --mfu M]
-        [--local-batch B] [--precision bf16-mixed] [--out bench_results]
+        [--local-batch B] [--micro-batch M] [--precision bf16-mixed] [--out bench_results]
     disttrain bench predict --validate [CONFIG] [--set ...] [--measured DIR/scaling.csv
         --interconnect measured:DIR/comm_fit.json]
     disttrain bench predict --measure [CONFIG] [--set ...] [--world-sizes 1,2,3] [--strategies ddp,fsdp]
@@ -15,8 +15,9 @@ model: counted from its modules, `perf.flops_by_unit`, frozen parameters' gradie
 strategy's collectives (ring / hierarchical alpha-beta times) overlapped with the compute they can hide behind.
 Without `--model` the job of CONFIG / `--set` is modelled (predict_job.py): its model counted from its module tree
 built on the meta device (`model.freeze` included), the strategy it runs on several ranks unless `--strategy` names
-others, its batch per GPU and accumulation (`data.global_batch_size` over `dist.nproc` ranks, in micro-batches of
-`data.micro_batch_size`; `--local-batch`, `--micro-batch` override them), its gradient compression, DDP buckets and
+others, its batch per GPU and accumulation (`data.global_batch_size` over `dist.nproc` ranks, one node's: on several
+nodes give `--local-batch`; in micro-batches of `data.micro_batch_size`; `--local-batch`, `--micro-batch` override
+them), its gradient compression, DDP buckets and
 logged lines; with `--model`, the preset with the config's
 settings. Writes `<out>/predict.md` and `predict.csv`.
 
@@ -219,8 +220,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
     check_numbers(("--compute-s", args.compute_s, 0.0, "seconds >= 0 (0: from FLOPs)"),
                   ("--tflops", args.tflops, 0.0, "a peak > 0 (0: the H100's in the precision)"),
                   ("--mfu", args.mfu, 1e-9, "a fraction in (0, 1]", 1.0),
-                  ("--local-batch", args.local_batch, 0, "sequences >= 0 (0: the model's)"),
-                  ("--micro-batch", args.micro_batch, 0, "sequences >= 0 (0: no accumulation, or the config's)"),
+                  ("--local-batch", args.local_batch, 0, "sequences >= 0 (0: the preset's or the config's)"),
+                  ("--micro-batch", args.micro_batch, 0, "sequences >= 0 (0: the config's, or no accumulation)"),
                   ("--gpus-per-node", args.gpus_per_node, 0, "devices >= 0 (0: the interconnect's)"),
                   ("--cpu-cores", args.cpu_cores, -1, "cores >= 0, or -1 for this machine's"),
                   ("--max-other-cpu", args.max_other_cpu, 0.0, "cores >= 0"),
@@ -237,7 +238,8 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
     local, micro = (args.local_batch, args.local_batch) if args.local_batch else default_batch(args, cfg)
     micro = args.micro_batch or micro  # (--local-batch alone: no accumulation)
     given = ("--local-batch" if args.local_batch else "the preset's" if args.model else
-             f"the config's: data.global_batch_size {cfg.data.global_batch_size} over dist.nproc {cfg.dist.nproc}")
+             f"the config's: data.global_batch_size {cfg.data.global_batch_size} over dist.nproc {cfg.dist.nproc}, "
+             "one node's ranks")
     if local % micro:
         raise ConfigError(f"--micro-batch {micro}: the batch per GPU, {local} ({given}), is not a multiple of it; "
                           "give a divisor of it, or --local-batch")
@@ -245,8 +247,9 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
     if args.compute_s:
         compute, source = args.compute_s, "given (--compute-s)"
     elif fit is not None:
-        raise ConfigError("--interconnect measured:...: give --compute-s (one device's step time, e.g. the 1-rank "
-                          "step_time_s of `disttrain bench predict --measure`)")
+        raise ConfigError(f"--interconnect measured:...: give --compute-s, one device's step of {local} sequences in "
+                          f"micro-batches of {micro} (`bench predict --measure` times one micro-batch per rank: its "
+                          "1-rank step_time_s with --local-batch and --micro-batch both its --micro-batch)")
     else:
         tflops = args.tflops or (H100_FP32_TFLOPS if precision == "fp32" else H100_BF16_TFLOPS)
         compute = compute_seconds(shape, tokens, tflops, args.mfu)

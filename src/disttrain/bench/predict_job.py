@@ -76,7 +76,8 @@ def config_batch(cfg: Config) -> tuple[int, int]:
     """(sequences per GPU per step, sequences per forward pass) of the config's job: `data.global_batch_size` over
     its `dist.nproc` ranks, in micro-batches of `data.micro_batch_size` (the Trainer accumulates the rest, and
     reduces the gradients on the last micro-batch only). A forecast keeps this batch per GPU at every count (weak
-    scaling)."""
+    scaling). `dist.nproc` is one node's processes (a launch's `--nnodes` is not in the config): the batch of a job
+    on several nodes is given with `--local-batch`."""
     d, world = cfg.data, cfg.dist.nproc
     if world < 1 or d.micro_batch_size < 1 or d.global_batch_size < 1 or \
             d.global_batch_size % (world * d.micro_batch_size):

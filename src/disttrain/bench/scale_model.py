@@ -122,9 +122,10 @@ def interconnect_from_fit(fit: Mapping, name: str = "measured") -> Interconnect:
         raise ConfigError(f"{name}: the fit has no {', '.join(missing)}; rerun `disttrain bench comm` with them")
     busy = {"step": f", each rank computing {fit.get('compute_ms', 0):g} ms before each call (--busy step)",
             True: ", each rank's core computing meanwhile (--busy 1)"}.get(fit.get("busy"), "")
+    cpu = cpu if all(c in cpu for c in ("all_reduce", "all_gather", "reduce_scatter")) else {}  # (what DDP's use)
     return Interconnect(name, world, links, links, f"{fit['backend']} on {fit.get('host', '?')}, {world} ranks{busy}, "
                         f"measured {fit.get('date', '?')}" + ("; CPU time per call too" if cpu else ""),
-                        cpu=cpu if set(cpu) == set(links) else None)
+                        cpu=cpu or None)
 
 
 def _ring(collective: str, nbytes: float, n: int, link: Link) -> float:

@@ -255,6 +255,3 @@ def main(argv: list[str] | None = None) -> int:
     print(out.read_text())
     return 0 if all(c.passed or c.skipped for c in checks) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())
