@@ -13,7 +13,7 @@ share of the network, all-gather in the node), which reduces to the flat ring wh
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from disttrain.errors import ConfigError
@@ -403,22 +403,8 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
     shapes = model.units()
     flops = sum(u.forward_flops + u.backward_flops for u in shapes)
     if not sharded:
-        # the buckets spread over the compute of the units from the first to the last that trains (forward order):
-        # the backward of the frozen units after the last one comes first and readies no gradient (a frozen front's
-        # backward is nothing)
-        def shares(group: list[UnitShape]) -> tuple[float, float]:
-            return sum(u.forward_flops for u in group) / flops, sum(u.backward_flops for u in group) / flops
-
-        last = max((i for i, u in enumerate(shapes) if u.trained), default=-1)
-        (forward, backward), tail = shares(shapes[:last + 1]), shapes[last + 1:]
-        buckets = _buckets(model, stored, work.bucket_bytes)
-        cpu = replace(net, intra=net.cpu, inter=net.cpu) if net.cpu else None
-        units = [Unit(forward * b / sum(buckets), backward * b / sum(buckets),
-                      reduce=wire("all_reduce", b * ddp_wire / stored, n),
-                      reduce_cpu=collective_time("all_reduce", b * ddp_wire / stored, n, cpu) if cpu else None)
-                 for b in buckets] or [Unit(forward, backward)]
-        if tail:
-            units.append(Unit(*shares(tail)))
+        buckets = [b * ddp_wire / stored for b in _buckets(model, stored, work.bucket_bytes)]  # (bytes on the wire)
+        units = _bucket_units(shapes, flops, buckets, lambda nbytes: wire("all_reduce", nbytes, n), net, n)
         after += wire("all_gather", model.trained_params * stored, n) if strategy == "zero1" else 0.0
         return units, after, sent
     replicas = n // shard
@@ -435,6 +421,24 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
             reduce += wire("all_reduce", u.trained * reduced / shard, replicas, across=True)
         units.append(Unit(u.forward_flops / flops, u.backward_flops / flops, gather, gather if again else 0.0, reduce))
     return units, after, sent
+
+
+def _bucket_units(shapes: list[UnitShape], flops: float, buckets: list[float], all_reduce: Callable[[float], float],
+                  net: Interconnect, n: int) -> list[Unit]:
+    """DDP's (and zero1's) units: one per bucket (`buckets`: bytes on the wire, forward order; `all_reduce(bytes)` its
+    seconds), spread over the compute of the units from the first to the last that trains. The backward of the
+    frozen units after that one comes first and readies no gradient (a frozen front's backward is nothing): a unit
+    of their own, reducing nothing."""
+    def shares(group: list[UnitShape]) -> tuple[float, float]:
+        return sum(u.forward_flops for u in group) / flops, sum(u.backward_flops for u in group) / flops
+
+    last = max((i for i, u in enumerate(shapes) if u.trained), default=-1)
+    (forward, backward), tail = shares(shapes[:last + 1]), shapes[last + 1:]
+    cpu = replace(net, intra=net.cpu, inter=net.cpu) if net.cpu else None
+    units = [Unit(forward * b / sum(buckets), backward * b / sum(buckets), reduce=all_reduce(b),
+                  reduce_cpu=collective_time("all_reduce", b, n, cpu) if cpu else None)
+             for b in buckets] or [Unit(forward, backward)]
+    return units + ([Unit(*shares(tail))] if tail else [])
 
 
 def _waits_behind_backward(units: list[Unit]) -> float:
