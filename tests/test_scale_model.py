@@ -8,57 +8,58 @@ from dataclasses import replace
 
 import pytest
 
+from disttrain.bench import interconnect as ic
 from disttrain.bench import scale_model as sm
 from disttrain.bench.published_scaling import PUBLISHED
 from disttrain.errors import ConfigError
 
-NET = sm.PRESETS["h100-nvlink+ib-ndr"]
+NET = ic.PRESETS["h100-nvlink+ib-ndr"]
 LLAMA = sm.MODELS["llama3-8b"]
 
 
-def flat(link: sm.Link, gpus_per_node: int = 8) -> sm.Interconnect:
-    return sm.Interconnect("flat", gpus_per_node, sm.uniform(link), sm.uniform(link))
+def flat(link: ic.Link, gpus_per_node: int = 8) -> ic.Interconnect:
+    return ic.Interconnect("flat", gpus_per_node, ic.uniform(link), ic.uniform(link))
 
 
 def test_bus_factors_are_nccl_tests_definitions():
-    assert sm.bus_factor("all_reduce", 4) == 2 * 3 / 4
+    assert ic.bus_factor("all_reduce", 4) == 2 * 3 / 4
     for collective in ("all_gather", "reduce_scatter", "all_to_all"):
-        assert sm.bus_factor(collective, 4) == 3 / 4
-    assert sm.bus_factor("broadcast", 4) == 1.0
+        assert ic.bus_factor(collective, 4) == 3 / 4
+    assert ic.bus_factor("broadcast", 4) == 1.0
 
 
 def test_ring_all_reduce_cost_is_alpha_beta_formula():
-    link = sm.Link(3e-6, 100e9)
+    link = ic.Link(3e-6, 100e9)
     for n in (2, 3, 8):
         nbytes = 123e6
         expected = 2 * (n - 1) * 3e-6 + 2 * (n - 1) / n * nbytes / 100e9
-        assert sm.collective_time("all_reduce", nbytes, n, flat(link)) == pytest.approx(expected, rel=1e-12)
-        assert sm.collective_time("all_gather", nbytes, n, flat(link)) == pytest.approx(
+        assert ic.collective_time("all_reduce", nbytes, n, flat(link)) == pytest.approx(expected, rel=1e-12)
+        assert ic.collective_time("all_gather", nbytes, n, flat(link)) == pytest.approx(
             (n - 1) * 3e-6 + (n - 1) / n * nbytes / 100e9, rel=1e-12)
-    assert sm.collective_time("all_reduce", 1e9, 1, NET) == 0.0
+    assert ic.collective_time("all_reduce", 1e9, 1, NET) == 0.0
 
 
 def test_hierarchy_makes_crossing_nodes_slower_and_reduces_to_the_ring_on_equal_links():
-    per_byte = {n: sm.collective_time("all_reduce", 1e9, n, NET) for n in (8, 16, 128)}
+    per_byte = {n: ic.collective_time("all_reduce", 1e9, n, NET) for n in (8, 16, 128)}
     assert per_byte[8] < per_byte[16] < per_byte[128]  # IB NDR (50 GB/s per GPU) is the bottleneck across nodes
-    inside = sm.collective_time("all_reduce", 1e9, 8, NET)
+    inside = ic.collective_time("all_reduce", 1e9, 8, NET)
     assert per_byte[16] > 1.5 * inside
-    zero_latency = sm.Link(0.0, 10e9)
+    zero_latency = ic.Link(0.0, 10e9)
     for collective in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
-        hierarchical = sm.collective_time(collective, 1e9, 32, flat(zero_latency, gpus_per_node=4))
-        ring = sm.collective_time(collective, 1e9, 32, flat(zero_latency, gpus_per_node=32))
+        hierarchical = ic.collective_time(collective, 1e9, 32, flat(zero_latency, gpus_per_node=4))
+        ring = ic.collective_time(collective, 1e9, 32, flat(zero_latency, gpus_per_node=32))
         assert hierarchical == pytest.approx(ring, rel=1e-12), collective
 
 
 def test_fit_recovers_alpha_beta_and_weighs_small_sizes():
     sizes = [2.0**k for k in range(10, 29, 2)]
     times = [50e-6 + 1e-9 * s for s in sizes]
-    alpha, beta = sm.fit_alpha_beta(sizes, times)
+    alpha, beta = ic.fit_alpha_beta(sizes, times)
     assert alpha == pytest.approx(50e-6, rel=1e-9) and beta == pytest.approx(1e-9, rel=1e-9)
     noisy = [t * (1.1 if i % 2 else 0.9) for i, t in enumerate(times)]
-    alpha, beta = sm.fit_alpha_beta(sizes, noisy)
+    alpha, beta = ic.fit_alpha_beta(sizes, noisy)
     assert 40e-6 < alpha < 60e-6 and 0.8e-9 < beta < 1.2e-9  # a plain least squares would lose alpha entirely
-    assert sm.fit_alpha_beta([1e3, 1e4], [1e-3, 0.9e-3]) == (pytest.approx(0.947e-3, rel=1e-2), 0.0)  # clamped
+    assert ic.fit_alpha_beta([1e3, 1e4], [1e-3, 0.9e-3]) == (pytest.approx(0.947e-3, rel=1e-2), 0.0)  # clamped
 
 
 def test_fsdp_moves_one_and_a_half_times_ddp_bytes_in_fp32():
@@ -80,9 +81,9 @@ def test_gradient_compression_sends_two_bytes_an_element_and_buckets_set_the_cal
         plain = sm.step_time(strategy, 64, work, NET).wire_bytes
         for compression in ("fp16", "bf16"):
             halved = sm.step_time(strategy, 64, replace(work, grad_compression=compression), NET).wire_bytes
-            assert plain - halved == pytest.approx(sm.bus_factor(collective, 64) * LLAMA.params * 2, rel=1e-9)
-    cpu = sm.interconnect_from_fit({"world_size": 2, "backend": "gloo", "device": "cpu", "collectives": {
-        c: {"alpha_s": 2e-3, "beta_s_per_byte": 1e-9} for c in sm.COLLECTIVES}})
+            assert plain - halved == pytest.approx(ic.bus_factor(collective, 64) * LLAMA.params * 2, rel=1e-9)
+    cpu = ic.interconnect_from_fit({"world_size": 2, "backend": "gloo", "device": "cpu", "collectives": {
+        c: {"alpha_s": 2e-3, "beta_s_per_byte": 1e-9} for c in ic.COLLECTIVES}})
     shape = sm.gpt_shape(2, 64, 32, 256)  # 0.43 MB of fp32 gradients
     one, many = (sm.step_time("ddp", 2, sm.Workload(shape, 0.05, 1, "fp32", bucket_bytes=b, cpu_cores=2,
                                                     log_every=0), cpu) for b in (25 * 2**20, 2**16))
@@ -96,11 +97,11 @@ def test_a_cpu_host_pays_the_cpu_time_of_the_buckets_issued_during_backward():
     # CPU time (gloo's threads take the cores), its waiting overlaps the compute; the last one issued is waited for
     alpha, beta, cpu_alpha, cpu_beta = 2e-3, 1e-9, 5e-4, 2e-9
     fit = {"world_size": 2, "backend": "gloo", "device": "cpu", "collectives": {
-        c: {"alpha_s": alpha, "beta_s_per_byte": beta} for c in sm.COLLECTIVES}}
+        c: {"alpha_s": alpha, "beta_s_per_byte": beta} for c in ic.COLLECTIVES}}
     timed = {**fit, "collectives": {c: {**f, "cpu_alpha_s": cpu_alpha, "cpu_beta_s_per_byte": cpu_beta}
                                     for c, f in fit["collectives"].items()}}
-    wall, cpu = sm.interconnect_from_fit(fit), sm.interconnect_from_fit(timed)
-    assert wall.cpu is None and sm.collective_time("all_reduce", 1e6, 2, replace(cpu, intra=cpu.cpu)) == \
+    wall, cpu = ic.interconnect_from_fit(fit), ic.interconnect_from_fit(timed)
+    assert wall.cpu is None and ic.collective_time("all_reduce", 1e6, 2, replace(cpu, intra=cpu.cpu)) == \
         pytest.approx(cpu_alpha + cpu_beta * 1e6, rel=1e-12)
     shape = sm.gpt_shape(2, 64, 32, 256)
     work = sm.Workload(shape, 0.05, 1, "fp32", bucket_bytes=2**16, cpu_cores=2, log_every=0)
@@ -113,13 +114,13 @@ def test_a_cpu_host_pays_the_cpu_time_of_the_buckets_issued_during_backward():
                                          + sum(cpu_alpha + cpu_beta * b for b in buckets[1:]), rel=1e-12)
     assert after.comm_s == before.comm_s and after.wire_bytes == before.wire_bytes
     assert sm.step_time("zero1", 2, work, cpu).step_s == pytest.approx(  # DDP's buckets, then its exposed all-gather
-        after.step_s + sm.collective_time("all_gather", shape.params * 4, 2, cpu), rel=1e-12)
+        after.step_s + ic.collective_time("all_gather", shape.params * 4, 2, cpu), rel=1e-12)
     one = replace(work, bucket_bytes=25 * 2**20)  # one bucket, waited for whole: as without the CPU time
     assert sm.step_time("ddp", 2, one, cpu).step_s == sm.step_time("ddp", 2, one, wall).step_s
     for strategy in ("fsdp", "zero2"):  # FSDP's collectives block the step: their whole time, as before
         assert sm.step_time(strategy, 2, work, cpu).step_s == sm.step_time(strategy, 2, work, wall).step_s
     with pytest.raises(ConfigError, match="all_gather's cpu_alpha_s and cpu_beta_s_per_byte must be finite"):
-        sm.interconnect_from_fit({**timed, "collectives": {**timed["collectives"], "all_gather": {
+        ic.interconnect_from_fit({**timed, "collectives": {**timed["collectives"], "all_gather": {
             "alpha_s": alpha, "beta_s_per_byte": beta, "cpu_alpha_s": -1.0, "cpu_beta_s_per_byte": 0.0}}})
 
 
@@ -132,12 +133,12 @@ def test_ddp_buckets_hold_whole_tensors_from_the_last_parameter():
 
 
 def test_ddp_hides_the_all_reduce_behind_backward_except_the_last_bucket():
-    link = sm.Link(0.0, 1e9)  # 1 GB/s, so the bytes decide
+    link = ic.Link(0.0, 1e9)  # 1 GB/s, so the bytes decide
     model = sm.ModelShape("m", 100e6 / 4)  # 100 MB of fp32 gradients = 4 buckets of 25 MiB (+ a partial one)
     work = sm.Workload(model, compute_s=10.0, tokens=1, precision="fp32")
     buckets = sm._buckets(model, 4, work.bucket_bytes)
-    last = sm.collective_time("all_reduce", buckets[0], 2, flat(link))
-    figures = sm.collective_time("all_gather", 40 * 2, 2, flat(link))  # the logged line's, after the step
+    last = ic.collective_time("all_reduce", buckets[0], 2, flat(link))
+    figures = ic.collective_time("all_gather", 40 * 2, 2, flat(link))  # the logged line's, after the step
     step = sm.step_time("ddp", 2, work, flat(link))
     assert step.step_s == pytest.approx(10.0 + last + figures / 10, rel=1e-9)  # the rest fits in the 6.7 s backward
     assert sm.step_time("ddp", 2, replace(work, log_every=1), flat(link)).step_s == pytest.approx(
@@ -150,8 +151,8 @@ def test_ddp_hides_the_all_reduce_behind_backward_except_the_last_bucket():
 def test_a_cpu_step_pays_a_call_for_each_blocking_collective():
     # gloo on one host, every core running a rank: nothing overlaps, and each call costs its alpha however small
     alpha, beta = 2e-3, 1e-9
-    net = sm.with_gpus_per_node(sm.interconnect_from_fit({"world_size": 2, "backend": "gloo", "device": "cpu",
-        "collectives": {c: {"alpha_s": alpha, "beta_s_per_byte": beta} for c in sm.COLLECTIVES}}), 3)
+    net = ic.with_gpus_per_node(ic.interconnect_from_fit({"world_size": 2, "backend": "gloo", "device": "cpu",
+        "collectives": {c: {"alpha_s": alpha, "beta_s_per_byte": beta} for c in ic.COLLECTIVES}}), 3)
     shape = sm.gpt_shape(2, 64, 32, 256)
     work = sm.Workload(shape, 0.05, 1, "fp32", cpu_cores=2, log_every=1)  # a line every step
     grads = shape.params * 4
@@ -179,7 +180,7 @@ def test_efficiency_falls_with_the_count_for_every_strategy():
 
 def test_cpu_ranks_beyond_the_cores_share_them():
     work = sm.Workload(sm.gpt_shape(2, 64, 32, 256), 0.1, 64, "fp32", cpu_cores=2)
-    net = sm.Interconnect("cpu", 4, sm.uniform(sm.Link(1e-4, 1e9)), sm.uniform(sm.Link(1e-4, 1e9)))
+    net = ic.Interconnect("cpu", 4, ic.uniform(ic.Link(1e-4, 1e9)), ic.uniform(ic.Link(1e-4, 1e9)))
     assert sm.step_time("ddp", 2, work, net).compute_s == pytest.approx(0.1)
     assert sm.step_time("ddp", 3, work, net).compute_s == pytest.approx(0.15)
 
@@ -192,7 +193,7 @@ def test_frozen_parameters_are_gathered_but_never_reduced():
     frozen = sm.ModelShape("m", 4.5e6, 1e6, 4, counted=(sm.UnitShape(0.5e6, 0, 1e6, 1e6), front, front, block, block))
     assert frozen.trained_params == 2e6 and trained.trained_params == 4.5e6
     assert frozen.flops_per_token() == 1e6 + 1e6 + 2 * 2e6 + 2 * 6e6
-    net, n = flat(sm.Link(1e-6, 10e9)), 4
+    net, n = flat(ic.Link(1e-6, 10e9)), 4
 
     def wire(strategy, model):
         return sm.step_time(strategy, n, sm.Workload(model, 1.0, 1, "fp32", log_every=0), net).wire_bytes
@@ -204,7 +205,7 @@ def test_frozen_parameters_are_gathered_but_never_reduced():
     # pre-backward of block 2 prefetches block 1, which has none); reduced: what trains
     assert wire("fsdp", frozen) == pytest.approx(3 / 4 * 4 * ((0.5e6 + 1e6 + 2 * 3 * 1e6) + 2e6) + norm, rel=1e-12)
     assert wire("fsdp", trained) == pytest.approx(3 / 4 * 4 * ((0.5e6 + 4 * 2 * 1e6) + 4.5e6) + norm, rel=1e-12)
-    slow = flat(sm.Link(1e-6, 1e8))  # the bytes decide: less to reduce, a shorter step
+    slow = flat(ic.Link(1e-6, 1e8))  # the bytes decide: less to reduce, a shorter step
     for strategy in ("ddp", "zero2", "fsdp"):
         steps = [sm.step_time(strategy, n, sm.Workload(m, 0.01, 1, "fp32"), slow).step_s for m in (frozen, trained)]
         assert steps[0] < steps[1], strategy
@@ -215,7 +216,7 @@ def test_ddp_buckets_wait_for_the_backward_of_frozen_blocks_after_the_last_train
     model = sm.ModelShape("m", 3e6, 1e6, 2, counted=(sm.UnitShape(1e6, 1e6, 1, 2), sm.UnitShape(1e6, 1e6, 1, 2),
                                                      sm.UnitShape(1e6, 0, 1, 1)))
     work = sm.Workload(model, 1.0, 1, "fp32", bucket_bytes=2e6, log_every=0)  # 8 MB of gradients: 4 buckets
-    step = sm.step_time("ddp", 2, work, flat(sm.Link(0.0, 2e6 / 0.2)))  # 0.2 s per bucket's all-reduce
+    step = sm.step_time("ddp", 2, work, flat(ic.Link(0.0, 2e6 / 0.2)))  # 0.2 s per bucket's all-reduce
     # forward 3/8 s; block 1's backward 1/8 s readies nothing; then a bucket every 1/8 s, their all-reduces queued
     ends = [0.5 + k / 8 for k in range(1, 5)]
     comm = 0.0
@@ -284,32 +285,32 @@ def test_published_scaling_is_reproduced_within_the_stated_tolerance():
 def test_measured_links_from_a_comm_fit():
     fit = {"world_size": 2, "backend": "gloo", "collectives": {
         c: {"alpha_s": 4e-4, "beta_s_per_byte": 1e-9} for c in ("all_reduce", "all_gather", "reduce_scatter")}}
-    net = sm.interconnect_from_fit(fit)
+    net = ic.interconnect_from_fit(fit)
     assert net.gpus_per_node == 2
     # the fitted line comes back at the measured world size
-    assert sm.collective_time("all_reduce", 1e6, 2, net) == pytest.approx(4e-4 + 1e-9 * 1e6, rel=1e-12)
-    assert sm.collective_time("all_gather", 1e6, 2, net) == pytest.approx(4e-4 + 1e-9 * 1e6, rel=1e-12)
+    assert ic.collective_time("all_reduce", 1e6, 2, net) == pytest.approx(4e-4 + 1e-9 * 1e6, rel=1e-12)
+    assert ic.collective_time("all_gather", 1e6, 2, net) == pytest.approx(4e-4 + 1e-9 * 1e6, rel=1e-12)
     # beyond it: on accelerators alpha is per ring step (all_gather at 3 ranks: 2 hops), on one CPU host per call
     # (gloo's hand-off and wake-ups); the bandwidth term follows the ring's bus factor either way
     # (three ranks on the one machine measured, as `--validate` takes them)
     volume = 1e-9 * 1e6 * (2 / 3) / (1 / 2)
-    net = sm.with_gpus_per_node(net, 3)
-    assert sm.collective_time("all_gather", 1e6, 3, net) == pytest.approx(2 * 4e-4 + volume, rel=1e-12)
-    cpu = sm.with_gpus_per_node(sm.interconnect_from_fit({**fit, "device": "cpu"}), 3)
-    assert sm.collective_time("all_gather", 1e6, 2, cpu) == pytest.approx(4e-4 + 1e-9 * 1e6, rel=1e-12)
-    assert sm.collective_time("all_gather", 1e6, 3, cpu) == pytest.approx(4e-4 + volume, rel=1e-12)
-    assert sm.collective_time("all_reduce", 1e6, 3, cpu) == pytest.approx(4e-4 + 1e-9 * 1e6 * (4 / 3), rel=1e-12)
+    net = ic.with_gpus_per_node(net, 3)
+    assert ic.collective_time("all_gather", 1e6, 3, net) == pytest.approx(2 * 4e-4 + volume, rel=1e-12)
+    cpu = ic.with_gpus_per_node(ic.interconnect_from_fit({**fit, "device": "cpu"}), 3)
+    assert ic.collective_time("all_gather", 1e6, 2, cpu) == pytest.approx(4e-4 + 1e-9 * 1e6, rel=1e-12)
+    assert ic.collective_time("all_gather", 1e6, 3, cpu) == pytest.approx(4e-4 + volume, rel=1e-12)
+    assert ic.collective_time("all_reduce", 1e6, 3, cpu) == pytest.approx(4e-4 + 1e-9 * 1e6 * (4 / 3), rel=1e-12)
     # across "nodes" of the measured size the hierarchy runs three phases, and the call costs once: reduce-scatter
     # of 1 MB in the node (1 ms at 0.5 GB/s bus), all-reduce of 0.5 MB across (0.5 ms at 1 GB/s), all-gather (1 ms)
-    two_nodes = sm.interconnect_from_fit({**fit, "device": "cpu"})
-    assert sm.collective_time("all_reduce", 1e6, 4, two_nodes) == pytest.approx(4e-4 + 2.5e-3, rel=1e-12)
+    two_nodes = ic.interconnect_from_fit({**fit, "device": "cpu"})
+    assert ic.collective_time("all_reduce", 1e6, 4, two_nodes) == pytest.approx(4e-4 + 2.5e-3, rel=1e-12)
     for bad in (math.nan, -1e-3, "1e-3"):  # a fit's numbers are finite and >= 0, or it is refused
         with pytest.raises(ConfigError, match="all_gather's alpha_s and beta_s_per_byte must be finite numbers >= 0"):
-            sm.interconnect_from_fit({**fit, "collectives": {**fit["collectives"], "all_gather": {
+            ic.interconnect_from_fit({**fit, "collectives": {**fit["collectives"], "all_gather": {
                 "alpha_s": bad, "beta_s_per_byte": 1e-9}}})
     del fit["collectives"]["reduce_scatter"]
     with pytest.raises(ConfigError, match="reduce_scatter"):
-        sm.interconnect_from_fit(fit)
+        ic.interconnect_from_fit(fit)
 
 
 def test_bad_names_are_config_errors():
@@ -323,7 +324,7 @@ def test_bad_names_are_config_errors():
 
 def test_hsdp_takes_whole_nodes_beyond_one():
     """Its replicas are nodes: 12 GPUs of 8 per node would be modelled as 8 (one replica); refused in one line."""
-    net, work = sm.PRESETS["h100-nvlink+ib-ndr"], sm.Workload(LLAMA, 1.0, 8192, "bf16-mixed", log_every=0)
+    net, work = ic.PRESETS["h100-nvlink+ib-ndr"], sm.Workload(LLAMA, 1.0, 8192, "bf16-mixed", log_every=0)
     assert [p.gpus for p in sm.predict("hsdp", [4, 8, 16], work, net)] == [4, 8, 16]
     with pytest.raises(ConfigError, match="--gpus 12: hsdp shards within a node of 8 devices"):
         sm.predict("hsdp", [8, 12], work, net)

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from conftest import run_cli
+from disttrain.bench import interconnect as ic
 from disttrain.bench import predict, predict_measure
 from disttrain.bench import scale_model as sm
 from disttrain.bench.predict_job import counted_shape
@@ -16,7 +17,7 @@ from disttrain.cli.main import main as cli
 from disttrain.config import ModelConfig
 
 FIT = {"backend": "gloo", "world_size": 2, "device": "cpu", "host": "h", "date": "d",
-       "collectives": {c: {"alpha_s": 4e-4, "beta_s_per_byte": 1e-9} for c in sm.COLLECTIVES}}
+       "collectives": {c: {"alpha_s": 4e-4, "beta_s_per_byte": 1e-9} for c in ic.COLLECTIVES}}
 TINY = ["--set", "model.n_layer=2", "--set", "model.d_model=64", "--set", "model.n_head=4", "--set",
         "model.seq_len=32"]
 SHAPE = counted_shape(ModelConfig(n_layer=2, d_model=64, n_head=4, seq_len=32))  # TINY's model, counted
@@ -28,7 +29,7 @@ def test_forecast_writes_the_table(tmp_path, capsys):
     rows = list(csv.DictReader(open(tmp_path / "predict.csv")))
     assert [(r["strategy"], r["gpus"]) for r in rows] == [("ddp", "8"), ("ddp", "64"), ("fsdp", "8"), ("fsdp", "64")]
     work = sm.Workload(sm.MODELS["llama3-8b"], sm.compute_seconds(sm.MODELS["llama3-8b"], 2 * 8192, 989, 0.4), 16384)
-    expected = sm.step_time("fsdp", 64, work, sm.PRESETS["h100-nvlink+ib-ndr"])
+    expected = sm.step_time("fsdp", 64, work, ic.PRESETS["h100-nvlink+ib-ndr"])
     assert float(rows[3]["step_s"]) == pytest.approx(expected.step_s, rel=1e-9)
     assert float(rows[2]["efficiency"]) == 1.0 and float(rows[3]["efficiency"]) < 1.0
     assert "| fsdp | 64 |" in (tmp_path / "predict.md").read_text() and "| fsdp | 64 |" in capsys.readouterr().out
@@ -77,7 +78,7 @@ def test_forecast_takes_the_config_s_compression_and_buckets(tmp_path):
                     "--interconnect", "v100-nvlink+100gbe", "--out", str(tmp_path / name)]) == 0
     rows = {name: list(csv.DictReader(open(tmp_path / name / "predict.csv")))[1] for name in runs}
     work = sm.Workload(SHAPE, 0.1, 1, "fp32", micro_steps=4)  # (the built-in job: 32 sequences in micro-batches of 8)
-    net = sm.PRESETS["v100-nvlink+100gbe"]
+    net = ic.PRESETS["v100-nvlink+100gbe"]
     for name, expected in (("plain", work), ("bf16", replace(work, grad_compression="bf16")),
                            ("buckets", replace(work, bucket_bytes=0.01 * 2**20, log_every=1))):
         assert float(rows[name]["step_s"]) == pytest.approx(sm.step_time("ddp", 2, expected, net).step_s, rel=1e-9)
@@ -92,7 +93,7 @@ def test_forecast_of_a_config_takes_its_batch_per_gpu_and_accumulation(tmp_path)
     (8 each, no accumulation); flags override the config's."""
     runs = {"one": ([], 32, 4), "four": (["--set", "dist.nproc=4"], 8, 1),
             "flags": (["--local-batch", "12", "--micro-batch", "3"], 12, 4), "local": (["--local-batch", "6"], 6, 1)}
-    net = sm.PRESETS["v100-nvlink+100gbe"]
+    net = ic.PRESETS["v100-nvlink+100gbe"]
     for name, (flags, local, micro_steps) in runs.items():
         assert cli(["bench", "predict", *TINY, *flags, "--strategy", "ddp,fsdp", "--gpus", "1,16", "--compute-s",
                     "0.1", "--interconnect", "v100-nvlink+100gbe", "--out", str(tmp_path / name)]) == 0
@@ -125,7 +126,7 @@ def test_validate_against_a_minimal_csv_and_the_published_cases(tmp_path):
     measured = [r for r in rows if r["check"] == "measured"]
     assert [(r["case"], r["gpus"]) for r in measured] == [("ddp", "1"), ("ddp", "2"), ("fsdp", "1"), ("fsdp", "2")]
     work = sm.Workload(SHAPE, 0.1, 1.0, "fp32", cpu_cores=2, log_every=1)  # (a CSV without
-    ddp2 = sm.step_time("ddp", 2, work, sm.interconnect_from_fit(FIT))  # log_every: disttrain logged every step)
+    ddp2 = sm.step_time("ddp", 2, work, ic.interconnect_from_fit(FIT))  # log_every: disttrain logged every step)
     assert float(measured[1]["predicted"]) == pytest.approx(ddp2.step_s, rel=1e-9)
     assert float(measured[1]["error"]) == pytest.approx(ddp2.step_s / 0.12 - 1, rel=1e-9)
     published = [r for r in rows if r["check"] == "published"]
@@ -185,7 +186,7 @@ def test_one_sitting_measures_steps_and_links_then_validates(tmp_path):
     assert {r["log_every"] for r in rows} == {"10"}  # the default: a median step gathers no figures
     work = sm.Workload(SHAPE, float(rows[0]["step_time_s"]), 1.0, "fp32", cpu_cores=2,
                        log_every=0)
-    fsdp2 = sm.step_time("fsdp", 2, work, sm.interconnect_from_fit(fit))
+    fsdp2 = sm.step_time("fsdp", 2, work, ic.interconnect_from_fit(fit))
     assert float(checked[1]["predicted"]) == pytest.approx(fsdp2.step_s, rel=1e-9)  # from the pooled links
 
 
@@ -293,7 +294,7 @@ def test_validate_reads_the_series_of_a_bench_scaling_csv(tmp_path):
     assert [(r["case"], r["gpus"]) for r in rows[:4]] == [("ddp weak disttrain", "1"), ("ddp weak disttrain", "2"),
                                                       ("ddp weak hand-written", "1"), ("ddp weak hand-written", "2")]
     work = sm.Workload(SHAPE, 0.12, 1.0, "fp32", micro_steps=6, cpu_cores=2, log_every=1)
-    net = sm.interconnect_from_fit(FIT)
+    net = ic.interconnect_from_fit(FIT)
     assert float(rows[1]["predicted"]) == pytest.approx(sm.step_time("ddp", 2, work, net).step_s,
                                                         rel=1e-9)  # 24 per rank in micro-batches of 4
     assert float(rows[3]["predicted"]) == pytest.approx(  # the hand-written loop gathers no figures per step

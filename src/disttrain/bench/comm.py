@@ -24,7 +24,7 @@ as FSDP2 allocates them (all_reduce works in place, as on DDP's persistent bucke
 --measure --validate` fits the links it predicts CPU steps with this way.
 
 Per collective, alpha (s) and beta (s/byte) of t = alpha + beta * S are fitted by least squares on the relative
-error (scale_model.fit_alpha_beta), so small and large sizes both count. On a CPU each call's CPU seconds on the
+error (interconnect.fit_alpha_beta), so small and large sizes both count. On a CPU each call's CPU seconds on the
 process group's own threads (gloo's; `bench.backend_threads_seconds`, read before and after the call, outside its
 timing) are recorded and fitted the same way (`cpu_alpha_s`, `cpu_beta_s_per_byte`): what a call issued while its
 rank computes takes from the cores, which the scale model charges DDP's buckets on a host whose cores all run ranks.
@@ -48,7 +48,7 @@ from pathlib import Path
 
 from disttrain.bench import check_numbers, rank_limit
 from disttrain.bench.comm_report import report
-from disttrain.bench.scale_model import COLLECTIVES
+from disttrain.bench.interconnect import COLLECTIVES
 from disttrain.errors import ArgumentParser, ConfigError
 
 _UNITS = {"": 1, "K": 2**10, "KIB": 2**10, "M": 2**20, "MIB": 2**20, "G": 2**30, "GIB": 2**30}

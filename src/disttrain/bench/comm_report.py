@@ -11,7 +11,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from disttrain.bench.scale_model import bus_factor, fit_alpha_beta
+from disttrain.bench.interconnect import bus_factor, fit_alpha_beta
 
 
 def summarise(raw: dict) -> tuple[list[dict], dict]:

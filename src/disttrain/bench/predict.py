@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 from disttrain.bench import check_numbers, integers
+from disttrain.bench.interconnect import PRESETS, Interconnect, interconnect_from_fit, with_gpus_per_node
 from disttrain.bench.predict_job import config_batch, config_strategy, counted_shape, series_settings, settings
 from disttrain.bench.published_scaling import PUBLISHED
 from disttrain.bench.scale_model import (
@@ -53,18 +54,14 @@ from disttrain.bench.scale_model import (
     H100_BF16_TFLOPS,
     H100_FP32_TFLOPS,
     MODELS,
-    PRESETS,
     STRATEGIES,
-    Interconnect,
     ModelShape,
     Workload,
     canonical_strategy,
     compute_seconds,
-    interconnect_from_fit,
     predict,
     reduced_bytes,
     step_time,
-    with_gpus_per_node,
 )
 from disttrain.config import Config
 from disttrain.errors import ArgumentParser, ConfigError, make_folder

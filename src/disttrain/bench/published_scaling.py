@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from disttrain.bench.interconnect import PRESETS
 from disttrain.bench.scale_model import (
     H100_BF16_TFLOPS,
     MODELS,
-    PRESETS,
     Prediction,
     Workload,
     compute_seconds,
