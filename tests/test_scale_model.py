@@ -1,5 +1,6 @@
-"""The scale model (bench/scale_model.py) as arithmetic: collective formulas, the fit, each strategy's bytes and
-overlap, the node hierarchy, and the published scaling it must reproduce. No process, no torch in the model."""
+"""The scale model as arithmetic: collective formulas, the fit and the node hierarchy (bench/interconnect.py), each
+strategy's bytes and overlap (bench/scale_model.py), and the published scaling it must reproduce. No process, no
+torch in the model."""
 
 import math
 import subprocess
@@ -119,6 +120,9 @@ def test_a_cpu_host_pays_the_cpu_time_of_the_buckets_issued_during_backward():
     assert sm.step_time("ddp", 2, one, cpu).step_s == sm.step_time("ddp", 2, one, wall).step_s
     for strategy in ("fsdp", "zero2"):  # FSDP's collectives block the step: their whole time, as before
         assert sm.step_time(strategy, 2, work, cpu).step_s == sm.step_time(strategy, 2, work, wall).step_s
+    partial = {**fit, "collectives": {**fit["collectives"], "all_reduce": timed["collectives"]["all_reduce"]}}
+    assert ic.interconnect_from_fit(partial).cpu is None  # (a fit with some CPU times: none used, none claimed)
+    assert "CPU time" not in ic.interconnect_from_fit(partial).note and "CPU time" in cpu.note
     with pytest.raises(ConfigError, match="all_gather's cpu_alpha_s and cpu_beta_s_per_byte must be finite"):
         ic.interconnect_from_fit({**timed, "collectives": {**timed["collectives"], "all_gather": {
             "alpha_s": alpha, "beta_s_per_byte": beta, "cpu_alpha_s": -1.0, "cpu_beta_s_per_byte": 0.0}}})

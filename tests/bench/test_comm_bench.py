@@ -92,3 +92,12 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
     assert cli(["bench", "comm", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("disttrain: error: " + message) and "\n" not in err, err
+
+
+def test_backend_threads_cpu_time_is_none_where_no_thread_can_be_read(monkeypatch):
+    import disttrain.bench as bench
+
+    monkeypatch.setattr(bench.os, "listdir", lambda path: ["999999999"])  # a thread that is gone: no schedstat
+    assert bench.backend_threads_seconds() is None
+    monkeypatch.setattr(bench.os, "listdir", lambda path: [])  # no thread Python did not start
+    assert bench.backend_threads_seconds() is None

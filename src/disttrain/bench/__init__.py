@@ -75,7 +75,8 @@ def own_seconds() -> float:
 
 def backend_threads_seconds() -> float | None:
     """CPU seconds of this process's threads that Python did not start: a process group's own (gloo's workers and
-    its loop), from Linux's per-thread scheduler statistics (nanoseconds); None where they cannot be read."""
+    its loop), from Linux's per-thread scheduler statistics (nanoseconds); None where none can be read (or there are
+    none)."""
     import threading
 
     ours = {t.native_id for t in threading.enumerate()}

@@ -9,17 +9,16 @@ this machine does not have, from one device's compute time and an alpha-beta mod
     disttrain bench predict --measure [CONFIG] [--set ...] [--world-sizes 1,2,3] [--strategies ddp,fsdp]
     disttrain bench predict --measure --validate [CONFIG] [--set ...] [--rounds 3] [--world-sizes 1,2,3]
 
-The model (scale_model.py, docs/architecture.md "The scale model"): compute of one step on one device, measured
-(`--compute-s`) or FLOPs / (peak x MFU) with FLOPs per token = 6 x params + 12 x layers x d_model x seq (a config's
-model: counted from its modules, `perf.flops_by_unit`, frozen parameters' gradients left out); plus each
-strategy's collectives (ring / hierarchical alpha-beta times) overlapped with the compute they can hide behind.
-Without `--model` the job of CONFIG / `--set` is modelled (predict_job.py): its model counted from its module tree
-built on the meta device (`model.freeze` included), the strategy it runs on several ranks unless `--strategy` names
-others, its batch per GPU and accumulation (`data.global_batch_size` over `dist.nproc` ranks, one node's: on several
-nodes give `--local-batch`; in micro-batches of `data.micro_batch_size`; `--local-batch`, `--micro-batch` override
-them), its gradient compression, DDP buckets and
-logged lines; with `--model`, the preset with the config's
-settings. Writes `<out>/predict.md` and `predict.csv`.
+The model (scale_model.py, on interconnect.py's links; docs/architecture.md "The scale model"): compute of one step
+on one device, measured (`--compute-s`) or FLOPs / (peak x MFU) with FLOPs per token = 6 x params + 12 x layers x
+d_model x seq (a config's model: counted from its modules, `perf.flops_by_unit`, frozen parameters' gradients left
+out); plus each strategy's collectives (ring / hierarchical alpha-beta times) overlapped with the compute they can
+hide behind. Without `--model` the job of CONFIG / `--set` is modelled (predict_job.py): its model counted from its
+module tree built on the meta device (`model.freeze` included); the strategy it runs on several ranks, unless
+`--strategy` names others; its batch per GPU, `data.global_batch_size` over `dist.nproc` (one node's ranks: for a
+job on several nodes give `--local-batch`), accumulated in micro-batches of `data.micro_batch_size` (`--local-batch`
+and `--micro-batch` override both); its gradient compression, DDP buckets and logged lines. With `--model`, the
+preset with the config's settings. Writes `<out>/predict.md` and `predict.csv`.
 
 `--validate` checks the model: (i) with `--measured` (the CSV of `disttrain bench scaling`, or of `--measure`, or a
 minimal one with the columns strategy, world_size, step_time_s; its `params` and `trained_params`, where given, must
@@ -90,7 +89,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    "the precision's matmul dtype: 989 in bf16 / fp16, 67 in fp32)")
     p.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilisation of one device")
     p.add_argument("--local-batch", type=int, default=0, help="sequences per GPU per step (default: the preset's, or "
-                   "the config's data.global_batch_size / dist.nproc)")
+                   "the config's data.global_batch_size / dist.nproc, one node's ranks: give it for several nodes)")
     p.add_argument("--micro-batch", type=int, default=0,
                    help="sequences per forward pass: the batch per GPU / this = accumulation (default: the config's "
                         "data.micro_batch_size; none with --model or --local-batch); --measure: per rank")
