@@ -186,16 +186,16 @@ def test_the_bare_loop_is_disttrains_step_without_its_figures(tmp_path, strategy
     the step as it runs measures them), and `comm.meter_for` as it was once the loop is built."""
     import argparse
 
-    from disttrain.bench import overhead
+    from disttrain.bench import loops, overhead
     from disttrain.data import GlobalSampler, build_datasets
     from disttrain.parallel import comm
 
     runtime = gpu.kit.runtime(torch.device("cpu"), group=True)  # the one-rank group of the overhead check
     bench = argparse.Namespace(global_batch=4, micro=2, nproc=1, out=str(tmp_path), rounds=2, steps=1, set=[])
-    cfg = overhead._config(bench, strategy, ("model.n_layer=1", "model.d_model=32", "model.n_head=2"))
+    cfg = overhead.job_config(bench, strategy, ("model.n_layer=1", "model.d_model=32", "model.n_head=2"))
     train, _ = build_datasets(cfg.data, cfg.model.seq_len)
     metered = comm.meter_for
-    figures = {name: overhead.LOOPS[name](cfg, runtime, train, GlobalSampler(len(train), cfg.run.seed))(0)
+    figures = {name: loops.LOOPS[name](cfg, runtime, train, GlobalSampler(len(train), cfg.run.seed))(0)
                for name in ("disttrain", "bare")}
     assert comm.meter_for is metered
     assert figures["disttrain"]["comm_s"] is not None and figures["disttrain"]["comm_bytes"] is not None

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from disttrain.bench import overhead, plain_model_parallel
+from disttrain.bench import loops, overhead, plain_model_parallel
 from disttrain.config import load_config
 from disttrain.data import fetch
 from disttrain.models.gpt import GPT
@@ -25,7 +25,7 @@ config = lambda name, micro, precision="fp32": load_config(  # noqa: E731
 runtime, train, sampler = overhead.start_worker(config("pp2", 4))
 losses = {}
 for name, micro in (("pp2", 4), ("pp2-gpipe", 4), ("tp2", 8)):  # tp2: one micro-batch, so its loss is the step's
-    step = overhead._plain_loop(config(name, micro), runtime, train, sampler)
+    step = loops.plain_loop(config(name, micro), runtime, train, sampler)
     losses[name] = [step(k) for k in range(4)]
 cfg = config("tp2", 8)
 torch.manual_seed(cfg.run.seed)
@@ -54,9 +54,9 @@ def world_mean(x: float) -> float:
 precision = {}
 for strategy in ("ddp", "fsdp"):
     for name in ("fp32", "bf16-mixed"):
-        hand = overhead._plain_loop(config(strategy, 4, name), runtime, train, sampler)
+        hand = loops.plain_loop(config(strategy, 4, name), runtime, train, sampler)
         precision[f"{strategy} {name} hand-written"] = [world_mean(hand(k)) for k in range(4)]
-    ours = overhead._disttrain_loop(config(strategy, 4, "bf16-mixed"), runtime, train, sampler)
+    ours = loops.disttrain_loop(config(strategy, 4, "bf16-mixed"), runtime, train, sampler)
     precision[f"{strategy} bf16-mixed disttrain"] = [ours(k)["loss"] for k in range(4)]
 if runtime.rank == 0:
     (out / "precision.json").write_text(json.dumps(precision))

@@ -13,7 +13,7 @@ Besides the strategies, `--strategies` takes model-parallel layouts over all `--
 Their hand-written loops are in bench/plain_model_parallel.py; both sides run them without clipping
 (optim.grad_clip = 0), as the pipelining and tensor-parallel tutorials do.
 
-A third loop is disttrain's step without its in-run figures (`_bare_loop`: no communication meter on the
+A third loop is disttrain's step without its in-run figures (`bare_loop`: no communication meter on the
 strategy's collectives, no gather of the ranks' figures), so that their own cost is measured too: disttrain /
 disttrain without them (the issue's figure, target <= 1.02).
 
@@ -29,21 +29,18 @@ time and CUDA calls), and the operators that differ most.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
 import platform
 import re
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from disttrain.bench import plain_model_parallel
+from disttrain.bench import loops
 from disttrain.errors import ArgumentParser, make_folder
 
 
@@ -131,7 +128,7 @@ def check_strategies(args: argparse.Namespace) -> None:
 
     from disttrain.config import uses_cuda
 
-    cfg, gpus = _config(args), torch.cuda.device_count()  # the ranks run where the job does: a GPU each, if any
+    cfg, gpus = job_config(args), torch.cuda.device_count()  # the ranks run where the job does: a GPU each, if any
     limit, what = rank_limit(gpus if uses_cuda(cfg, gpus) else 0)
     if args.nproc > limit:
         raise ConfigError(f"--nproc {args.nproc}: more ranks than this machine can start ({what}); use at most {limit}")
@@ -154,12 +151,12 @@ def check_strategies(args: argparse.Namespace) -> None:
                               f"hand-written loops split the model over every rank); use {name[:2]}{args.nproc} or "
                               f"--nproc {degree}")
         try:
-            validate(_config(args, name), gpus, args.nproc)
+            validate(job_config(args, name), gpus, args.nproc)
         except ConfigError as exc:
             raise ConfigError(f"--strategies {name}: {exc}") from None
 
 
-def _config(args: argparse.Namespace, strategy: str = "ddp", extra: tuple[str, ...] = ()):
+def job_config(args: argparse.Namespace, strategy: str = "ddp", extra: tuple[str, ...] = ()):
     from disttrain.config import load_config
 
     return load_config(None, [*getattr(args, "set", ()), f"data.global_batch_size={args.global_batch}",
@@ -169,256 +166,10 @@ def _config(args: argparse.Namespace, strategy: str = "ddp", extra: tuple[str, .
                               *settings(strategy), *extra])
 
 
-PLAIN_PRECISIONS = ("fp32", "bf16-mixed")
-"""The precisions the hand-written loops follow (bf16-mixed: the forward under autocast; FSDP2 also gathers in bf16
-through its MixedPrecisionPolicy)."""
-
-
-def _plain_setup(cfg, strategy: str, device: torch.device | None = None, precision: str = "fp32"):
-    """(module, optimizer, no_sync) wired by hand with torch's own engines, as their tutorials do; `precision` one of
-    `PLAIN_PRECISIONS` (the caller runs the forward under autocast)."""
-    import contextlib
-
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from disttrain.models.gpt import GPT
-    device = device or torch.device("cpu")
-    torch.manual_seed(cfg.run.seed)
-    model = GPT(cfg.model).to(device)
-    optimizer = plain_model_parallel.hand_written_adamw(model, cfg.optim)
-    if strategy in ("ddp", "zero1"):
-        module = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                     bucket_cap_mb=cfg.parallel.bucket_cap_mb, gradient_as_bucket_view=True)
-        if strategy == "zero1":
-            optimizer = ZeroRedundancyOptimizer([dict(g) for g in optimizer.param_groups],
-                                                optimizer_class=torch.optim.AdamW, lr=cfg.optim.lr,
-                                                betas=(cfg.optim.beta1, cfg.optim.beta2))
-        return module, optimizer, module.no_sync
-    kwargs: dict = {"reshard_after_forward": strategy != "zero2"}
-    if precision == "bf16-mixed":  # gathered in bf16, gradients reduced in fp32
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if strategy == "hsdp":  # replicate x shard; one group of all ranks (parallel.hsdp_shard_size = 0)
-        from torch.distributed.device_mesh import init_device_mesh
-
-        world = torch.distributed.get_world_size()
-        kwargs["mesh"] = init_device_mesh(device.type, (1, world), mesh_dim_names=("replicate", "shard"))
-    for block in model.blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **{**kwargs, "reshard_after_forward": False})  # the root stays gathered into backward
-    optimizer = plain_model_parallel.hand_written_adamw(model, cfg.optim)  # over the sharded parameters
-
-    @contextlib.contextmanager
-    def no_sync():
-        model.set_requires_gradient_sync(False)
-        yield
-        model.set_requires_gradient_sync(True)
-
-    return model, optimizer, no_sync
-
-
-def _plain_deepspeed_loop(cfg, runtime, train, sampler):
-    """The loop a DeepSpeed user writes from its tutorials: `deepspeed.initialize` with a torch AdamW and
-    a ZeRO config, then engine(x), engine.backward(loss), engine.step() per micro-batch."""
-    os.environ.setdefault("DS_ACCELERATOR", runtime.device.type)  # as disttrain's engine sets it (read at import)
-    import deepspeed
-
-    from disttrain.data import fetch, split_micro
-    from disttrain.models.gpt import GPT
-    from disttrain.optim import scheduler_factory
-
-    torch.manual_seed(cfg.run.seed)
-    model = GPT(cfg.model).to(runtime.device)
-    optimizer = plain_model_parallel.hand_written_adamw(model, cfg.optim)
-    d = cfg.data
-    accum = d.global_batch_size // (d.micro_batch_size * runtime.world_size)
-    config = {"train_micro_batch_size_per_gpu": d.micro_batch_size, "gradient_accumulation_steps": accum,
-              "gradient_clipping": cfg.optim.grad_clip, "zero_optimization": {"stage": cfg.parallel.deepspeed_stage},
-              "steps_per_print": 10**9}
-    scheduler = scheduler_factory(cfg.optim, cfg.train.steps)(optimizer)  # on the client optimizer's groups
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False)
-
-    def step(k: int) -> float:
-        indices = sampler.rank_indices(k * d.global_batch_size, d.global_batch_size, runtime.world_size,
-                                       runtime.rank)
-        for idx in split_micro(indices, d.micro_batch_size):
-            batch = {k: v.to(runtime.device) for k, v in fetch(train, idx).items()}
-            logits = engine(batch["input_ids"])
-            loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
-            engine.backward(loss)  # DeepSpeed divides by the accumulation steps
-            engine.step()  # steps the optimizer at the accumulation boundary only
-        scheduler.step()
-        return loss.item()
-
-    return _untimed(step)
-
-
-def _plain_loop(cfg, runtime, train, sampler):
-    """The loop a user writes by hand from the PyTorch tutorials (mean loss, no_sync, clip, step)."""
-    from disttrain.data import fetch, split_micro
-    from disttrain.optim import scheduler_factory
-
-    if cfg.parallel.strategy == "deepspeed":
-        return _plain_deepspeed_loop(cfg, runtime, train, sampler)
-    if cfg.parallel.pipeline > 1 or cfg.parallel.tensor > 1:
-        loop = plain_model_parallel.pipeline_loop if cfg.parallel.pipeline > 1 else plain_model_parallel.tensor_loop
-        return loop(cfg, runtime, train, sampler)
-    precision = cfg.parallel.precision
-    if precision not in PLAIN_PRECISIONS:
-        raise ValueError(f"the hand-written loop follows parallel.precision {' or '.join(PLAIN_PRECISIONS)}, not "
-                         f"{precision}")  # (the benches refuse or skip it first: bench overhead's --set, scaling)
-    model, optimizer, no_sync = _plain_setup(cfg, cfg.parallel.strategy, runtime.device, precision)
-    scheduler = scheduler_factory(cfg.optim, cfg.train.steps)(optimizer)
-    d = cfg.data
-    accum = d.global_batch_size // (d.micro_batch_size * runtime.world_size)
-    bf16 = precision == "bf16-mixed"  # the forward under autocast, as disttrain runs it under every strategy
-
-    def step(k: int) -> float:
-        cursor = k * d.global_batch_size
-        indices = sampler.rank_indices(cursor, d.global_batch_size, runtime.world_size, runtime.rank)
-        micro = split_micro(indices, d.micro_batch_size)
-        for i, idx in enumerate(micro):
-            batch = {k: v.to(runtime.device) for k, v in fetch(train, idx).items()}
-            ctx = no_sync() if i < len(micro) - 1 else torch.enable_grad()
-            with ctx:
-                with torch.autocast(runtime.device.type, torch.bfloat16, enabled=bf16):
-                    logits = model(batch["input_ids"])
-                    loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()) / accum
-                loss.backward()
-        if cfg.optim.grad_clip > 0:  # (0: no clipping, as in disttrain; e.g. --set optim.grad_clip=0)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.item()
-
-    return step
-
-
-def disttrain_setup(cfg, runtime, train, sampler):
-    """(trainer, backend, validation set, batches, micro-batches per step): what `disttrain train` builds on this
-    rank, and its DataLoader over this rank's data shard of the stream (the layout's: a pipeline's or tensor-parallel
-    job's ranks read the same samples)."""
-    from disttrain.loader import Loaders, StepBatches
-    from disttrain.trainer import Trainer
-
-    trainer = Trainer(cfg, runtime=runtime)
-    backend, _, val = trainer._setup(runtime)
-    d = cfg.data
-    steps = StepBatches(sampler, 0, 10**6, d.global_batch_size, d.micro_batch_size, *backend.data_parallel)
-    batches = Loaders(d, trainer.collate_fn, runtime.device, cfg.run.seed).train(train, steps)
-    return trainer, backend, val, batches, len(steps.step(0))
-
-
-def _disttrain_job(cfg, runtime, train, sampler):
-    """(backend, validation set, step): the Trainer's backend and its own step (the code `disttrain train` runs)
-    with its DataLoader over the same data stream; `step(k)` returns the step's values (`Trainer._train_step`) with
-    the in-run cost figures (perf.py: MFU, communication time, memory; the slowest rank on the steps it logs, every
-    `train.log_every`).
-    The stream simply continues: batches of the same sizes; the step index `k` (the same on every rank) decides only
-    which steps gather the ranks' figures, step k + 1 as the Trainer counts."""
-    trainer, backend, val, batches, micro = disttrain_setup(cfg, runtime, train, sampler)
-
-    def step(k: int) -> dict:
-        values = trainer._train_step(backend, batches, micro)
-        if (k + 1) % cfg.train.log_every == 0:  # a logged line, as the Trainer's (its steps count from 1)
-            trainer._line_figures(values, runtime)
-        return values
-
-    return backend, val, step
-
-
-def _disttrain_loop(cfg, runtime, train, sampler):
-    return _disttrain_job(cfg, runtime, train, sampler)[2]
-
-
-@contextlib.contextmanager
-def _untimed_deepspeed():
-    """deepspeed.comm's collectives as its class defines them, for the duration: disttrain's DeepSpeed engine times
-    them by setting wrappers on the process-wide `cdb` (`comm.deepspeed_comms`), which would otherwise time the
-    loops built after it too."""
-    cdb = getattr(sys.modules.get("deepspeed.comm.comm"), "cdb", None)
-    from disttrain.parallel.comm import DEEPSPEED_COLLECTIVES
-
-    saved = {name: vars(cdb).pop(name) for name in DEEPSPEED_COLLECTIVES if cdb is not None and name in vars(cdb)}
-    try:
-        yield
-    finally:
-        for name, wrapper in saved.items():
-            setattr(cdb, name, wrapper)
-
-
-def _untimed(step):
-    """`step`, run with deepspeed.comm's collectives untimed (`_untimed_deepspeed`)."""
-    def run(k: int):
-        with _untimed_deepspeed():
-            return step(k)
-    return run
-
-
-def _bare_loop(cfg, runtime, train, sampler):
-    """disttrain's step without its in-run figures: the strategy's collectives not wrapped by the communication
-    meter (`comm.meter_for` gives None while the backend is built, as on a device it does not time: no comm_s, no
-    comm_bytes) and no gather of the ranks' figures (step time of the slowest rank, peak memory). What is left of
-    them (the step's clock, the MFU's arithmetic) costs microseconds. Against `_disttrain_loop`, this is what the
-    figures cost."""
-    from disttrain.parallel import comm
-
-    timed = comm.meter_for
-    comm.meter_for = lambda *args, **kwargs: None
-    try:
-        trainer, backend, _, batches, micro = disttrain_setup(cfg, runtime, train, sampler)
-    finally:
-        comm.meter_for = timed
-    step = lambda k: trainer._train_step(backend, batches, micro)  # noqa: E731
-    return _untimed(step) if cfg.parallel.strategy == "deepspeed" else step  # (nothing added to the others' steps)
-
-
-LOOPS = {"plain": _plain_loop, "disttrain": _disttrain_loop, "bare": _bare_loop}
-"""The loops `_compare` times: hand-written, disttrain's step with its figures, disttrain's step without them."""
-
-
-def _time(step, first: int, steps: int, results: list | None = None) -> list[float]:
-    times = []
-    for k in range(first, first + steps):
-        start = time.perf_counter()
-        out = step(k)
-        times.append(time.perf_counter() - start)
-        if results is not None:
-            results.append(out)
-    return times
-
-
-def _compare(args, cfg, runtime, train, sampler, builders=None, results=None) -> dict[str, list[float]]:
-    """Step times of the hand-written loop and disttrain's (or of `builders`, name -> `build(cfg, runtime, train,
-    sampler) -> step`), interleaved in rounds; `results[name]`, when given, collects what each timed step returned."""
-    import torch.distributed as dist
-
-    builders = builders or LOOPS
-    times: dict[str, list[float]] = {name: [] for name in builders}
-    # Whichever loop is built second runs ~7% slower here (measured plain vs plain: memory placement),
-    # so half of the rounds build the loops in one order and half in the reverse: every pair of loops is built
-    # in both orders, and each loop's mean place in the build order is the same (with three loops, the middle
-    # one, disttrain's, is built second both times).
-    for order in (list(builders), list(builders)[::-1]):
-        loops = {name: builders[name](cfg, runtime, train, sampler) for name in order}
-        for step in loops.values():  # warm-up: allocator, DDP bucket rebuild, first-touch pages
-            _time(step, 0, 3)
-        for r in range(args.rounds // 2):
-            for name, step in loops.items() if r % 2 == 0 else reversed(loops.items()):
-                dist.barrier()
-                kept = None if results is None else results.setdefault(name, [])
-                times[name] += _time(step, r * args.steps, args.steps, kept)
-        del loops, step
-        gc.collect()
-    return times
-
-
 def host_profile(cfg, runtime, train, sampler, steps: int = 10, top: int = 8) -> dict[str, str]:
     """Where each loop's time goes, per step of the hand-written loop and of disttrain's, each profiled for `steps`
     steps (after 3 unprofiled ones) built first and again built second (whichever loop is built second runs
-    slower: _compare): the wall time; the host time in operators and in the CUDA runtime and driver calls
+    slower: loops.compare): the wall time; the host time in operators and in the CUDA runtime and driver calls
     they make; those calls by name (launches, copies, synchronisations); the `top` host operators whose host time
     differs most; on a GPU the device's time in kernels and the `top` kernels whose time differs most."""
     from torch.autograd import DeviceType
@@ -427,7 +178,7 @@ def host_profile(cfg, runtime, train, sampler, steps: int = 10, top: int = 8) ->
 
     cuda = runtime.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    builds = {"hand-written": _plain_loop, "disttrain": _disttrain_loop}
+    builds = {"hand-written": loops.plain_loop, "disttrain": loops.disttrain_loop}
     walls = {name: 0.0 for name in builds}
     seen: dict[str, dict[str, list]] = {name: {} for name in builds}  # key -> [host us, calls, device us, kind]
     for order in (list(builds), list(builds)[::-1]):
@@ -437,7 +188,7 @@ def host_profile(cfg, runtime, train, sampler, steps: int = 10, top: int = 8) ->
                 step(k)
             _sync(runtime.device)
             if torch.distributed.is_initialized():
-                torch.distributed.barrier()  # the profiled steps start together on every rank, as _compare's rounds
+                torch.distributed.barrier()  # the profiled steps start together on every rank, as compare's rounds
             # one cycle, no schedule: acc_events only quiets torch's warning that a cycle's end clears them
             with profiler(activities=activities, acc_events=True) as prof:
                 start = time.perf_counter()
@@ -511,11 +262,11 @@ def start_worker(cfg):
 def _worker(args: argparse.Namespace) -> None:
     from disttrain.runtime import exit_process, shutdown
 
-    cfg = _config(args)
+    cfg = job_config(args)
     runtime, train, sampler = start_worker(cfg)
     strategies = [s for s in args.strategies.split(",") if s]
-    times = {s: _compare(args, _config(args, s), runtime, train, sampler) for s in strategies}
-    profiles = {s: host_profile(_config(args, s), runtime, train, sampler, args.profile) for s in strategies
+    times = {s: loops.compare(args, job_config(args, s), runtime, train, sampler) for s in strategies}
+    profiles = {s: host_profile(job_config(args, s), runtime, train, sampler, args.profile) for s in strategies
                 if args.profile}  # after every comparison: none times steps after a profile
     if runtime.is_main_process():
         _report(args, cfg, times, profiles, runtime.backend)
@@ -527,7 +278,7 @@ def _report(args, cfg, times: dict[str, dict[str, list[float]]], profiles: dict[
             backend: str) -> None:
     from disttrain._version import __version__
 
-    med = {s: {loop: statistics.median(t) for loop, t in loops.items()} for s, loops in times.items()}
+    med = {s: {loop: statistics.median(t) for loop, t in by_loop.items()} for s, by_loop in times.items()}
     rows, figures = [], {}
     for strategy, m in med.items():
         ratio, cost = m["disttrain"] / m["plain"], m["disttrain"] / m["bare"]

@@ -108,7 +108,7 @@ def _measure(args, cfg, runtime, train, sampler) -> torch.Tensor:
     and backward of one micro-batch alone (right after, so that both see the same machine)."""
     import torch.distributed as dist
 
-    from disttrain.bench.overhead import disttrain_setup
+    from disttrain.bench.loops import disttrain_setup
 
     _, backend, _, batches, micro = disttrain_setup(cfg, runtime, train, sampler)
     times = torch.zeros(2, args.steps + 2, dtype=torch.float64)  # two warm-up steps first

@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from disttrain.bench import busy_seconds, other_cpu, own_seconds
-    from disttrain.bench.overhead import _disttrain_loop
+    from disttrain.bench.loops import disttrain_loop
     from disttrain.bench.predict_job import model_sizes
     from disttrain.config import load_config
     from disttrain.data import GlobalSampler, build_datasets
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = model_sizes(build_model(cfg.model))
     for strategy in [s for s in args.strategies.split(",") if s]:
         cfg.parallel.strategy = strategy
-        step = _disttrain_loop(cfg, runtime, train, sampler)  # the Trainer's step, as bench overhead times it
+        step = disttrain_loop(cfg, runtime, train, sampler)  # the Trainer's step, as bench overhead times it
         times = []
         for k in range(args.warmup + args.steps):
             if k == args.warmup:

@@ -17,8 +17,8 @@ CONFIG the job is `CPU_JOB` (a default run takes a minute or two on 2 cores) or 
 are enough.
 
 Each world size is one launch; in it every strategy (and sweep value) runs in turn, in the same processes:
-(1) timed: the Trainer's own step (`overhead._disttrain_job`), for ddp interleaved in rounds with the hand-written
-DDP loop (`overhead._plain_loop`), each loop built first for half of the rounds, as `bench overhead` does; a step's
+(1) timed: the Trainer's own step (`loops.disttrain_job`), for ddp interleaved in rounds with the hand-written
+DDP loop (`loops.plain_loop`), each loop built first for half of the rounds, as `bench overhead` does; a step's
 time is the slowest rank's, the row's the median. (2) a fixed run: a fresh model from `run.seed` trained
 `--eval-steps` steps (`train.steps` = that, so the schedule completes), then `disttrain.trainer.evaluate` on
 `train.eval_samples` validation sequences: the row's `eval_loss`. Every strategy and sweep value gets the same run,
@@ -266,7 +266,7 @@ def row_config(base, strategy: str, key: str, value: str, mode: str, world: int)
 
 
 def _worker(args: argparse.Namespace) -> None:
-    from disttrain.bench.overhead import PLAIN_PRECISIONS
+    from disttrain.bench.loops import PLAIN_PRECISIONS
     from disttrain.bench.predict_job import config_sizes
     from disttrain.config import load_config
     from disttrain.runtime import exit_process, init_runtime, shutdown
@@ -296,14 +296,14 @@ def _worker(args: argparse.Namespace) -> None:
 
 def _measure(args, cfg, runtime, plain: bool) -> list[dict]:
     """The disttrain row (and, with `plain`, the hand-written loop's) of one config at this world size."""
-    from disttrain.bench.overhead import _compare, _disttrain_loop, _plain_loop
+    from disttrain.bench.loops import compare, disttrain_loop, plain_loop
     from disttrain.data import GlobalSampler, build_datasets
 
     train, _ = build_datasets(cfg.data, cfg.model.seq_len)
     sampler = GlobalSampler(len(train), cfg.run.seed, cfg.data.shuffle)
-    builders = {"plain": _plain_loop, "disttrain": _disttrain_loop} if plain else {"disttrain": _disttrain_loop}
+    builders = {"plain": plain_loop, "disttrain": disttrain_loop} if plain else {"disttrain": disttrain_loop}
     results: dict[str, list] = {}
-    times = _compare(args, cfg, runtime, train, sampler, builders, results)
+    times = compare(args, cfg, runtime, train, sampler, builders, results)
     gc.collect()
     eval_loss, peak, _ = _fixed_run(args, cfg, runtime, train, sampler)
     stats = step_stats(results["disttrain"], peak)
@@ -334,7 +334,7 @@ def step_stats(timed: list[dict], peak_gib: float) -> list[float]:
 
 def _fixed_run(args, cfg, runtime, train, sampler) -> tuple[float, float, list[dict]]:
     """(eval loss, this rank's peak memory in GiB, the steps' values) of `--eval-steps` steps from the seed."""
-    from disttrain.bench.overhead import _disttrain_job
+    from disttrain.bench.loops import disttrain_job
     from disttrain.data import collate
     from disttrain.loader import Loaders
     from disttrain.perf import peak_memory_gib
@@ -344,7 +344,7 @@ def _fixed_run(args, cfg, runtime, train, sampler) -> tuple[float, float, list[d
     fixed.train.steps = args.eval_steps
     gc.collect()
     peak_memory_gib(runtime.device)  # resets the peak: what follows is this run's alone
-    backend, val, step = _disttrain_job(fixed, runtime, train, sampler)
+    backend, val, step = disttrain_job(fixed, runtime, train, sampler)
     values = [step(k) for k in range(args.eval_steps)]
     with Loaders(fixed.data, collate, runtime.device, fixed.run.seed) as loaders:
         loss, _ = evaluate(backend, val, runtime, fixed.data.micro_batch_size, fixed.train.eval_samples,

@@ -35,7 +35,7 @@ one-line reason and the others still run:
                        `train.log_every` steps, 10 by default),
                        interleaved in rounds; target: ratio of median step times <= 1.02, and the same for the
                        figures' own cost: the Trainer's step with them against the same step without them (the third
-                       loop, `overhead._bare_loop`). `overhead medium`: the
+                       loop, `loops.bare_loop`). `overhead medium`: the
                        same at the medium size (24 x 1024, two micro-batches of 4 per step), where the device bounds
                        the step. A strategy over the target is profiled (`overhead.host_profile`): each loop's host and
                        device time per step, its CUDA calls by name, the operators and kernels that differ most

@@ -121,12 +121,12 @@ def check_comm_trace(args, check: Check, size: dict[str, int] = MEDIUM, micro: i
 def check_overhead(args, check: Check, strategies: tuple[str, ...] = ("ddp", "fsdp"), rounds: int = 16,
                    steps: int = 40, size: dict[str, int] | None = None, micro: int = 16, global_batch: int = 32,
                    profile: bool = False, profile_steps: int = 10) -> None:
-    """The in-run figures' cost on CUDA, with `bench overhead`'s own loops and rounds (overhead._compare) in this
+    """The in-run figures' cost on CUDA, with `bench overhead`'s own loops and rounds (loops.compare) in this
     process: the hand-written step against the Trainer's step with its figures, as logged (`train.log_every`), on the
     default job's model (launch-bound on a GPU, so any host cost of the figures shows in full) or on `size`. A
     strategy over the target (or every one with `profile`) gets a profile of where the two loops' host time goes
     (`overhead.host_profile`), so that one run on a lent GPU also says why."""
-    from disttrain.bench import overhead
+    from disttrain.bench import loops, overhead
     from disttrain.data import GlobalSampler, build_datasets
 
     runtime = kit.runtime(args.device, group=True)
@@ -136,10 +136,10 @@ def check_overhead(args, check: Check, strategies: tuple[str, ...] = ("ddp", "fs
         bench = argparse.Namespace(global_batch=global_batch, micro=micro, nproc=1, out=out, rounds=rounds,
                                    steps=steps)
         for strategy in strategies:
-            cfg = overhead._config(bench, strategy, model)
+            cfg = overhead.job_config(bench, strategy, model)
             train, _ = build_datasets(cfg.data, cfg.model.seq_len)
             jobs[strategy] = cfg, train
-            times = overhead._compare(bench, cfg, runtime, train, GlobalSampler(len(train), cfg.run.seed))
+            times = loops.compare(bench, cfg, runtime, train, GlobalSampler(len(train), cfg.run.seed))
             plain, ours, bare = (statistics.median(times[loop]) for loop in ("plain", "disttrain", "bare"))
             ratios[strategy], costs[strategy] = ours / plain, ours / bare
             check.figures[f"{strategy}: hand-written / disttrain, median step"] = (
