@@ -9,7 +9,7 @@ import pytest
 
 from conftest import run_cli
 from disttrain.bench import interconnect as ic
-from disttrain.bench import predict, predict_measure
+from disttrain.bench import predict_measure, predict_validate
 from disttrain.bench import scale_model as sm
 from disttrain.bench.predict_job import counted_shape
 from disttrain.bench.published_scaling import PUBLISHED
@@ -306,7 +306,7 @@ def test_validate_reads_the_series_of_a_bench_scaling_csv(tmp_path):
     assert float(rows[5]["predicted"]) == pytest.approx(swept, rel=1e-9) and swept > float(rows[1]["predicted"])
     report = (tmp_path / "predict.md").read_text()
     # a row's step time is a median: with a line every 10 steps the median step gathers nothing
-    assert [predict._log_every(r) for r in ({"log_every": "10", "loop": "disttrain"}, {"log_every": "1"},
+    assert [predict_validate._log_every(r) for r in ({"log_every": "10", "loop": "disttrain"}, {"log_every": "1"},
                                             {"loop": "hand-written"}, {"loop": "disttrain"})] == [0, 1, 0, 1]
     assert "Not predicted (no 1-rank row to start from): fsdp strong disttrain." in report
     assert ("Not predicted: ddp weak disttrain parallel.grad_compression powersgd (parallel.grad_compression = "
