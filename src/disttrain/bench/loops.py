@@ -25,8 +25,6 @@ through its MixedPrecisionPolicy)."""
 def plain_setup(cfg, strategy: str, device: torch.device | None = None, precision: str = "fp32"):
     """(module, optimizer, no_sync) wired by hand with torch's own engines, as their tutorials do; `precision` one of
     `PLAIN_PRECISIONS` (the caller runs the forward under autocast)."""
-    import contextlib
-
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP

@@ -13,7 +13,7 @@ Besides the strategies, `--strategies` takes model-parallel layouts over all `--
 Their hand-written loops are in bench/plain_model_parallel.py; both sides run them without clipping
 (optim.grad_clip = 0), as the pipelining and tensor-parallel tutorials do.
 
-A third loop is disttrain's step without its in-run figures (`bare_loop`: no communication meter on the
+A third loop is disttrain's step without its in-run figures (`loops.bare_loop`: no communication meter on the
 strategy's collectives, no gather of the ranks' figures), so that their own cost is measured too: disttrain /
 disttrain without them (the issue's figure, target <= 1.02).
 
@@ -188,7 +188,7 @@ def host_profile(cfg, runtime, train, sampler, steps: int = 10, top: int = 8) ->
                 step(k)
             _sync(runtime.device)
             if torch.distributed.is_initialized():
-                torch.distributed.barrier()  # the profiled steps start together on every rank, as compare's rounds
+                torch.distributed.barrier()  # the profiled steps start together on every rank, as loops.compare's
             # one cycle, no schedule: acc_events only quiets torch's warning that a cycle's end clears them
             with profiler(activities=activities, acc_events=True) as prof:
                 start = time.perf_counter()
