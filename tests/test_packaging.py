@@ -29,7 +29,8 @@ def test_make_run_installs_only_what_the_default_job_needs_and_the_license_ships
     assert re.search(r"^test: \$\(VENV\)/\.installed-dev$", makefile, re.M)
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert not any(name in " ".join(project["dependencies"]) for name in ("pytest", "ray", "deepspeed", "transformers"))
-    assert "Apache License" in (REPO / "LICENSE").read_text() and project["license"] == {"text": "Apache-2.0"}
+    assert "Apache License" in (REPO / "LICENSE").read_text() and project["license"] == "Apache-2.0"
+    assert project["license-files"] == ["LICENSE"]  # (an SPDX expression and its file, PEP 639)
 
 
 def test_env_reports_nccl_the_extras_and_the_relevant_variables(monkeypatch):

@@ -1,0 +1,3 @@
+from disttrain.cli import main
+
+main()

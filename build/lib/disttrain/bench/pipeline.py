@@ -1,0 +1,247 @@
+"""Benchmark: the pipeline bubble of disttrain's pipeline step, measured against the schedule's theory.
+
+    disttrain bench pipeline [--nproc 2] [--schedules gpipe,1f1b] [--microbatches 2,4,8] [--micro 16] [--steps 8]
+
+One launch; the model is split into --nproc stages (parallel.pipeline = --nproc, no data axis). For each schedule
+and number of micro-batches m (the global batch is m x --micro, so a micro-batch costs the same for every m), every
+timed step gives:
+
+- W, the schedule's wall time in disttrain's step (the step's last `forward_backward`, which runs the schedule over
+  the step's m micro-batches; the optimizer step aside) until its slowest stage ends;
+- T per stage, the stage's forward and backward of one micro-batch run alone right after the step, outside the
+  schedule (the last stage with the loss), so that W and T see the same machine.
+
+A stage computes m x T in a step of W, so its idle share is 1 - m T / W (medians of W and T over the steps); the
+measured bubble is that share averaged over the stages. GPipe and 1F1B have the same theoretical bubble,
+(p - 1) / (m + p - 1) for p equal stages whose sends cost nothing; the measured one also holds the point-to-point
+transfers, the schedule's own work and any imbalance between the stages. Output: `<out>/pipeline.{json,csv,md}`
+and, with matplotlib, `<out>/bubble.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from disttrain.bench import check_numbers, integers
+from disttrain.errors import ArgumentParser, ConfigError, make_folder
+
+SCHEDULES = ("gpipe", "1f1b")
+"""Schedules with one stage per rank, whose bubble is (p - 1) / (m + p - 1)."""
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = ArgumentParser(prog="disttrain bench pipeline", description=__doc__.split("\n")[0])
+    p.add_argument("--nproc", type=int, default=2, help="ranks = pipeline stages")
+    p.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated: gpipe, 1f1b")
+    p.add_argument("--microbatches", default="2,4,8", help="micro-batches per step, comma-separated")
+    p.add_argument("--micro", type=int, default=16, help="micro-batch size (sequences)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per row (and repeats of the stage alone)")
+    p.add_argument("--out", default="bench_results")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """The rows (schedule, micro-batches), every one checked before any process starts (one line, exit 2)."""
+    from disttrain.config import validate
+
+    schedules = [s for s in args.schedules.split(",") if s]
+    for s in schedules:
+        if s not in SCHEDULES:
+            raise ConfigError(f"--schedules {s}: use {' or '.join(SCHEDULES)} (one stage per rank; their bubble is "
+                              "(p - 1) / (m + p - 1))")
+    if not schedules:
+        raise ConfigError("--schedules names none: give one or more, e.g. gpipe,1f1b")
+    check_numbers(("--nproc", args.nproc, 2), ("--micro", args.micro, 1), ("--steps", args.steps, 1))
+    counts = integers(args.microbatches, "--microbatches", f"counts >= the {args.nproc} stages", "2,4,8")
+    for m in counts:
+        if m < args.nproc:
+            raise ConfigError(f"--microbatches {m}: fewer micro-batches than the {args.nproc} stages (1F1B needs at "
+                              f"least one per stage); use values >= {args.nproc}")
+    rows = [(s, m) for s in schedules for m in counts]
+    for s, m in rows:
+        validate(_config(args, s, m), 0, args.nproc)
+    return rows
+
+
+def theoretical(stages: int, microbatches: int) -> float:
+    """GPipe's and 1F1B's bubble: the share of a step a stage is idle, for equal stages and free sends."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    if args.worker:
+        _worker(args)
+        return 0
+    from disttrain.bench import launch_workers
+
+    plan(args)
+    code, out = launch_workers(args, "pipeline")
+    if code == 0:
+        print((out / "pipeline.md").read_text())
+    return code
+
+
+def _config(args: argparse.Namespace, schedule: str, microbatches: int):
+    from disttrain.config import load_config
+
+    return load_config(None, [f"data.global_batch_size={microbatches * args.micro}",
+                              f"data.micro_batch_size={args.micro}", "dist.threads_per_rank=1", "log.progress=false",
+                              "train.steps=100000", f"dist.nproc={args.nproc}", f"run.out_dir={args.out}",
+                              "run.name=pipeline_run", "parallel.strategy=ddp", f"parallel.pipeline={args.nproc}",
+                              f"parallel.pipeline_schedule={schedule}"])
+
+
+def _measure(args, cfg, runtime, train, sampler) -> torch.Tensor:
+    """(2, steps) on this rank: per timed step, its schedule's wall time in disttrain's step, then its stage's forward
+    and backward of one micro-batch alone (right after, so that both see the same machine)."""
+    import torch.distributed as dist
+
+    from disttrain.bench.loops import disttrain_setup
+
+    _, backend, _, batches, micro = disttrain_setup(cfg, runtime, train, sampler)
+    times = torch.zeros(2, args.steps + 2, dtype=torch.float64)  # two warm-up steps first
+    for k in range(args.steps + 2):
+        dist.barrier()
+        for i in range(micro):
+            batch = next(batches)
+            start = time.perf_counter()
+            backend.forward_backward(batch, sync=i == micro - 1)  # the last one runs the schedule
+        times[0, k] = time.perf_counter() - start
+        backend.optim_step()
+        dist.barrier()
+        times[1, k] = _stage_alone(backend.prepared, batch)
+    return times[:, 2:]
+
+
+def _stage_alone(prepared, batch: dict) -> float:
+    """This rank's stage forward and backward on one micro-batch outside the schedule: token ids into the first
+    stage, a random stream into the others; the last stage ends in the token-sum loss. Gradients are dropped after."""
+    (index, part), = prepared.parts
+    lay = prepared.layout
+    ids, labels = batch["input_ids"], batch["labels"]
+    x = ids if index == 0 else torch.randn((*ids.shape, lay.hidden), dtype=lay.dtype, requires_grad=True)
+    grad = None if index == lay.stages - 1 else torch.randn((*ids.shape, lay.hidden), dtype=lay.dtype)
+    start = time.perf_counter()
+    out = part(x)
+    if grad is None:
+        F.cross_entropy(out.flatten(0, 1), labels.flatten(), reduction="sum").backward()
+    else:
+        out.backward(grad)
+    elapsed = time.perf_counter() - start
+    part.zero_grad(set_to_none=True)
+    return elapsed
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import gc
+
+    import torch.distributed as dist
+
+    from disttrain.bench.overhead import start_worker
+    from disttrain.runtime import exit_process, shutdown
+
+    rows = plan(args)
+    runtime, train, sampler = start_worker(_config(args, *rows[0]))
+    measured = []
+    for schedule, m in rows:
+        mine = _measure(args, _config(args, schedule, m), runtime, train, sampler)
+        every = [torch.empty_like(mine) for _ in range(runtime.world_size)]
+        dist.all_gather(every, mine)
+        measured.append((schedule, m, torch.stack(every)))  # (stage, wall / alone, step)
+        gc.collect()
+    if runtime.is_main_process():
+        _report(args, _config(args, *rows[0]), measured)
+    shutdown(runtime)
+    exit_process(0)
+
+
+def _report(args, cfg, measured: list) -> None:
+    from disttrain._version import __version__
+
+    p = args.nproc
+    rows = []
+    for schedule, m, times in measured:
+        wall = float(times[:, 0].max(dim=0).values.median())  # a step's schedule lasts until its slowest stage ends
+        alone = [float(t) for t in times[:, 1].median(dim=1).values]
+        idle = [1 - m * a / wall for a in alone]
+        rows.append({"schedule": schedule, "stages": p, "microbatches": m, "micro_batch": args.micro,
+                     "schedule_s": wall, "schedule_s_per_stage": [float(t) for t in times[:, 0].median(dim=1).values],
+                     "stage_micro_s": alone, "bubble_per_stage": idle, "bubble": statistics.fmean(idle),
+                     "theoretical": theoretical(p, m)})
+    result = {"rows": rows, "nproc": p, "steps": args.steps, "model": vars(cfg.model), "threads_per_rank": 1,
+              "torch": torch.__version__, "disttrain": __version__, "python": platform.python_version(),
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+              "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    out = make_folder(Path(args.out), "--out")
+    (out / "pipeline.json").write_text(json.dumps(result, indent=2))
+    with open(out / "pipeline.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["schedule", "stages", "microbatches", "micro_batch", "schedule_s", "stage_micro_s_max",
+                         "bubble", "theoretical"])
+        for r in rows:
+            writer.writerow([r["schedule"], p, r["microbatches"], args.micro, r["schedule_s"],
+                             max(r["stage_micro_s"]), r["bubble"], r["theoretical"]])
+    (out / "pipeline.md").write_text(_markdown(args, cfg, result) + _plot(rows, out))
+
+
+def _markdown(args, cfg, result: dict) -> str:
+    m = cfg.model
+    lines = [f"# Pipeline bubble: measured vs (p - 1) / (m + p - 1) ({result['date']})", "",
+             "| schedule | stages p | micro-batches m | schedule wall W (ms) | one micro-batch alone T "
+             "(ms, per stage) | idle 1 - mT/W (per stage) | **measured** | theoretical |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        per = lambda values, scale=1e3, f=".1f": " / ".join(f"{v * scale:{f}}" for v in values)  # noqa: E731
+        lines.append(f"| {r['schedule']} | {r['stages']} | {r['microbatches']} | {r['schedule_s'] * 1e3:.1f} | "
+                     f"{per(r['stage_micro_s'])} | {per(r['bubble_per_stage'], 1, '.3f')} | **{r['bubble']:.3f}** | "
+                     f"{r['theoretical']:.3f} |")
+    return "\n".join(lines) + (
+        "\n\nW: the step's schedule (all m micro-batches, forward and backward) in disttrain's step, until its slowest "
+        "stage ends, median of the timed steps; T: a stage's forward and backward of one micro-batch run alone right "
+        "after each step, median; the measured bubble is 1 - mT/W averaged over the stages. The theory assumes equal "
+        "stages and free sends; the measurement also holds the point-to-point transfers, the schedule's own work and "
+        "the stages' imbalance.\n\n"
+        f"{args.nproc} ranks x 1 thread, gloo; GPT {m.n_layer} layers, d_model {m.d_model}, seq_len {m.seq_len}, "
+        f"vocab {m.vocab_size}; micro-batch {args.micro} sequences; {args.steps} timed steps per row; machine "
+        f"{result['machine']}; torch {result['torch']}, disttrain {result['disttrain']}, Python {result['python']}.\n")
+
+
+def _plot(rows: list[dict], out: Path) -> str:
+    """bubble.png: measured and theoretical bubble against m, one line per schedule; the line the report adds."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return "\nPNG not written: matplotlib is not installed; pip install 'disttrain[plot]'\n"
+    fig = Figure(figsize=(6.4, 4.2))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    counts = sorted({r["microbatches"] for r in rows})
+    ax.plot(counts, [theoretical(rows[0]["stages"], m) for m in counts], "k--", label="(p-1)/(m+p-1)")
+    for schedule in dict.fromkeys(r["schedule"] for r in rows):
+        points = [r for r in rows if r["schedule"] == schedule]
+        ax.plot([r["microbatches"] for r in points], [r["bubble"] for r in points], "o-", label=f"{schedule} measured")
+    ax.set_xlabel("micro-batches per step (m)")
+    ax.set_ylabel("bubble fraction")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(counts, [str(m) for m in counts])
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    fig.savefig(out / "bubble.png", dpi=120, bbox_inches="tight")
+    return "\n![bubble](bubble.png)\n"
+
+
+if __name__ == "__main__":
+    main()

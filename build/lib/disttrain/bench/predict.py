@@ -1,0 +1,322 @@
+"""Benchmark: predicted step time, tokens/s per GPU and scaling efficiency of a data-parallel strategy at GPU counts
+this machine does not have, from one device's compute time and an alpha-beta model of the interconnect.
+
+    disttrain bench predict [CONFIG] [--set ...] [--model llama3-8b] [--strategy ddp,fsdp] [--gpus 8,64,512,1024]
+        [--interconnect h100-nvlink+ib-ndr | measured:DIR/comm_fit.json] [--compute-s S | --tflops T --mfu M]
+        [--local-batch B] [--micro-batch M] [--precision bf16-mixed] [--out bench_results]
+    disttrain bench predict --validate [CONFIG] [--set ...] [--measured DIR/scaling.csv
+        --interconnect measured:DIR/comm_fit.json]
+    disttrain bench predict --measure [CONFIG] [--set ...] [--world-sizes 1,2,3] [--strategies ddp,fsdp]
+    disttrain bench predict --measure --validate [CONFIG] [--set ...] [--rounds 3] [--world-sizes 1,2,3]
+
+The model (scale_model.py, on interconnect.py's links; docs/architecture.md "The scale model"): compute of one step
+on one device, measured (`--compute-s`) or FLOPs / (peak x MFU) with FLOPs per token = 6 x params + 12 x layers x
+d_model x seq (a config's model: counted from its modules, `perf.flops_by_unit`, frozen parameters' gradients left
+out); plus each strategy's collectives (ring / hierarchical alpha-beta times) overlapped with the compute they can
+hide behind. Without `--model` the job of CONFIG / `--set` is modelled (predict_job.py): its model counted from its
+module tree built on the meta device (`model.freeze` included); the strategy it runs on several ranks, unless
+`--strategy` names others; its batch per GPU, `data.global_batch_size` over `dist.nproc` (one node's ranks: for a
+job on several nodes give `--local-batch`), accumulated in micro-batches of `data.micro_batch_size` (`--local-batch`
+and `--micro-batch` override both); its gradient compression, DDP buckets and logged lines. With `--model`, the
+preset with the config's settings. Writes `<out>/predict.md` and `predict.csv`.
+
+`--validate` checks the model (predict_validate.py): (i) with `--measured` (the CSV of `disttrain bench scaling`, or
+of `--measure`, or a minimal one with the columns strategy, world_size, step_time_s; its `params` and
+`trained_params`, where given, must be the model's; a series of `bench scaling --sweep` is predicted with its swept
+setting) and a comm_fit.json from `disttrain bench comm` on the same machine (on a CPU machine whose cores all run
+ranks, `--busy step`: each call timed after a phase of compute, as a step issues it): every N-rank step time
+predicted from the 1-rank one (error %, target <= 10%);
+(ii) published scaling (torchtitan's Llama 3 8B FSDP, the PyTorch DDP paper's weak scaling): predicted vs published
+efficiency. `--measure` writes `<out>/scaling.csv` from this machine (predict_measure.py). `--measure --validate`
+does (i) in one sitting: `--rounds` rounds of the step times and a `bench comm --busy step` fit over the sizes the
+step sends, pooled, then checked (predict_measure.sitting): the way to take figure (i).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+from disttrain.bench import check_numbers, integers
+from disttrain.bench.interconnect import PRESETS, Interconnect, interconnect_from_fit, with_gpus_per_node
+from disttrain.bench.predict_job import config_batch, config_strategy, counted_shape, settings
+from disttrain.bench.predict_validate import measured_checks, published_checks
+from disttrain.bench.scale_model import (
+    BYTES,
+    H100_BF16_TFLOPS,
+    H100_FP32_TFLOPS,
+    MODELS,
+    STRATEGIES,
+    ModelShape,
+    Workload,
+    canonical_strategy,
+    compute_seconds,
+    predict,
+    reduced_bytes,
+)
+from disttrain.config import Config
+from disttrain.errors import ArgumentParser, ConfigError, make_folder
+
+DEFAULT_NET = "h100-nvlink+ib-ndr"
+
+LOCAL_BATCH = {"llama3-8b": 2, "llama3-70b": 1, "resnet50": 32, "bert-large": 32}
+"""Sequences (images) per GPU per step of each preset model: torchtitan's Llama runs, the DDP paper's batch."""
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = ArgumentParser(prog="disttrain bench predict", description=__doc__.split("\n")[0])
+    p.add_argument("config", nargs="?", help="TOML config of the model (default: the built-in job)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--model", default="", help="a preset instead of the config's model: " + ", ".join(MODELS))
+    p.add_argument("--strategy", default="", help="comma-separated: " + ", ".join(STRATEGIES) + " (zero3 = fsdp; "
+                   "default: fsdp with --model, else what the config's parallel.strategy runs on several ranks: auto "
+                   "= ddp, DeepSpeed by its stage)")
+    p.add_argument("--gpus", default="8,64,512,1024", help="GPU counts, comma-separated")
+    p.add_argument("--interconnect", default="",
+                   help=", ".join(PRESETS) + ", or measured:PATH (comm_fit.json of `disttrain bench comm`); default "
+                   f"{DEFAULT_NET} (a sitting, --measure --validate, measures its own)")
+    p.add_argument("--gpus-per-node", type=int, default=0, help="override the interconnect's devices per node")
+    p.add_argument("--compute-s", type=float, default=0.0, help="seconds of one step's compute on one device")
+    p.add_argument("--tflops", type=float, default=0.0, help="peak TFLOP/s (default: the H100 SXM's dense peak in "
+                   "the precision's matmul dtype: 989 in bf16 / fp16, 67 in fp32)")
+    p.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilisation of one device")
+    p.add_argument("--local-batch", type=int, default=0, help="sequences per GPU per step (default: the preset's, or "
+                   "the config's data.global_batch_size / dist.nproc, one node's ranks: give it for several nodes)")
+    p.add_argument("--micro-batch", type=int, default=0,
+                   help="sequences per forward pass: the batch per GPU / this = accumulation (default: the config's "
+                        "data.micro_batch_size; none with --model or --local-batch); --measure: per rank")
+    p.add_argument("--precision", default="", help="one of " + ", ".join(BYTES) + " (default: the config's, or "
+                   "bf16-mixed for --model)")
+    p.add_argument("--cpu-cores", type=int, default=-1,
+                   help="cores ranks share on a CPU machine (default: this machine's with a CPU comm fit, else 0)")
+    p.add_argument("--validate", action="store_true", help="check the model (see the module help)")
+    p.add_argument("--measured", default="", help="--validate: scaling.csv measured on this machine")
+    p.add_argument("--measure", action="store_true", help="measure weak scaling here, write <out>/scaling.csv")
+    p.add_argument("--world-sizes", default="1,2,3", help="--measure: world sizes")
+    p.add_argument("--strategies", default="ddp,fsdp", help="--measure: strategies")
+    p.add_argument("--steps", type=int, default=10, help="--measure: timed steps per strategy and world size")
+    p.add_argument("--warmup", type=int, default=3, help="--measure: untimed steps first")
+    p.add_argument("--max-other-cpu", type=float, default=0.1,
+                   help="--validate: leave out measured rows while other processes kept more cores busy than this")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="--measure --validate: rounds of step times and a busy comm fit, pooled")
+    p.add_argument("--out", default="bench_results")
+    return p.parse_args(argv)
+
+
+def interconnect(spec: str) -> tuple[Interconnect, dict | None]:
+    """A preset, or the links of a comm_fit.json (`measured:PATH`, PATH a file or the folder holding it)."""
+    if spec in PRESETS:
+        return PRESETS[spec], None
+    if not spec.startswith("measured:"):
+        raise ConfigError(f"--interconnect {spec!r} is not known; choose from {', '.join(PRESETS)}, or "
+                          "measured:PATH/comm_fit.json (written by `disttrain bench comm`)")
+    path = Path(spec.removeprefix("measured:"))
+    path = path / "comm_fit.json" if path.is_dir() else path
+    try:
+        fit = json.loads(path.read_text())
+        return interconnect_from_fit(fit, spec), fit
+    except ConfigError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"--interconnect {spec}: cannot read a comm_fit.json there ({exc}); run "
+                          "`disttrain bench comm --out DIR` first") from None
+
+
+def model_shape(args: argparse.Namespace) -> tuple[ModelShape, str, Config]:
+    """(shape, default precision, the config): of --model, a preset (bf16-mixed) with the config's other settings;
+    else the config's model, counted."""
+    from disttrain.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if args.model:
+        if args.model not in MODELS:
+            raise ConfigError(f"--model {args.model!r} is not a preset; choose from {', '.join(MODELS)}, or leave it "
+                              "out to model the model of CONFIG / --set")
+        return MODELS[args.model], "bf16-mixed", cfg
+    return counted_shape(cfg.model), cfg.parallel.precision, cfg
+
+
+def default_batch(args: argparse.Namespace, cfg: Config) -> tuple[int, int]:
+    """(sequences per GPU per step, per forward pass) where no flag gives them: a preset's batch, not accumulated,
+    or the config's job's (`config_batch`)."""
+    return (LOCAL_BATCH[args.model],) * 2 if args.model else config_batch(cfg)
+
+
+def _frozen(shape: ModelShape) -> str:
+    frozen = 1 - shape.trained_params / shape.params
+    return f", {frozen:.1%} of the parameters frozen (model.freeze: gathered, never reduced)" if frozen else ""
+
+
+def _precision(args: argparse.Namespace, default: str) -> str:
+    name = args.precision or default
+    if name not in BYTES:
+        raise ConfigError(f"--precision {name!r}: choose from {', '.join(BYTES)}")
+    return name
+
+
+def _cores(args: argparse.Namespace, fit: dict | None) -> int:
+    if args.cpu_cores >= 0:
+        return args.cpu_cores
+    return len(os.sched_getaffinity(0)) if fit and fit.get("device") == "cpu" else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    _check_numbers(args)
+    strategies = list(dict.fromkeys(canonical_strategy(s) for s in args.strategy.split(",") if s.strip()))
+    if args.strategy and not strategies:
+        raise ConfigError(f"--strategy {args.strategy!r} names no strategy; e.g. --strategy fsdp or ddp,fsdp")
+    gpus = integers(args.gpus, "--gpus", "counts >= 1", "8,64,512")
+    shape, precision, cfg = model_shape(args)
+    precision = _precision(args, precision)
+    sitting = args.measure and args.validate
+    if sitting and args.interconnect:
+        raise ConfigError(f"--interconnect {args.interconnect}: --measure --validate measures this machine's links "
+                          "itself; leave --interconnect out (or check a fit with --validate --measured CSV "
+                          "--interconnect measured:PATH)")
+    args.interconnect = args.interconnect or ("" if sitting else DEFAULT_NET)
+    net, fit = (None, None) if sitting else interconnect(args.interconnect)
+    if args.measure:
+        from disttrain.bench import predict_measure
+
+        args.world_sizes = integers(args.world_sizes, "--world-sizes", "counts >= 1", "1,2,3")
+        args.micro_batch = args.micro_batch or (LOCAL_BATCH[args.model] if args.model else cfg.data.micro_batch_size)
+        predict_measure.check(args)
+        if args.rounds < 1:
+            raise ConfigError(f"--rounds {args.rounds}: give 1 or more (3 steadies the busy links)")
+        out = make_folder(Path(args.out).resolve(), "--out")
+        if not sitting:
+            print(f"disttrain: wrote {predict_measure.measure(args, out)}")
+            return 0
+        measured, fit_path = predict_measure.sitting(args, out)  # step times and links measured together
+        args.measured, args.interconnect = str(measured), f"measured:{fit_path}"
+        net, fit = interconnect(args.interconnect)
+    net = with_gpus_per_node(net, args.gpus_per_node) if args.gpus_per_node else net
+    if args.validate:
+        text, rows = validate(args, shape, precision, net, fit, cfg)
+    else:
+        text, rows = forecast(args, strategies, gpus, shape, precision, net, fit, cfg)
+    _write(make_folder(Path(args.out).resolve(), "--out"), text, rows)
+    print(text)
+    return 0
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Every numeric flag in its range, before anything is written or launched (0 = "the default" where a flag
+    says so)."""
+    check_numbers(("--compute-s", args.compute_s, 0.0, "seconds >= 0 (0: from FLOPs)"),
+                  ("--tflops", args.tflops, 0.0, "a peak > 0 (0: the H100's in the precision)"),
+                  ("--mfu", args.mfu, 1e-9, "a fraction in (0, 1]", 1.0),
+                  ("--local-batch", args.local_batch, 0, "sequences >= 0 (0: the preset's or the config's)"),
+                  ("--micro-batch", args.micro_batch, 0, "sequences >= 0 (0: the config's, or no accumulation)"),
+                  ("--gpus-per-node", args.gpus_per_node, 0, "devices >= 0 (0: the interconnect's)"),
+                  ("--cpu-cores", args.cpu_cores, -1, "cores >= 0, or -1 for this machine's"),
+                  ("--max-other-cpu", args.max_other_cpu, 0.0, "cores >= 0"),
+                  ("--steps", args.steps, 1, "steps >= 1"), ("--warmup", args.warmup, 0, "steps >= 0"))
+
+
+def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[str, list[dict]]:
+    job = settings(cfg)
+    picked = ""
+    if not strategies:
+        strategies = ["fsdp" if args.model else config_strategy(cfg)]
+        picked = "" if args.model else (f"- strategy: the config's parallel.strategy = {cfg.parallel.strategy!r}, "
+                                        f"modelled as {strategies[0]}")
+    local, micro = (args.local_batch, args.local_batch) if args.local_batch else default_batch(args, cfg)
+    micro = args.micro_batch or micro  # (--local-batch alone: no accumulation)
+    given = ("--local-batch" if args.local_batch else "the preset's" if args.model else
+             f"the config's: data.global_batch_size {cfg.data.global_batch_size} over dist.nproc {cfg.dist.nproc}, "
+             "one node's ranks")
+    if local % micro:
+        raise ConfigError(f"--micro-batch {micro}: the batch per GPU, {local} ({given}), is not a multiple of it; "
+                          "give a divisor of it, or --local-batch")
+    tokens = local * max(shape.seq_len, 1)
+    if args.compute_s:
+        compute, source = args.compute_s, "given (--compute-s)"
+    elif fit is not None:
+        raise ConfigError(f"--interconnect measured:...: give --compute-s, one device's step of {local} sequences in "
+                          f"micro-batches of {micro} (`bench predict --measure` times one micro-batch per rank: its "
+                          "1-rank step_time_s with --local-batch and --micro-batch both its --micro-batch)")
+    else:
+        tflops = args.tflops or (H100_FP32_TFLOPS if precision == "fp32" else H100_BF16_TFLOPS)
+        compute = compute_seconds(shape, tokens, tflops, args.mfu)
+        source = (f"{shape.flops_per_token():.3g} FLOPs/token / ({tflops:g} TFLOP/s x MFU {args.mfu:g}"
+                  + ("" if args.tflops else f"; the H100's dense peak in {precision}") + ")")
+    work = Workload(shape, compute, tokens, precision, local // micro, cpu_cores=_cores(args, fit), **job)
+    rows = []
+    for strategy in strategies:
+        for p in predict(strategy, gpus, work, net):
+            s = p.step
+            rows.append({"strategy": strategy, "gpus": p.gpus, "nodes": -(-p.gpus // net.gpus_per_node),
+                         "step_s": s.step_s, "compute_s": s.compute_s, "comm_s": s.comm_s, "exposed_s": s.exposed_s,
+                         "wire_bytes_per_gpu": s.wire_bytes, "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu,
+                         "efficiency": p.efficiency})
+    lines = [f"# Predicted scaling: {shape.name}, {', '.join(strategies)} ({_date()})", "",
+             *([picked] if picked else []),
+             f"- model: {shape.params / 1e6:,.1f} M parameters, {shape.n_layer} blocks of "
+             f"{shape.layer_params / 1e6:,.2f} M{_frozen(shape)}; {local} x {max(shape.seq_len, 1)} tokens per GPU per "
+             f"step ({given}; " + (f"{local // micro} micro-batches of {micro}: gradients reduced on the last)"
+                                   if local > micro else "no accumulation)"),
+             f"- compute of one step on one device: {compute:.4g} s, {source}",
+             f"- precision {precision}, gradient compression {job['grad_compression']}: bytes per element stored / "
+             f"gathered / reduced {' / '.join(map(str, BYTES[precision][:2]))} / "
+             f"{reduced_bytes(precision, job['grad_compression'])}; DDP buckets of "
+             f"{job['bucket_bytes'] / 2**20:g} MiB; a logged line every {job['log_every']} steps",
+             f"- interconnect {net.name}: {net.gpus_per_node} devices per node; {net.note}", "",
+             "| strategy | GPUs | step (s) | compute (s) | collectives (s) | exposed (s) | tokens/s per GPU | "
+             "efficiency |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['strategy']} | {r['gpus']} | {r['step_s']:.4f} | {r['compute_s']:.4f} | {r['comm_s']:.4f} | "
+              f"{r['exposed_s']:.4f} | {r['tokens_per_s_per_gpu']:,.1f} | {r['efficiency']:.3f} |" for r in rows]
+    lines += ["", "Efficiency: tokens/s per GPU relative to the smallest count (weak scaling). Collectives: the sum "
+              "of their times, mostly hidden behind compute; exposed: what the step waits for. " + _footer()]
+    return "\n".join(lines) + "\n", rows
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+def validate(args, shape, precision, net, fit, cfg) -> tuple[str, list[dict]]:
+    """The report and rows of `--validate` (predict_validate.py): (i) against a measured CSV, (ii) published runs."""
+    lines, rows = [f"# Validation of the scale model ({_date()})", ""], []
+    if args.measured:
+        if fit is None:
+            raise ConfigError("--validate --measured needs --interconnect measured:PATH/comm_fit.json from "
+                              "`disttrain bench comm` on the machine the CSV was measured on")
+        measured_lines, rows = measured_checks(args, shape, precision, net, cfg, _cores(args, fit))
+        lines += measured_lines
+    published_lines, published_rows = published_checks()
+    return "\n".join(lines + published_lines + ["", _footer()]) + "\n", rows + published_rows
+
+
+def _date() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _footer() -> str:
+    from disttrain._version import __version__
+
+    return f"disttrain {__version__}, Python {platform.python_version()}, {platform.node()}."
+
+
+def _write(out: Path, text: str, rows: list[dict]) -> None:
+    (out / "predict.md").write_text(text)
+    with open(out / "predict.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)

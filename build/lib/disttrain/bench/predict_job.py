@@ -1,0 +1,149 @@
+"""What `disttrain bench predict` models of a config's job: its model counted from the module tree (`counted_shape`),
+its batch per GPU and accumulation (`config_batch`), the strategy the job runs on several ranks (`config_strategy`)
+and the settings that change a step's collectives (`settings`); for a measured series of `bench scaling --sweep`,
+the config with its swept setting (`series_settings`)."""
+
+from __future__ import annotations
+
+import math
+
+from disttrain.bench.scale_model import STRATEGIES, ModelShape, UnitShape
+from disttrain.config import Config, ModelConfig
+from disttrain.errors import ConfigError
+
+MODELLED_SWEEPS = ("parallel.bucket_cap_mb", "parallel.grad_compression", "train.log_every",
+                   "parallel.activation_checkpointing", "data.", "optim.")
+"""`bench scaling --sweep` keys a measured series can be predicted under: what `settings` takes, the batch (the
+rows' columns) and what changes compute only (measured in the series' own 1-rank row). A sweep of another key (the
+model, the precision, a strategy's layout) is listed as not predicted."""
+
+
+def counted_shape(model_cfg: ModelConfig) -> ModelShape:
+    """The config's model as the scale model sees it, counted from its module tree built on the meta device (no
+    memory): its units (what lies outside the transformer blocks, then each block), their parameters, those that
+    train (model.freeze), their forward and backward FLOPs per token (`perf.flops_by_unit`), and the trained
+    tensors' sizes (DDP's buckets hold whole tensors)."""
+    from disttrain.memory import meta_model
+    from disttrain.parallel.activation_checkpoint import transformer_blocks
+    from disttrain.perf import flops_by_unit
+
+    try:
+        model = meta_model(model_cfg)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"model.name = {model_cfg.name!r}: the model cannot be built on the meta device to count "
+                          f"it ({type(exc).__name__}: {exc}); use --model PRESET, or --compute-s with a preset of the "
+                          "same size") from None
+    blocks = transformer_blocks(model)
+    inside = {id(p) for block in blocks for p in block.parameters()}
+    groups = [[p for p in model.parameters() if id(p) not in inside]] + [list(b.parameters()) for b in blocks]
+    units = tuple(UnitShape(sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad),
+                            forward, backward)
+                  for params, (forward, backward) in zip(groups, flops_by_unit(model, model_cfg.seq_len), strict=True))
+    if not sum(u.forward_flops for u in units):
+        raise ConfigError(f"model.name = {model_cfg.name!r}: no parameter of the model multiplies activations, so its "
+                          "FLOPs and its share of them per block cannot be counted; use --model PRESET, or "
+                          "--compute-s with a preset of the same size")
+    params = sum(u.params for u in units)
+    name = (f"gpt {len(blocks)}x{model_cfg.d_model}" if model_cfg.name == "gpt"
+            else f"{type(model).__name__} of {len(blocks)} blocks")
+    return ModelShape(name, params, (params - units[0].params) / max(1, len(blocks)), len(blocks),
+                      seq_len=model_cfg.seq_len, counted=units,
+                      grad_tensors=tuple(p.numel() for p in model.parameters() if p.requires_grad))
+
+
+def model_sizes(model) -> dict[str, int]:
+    """A model's parameters and the trained ones (model.freeze), the columns `params` and `trained_params` of a
+    measured CSV, by which `bench predict --validate` tells it was measured on the job it is given."""
+    params = list(model.parameters())
+    return {"params": sum(p.numel() for p in params),
+            "trained_params": sum(p.numel() for p in params if p.requires_grad)}
+
+
+def config_sizes(model_cfg: ModelConfig) -> dict[str, int | str]:
+    """`model_sizes` of the config's model built on the meta device; blank where it cannot be built there (a factory
+    of the user's that reads values): a CSV's blank columns go unchecked."""
+    from disttrain.memory import meta_model
+
+    try:
+        return model_sizes(meta_model(model_cfg))
+    except Exception:
+        return {"params": "", "trained_params": ""}
+
+
+def config_batch(cfg: Config) -> tuple[int, int]:
+    """(sequences per GPU per step, sequences per forward pass) of the config's job: `data.global_batch_size` over
+    its `dist.nproc` ranks, in micro-batches of `data.micro_batch_size` (the Trainer accumulates the rest, and
+    reduces the gradients on the last micro-batch only). A forecast keeps this batch per GPU at every count (weak
+    scaling). `dist.nproc` is one node's processes (a launch's `--nnodes` is not in the config): the batch of a job
+    on several nodes is given with `--local-batch`."""
+    d, world = cfg.data, cfg.dist.nproc
+    if world < 1 or d.micro_batch_size < 1 or d.global_batch_size < 1 or \
+            d.global_batch_size % (world * d.micro_batch_size):
+        raise ConfigError(f"data.global_batch_size = {d.global_batch_size} is not a positive multiple of "
+                          f"data.micro_batch_size x dist.nproc = {d.micro_batch_size} x {world}: the job's batch per "
+                          "GPU is unknown; fix them, or give --local-batch and --micro-batch")
+    return d.global_batch_size // world, d.micro_batch_size
+
+
+def config_strategy(cfg: Config) -> str:
+    """The modelled strategy the config's job runs on several ranks: `auto` is ddp there, DeepSpeed's stages 0-3
+    are ddp, zero1, zero2 and fsdp (ZeRO-3), fsdp that keeps its parameters gathered after forward
+    (`parallel.reshard_after_forward = false`) is zero2. One line for what the model does not have: `single`, an
+    unknown name, hsdp kept gathered."""
+    from disttrain.parallel import registry
+
+    p = cfg.parallel
+    name = registry.resolve(p.strategy, 2).name  # (an unknown name: the registry's one line)
+    if name == "deepspeed" and 0 <= p.deepspeed_stage <= 3:
+        name = ("ddp", "zero1", "zero2", "fsdp")[p.deepspeed_stage]
+    if name in ("fsdp", "hsdp") and not p.reshard_after_forward:
+        if name == "hsdp":
+            raise ConfigError("parallel.reshard_after_forward = false with hsdp is not modelled (hsdp is modelled "
+                              "gathering again for backward); give --strategy zero2, or leave the setting out")
+        name = "zero2"
+    if name not in STRATEGIES:
+        raise ConfigError(f"parallel.strategy = {p.strategy!r} is not modelled; give --strategy (one or more of "
+                          f"{', '.join(STRATEGIES)})")
+    return name
+
+
+def settings(cfg: Config) -> dict:
+    """What a config sets of a step's collectives that the scale model takes, as `Workload`'s fields: the steps per
+    logged line (each gathers the ranks' figures), DDP's bucket size and the gradients' compression; one line for a
+    pipeline, tensor or context split, which the model does not have. (Not taken:
+    `parallel.hsdp_shard_size`, hsdp shards within a node of the interconnect; `parallel.fsdp_prefetch`;
+    `parallel.cpu_offload`, whose copies are in the compute time given or measured.)"""
+    from disttrain.config import CHOICES
+
+    p, choices = cfg.parallel, CHOICES["parallel.grad_compression"]
+    split = [f"parallel.{k} = {getattr(p, k)}" for k in ("pipeline", "tensor", "context") if getattr(p, k) > 1]
+    if split:
+        raise ConfigError(f"{split[0]}: the scale model has data parallelism only (no pipeline, tensor or context "
+                          f"split); predict the job without it, e.g. --set {split[0].split(' = ')[0]}=1")
+    if p.grad_compression not in choices:
+        raise ConfigError(f"parallel.grad_compression = {p.grad_compression!r}: choose from {', '.join(choices)}")
+    if p.grad_compression == "powersgd":
+        raise ConfigError("parallel.grad_compression = 'powersgd': its low-rank factors' bytes are not modelled; "
+                          "predict with --set parallel.grad_compression=none (an upper bound on the bytes), or "
+                          "measure it with `disttrain bench scaling`")
+    if not (p.bucket_cap_mb > 0 and math.isfinite(p.bucket_cap_mb)):
+        raise ConfigError(f"parallel.bucket_cap_mb = {p.bucket_cap_mb}: must be > 0; e.g. 25 (DDP's default)")
+    if cfg.train.log_every < 1:
+        raise ConfigError(f"train.log_every = {cfg.train.log_every}: must be >= 1; e.g. 10 (the default)")
+    return {"log_every": cfg.train.log_every, "bucket_bytes": p.bucket_cap_mb * 2**20,
+            "grad_compression": p.grad_compression}
+
+
+def series_settings(config: str | None, overrides: list[str], cfg: Config, swept: str) -> dict:
+    """The settings of a measured series: the config's, with the setting its `bench scaling --sweep` swept (a
+    ConfigError where the sweep's key is not modelled)."""
+    from disttrain.config import load_config
+
+    if not swept:
+        return settings(cfg)
+    key = swept.partition("=")[0]
+    if not any(key == m or (m.endswith(".") and key.startswith(m)) for m in MODELLED_SWEEPS):
+        raise ConfigError(f"its sweep of {key} is not modelled")
+    return settings(load_config(config, [*overrides, swept]))

@@ -1,0 +1,356 @@
+"""The cost of scale as arithmetic: the step time of each data-parallel strategy from one device's compute time
+and its collectives, timed on an interconnect's alpha-beta links (interconnect.py). Pure Python (no torch), so
+`disttrain bench predict` and the tests share one formula for everything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from disttrain.bench.interconnect import Interconnect, bus_factor, collective_time, ring_time
+from disttrain.errors import ConfigError
+
+# --- models and workloads ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UnitShape:
+    """One FSDP unit of a model: what lies outside the transformer blocks (the root: embeddings, final norm, head),
+    or one block."""
+
+    params: float
+    trained: float
+    """Parameters with a gradient: the others (model.freeze) are gathered but never reduced."""
+    forward_flops: float
+    backward_flops: float
+    """Per token; 0 where no gradient reaches the unit (frozen blocks before the first trained parameter). Where a
+    model's FLOPs are not known, its parameters stand in for them (a share of the step is all they give)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    params: float
+    """All parameters (what is gathered)."""
+    layer_params: float = 0.0
+    """Parameters of one transformer block: the FSDP unit. The rest (embeddings, head) is the root unit."""
+    n_layer: int = 0
+    d_model: int = 0
+    seq_len: int = 0
+    matmul_params: float = 0.0
+    """Parameters used in matrix multiplies (6 FLOPs per token each); 0 and nothing `counted` = FLOPs unknown: give
+    the compute time."""
+    counted: tuple[UnitShape, ...] = ()
+    """The units as counted from a model's module tree (`bench predict` with a config: `perf.flops_by_unit`, frozen
+    parameters and all); empty: every parameter trained, the FLOPs from the formula, forward a third of each unit's."""
+    grad_tensors: tuple[int, ...] = ()
+    """Elements of each trained parameter in registration order (counted models): DDP fills a bucket with whole
+    tensors. Empty: the gradients split evenly into buckets."""
+
+    @property
+    def root_params(self) -> float:
+        return self.params - self.n_layer * self.layer_params
+
+    @property
+    def trained_params(self) -> float:
+        return sum(u.trained for u in self.units())
+
+    def flops_per_token(self) -> float:
+        """6 x params + 12 x layers x d_model x seq (forward + backward, attention scores included), or the sum of the
+        counted units'."""
+        if self.counted:
+            return sum(u.forward_flops + u.backward_flops for u in self.counted)
+        return 6 * self.matmul_params + 12 * self.n_layer * self.d_model * self.seq_len
+
+    def units(self) -> list[UnitShape]:
+        """The root unit, then each block (one unit without blocks). Uncounted, each unit's FLOPs by the formula when
+        known (a block: 6 x its parameters + its attention, the root the rest), else its parameters."""
+        if self.counted:
+            return list(self.counted)
+        if self.n_layer == 0:
+            return [UnitShape(self.params, self.params, self.params / 3, 2 * self.params / 3)]
+        total = self.flops_per_token() if self.matmul_params else self.params
+        block = (6 * self.layer_params + 12 * self.d_model * self.seq_len if self.matmul_params
+                 else self.layer_params)
+        root = max(0.0, total - self.n_layer * block)
+        return ([UnitShape(self.root_params, self.root_params, root / 3, 2 * root / 3)]
+                + [UnitShape(self.layer_params, self.layer_params, block / 3, 2 * block / 3)] * self.n_layer)
+
+
+def gpt_shape(n_layer: int, d_model: int, seq_len: int, vocab_size: int) -> ModelShape:
+    """disttrain's reference GPT (models/gpt.py) in closed form: tied embeddings, learned positions, biased linears.
+    (`bench predict` counts a config's model instead, `predict_job.counted_shape`; this form keeps the scale model's
+    own tests free of torch, and checks that count.)"""
+    layer = 12 * d_model**2 + 13 * d_model
+    rest = vocab_size * d_model + seq_len * d_model + 2 * d_model
+    return ModelShape(f"gpt {n_layer}x{d_model}", n_layer * layer + rest, layer, n_layer, d_model, seq_len,
+                      n_layer * 12 * d_model**2 + vocab_size * d_model)
+
+
+def _llama(name, layers, d, ffn, kv_heads, heads, vocab, seq):
+    layer = 2 * d * d + 2 * d * (d * kv_heads // heads) + 3 * d * ffn + 2 * d
+    matmul = layers * (layer - 2 * d) + vocab * d  # the output head multiplies; the input embedding is a lookup
+    return ModelShape(name, layers * layer + 2 * vocab * d + d, layer, layers, d, seq, matmul)
+
+
+MODELS: dict[str, ModelShape] = {
+    "llama3-8b": _llama("llama3-8b", 32, 4096, 14336, 8, 32, 128256, 8192),
+    "llama3-70b": _llama("llama3-70b", 80, 8192, 28672, 8, 64, 128256, 8192),
+    "resnet50": ModelShape("resnet50", 25.6e6),
+    "bert-large": ModelShape("bert-large", 340e6, 12.6e6, 24, 1024, 128, 24 * 12.6e6),
+}
+
+BYTES: dict[str, tuple[int, int, int]] = {  # (stored parameters and DDP gradients, FSDP gather, FSDP reduce)
+    "fp32": (4, 4, 4), "bf16-mixed": (4, 2, 4), "fp16-mixed": (4, 2, 4), "bf16-true": (2, 2, 2)}
+"""Bytes per element on the wire under each precision (precision.py: FSDP gathers in the compute dtype and
+reduces in fp32; DDP and ZeRO-1 move the stored parameters' dtype). `Workload.grad_compression` fp16 / bf16 makes
+the reductions 2 bytes (DDP's hook, FSDP's reduce dtype): `reduced_bytes`."""
+
+COMPRESSED = ("fp16", "bf16")
+"""`parallel.grad_compression` values that reduce gradients in 2 bytes an element."""
+
+
+def reduced_bytes(precision: str, grad_compression: str = "none") -> int:
+    """Bytes per element of a gradient reduction under FSDP (DDP's too where compressed)."""
+    return 2 if grad_compression in COMPRESSED else BYTES[precision][2]
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: ModelShape
+    compute_s: float
+    """Forward + backward + optimizer of one step on one device, alone (no communication)."""
+    tokens: float
+    """Tokens (or samples) per device per step."""
+    precision: str = "bf16-mixed"
+    micro_steps: int = 1
+    """Accumulation micro-batches per step; gradients are reduced on the last one only."""
+    bucket_bytes: float = 25 * 2**20
+    """DDP's bucket size (`parallel.bucket_cap_mb`), in the gradients' stored dtype."""
+    grad_compression: str = "none"
+    """`parallel.grad_compression`: fp16 / bf16 send DDP's buckets and FSDP's reduce-scatters in 2 bytes an element
+    (powersgd is not modelled)."""
+    cpu_cores: int = 0
+    """0 on accelerators. On CPU, ranks beyond the cores share them, and so do gloo's communication threads."""
+    log_every: int = 10
+    """Steps per logged line (`train.log_every`, 10 by default; 0 = none): each line all-gathers the ranks' figures
+    (perf.rank_summary: 5 float64 per rank) and waits for it."""
+
+
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
+ALIASES = {"zero3": "fsdp"}
+
+
+def canonical_strategy(name: str) -> str:
+    name = ALIASES.get(name.strip().lower(), name.strip().lower())
+    if name not in STRATEGIES:
+        raise ConfigError(f"--strategy {name!r} is not modelled; choose from {', '.join(STRATEGIES)} (zero3 = fsdp)")
+    return name
+
+
+
+# --- one step under each strategy ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What is gathered and reduced together (an FSDP block or root, a DDP bucket, or DDP's frozen units after the
+    last trained one, which reduce nothing) and its shares of compute."""
+
+    forward: float
+    backward: float
+    """Shares of the step's compute (of forward + backward + the optimizer's step, which the backward share holds)."""
+    gather_fwd: float = 0.0
+    gather_bwd: float = 0.0
+    reduce: float = 0.0
+    """Seconds of each collective."""
+    reduce_cpu: float | None = None
+    """A DDP bucket's all-reduce: its CPU seconds on the process group's threads, where measured
+    (`Interconnect.cpu`)."""
+
+
+@dataclass
+class Step:
+    step_s: float
+    compute_s: float
+    comm_s: float
+    """Sum of the step's collective times, overlapped or not."""
+    wire_bytes: float
+    """Bytes each rank sends per step (the collectives' sizes x bus factor)."""
+
+    @property
+    def exposed_s(self) -> float:
+        return self.step_s - self.compute_s
+
+
+def _pass(units: list[Unit], seconds: float, part: str, gather: str, reduce: bool, t: float, comm: float
+          ) -> tuple[float, float]:
+    """One forward or backward pass over `units` (in execution order) on two streams, compute and one FIFO of
+    collectives: a unit starts when its all-gather is done; the next unit's all-gather is issued when a unit
+    starts (prefetch of one, as FSDP2 does); a unit's reduction is issued when its backward ends."""
+    def issue(u: Unit, at: float) -> float:
+        nonlocal comm
+        if not getattr(u, gather):
+            return at
+        comm = max(comm, at) + getattr(u, gather)
+        return comm
+
+    ready = issue(units[0], t)
+    for i, u in enumerate(units):
+        start = max(t, ready)
+        if i + 1 < len(units):
+            ready = issue(units[i + 1], start)
+        t = start + getattr(u, part) * seconds
+        if reduce and u.reduce:
+            comm = max(comm, t) + u.reduce
+    return t, comm
+
+
+def _buckets(model: ModelShape, grad_bytes: int, bucket_bytes: float) -> list[float]:
+    """DDP's gradient buckets in forward order (bytes), of the trained parameters: filled from the last parameter, a
+    bucket closed once it holds `bucket_bytes` or more (whole tensors, where the model's are known), so the bucket
+    reduced last (holding the first parameters) is the partial one."""
+    if model.grad_tensors:
+        buckets, size = [], 0.0
+        for numel in reversed(model.grad_tensors):
+            size += numel * grad_bytes
+            if size >= bucket_bytes:
+                buckets.append(size)
+                size = 0.0
+        return ([size] if size else []) + buckets[::-1]
+    total = model.trained_params * grad_bytes
+    full, rest = divmod(total, bucket_bytes)
+    return ([rest] if rest else []) + [bucket_bytes] * int(full)
+
+
+def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[list[Unit], float, float]:
+    """(units in forward order, seconds of collectives after backward, wire bytes per step)."""
+    model, (stored, gathered, _) = work.model, BYTES[work.precision]
+    reduced = reduced_bytes(work.precision, work.grad_compression)
+    ddp_wire = reduced if work.grad_compression in COMPRESSED else stored  # (DDP's hook sends each bucket in it)
+
+    def wire(collective: str, nbytes: float, ranks: int, times: float = 1, across: bool = False) -> float:
+        nonlocal sent
+        sent += times * nbytes * bus_factor(collective, ranks)
+        if across:
+            link = net.inter[collective]
+            return link.call_s * (ranks > 1 and nbytes > 0) + ring_time(collective, nbytes, ranks, link)
+        return collective_time(collective, nbytes, ranks, net)
+
+    sent = 0.0
+    sharded = strategy not in ("ddp", "zero1")
+    shard = min(n, net.gpus_per_node) if strategy == "hsdp" else n
+    # The Trainer's small collectives that block a step, exposed after backward: on one CPU host each costs a call
+    # (a hand-off and wake-ups: skipping the figures' gather took 0.5-2.5 ms off a 2-rank ddp step here), on GPUs
+    # a ring's latency (tens of microseconds in a node, ~1 ms over 1024 GPUs). The optimizer step all-reduces the
+    # squared gradient norm where the gradients are sharded (spec.total_norm, float64); a logged line gathers the
+    # ranks' figures. (The step's loss totals are all-reduced too, but that starts before the last backward and is
+    # done before anyone waits: skipping it changed a 2-rank ddp step here by nothing.)
+    after = wire("all_reduce", 8, shard) if sharded else 0.0
+    if work.log_every:
+        after += wire("all_gather", 40 * n, n, times=1 / work.log_every) / work.log_every
+    shapes = model.units()
+    flops = sum(u.forward_flops + u.backward_flops for u in shapes)
+    if not sharded:
+        buckets = [b * ddp_wire / stored for b in _buckets(model, stored, work.bucket_bytes)]  # (bytes on the wire)
+        units = _bucket_units(shapes, flops, buckets, lambda nbytes: wire("all_reduce", nbytes, n), net, n)
+        after += wire("all_gather", model.trained_params * stored, n) if strategy == "zero1" else 0.0
+        return units, after, sent
+    replicas = n // shard
+    units = []
+    for i, u in enumerate(shapes):
+        # gathered again for backward where the block's backward runs, or the next unit's does (FSDP2's implicit
+        # prefetch: a unit's pre-backward gathers the unit before it in forward order, run or not; the root's, which
+        # always runs, the last block); the root stays gathered. (`parallel.fsdp_prefetch` = d would gather d.)
+        follows = shapes[i + 1].backward_flops > 0 if i + 1 < len(shapes) else True
+        again = strategy in ("fsdp", "hsdp") and i > 0 and (u.backward_flops > 0 or follows)
+        gather = wire("all_gather", u.params * gathered, shard, work.micro_steps * (2 if again else 1))
+        reduce = wire("reduce_scatter", u.trained * reduced, shard)
+        if replicas > 1:  # hsdp: the shard's gradient is all-reduced across the nodes' replicas
+            reduce += wire("all_reduce", u.trained * reduced / shard, replicas, across=True)
+        units.append(Unit(u.forward_flops / flops, u.backward_flops / flops, gather, gather if again else 0.0, reduce))
+    return units, after, sent
+
+
+def _bucket_units(shapes: list[UnitShape], flops: float, buckets: list[float], all_reduce: Callable[[float], float],
+                  net: Interconnect, n: int) -> list[Unit]:
+    """DDP's (and zero1's) units: one per bucket (`buckets`: bytes on the wire, forward order; `all_reduce(bytes)` its
+    seconds), spread over the compute of the units from the first to the last that trains. The backward of the
+    frozen units after that one comes first and readies no gradient (a frozen front's backward is nothing): a unit
+    of their own, reducing nothing."""
+    def shares(group: list[UnitShape]) -> tuple[float, float]:
+        return sum(u.forward_flops for u in group) / flops, sum(u.backward_flops for u in group) / flops
+
+    last = max((i for i, u in enumerate(shapes) if u.trained), default=-1)
+    (forward, backward), tail = shares(shapes[:last + 1]), shapes[last + 1:]
+    cpu = replace(net, intra=net.cpu, inter=net.cpu) if net.cpu else None
+    units = [Unit(forward * b / sum(buckets), backward * b / sum(buckets), reduce=all_reduce(b),
+                  reduce_cpu=collective_time("all_reduce", b, n, cpu) if cpu else None)
+             for b in buckets] or [Unit(forward, backward)]
+    return units + ([Unit(*shares(tail))] if tail else [])
+
+
+def _waits_behind_backward(units: list[Unit]) -> float:
+    """Seconds of DDP's bucket all-reduces that a host whose cores all run ranks does not pay, where their CPU time
+    was measured: a bucket issued while backward goes on costs the step its CPU time (the backend's threads take the
+    cores from compute), its waiting overlaps the compute; the bucket of the first parameters in forward order,
+    issued when backward ends, is waited for whole."""
+    buckets = [u for u in units if u.reduce_cpu is not None]
+    return sum(u.reduce - min(u.reduce, u.reduce_cpu) for u in buckets[1:])
+
+
+def step_time(strategy: str, n: int, work: Workload, net: Interconnect) -> Step:
+    """One optimizer step on `n` devices (weak scaling: `work` is one device's share at every `n`)."""
+    strategy = canonical_strategy(strategy)
+    local = min(n, net.gpus_per_node)
+    slowdown = max(1.0, local / work.cpu_cores) if work.cpu_cores else 1.0
+    compute = work.compute_s * slowdown
+    if n == 1:
+        return Step(compute, compute, 0.0, 0.0)
+    units, after, sent = _units(strategy, work, n, net)
+    comm_total = (sum(u.gather_fwd + u.gather_bwd for u in units) * work.micro_steps
+                  + sum(u.reduce for u in units) + after)
+    if work.cpu_cores and local >= work.cpu_cores:  # no free core: gloo's threads take turns with compute
+        charged = comm_total - _waits_behind_backward(units)
+        return Step(compute + charged * slowdown, compute, comm_total * slowdown, sent)
+    seconds = compute / work.micro_steps
+    t = comm = 0.0
+    for m in range(work.micro_steps):
+        t, comm = _pass(units, seconds, "forward", "gather_fwd", False, t, comm)
+        t, comm = _pass(units[::-1], seconds, "backward", "gather_bwd", m == work.micro_steps - 1, t, comm)
+    return Step(max(t, comm) + after, compute, comm_total, sent)
+
+
+@dataclass
+class Prediction:
+    gpus: int
+    step: Step
+    tokens_per_s_per_gpu: float
+    efficiency: float
+    """Per-GPU throughput relative to the smallest count predicted."""
+
+
+def predict(strategy: str, counts: list[int], work: Workload, net: Interconnect) -> list[Prediction]:
+    per_node = net.gpus_per_node
+    partial_nodes = [n for n in counts if n > per_node and n % per_node]
+    if strategy == "hsdp" and partial_nodes:  # (its replicas are whole nodes: 12 would be modelled as 8)
+        raise ConfigError(f"--gpus {partial_nodes[0]}: hsdp shards within a node of {per_node} devices and "
+                          f"replicates across nodes; give at most {per_node} or a multiple of {per_node}")
+    steps = [(n, step_time(strategy, n, work, net)) for n in sorted(counts)]
+    base = steps[0][1].step_s
+    return [Prediction(n, s, work.tokens / s.step_s, base / s.step_s) for n, s in steps]
+
+
+def compute_seconds(model: ModelShape, tokens: float, tflops: float, mfu: float) -> float:
+    """One device's step compute from FLOPs: tokens x FLOPs per token / (peak x MFU)."""
+    if not (model.matmul_params or model.counted):
+        raise ConfigError(f"the FLOPs of {model.name} are not modelled; give --compute-s (seconds of one step on "
+                          "one device)")
+    return tokens * model.flops_per_token() / (tflops * 1e12 * mfu)
+
+
+H100_BF16_TFLOPS = 989.0
+"""H100 SXM dense bf16 peak (NVIDIA's datasheet; 1979 is with sparsity)."""
+H100_FP32_TFLOPS = 67.0
+"""H100 SXM fp32 peak, for fp32 matmuls (TensorFloat-32, 494, only where torch is allowed to use it)."""

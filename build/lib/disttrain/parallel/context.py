@@ -1,0 +1,178 @@
+"""Context parallelism: each sequence is cut into `parallel.context` consecutive chunks, one per rank of the `cp`
+axis, so that a rank holds the activations of its chunk only (for sequences too long for one device).
+
+Everything but attention is per token and runs on the chunk as it is. Attention needs the keys and values of every
+earlier position: each attention gathers them from the chunk's group (`_Gather`, whose backward sums every rank's
+gradient for a chunk back to its owner) and attends with a causal mask offset by the chunk's start.
+The model's attention modules take it as their `attention_fn` (the reference GPT calls torch's
+`scaled_dot_product_attention` through it), and a Hugging Face model's through transformers' attention interface
+(`HF_ATTENTION`), so an activation-checkpointed block's recompute attends the same way.
+(torch's own `context_parallel` swaps SDPA on CUDA; its CPU SDPA has no sharding rule for it, and it fails on gloo.)
+The model's positions (the GPT's position embedding, a Llama's rotary embedding) read the chunk's `position_ids`.
+Hugging Face's labels (aligned with the inputs, shifted by the loss) are shifted before the cut (the backend).
+
+The rest composes as a data axis does: the ranks of a chunk group read the same samples, each counts the loss of
+its own tokens (the step's totals are summed over every rank, as over data ranks), and the gradients are reduced
+over data x context ranks (parallel/mesh.py folds `cp` into the data axis of the DeviceMesh).
+
+Chunks are consecutive, so rank 0 attends to the fewest keys (no load balancing yet): each rank attends only up to
+the end of its chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from disttrain.errors import ConfigError
+
+
+class ContextParallel:
+    """This rank's chunk of every sequence (`shard`), the attention over the whole sequence (`attend`), and the
+    outputs of the whole sequence (`whole`)."""
+
+    def __init__(self, group, size: int, rank: int):
+        self.group, self.size, self.rank = group, size, rank
+
+    def parallelize(self, model: nn.Module) -> None:
+        """Give every attention of `model` this rank's: a Hugging Face model's through transformers' attention
+        interface (`HF_ATTENTION`), another's attention modules through their `attention_fn` (the reference GPT)."""
+        if hasattr(model, "config") and hasattr(model.config, "_attn_implementation"):  # a transformers model
+            try:
+                from transformers import AttentionInterface, AttentionMaskInterface
+            except ImportError as exc:
+                import transformers
+
+                raise ConfigError(f"parallel.context > 1 runs a Hugging Face model's attention through transformers' "
+                                  f"AttentionInterface and AttentionMaskInterface, which transformers "
+                                  f"{transformers.__version__} lacks; upgrade transformers (tested: 5.24)") from exc
+
+            AttentionInterface.register(HF_ATTENTION, _hf_attention)
+            AttentionMaskInterface.register(HF_ATTENTION, _no_mask)  # (the chunk's own causal mask is `attend`'s)
+            for module in model.modules():
+                module._disttrain_context = self
+            model.set_attn_implementation(HF_ATTENTION)
+            return
+        modules = [m for m in model.modules() if hasattr(m, "attention_fn")]
+        if not modules:
+            raise ConfigError("parallel.context > 1 needs attention modules with an `attention_fn` (the reference "
+                              "GPT's) or a Hugging Face model; this model has neither")
+        for module in modules:
+            module.attention_fn = self.attend
+
+    def shard(self, batch: Any) -> Any:
+        """This rank's chunk of every sequence-valued tensor of a dict batch (dim 1, the sequence), with the chunk's
+        `position_ids`; other values as they are."""
+        if not isinstance(batch, dict) or not isinstance(batch.get("input_ids"), torch.Tensor):
+            raise ConfigError("parallel.context > 1 cuts sequences by their 'input_ids': give dict batches with "
+                              "'input_ids' (and 'labels')")
+        from disttrain.parallel.pipeline import check_mask
+
+        check_mask(batch, "parallel.context")  # (the whole sequence's: its chunks attend without a mask)
+        width = batch["input_ids"].shape[1]
+        if width % self.size:  # (a batch padded to its longest sequence): right-padded on to equal chunks
+            batch = {key: _pad(value, width, -width % self.size, key) for key, value in batch.items()}
+            width += -width % self.size
+        chunk = width // self.size
+        start = self.rank * chunk
+        out = {key: value[:, start:start + chunk] if _is_sequence(value, width) else value
+               for key, value in batch.items()}
+        if "position_ids" not in out:
+            positions = torch.arange(start, start + chunk, device=batch["input_ids"].device)
+            out["position_ids"] = positions.expand(batch["input_ids"].shape[0], chunk)
+        return out
+
+    def whole(self, outputs: Any, width: int) -> Any:
+        """The logits of every chunk, joined along the sequence of `width` tokens (what `shard` padded, cut off): a
+        tensor, or the `logits` of a Hugging Face output (in place). For evaluation and `forward()`."""
+        if isinstance(outputs, dict) and isinstance(outputs.get("logits"), torch.Tensor):
+            outputs["logits"] = self.whole(outputs["logits"], width)
+            return outputs
+        if not isinstance(outputs, torch.Tensor):
+            raise ConfigError(f"parallel.context > 1 joins the chunks' logits, and the model returned "
+                              f"{type(outputs).__name__}; return logits (or an output with a `logits` field)")
+        parts = [torch.empty_like(outputs) for _ in range(self.size)]
+        dist.all_gather(parts, outputs.contiguous(), group=self.group)
+        return torch.cat(parts, dim=1)[:, :width]
+
+    def attend(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        """Causal attention of this chunk's queries over the keys and values of the sequence up to the chunk's end
+        (gathered from the group; the chunks after it are never attended), with torch's lower-right causal bias (no
+        mask tensor: SDPA's fused kernels run)."""
+        if attn_mask is not None or not is_causal:
+            raise ConfigError("parallel.context > 1 runs causal attention without a mask only (no padding mask, "
+                              "no bidirectional attention)")
+        from torch.nn.attention.bias import causal_lower_right
+
+        chunk = q.shape[-2]
+        seen = (self.rank + 1) * chunk
+        keys = _Gather.apply(k, self.group, self.size, self.rank).narrow(-2, 0, seen)
+        values = _Gather.apply(v, self.group, self.size, self.rank).narrow(-2, 0, seen)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(chunk, seen),
+                                              dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
+
+
+HF_ATTENTION = "disttrain_context"
+"""The name a Hugging Face model's attention runs under (transformers' AttentionInterface)."""
+
+
+def _hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                  **kwargs):
+    """transformers' attention-function signature: (batch, heads, chunk, dim) in, (batch, chunk, heads, dim) out.
+    Attention variants it cannot run (a sliding window, logit soft-capping, attention sinks) are refused."""
+    unsupported = [name for name in ("sliding_window", "softcap", "s_aux") if kwargs.get(name) is not None]
+    if unsupported or getattr(module, "is_causal", True) is False:
+        raise ConfigError(f"parallel.context > 1 runs plain causal attention, and this model's attention uses "
+                          f"{', '.join(unsupported) or 'bidirectional attention'}; set parallel.context = 1")
+    out = module._disttrain_context.attend(query, key, value, is_causal=True, dropout_p=dropout, scale=scaling,
+                                           enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    return None
+
+
+class _Gather(torch.autograd.Function):
+    """The chunks of the group, joined along the sequence (dim -2); backward: the sum of every rank's gradient for
+    this rank's chunk, by one reduce-scatter (half an all-reduce's traffic). (torch.distributed.nn.functional.
+    all_gather's backward on gloo scatters from group ranks as if they were global ones, which fails on any group but
+    the first.)"""
+
+    @staticmethod
+    def forward(ctx, chunk: torch.Tensor, group, size: int, rank: int) -> torch.Tensor:
+        ctx.group, ctx.rank, ctx.width = group, rank, chunk.shape[-2]
+        parts = [torch.empty_like(chunk, memory_format=torch.contiguous_format) for _ in range(size)]
+        dist.all_gather(parts, chunk.contiguous(), group=group)
+        return torch.cat(parts, dim=-2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # the sequence first (the chunks are then consecutive blocks), summed in float32 (16-bit gradients of several
+        # ranks): one copy
+        whole = grad.movedim(-2, 0)
+        total = torch.empty(whole.shape, dtype=torch.float32, device=grad.device).copy_(whole)
+        mine = total.new_empty((ctx.width, *total.shape[1:]))
+        dist.reduce_scatter_single(mine, total, group=ctx.group)
+        return mine.movedim(0, -2).to(grad.dtype), None, None, None
+
+
+def _pad(value: Any, width: int, extra: int, key: str) -> Any:
+    """A sequence-valued tensor right-padded by `extra` positions (labels with the ignored index, positions going
+    on, the rest with 0: padding on the right changes nothing before it under causal attention)."""
+    if not _is_sequence(value, width):
+        return value
+    if key == "position_ids":
+        more = value[:, -1:] + torch.arange(1, extra + 1, device=value.device)
+        return torch.cat([value, more.to(value.dtype)], dim=1)
+    fill = -100 if key == "labels" else 0  # (data.IGNORE_INDEX, cross-entropy's ignored label)
+    return torch.cat([value, torch.full((value.shape[0], extra, *value.shape[2:]), fill, dtype=value.dtype,
+                                        device=value.device)], dim=1)
+
+
+def _is_sequence(value: Any, width: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == width

@@ -1,0 +1,584 @@
+"""Pipeline parallelism with `torch.distributed.pipelining`: the model's blocks are split into consecutive stages,
+one (or two, for the interleaved, zero-bubble and V-shaped schedules) per rank of the mesh's `pp` axis, and a
+schedule runs the forward and backward of all micro-batches of a step through them.
+
+Each rank keeps the *whole model object* with the other stages' blocks replaced by parameterless placeholders and
+the embedding / head removed where they do not run, so parameter names (state dicts, checkpoints, optimizer groups)
+are the full model's; the model's `forward` is replaced by the stage's (embed on the first stage, its blocks, the
+final norm and head on the last). Data parallelism (FSDP2 or replication over the data axes) and tensor
+parallelism then apply to that stage model as to any model.
+
+The loss is the backend's: each micro-batch's `loss_terms` (a token sum and count) runs on the last stage inside
+the schedule (`scale_grads=False`, so gradients stay sums), and the step's sum and count reach the backend once,
+through the last micro-batch's `on_loss`; other stages report zeros and do not count (parallel/compose.py). Tied
+embedding and head weights, which live on the first and last stage, get their two gradients summed before the step
+(under a V-shaped schedule both stages run on rank 0, where the weight is one parameter; with a data axis, where each
+stage is its own data-parallel root, the head holds a copy that follows the embedding: `_untie_head`).
+Evaluation runs the stages forward one after another with point-to-point sends (no schedule, any batch size).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from disttrain.errors import ConfigError
+from disttrain.parallel.activation_checkpoint import transformer_blocks
+from disttrain.parallel.mesh import V_SCHEDULES, VIRTUAL_SCHEDULES
+from disttrain.parallel.spec import Prepared
+from disttrain.parallel.state import dtensor_targets, full_state_dict_fns, local_tensor, tie_groups
+
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+             "zero-bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+             "dualpipev": "ScheduleDualPipeV"}
+
+
+# ----------------------------------------------------------------------------------------------
+# What a stage runs, per model family
+
+
+@dataclass
+class Family:
+    """How the model turns token ids into the residual stream, runs one block, and turns the stream into logits."""
+
+    embeddings: tuple[str, ...]
+    """Modules that only the first stage keeps."""
+    head: tuple[str, ...]
+    """Modules that only the last stage keeps."""
+    embed: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    block: Callable[[nn.Module, nn.Module, torch.Tensor], torch.Tensor]
+    """block(model, block, x): run one block (a Llama layer needs the rotary embedding of the positions)."""
+    finish: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+def _gpt_embed(model, ids):
+    return model.drop(model.tok_emb(ids) + model.pos_emb(torch.arange(ids.shape[1], device=ids.device)))
+
+
+def _llama_block(model, block, x):
+    positions = torch.arange(x.shape[1], device=x.device)[None]
+    rotary = model.model.rotary_emb(x, positions)
+    return block(x, attention_mask=None, position_ids=positions, position_embeddings=rotary)
+
+
+KEPT_SCHEDULES = 4
+"""Schedules (with their stages' device buffers) kept for the step shapes seen last (`PipelinePrepared._schedule`)."""
+
+FAMILIES = {
+    "gpt": Family(("tok_emb", "pos_emb", "drop"), ("ln_f", "lm_head"), _gpt_embed,
+                  lambda model, block, x: block(x), lambda model, x: model.lm_head(model.ln_f(x))),
+    "llama": Family(("model.embed_tokens",), ("model.norm", "lm_head"),
+                    lambda model, ids: model.model.embed_tokens(ids), _llama_block,
+                    lambda model, x: model.lm_head(model.model.norm(x))),
+}
+
+
+def family_of(model: nn.Module) -> str:
+    names = {name for name, _ in model.named_modules()}
+    for name, fam in FAMILIES.items():
+        if set(fam.embeddings) | set(fam.head) <= names:
+            return name
+    raise ConfigError(f"parallel.pipeline > 1: disttrain cannot split {type(model).__name__} into stages (it splits "
+                      "the reference GPT and Hugging Face Llama-family models); set parallel.pipeline = 1")
+
+
+# ----------------------------------------------------------------------------------------------
+# Where the stages split (pure)
+
+
+def balanced_split(block_sizes: list[int], stages: int, first_extra: int = 0, last_extra: int = 0) -> list[int]:
+    """Index of the first block of each stage after the first: consecutive blocks, each stage at least one,
+    minimising the largest stage's parameters (the embedding counts on the first stage, the head on the last)."""
+    n = len(block_sizes)
+    if n < stages:
+        raise ConfigError(f"{n} blocks cannot fill {stages} pipeline stages; use fewer stages")
+    best: tuple[int, list[int]] | None = None
+
+    def search(start: int, stage: int, cuts: list[int], worst: int) -> None:
+        nonlocal best
+        if best is not None and worst >= best[0]:
+            return
+        if stage == stages - 1:
+            load = sum(block_sizes[start:]) + last_extra + (first_extra if stage == 0 else 0)
+            worst = max(worst, load)
+            if best is None or worst < best[0]:
+                best = (worst, cuts)
+            return
+        for end in range(start + 1, n - (stages - 1 - stage) + 1):
+            load = sum(block_sizes[start:end]) + (first_extra if stage == 0 else 0)
+            search(end, stage + 1, [*cuts, end], max(worst, load))
+
+    search(0, 0, [], 0)
+    return best[1]
+
+
+def split_points(model: nn.Module, stages: int, given: str) -> list[int]:
+    """First block index of stages 2..N: `parallel.pipeline_split` ("blocks.3,blocks.6" or layer numbers) or
+    balanced by parameter count."""
+    blocks = transformer_blocks(model)
+    if given.strip():
+        names = {id(b): i for i, b in enumerate(blocks)}
+        index = {name: names[id(m)] for name, m in model.named_modules() if id(m) in names}
+        cuts = []
+        for item in (s.strip() for s in given.split(",")):
+            if item not in index:
+                raise ConfigError(f"parallel.pipeline_split = {given!r}: {item!r} is not a block of the model; give "
+                                  f"block names such as {next(iter(index))!r}")
+            cuts.append(index[item])
+        if len(cuts) != stages - 1 or cuts != sorted(set(cuts)) or cuts[0] == 0:
+            raise ConfigError(f"parallel.pipeline_split = {given!r}: give {stages - 1} increasing block names after "
+                              f"the first block (where stages 2..{stages} begin)")
+        return cuts
+    fam = FAMILIES[family_of(model)]
+    size = lambda names: sum(p.numel() for n in names for p in model.get_submodule(n).parameters())  # noqa: E731
+    return balanced_split([sum(p.numel() for p in b.parameters()) for b in blocks], stages, size(fam.embeddings),
+                          size(fam.head))
+
+
+def stage_count(parallel, ranks: int) -> int:
+    """Stages over `ranks` pipeline ranks: two (virtual) per rank for the interleaved schedules."""
+    return ranks * (2 if parallel.pipeline_schedule in VIRTUAL_SCHEDULES else 1)
+
+
+def holder(stage: int, ranks: int, schedule: str = "1f1b") -> int:
+    """The pipeline rank that runs `stage`: virtual stages loop (stage s on rank s mod ranks), or under a V-shaped
+    schedule go down and back (s on rank s for s < ranks, else 2 ranks - 1 - s), as torch's schedules place them."""
+    if schedule in V_SCHEDULES and stage >= ranks:
+        return 2 * ranks - 1 - stage
+    return stage % ranks
+
+
+def stages_of(rank: int, ranks: int, stages: int, schedule: str = "1f1b") -> list[int]:
+    """The stages pipeline rank `rank` runs, in stage order."""
+    return [s for s in range(stages) if holder(s, ranks, schedule) == rank]
+
+
+def stage_bounds(model: nn.Module, stages: int, given: str) -> list[tuple[int, int]]:
+    """[first block, end) of each stage (`split_points`)."""
+    cuts = split_points(model, stages, given) if stages > 1 else []
+    return list(zip([0, *cuts], [*cuts, len(transformer_blocks(model))], strict=True))
+
+
+# ----------------------------------------------------------------------------------------------
+# Building the stages
+
+
+class Placeholder(nn.Module):
+    """Where another stage's block was: no parameters, so names and indices stay the full model's."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipeline stage ran a block that belongs to another stage")
+
+
+class StagePart(nn.Module):
+    """One stage: the embedding (first stage), its blocks, the final norm and head (last stage) of the model, as
+    submodules (the same parameters as the pruned model's). What a `PipelineStage` runs, and what data parallelism
+    wraps (its own FSDP root: the model's forward is never called under a pipeline)."""
+
+    def __init__(self, model: nn.Module, fam: Family, bounds: tuple[int, int], first: bool, last: bool):
+        super().__init__()
+        self.fam, self.first, self.last = fam, first, last
+        self.blocks = nn.ModuleList(transformer_blocks(model)[bounds[0]:bounds[1]])
+        self.ends = nn.ModuleDict({name.replace(".", "_"): model.get_submodule(name) for name in
+                                   [*(fam.embeddings if first else ()), *(fam.head if last else ())]})
+        self._model = [model]  # not a submodule: the pruned model, for the family's functions
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        model = self._model[0]
+        if self.first:
+            x = self.fam.embed(model, x)
+        for block in self.blocks:
+            x = self.fam.block(model, block, x)
+        return self.fam.finish(model, x) if self.last else x
+
+
+def prune(model: nn.Module, fam: Family, keep: list[tuple[int, int]], first: bool, last: bool) -> None:
+    """Leave in `model` only what this rank runs: the blocks in `keep`'s ranges (others become placeholders), the
+    embedding if it holds the first stage, the head if the last (a tied weight stays with the module kept)."""
+    block_list = _block_list(model)
+    for i in range(len(block_list)):
+        if not any(lo <= i < hi for lo, hi in keep):
+            block_list[i] = Placeholder()
+    for names, kept in ((fam.embeddings, first), (fam.head, last)):
+        for name in names if not kept else ():
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, None)
+
+
+def _block_list(model: nn.Module) -> nn.ModuleList:
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return max(lists, key=len)
+
+
+# ----------------------------------------------------------------------------------------------
+# The strategy's Prepared
+
+
+@dataclass
+class Pending:
+    ids: torch.Tensor
+    loss_terms: Callable
+
+
+@dataclass
+class PipelinePrepared(Prepared):
+    """This rank's stage(s) and the schedule; `forward_backward` collects a step's micro-batches and runs the
+    schedule over them on the step's last one."""
+
+    parts: list = field(default_factory=list)
+    """[(stage index, StagePart or its data-parallel wrapper)] on this rank, in stage order."""
+    layout: Any = None
+    """(number of stages, pipeline ranks, this rank's index, its process group, schedule name, hidden size, the
+    residual stream's dtype)."""
+    twins: list = field(default_factory=list)
+    """[(embedding, head)]: a tied weight whose first and last stage share this rank under a data axis, held as two
+    parameters (`_untie_head`) whose gradients are summed before the step."""
+    tie_pairs: list = field(default_factory=list)
+    """[(parameter, process group)]: tied weights (first and last stage) whose gradients are summed before the step."""
+    pending: list = field(default_factory=list)
+    schedules: dict = field(default_factory=dict)
+    """(micro-batches, micro-batch size, width) -> schedule (static shapes: nothing but tensors on the wire)."""
+
+    def forward_backward(self, inputs, loss_terms, on_loss, sync, autocast):
+        check_mask(inputs.kwargs)
+        ids_now = _ids_of(inputs)
+        self.pending.append(Pending(ids_now, loss_terms))
+        # on the batch's device: a stage without the head hands these to fp16's scaler, which would otherwise keep
+        # its scale on the host, away from the last stage's (and read a non-blocking copy of found_inf unsynced)
+        zero = torch.zeros((), dtype=torch.float64, device=ids_now.device)
+        if not sync:
+            return zero, zero  # counted when the schedule runs, on the step's last micro-batch
+        pending, self.pending = self.pending, []
+        if len({p.ids.shape[0] for p in pending}) > 1:
+            sizes = [p.ids.shape[0] for p in pending]
+            raise ConfigError(f"parallel.pipeline > 1: the micro-batches of a step have {sizes} rows; a pipeline "
+                              "needs equal micro-batches: make the batch a multiple of the micro-batch size times the "
+                              "data-parallel degree")
+        totals = [zero, zero]
+        widths = [p.ids.shape[1] for p in pending]
+        scale = self.scaler.get_scale() if self.scaler is not None else 1.0
+
+        def loss_fn(output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+            i = int(index.reshape(-1)[0])
+            loss_sum, count = pending[i].loss_terms(output[:, :widths[i]])
+            totals[0] = totals[0] + loss_sum.detach().double()
+            totals[1] = totals[1] + count
+            return loss_sum * scale if scale != 1.0 else loss_sum
+
+        ids = _pad_cat([p.ids for p in pending])
+        schedule = self._schedule(len(pending), pending[0].ids.shape[0], ids.shape[1], ids.device)
+        schedule._loss_fn = loss_fn  # this step's micro-batches (the target is their index)
+        target = torch.arange(len(pending))  # on the host: reading a micro-batch's index never waits for the device
+        with autocast:
+            schedule.step(*((ids,) if self.layout.rank == 0 else ()), target=target, return_outputs=False)
+        on_loss(totals[0], totals[1])  # the step's totals, once (zeros on stages without the head)
+        return totals[0], totals[1]
+
+    def _schedule(self, microbatches: int, size: int, width: int, device):
+        """The schedule of these shapes, built once. Each holds its stages' receive buffers on the device, so only
+        the last `KEPT_SCHEDULES` are kept: batches padded to their longest row change width from step to step."""
+        key = (microbatches, size, width)
+        schedule = self.schedules.pop(key, None) or build_schedule(self, microbatches, size, width, device)
+        self.schedules[key] = schedule  # the most recent last
+        while len(self.schedules) > KEPT_SCHEDULES:
+            del self.schedules[next(iter(self.schedules))]
+        return schedule
+
+    def step(self, factor: float, skip: bool = False, need_norm: bool = True) -> tuple[float, bool]:
+        for embedding, head in self.twins:  # one weight: both copies step with the sum of their gradients
+            if embedding.grad is None or head.grad is None:
+                source = embedding.grad if embedding.grad is not None else head.grad
+                if source is not None:  # only one copy was used in this step
+                    embedding.grad, head.grad = source, source.clone()
+                continue
+            total, other = local_tensor(embedding.grad), local_tensor(head.grad)
+            total.add_(other)
+            other.copy_(total)
+        for param, group in self.tie_pairs:
+            grad = param.grad
+            if grad is None and not param.requires_grad:
+                continue  # (a frozen weight: frozen on both stages, so neither joins)
+            if grad is None:  # this copy got no gradient in this step: it joins the sum all the same (its twin's rank
+                grad = param.grad = torch.zeros_like(param)  # is in it) and steps with the twin's gradient
+            if hasattr(grad, "placements") and grad.placements != param.placements:  # e.g. an embedding's
+                grad = param.grad = grad.redistribute(placements=param.placements)  # gradient left replicated
+            dist.all_reduce(local_tensor(grad), group=group)
+        result = super().step(factor, skip, need_norm)
+        with torch.no_grad():  # the head follows the embedding, whatever an optimizer's groups did by name
+            for embedding, head in self.twins:
+                local_tensor(head).copy_(local_tensor(embedding))
+        return result
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    stages: int
+    ranks: int
+    rank: int
+    group: Any
+    schedule: str
+    hidden: int
+    vocab: int
+    dtype: Any
+    """The residual stream's dtype between stages."""
+
+    def holder(self, stage: int) -> int:
+        return holder(stage, self.ranks, self.schedule)
+
+
+def build_schedule(prepared: PipelinePrepared, microbatches: int, size: int, width: int, device):
+    from torch.distributed import pipelining
+
+    lay = prepared.layout
+    stages = []
+    for index, part in prepared.parts:
+        meta = torch.empty((size, width), dtype=torch.long, device="meta") if index == 0 else \
+            torch.empty((size, width, lay.hidden), dtype=lay.dtype, device="meta", requires_grad=True)
+        out = torch.empty((size, width, lay.hidden if index < lay.stages - 1 else lay.vocab), dtype=lay.dtype,
+                          device="meta", requires_grad=True)  # (requires_grad: gradients flow back through it)
+        # every shape given: the stages never exchange (pickled) metadata
+        stages.append(pipelining.PipelineStage(part, index, lay.stages, device, input_args=(meta,),
+                                               output_args=(out,), group=lay.group))
+    one = lay.schedule not in VIRTUAL_SCHEDULES
+    name = schedule_class(lay.schedule, microbatches, lay.ranks)
+    return getattr(pipelining, name)(stages[0] if one else stages, n_microbatches=microbatches,
+                                     loss_fn=lambda output, target: output, scale_grads=False)
+
+
+def schedule_class(schedule: str, microbatches: int, ranks: int) -> str:
+    """The name of the torch.distributed.pipelining class that runs `schedule` for a step of `microbatches`."""
+    # too few micro-batches to interleave (e.g. one call of the TrainingService): all forwards, then all backwards,
+    # the same numbers (torch's V-shaped schedule drops the micro-batches it lacks itself; no other has its placement)
+    if microbatches < ranks and schedule not in V_SCHEDULES:
+        return "ScheduleLoopedBFS" if schedule in VIRTUAL_SCHEDULES else "ScheduleGPipe"
+    if microbatches < 2 * ranks and schedule == "dualpipev":  # DualPipeV needs one per stage: zbv, same V
+        return "ScheduleZBVZeroBubble"
+    return SCHEDULES[schedule]
+
+
+def _ids_of(inputs) -> torch.Tensor:
+    ids = inputs.args[0] if inputs.args else (inputs.kwargs or {}).get("input_ids")
+    if not isinstance(ids, torch.Tensor):
+        raise ConfigError("parallel.pipeline > 1 feeds the first stage token ids only: give batches with "
+                          "'input_ids' (and 'labels')")
+    return ids
+
+
+def check_mask(kwargs, setting: str = "parallel.pipeline") -> None:
+    """Under a pipeline only token ids cross the stages, and under context parallelism each chunk attends causally
+    over the whole sequence: both attend causally from position 0 with no mask. Padding on the right changes nothing
+    before it, but an attention mask that hides a token before a real one (left padding) or positions that restart
+    inside a row (packed sequences) would be ignored, so such a batch is refused rather than trained on wrongly.
+    (One host sync per micro-batch that carries either key.)"""
+    kwargs = kwargs or {}
+    mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2
+                             or bool((mask[:, 1:].int() > mask[:, :-1].int()).any())):
+        raise ConfigError(f"{setting} > 1 attends causally without the attention mask, and this batch's "
+                          "attention_mask hides tokens before real ones (left padding, or a mask that is not one row "
+                          "per sequence); pad on the right (tokenizer.padding_side = 'right'; disttrain's collate "
+                          f"does) or run without {setting}")
+    if positions is not None and (not isinstance(positions, torch.Tensor) or bool(
+            (positions != torch.arange(positions.shape[-1], device=positions.device)).any())):
+        raise ConfigError(f"{setting} > 1 ignores position_ids that restart inside a row, and this batch's "
+                          "position_ids are not 0, 1, 2, ... in every row (packed sequences); give one sequence per "
+                          f"row without position_ids, or run without {setting}")
+
+
+def _pad_cat(ids: list[torch.Tensor]) -> torch.Tensor:
+    """Micro-batches of different widths, right-padded to one (causal models: padding never reaches earlier
+    positions, and each micro-batch's loss reads only its own width)."""
+    width = max(t.shape[1] for t in ids)
+    return torch.cat([nn.functional.pad(t, (0, width - t.shape[1])) for t in ids])
+
+
+class StageRunner(nn.Module):
+    """`Prepared.module` under a pipeline, for forward-only calls (evaluation): the stages run one after another,
+    each on its rank, activations passed with point-to-point sends; the last stage's rank returns the logits, the
+    others an empty tensor. Training never calls it: the schedule runs the stages."""
+
+    def __init__(self, prepared: PipelinePrepared):
+        super().__init__()
+        self.parts = nn.ModuleList(part for _, part in prepared.parts)
+        self._prepared = [prepared]  # not a submodule
+
+    def forward(self, input_ids: torch.Tensor, **ignored) -> torch.Tensor:
+        """(Other arguments of the model's call, e.g. an HF attention mask, are not passed between stages: the
+        stages attend causally, which right padding never changes for the positions before it.)"""
+        check_mask(ignored)
+        p = self._prepared[0]
+        lay, mine = p.layout, dict(p.parts)
+        x, out = input_ids, torch.empty(0)
+        for stage in range(lay.stages):
+            holder = lay.holder(stage)
+            if stage > 0 and holder == lay.rank and lay.holder(stage - 1) != lay.rank:
+                x = torch.empty((*input_ids.shape, lay.hidden), dtype=lay.dtype, device=input_ids.device)
+                dist.recv(x, group=lay.group, group_src=lay.holder(stage - 1))
+            if holder != lay.rank:
+                continue
+            x = mine[stage](x)
+            if stage == lay.stages - 1:
+                out = x
+            elif lay.holder(stage + 1) != lay.rank:
+                dist.send(x.contiguous(), group=lay.group, group_dst=lay.holder(stage + 1))
+        return out
+
+
+def _sizes(model: nn.Module) -> tuple[int, int]:
+    """(hidden size, vocabulary size)."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "hidden_size"):
+        return int(config.hidden_size), int(config.vocab_size)
+    return model.cfg.d_model, model.cfg.vocab_size
+
+
+def prepare(model: nn.Module, runtime, parallel, device_mesh, apply_data: Callable[[nn.Module], Prepared] | None,
+            dtype, materialize: Callable[[nn.Module, list[list[str]]], None] | None = None) -> PipelinePrepared:
+    """Split `model` into this rank's stage(s), wrap each in the data axis (`apply_data`, None: no data axis).
+    `materialize(model, tie_groups)`: for a model on the meta device (a sharded start), makes the stages this rank
+    kept real and reads their weights, once the others are pruned (the tie groups name a tied head's tensor)."""
+    pp_mesh = device_mesh["pp"]
+    lay = StageLayout(stage_count(parallel, pp_mesh.size()), pp_mesh.size(), pp_mesh.get_local_rank(),
+                      pp_mesh.get_group(), parallel.pipeline_schedule, *_sizes(model), dtype)
+    fam = FAMILIES[family_of(model)]
+    bounds = stage_bounds(model, lay.stages, parallel.pipeline_split)
+    mine = stages_of(lay.rank, lay.ranks, lay.stages, lay.schedule)
+    first, last = 0 in mine, lay.stages - 1 in mine
+    ties = tie_groups(model)
+    parts = [(s, StagePart(model, fam, bounds[s], s == 0, s == lay.stages - 1)) for s in mine]
+    prune(model, fam, [bounds[s] for s in mine], first, last)
+    if materialize is not None:  # a sharded start: this rank allocates and reads its own stage(s) only, in full
+        materialize(model, ties)
+    # a V's rank 0 runs the first and the last stage: a tied embedding and head would be one parameter in two
+    # data-parallel roots (each stage is its own), which FSDP2 cannot hold; the head gets a copy of its own
+    twins = _untie_head(model, fam, ties) if first and last and apply_data is not None else []
+    wrapped = [(s, apply_data(part) if apply_data else None) for s, part in parts]
+    prepared = PipelinePrepared(module=model, model=model, layout=lay)
+    if apply_data is not None:
+        inner = wrapped[0][1]
+        prepared.grads_averaged_over = inner.grads_averaged_over
+        prepared.comm = inner.comm
+        contexts = [w.no_sync for _, w in wrapped]
+        prepared.no_sync = lambda: _all(contexts)
+    prepared.parts = [(s, w.module if w is not None else part) for (s, part), (_, w) in zip(parts, wrapped,
+                                                                                             strict=True)]
+    prepared.module = StageRunner(prepared)
+    prepared.norm_group = lay.group
+    prepared.tie_pairs = _tie_pairs(model, ties, device_mesh, first, last)
+    params = dict(model.named_parameters())  # as the data axis left them (FSDP2 replaces the parameters)
+    prepared.twins = [(params[a], params[b]) for a, b in twins]
+    if last and not first:  # the first stage's copy of a tied weight counts in the norm
+        prepared.norm_skip = {id(param) for param, _ in prepared.tie_pairs}
+    prepared.norm_skip |= {id(copy) for _, copy in prepared.twins}
+    fns = local_state_fns(model, ties)
+    prepared.state_dict, prepared.load_state_dict = fns["state_dict"], fns["load_state_dict"]
+    prepared.checkpoint_target, prepared.local_state = fns["checkpoint_target"], True
+    return prepared
+
+
+def _untie_head(model: nn.Module, fam: Family, ties: list[list[str]]) -> list[tuple[str, str]]:
+    """Give each tied weight's name in the head (`fam.head`) a parameter of its own, equal to the embedding's:
+    [(embedding name, head name)]. The checkpoint functions still know them as one weight (`ties`)."""
+    twins = []
+    for group in ties:
+        heads = [n for n in group if n.startswith(tuple(f"{m}." for m in fam.head))]
+        bodies = [n for n in group if n not in heads]
+        for name in heads[:1] if bodies else ():
+            owner, _, attr = name.rpartition(".")
+            module = model.get_submodule(owner)
+            weight = getattr(module, attr)
+            setattr(module, attr, nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad))
+            twins.append((bodies[0], name))
+    return twins
+
+
+def _all(contexts):
+    stack = contextlib.ExitStack()
+    for context in contexts:
+        stack.enter_context(context())
+    return stack
+
+
+def _tie_pairs(model, ties, device_mesh, first: bool, last: bool) -> list:
+    """Tied weights split between the first and last stage: a group of those two ranks (for each data / tensor
+    coordinate) to sum their gradients. Every rank creates every group (torch requires it), in the same order."""
+    if not ties:
+        return []
+    mesh = device_mesh.mesh  # ranks, shape (pp, dp_replicate, dp_shard, tp)
+    pairs, mine = [], None
+    for coord in itertools.product(*(range(n) for n in mesh.shape[1:])):
+        ranks = sorted({int(mesh[(0, *coord)]), int(mesh[(-1, *coord)])})
+        group = dist.new_group(ranks) if len(ranks) > 1 else None
+        if dist.get_rank() in ranks:
+            mine = group
+    if mine is None or not (first or last) or (first and last):
+        return pairs
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for group in ties:
+        kept = [params[name] for name in group if name in params]
+        if kept:
+            pairs.append((kept[0], mine))
+    return pairs
+
+
+def local_state_fns(model: nn.Module, ties: list[list[str]]) -> dict[str, Callable]:
+    """state_dict / load_state_dict / checkpoint_target for a stage: its own parameters (DTensors or not) with their
+    full-model names, saved as its part of a sharded checkpoint; loading reads and takes only those (a tied weight
+    from whichever of its names the checkpoint holds), so a checkpoint of any layout loads into any stage."""
+    inner = full_state_dict_fns(model, sharded=True)
+    held = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    held |= {name for name, _ in model.named_buffers()}
+    partners = {name: group for group in ties for name in group}
+    wanted = held | {other for name in held for other in partners.get(name, ())}
+    target = dtensor_targets(model)
+
+    def own(values: dict) -> dict:
+        out = {k: v for k, v in values.items() if k in held and v is not None}
+        for name in held - out.keys():  # a tied weight stored under its other name
+            source = next((values[o] for o in partners.get(name, ()) if values.get(o) is not None), None)
+            if source is not None:  # a copy: two parameters (a V's twins) must never share optimizer state
+                out[name] = _cloned(source)
+        return out
+
+    def load_state_dict(optimizer, model_state: dict, optimizer_state: dict) -> None:
+        groups = [{**g, "params": [n for n in g["params"] if n in held]} for g in optimizer_state["param_groups"]]
+        inner["load_state_dict"](optimizer, own(model_state),
+                                 {"state": own(optimizer_state["state"]), "param_groups": groups})
+
+    # a tied weight saved under a name this stage does not hold is read like the parameter it holds (e.g. the
+    # last stage's head from a checkpoint that stored it as the embedding): sharded the same way
+    alias = {other: name for name in held for other in partners.get(name, ()) if other not in held}
+
+    def checkpoint_target(key: str, size, dtype):
+        name = _parameter_of(key)
+        if name is not None and name not in wanted:
+            return None
+        if name in alias:
+            key = key.replace(name, alias[name], 1)
+        return target(key, size, dtype)
+
+    return {"state_dict": inner["state_dict"], "load_state_dict": load_state_dict,
+            "checkpoint_target": checkpoint_target}
+
+
+def _cloned(value):
+    """A tensor, or a parameter's optimizer state (a dict of tensors and numbers), with tensors of its own."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    return {k: _cloned(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+
+def _parameter_of(key: str) -> str | None:
+    """The parameter a checkpoint tensor belongs to (None: not a parameter's, e.g. a scaler's state)."""
+    if key.startswith("model."):
+        return key.removeprefix("model.")
+    if key.startswith("optimizer.state."):
+        return key.removeprefix("optimizer.state.").rsplit(".", 1)[0]
+    return None
