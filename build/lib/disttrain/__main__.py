@@ -1,3 +1,0 @@
-from disttrain.cli import main
-
-main()
