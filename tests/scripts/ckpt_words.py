@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.distributed_c10d import _get_default_store
 from torch.distributed.fsdp import fully_shard
 
-from disttrain.checkpoint import CheckpointError, CheckpointManager
+from disttrain.checkpoint import CheckpointError, CheckpointManager, arrival
 from disttrain.config import CheckpointConfig, DistConfig
 from disttrain.runtime import exit_process, init_runtime, shutdown
 
@@ -86,7 +86,7 @@ def main() -> None:
     result["best"] = {"step": best["step"], "equal": full(fresh) == saved[2]}
     dist.barrier()  # the check-ins' keys in the store: those of the last one only (each earlier one deleted)
     prefix = f"disttrain/ckpt_arrive/{os.path.normpath(str(folder))}"
-    calls = CheckpointManager._arrivals[os.path.normpath(str(folder))]
+    calls = arrival.CALLS[os.path.normpath(str(folder))]
     result["check_ins"] = [k for k in range(1, calls + 1) if any(_get_default_store().check([f"{prefix}/{k}/{key}"])
                                                                 for key in [*range(runtime.world_size), "outcome"])]
     result["calls"] = calls

@@ -18,106 +18,42 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import os
-import shutil
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from disttrain._version import __version__
-from disttrain.checkpoint.layout import (
-    COMMIT,
-    DCP_METADATA,
-    LATEST,
-    MANIFEST,
-    is_committed,
-    parse_step,
-    read_checkpoint_files,
-    step_dir_name,
-)
-from disttrain.checkpoint.statefile import (
-    DICT,
-    TENSOR,
-    ChecksumError,
-    FileInfo,
-    atomic_write,
-    flatten,
-    fsync_dir,
-    hash_file,
-    read_state,
-    unflatten,
-    write_bytes,
-    write_state,
-)
+from disttrain.checkpoint.arrival import check_in
+from disttrain.checkpoint.catalog import Catalog
+from disttrain.checkpoint.commit import commit, describe_os_error, remove_checkpoint, try_write
+from disttrain.checkpoint.errors import ArrivalError, CheckpointError
+from disttrain.checkpoint.layout import DCP_METADATA, read_checkpoint_files
+from disttrain.checkpoint.sharded import is_sharded, merge_skeletons, read_sharded, write_dcp, write_skeleton
+from disttrain.checkpoint.snapshot import Staging, restore_rng, rng_state
+from disttrain.checkpoint.statefile import ChecksumError, atomic_write, flatten, read_state, write_state
 from disttrain.collectives import gather_json
 from disttrain.config import CheckpointConfig
-from disttrain.errors import UserError
 from disttrain.runtime import Runtime, loopback_gloo
+
+__all__ = ["ArrivalError", "CheckpointError", "CheckpointManager", "merge_skeletons", "restore_rng"]
 
 log = logging.getLogger(__name__)
 
-class CheckpointError(UserError, RuntimeError):
-    """A checkpoint could not be saved or no valid checkpoint could be loaded; the message says why."""
 
-
-class ArrivalError(CheckpointError):
-    """Some ranks did not call a collective save or load in time: the ranks are out of step, and no rank may go on as
-    if it had only failed (`checkpoint.on_error = "continue"` does not apply)."""
-
-
-def _rng_state() -> dict[str, Any]:
-    import random
-
-    import numpy as np
-
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():  # this rank's GPU (the current device): the others are other ranks', and a resume
-        state["cuda"] = torch.cuda.get_rng_state()  # may see another number of GPUs (one per task under Slurm)
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    import random
-
-    import numpy as np
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    # Loaded tensors are views into the checkpoint's buffer; torch's RNG setters need tensors of their own
-    # (torch 2.13 segfaults on a view with a storage offset).
-    torch.set_rng_state(state["torch"].clone())
-    if "cuda" in state and torch.cuda.is_available():
-        saved = state["cuda"]
-        if isinstance(saved, (list, tuple)):  # saved before 2026-11-26: every visible GPU's; this rank's GPU's
-            here = torch.cuda.current_device()
-            saved = saved[here] if here < len(saved) else None
-        if saved is not None:
-            torch.cuda.set_rng_state(saved.clone())
-
-
-class CheckpointManager:
-    """save / load / list / latest / best over one checkpoint folder. See the module docstring."""
-
-    _arrivals: dict[str, int] = {}
-    """Collective calls (save, load) so far per folder, in this process: every rank counts the same, also across
-    the managers a caller creates for one folder (the TrainingService's workers make one per command)."""
-    _tidied: dict[str, int] = {}
-    """Per folder, the check-ins whose keys this process has deleted from the store (all up to this one)."""
+class CheckpointManager(Catalog):
+    """save / load over one checkpoint folder, and what its `Catalog` tells (list / latest / best). See the module
+    docstring."""
 
     def __init__(self, directory: str | Path, cfg: CheckpointConfig | None = None, runtime: Runtime | None = None,
                  info: dict[str, Any] | None = None, timeout_s: float = 600.0):
-        self.dir = Path(directory)
-        self.cfg = cfg or CheckpointConfig()
+        super().__init__(directory, cfg)
         self.runtime = runtime
         self.timeout_s = timeout_s  # how long rank 0 waits for other ranks' background writes
         self.info = dict(info or {})  # recorded in every manifest: strategy, config hash, ...
         self._pending: threading.Thread | None = None
-        self._staging: dict[str, torch.Tensor] = {}  # async saves copy into these (reused: no page faults)
+        self._staging = Staging()  # async saves copy into its buffers (reused: no page faults)
         self._dcp_group = None  # async sharded saves: DCP's collectives on a gloo group of their own (False: none
         # can reach every node, and sharded saves are synchronous)
         self._pending_error: BaseException | None = None
@@ -136,98 +72,10 @@ class CheckpointManager:
     def _distributed(self) -> bool:
         return bool(self.runtime and self.runtime.distributed)
 
-    def list(self) -> list[int]:
-        """Steps of committed checkpoints, oldest first (found by scanning, not from `latest`)."""
-        if not self.dir.is_dir():
-            return []
-        steps = [parse_step(p) for p in self.dir.iterdir() if p.is_dir() and is_committed(p)]
-        return sorted(s for s in steps if s is not None)
-
-    def latest(self) -> int | None:
-        steps = self.list()
-        return steps[-1] if steps else None
-
-    def path(self, step: int) -> Path:
-        return self.dir / step_dir_name(step)
-
-    def manifest(self, step: int) -> dict[str, Any]:
-        return json.loads((self.path(step) / MANIFEST).read_text())
-
-    def best(self) -> int | None:
-        """Best committed checkpoint by `best_metric` (`best_mode` min/max); NaN or missing is never best;
-        ties go to the earlier step."""
-        ranked = self._ranked_by_metric()
-        return ranked[0] if ranked else None
-
-    def _metrics(self) -> list[tuple[int, dict[str, Any]]]:
-        """(step, recorded metrics) of every committed checkpoint, oldest first; a damaged manifest is left out (never
-        best: `ckpt verify` says why)."""
-        out = []
-        for step in self.list():
-            try:
-                metrics = self.manifest(step).get("metrics", {})
-            except (OSError, ValueError, AttributeError):
-                continue
-            out.append((step, metrics if isinstance(metrics, dict) else {}))
-        return out
-
-    def _flagged_best(self) -> list[int]:
-        """Steps saved with `is_best=True`, oldest first."""
-        return [step for step, metrics in self._metrics() if metrics.get("is_best")]
-
-    def _ranked_by_metric(self) -> list[int]:
-        sign = 1.0 if self.cfg.best_mode == "min" else -1.0
-        scored = [(sign * value, step) for step, metrics in self._metrics()
-                  if isinstance(value := metrics.get(self.cfg.best_metric), (int, float)) and math.isfinite(value)]
-        return [step for _, step in sorted(scored)]
-
     def _arrive(self, what: str) -> None:
-        """Every rank checks in before a collective save or load, through the process group's store; a rank whose
-        peers do not come within `arrival_timeout_s` raises, naming them, instead of hanging in a collective.
-
-        The outcome is settled once, in the store (compare-and-set: the first rank to decide writes it), and every
-        rank follows it: a rank that comes after another gave up on it raises too, instead of going on alone into
-        the save's collectives; and a rank that timed out just as the last one came goes on with the others."""
-        if not self._distributed():
-            return
-        # the folder as the job names it, the same string on every rank: not resolved, which on nodes that mount the
-        # shared storage at other paths (or through other links) would give each its own keys, and a timeout
-        folder = os.path.normpath(str(self.dir))
-        calls = CheckpointManager._arrivals[folder] = CheckpointManager._arrivals.get(folder, 0) + 1
-        from datetime import timedelta
-
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        store = _get_default_store()
-        prefix = f"disttrain/ckpt_arrive/{folder}/{calls}"
-        store.set(f"{prefix}/{self.rank}", what)
-        keys = [f"{prefix}/{r}" for r in range(self.world_size)]
-        try:
-            store.wait(keys, timedelta(seconds=self.cfg.arrival_timeout_s))
-            missing = ""
-        except Exception:  # DistStoreError (a timeout) in recent torch, RuntimeError in older ones
-            missing = ",".join(str(r) for r, key in enumerate(keys) if not store.check([key]))
-        proposal = f"{self.rank}:{missing}" if missing else "go"  # (the last came just after the timeout: go)
-        outcome = store.compare_set(f"{prefix}/outcome", "", proposal).decode()
-        if outcome == "go":  # every rank is past the earlier check-ins, where none reads their keys any more
-            for earlier in range(CheckpointManager._tidied.get(folder, 0) + 1, calls):  # (one, unless one failed)
-                store.delete_key(f"disttrain/ckpt_arrive/{folder}/{earlier}/{self.rank}")
-                if self.rank == 0:
-                    store.delete_key(f"disttrain/ckpt_arrive/{folder}/{earlier}/outcome")
-            CheckpointManager._tidied[folder] = calls - 1  # (the store keeps one check-in per folder)
-            return
-        waiter, missing = outcome.split(":")
-        if self.rank in map(int, missing.split(",")):
-            raise ArrivalError(
-                f"CheckpointManager.{what} is collective: rank {self.rank} came to it after rank {waiter} had "
-                f"waited checkpoint.arrival_timeout_s = {self.cfg.arrival_timeout_s:g} s for it and given up; "
-                "every rank stops here. If this rank is only slow to come (a slow tracker, a long evaluation on "
-                "this rank), raise checkpoint.arrival_timeout_s")
-        raise ArrivalError(
-            f"CheckpointManager.{what} is collective: rank {waiter} waited {self.cfg.arrival_timeout_s:g} s "
-            f"for rank(s) {missing.replace(',', ', ')}, which did not call it in that time; call it on every "
-            "rank (not under `if rank == 0`: rank 0 writes the manifest by itself), or, if a rank is only slow "
-            "to come (a slow tracker on rank 0), raise checkpoint.arrival_timeout_s")
+        """Every rank checks in before the collective `what` (arrival.py), or raises naming the ranks that did not."""
+        if self._distributed():
+            check_in(self.dir, self.rank, self.world_size, what, self.cfg.arrival_timeout_s)
 
     def _settle(self, what: str) -> None:
         """Check in for the collective `what` (`_arrive`), then `wait_all`. Checking in comes first: rank 0 may
@@ -329,9 +177,9 @@ class CheckpointManager:
         which read the parameters but do not write them (buffers they do write, e.g. BatchNorm
         statistics, must be copied by the caller first: the Trainer does)."""
         self._settle("save")
-        rank_state = {"rng": _rng_state()} if rank_state is None else rank_state
+        rank_state = {"rng": rng_state()} if rank_state is None else rank_state
         self._prepare_folder(step)
-        sharded = _is_sharded(state) or bool(state.get("local_parts"))  # decided once: it walks the whole state
+        sharded = is_sharded(state) or bool(state.get("local_parts"))  # decided once: it walks the whole state
         skeleton = None
         if state.get("local_parts") and self._distributed():  # each rank holds other keys (pipeline stages)
             skeleton = merge_skeletons(gather_json(flatten(state)[0]))
@@ -352,7 +200,7 @@ class CheckpointManager:
             both = {"state": state if sharded or self.rank == 0 else {}, "rank": rank_state}
             self._copied = threading.Event()
             if not defer_copy:
-                both = self._snapshot(both)
+                both = self._staging.copy(both)
                 self._copied.set()
             self._pending = threading.Thread(target=self._save_in_background, name="disttrain-ckpt",
                                              args=(step, both, metrics, sharded, skeleton), daemon=True)
@@ -367,7 +215,7 @@ class CheckpointManager:
             failure = None
             if not self._copied.is_set():
                 try:
-                    both = self._snapshot(both)
+                    both = self._staging.copy(both)
                 except Exception as exc:  # the others still wait for this rank in the save's agreement
                     failure = exc
                 finally:
@@ -399,10 +247,10 @@ class CheckpointManager:
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
                 if path.exists():  # left by an interrupted save, or a re-save of this step
-                    _remove_checkpoint(path)
+                    remove_checkpoint(path)
                 path.mkdir()
             except OSError as exc:
-                error = CheckpointError(_describe_os_error(exc, path))
+                error = CheckpointError(describe_os_error(exc, path))
         if self._any_rank_failed(error is not None, collective=True):
             raise error or CheckpointError(f"checkpoint {path}: rank 0 could not create the folder (its log says why)")
 
@@ -417,9 +265,9 @@ class CheckpointManager:
                 raise failure
             files = write_state(path, f"rank{self.rank}", rank_state)
             if self.rank == 0:  # the full state, or a sharded state's skeleton
-                files.update(_write_skeleton(path, state, skeleton) if sharded else write_state(path, "state", state))
+                files.update(write_skeleton(path, state, skeleton) if sharded else write_state(path, "state", state))
         except OSError as exc:
-            error = CheckpointError(_describe_os_error(exc, path))
+            error = CheckpointError(describe_os_error(exc, path))
         except Exception as exc:  # (not only the disk: the ranks must agree whatever failed)
             error = CheckpointError(f"cannot write checkpoint {path}: {type(exc).__name__}: {exc}; earlier "
                                     "checkpoints are untouched")
@@ -428,29 +276,29 @@ class CheckpointManager:
             if self._any_rank_failed(error is not None, True, group):
                 error = error or CheckpointError(f"checkpoint {path} not committed: another rank failed to write")
             else:
-                error = _write_dcp(path, state, group, files)
+                error = write_dcp(path, state, group, files)
         if error is None:
             try:  # atomically: rank 0 polls for this file during async saves and must never read it half written
                 listing = json.dumps({k: vars(v) for k, v in files.items()}).encode()
                 atomic_write(path / f"files_rank{self.rank}.json", listing)
             except OSError as exc:
-                error = CheckpointError(_describe_os_error(exc, path))
+                error = CheckpointError(describe_os_error(exc, path))
         if error is not None and not collective:  # tell rank 0 now rather than let it wait for the timeout
-            _try_write(path / f"files_rank{self.rank}.json", json.dumps({"__error__": str(error)}).encode())
+            try_write(path / f"files_rank{self.rank}.json", json.dumps({"__error__": str(error)}).encode())
         failed = self._any_rank_failed(error is not None, collective)
         if not failed and self.rank == 0:
             try:
-                self._commit(step, path, metrics or {}, timeout=None if collective else self.timeout_s,
-                             layout="dcp" if sharded else "full")
+                commit(self.dir, step, path, self.world_size, self.info, metrics or {},
+                       timeout=None if collective else self.timeout_s, layout="dcp" if sharded else "full")
             except OSError as exc:
-                error, failed = CheckpointError(_describe_os_error(exc, path)), True
+                error, failed = CheckpointError(describe_os_error(exc, path)), True
             except CheckpointError as exc:
                 error, failed = exc, True
             except Exception as exc:  # (whatever it is, the others wait for rank 0's word below)
                 error, failed = CheckpointError(f"checkpoint {path} not committed: {type(exc).__name__}: {exc}"), True
         if failed and self.rank == 0:
             try:  # before any rank hears of the failure (and looks at the folder)
-                _remove_checkpoint(path)
+                remove_checkpoint(path)
             except OSError as exc:  # (a file system gone read-only: the broadcast below must still happen)
                 log.warning("checkpoint %s failed and could not be removed: %s", path, exc)
         if collective:  # rank 0 committed alone: every rank learns whether it did
@@ -471,71 +319,6 @@ class CheckpointManager:
         flag = torch.tensor([1.0 if failed else 0.0], device="cpu" if group else self.runtime.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group or None)
         return bool(flag.item())
-
-    def _commit(self, step: int, path: Path, metrics: dict[str, Any], timeout: float | None, layout: str) -> None:
-        """Rank 0: gather every rank's file list, write the manifest, then the commit marker, then `latest`."""
-        files: dict[str, Any] = {}
-        deadline = time.monotonic() + (timeout or 0)
-        for rank in range(self.world_size):
-            listing = path / f"files_rank{rank}.json"
-            while not listing.is_file():  # async saves: other ranks write in their own time
-                if timeout is None or time.monotonic() > deadline:
-                    raise CheckpointError(f"checkpoint {path} not committed: rank {rank} never finished writing")
-                time.sleep(0.05)
-            listed = json.loads(listing.read_text())
-            if "__error__" in listed:
-                raise CheckpointError(f"rank {rank}: {listed['__error__']}")
-            files.update(listed)
-        for rank in range(self.world_size):
-            (path / f"files_rank{rank}.json").unlink()
-        manifest = {"format": 1, "layout": layout, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                    "world_size": self.world_size, **self.info, "torch": torch.__version__,
-                    "disttrain": __version__, "metrics": _finite_or_str(metrics), "files": files}
-        manifest_info = write_bytes(path / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
-        write_bytes(path / COMMIT, manifest_info.sha256.encode())
-        fsync_dir(path)
-        atomic_write(self.dir / LATEST, step_dir_name(step).encode())
-        log.info("checkpoint step %d committed (%s)", step, path)
-
-    def _rotate(self, keep: int) -> None:
-        """Keep the newest `keep_last` plus the best `keep_best`; never the newest committed one;
-        remove uncommitted leftovers."""
-        steps = self.list()
-        keep_set = set(steps[-max(self.cfg.keep_last, 1):]) | {keep}
-        if self.cfg.keep_best > 0:
-            keep_set |= set(self._ranked_by_metric()[: self.cfg.keep_best])
-            keep_set |= set(self._flagged_best()[-1:])  # the newest saved with is_best=True
-        for child in self.dir.iterdir():
-            step = parse_step(child)
-            if step is None or not child.is_dir():
-                continue
-            if (is_committed(child) and step not in keep_set) or (not is_committed(child) and step != keep):
-                _remove_checkpoint(child)
-
-    @torch.no_grad()  # also in the background thread, where grad mode is on by default
-    def _snapshot(self, state: Any) -> Any:
-        """A copy that training cannot modify while the background thread writes it. The copies go into
-        buffers kept from the previous save (only one save is in flight), so after the first save a
-        snapshot costs one memcpy instead of fresh allocations and their page faults."""
-        skeleton, tensors = flatten(state)
-        staged = {}
-        for key, t in tensors.items():
-            local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: copy this rank's shard
-            buf = self._staging.get(key)
-            if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
-                buf = self._staging[key] = torch.empty(local.shape, dtype=local.dtype, device="cpu")
-            buf.copy_(local)
-            if hasattr(t, "to_local"):  # the same shard of the same global tensor, now in host memory
-                from torch.distributed.tensor import DTensor
-
-                # the host copy under the same spec (a host tensor on a GPU mesh, as FSDP2's CPU offload holds its
-                # shards): `from_local` would move it back to the mesh's device type, onto a GPU
-                staged[key] = DTensor(buf, t._spec, requires_grad=False)
-            else:
-                staged[key] = buf
-        for key in self._staging.keys() - tensors.keys():
-            del self._staging[key]
-        return unflatten(skeleton, staged)
 
     # -- load --------------------------------------------------------------------------------------
 
@@ -614,98 +397,8 @@ class CheckpointManager:
         if manifest.get("layout", "full") == "full":
             state = read_state(blobs, "state")
         else:
-            state = _read_sharded(path, json.loads(blobs["state.json"].numpy().tobytes())["skeleton"], target)
+            state = read_sharded(path, json.loads(blobs["state.json"].numpy().tobytes())["skeleton"], target)
         rank_name = f"rank{self.rank}"
         state["rank_state"] = read_state(blobs, rank_name) if f"{rank_name}.json" in blobs else None
         state["manifest"] = manifest
         return state
-
-
-def _read_sharded(path: Path, skeleton: Any, target) -> Any:
-    """The state, each tensor read into `target(key, size, dtype)`; a target of None leaves that tensor unread (None
-    in the state: a pipeline stage reads only its own parameters)."""
-    from disttrain.checkpoint.dcp import load_sharded, tensor_metadata  # DCP and DTensor only where a state is sharded
-
-    meta = tensor_metadata(path)
-    make = target or (lambda key, size, dtype: torch.empty(size, dtype=dtype))
-    targets = {key: make(key, torch.Size(m["size"]), getattr(torch, m["dtype"])) for key, m in meta.items()}
-    wanted = {key: t for key, t in targets.items() if t is not None}
-    load_sharded(wanted, path)
-    return unflatten(skeleton, {**targets, **wanted})
-
-
-def merge_skeletons(skeletons: list[Any]) -> Any:
-    """One skeleton holding every rank's keys, for states whose ranks hold different parts (pipeline stages: their
-    own parameters and optimizer state; parameter-name lists, such as an optimizer group's, are joined)."""
-    def merge(a, b):
-        if isinstance(a, dict) and isinstance(b, dict) and TENSOR not in a and TENSOR not in b:
-            if DICT in a and DICT in b:
-                return {DICT: [list(kv) for kv in merge(dict(map(tuple, a[DICT])), dict(map(tuple, b[DICT]))).items()]}
-            return {**b, **{k: merge(v, b[k]) if k in b else v for k, v in a.items()}}
-        if isinstance(a, list) and isinstance(b, list):
-            if all(isinstance(x, str) for x in a + b):
-                return a + [x for x in b if x not in a]
-            if len(a) == len(b):
-                return [merge(x, y) for x, y in zip(a, b, strict=True)]
-        return a
-
-    out = skeletons[0]
-    for other in skeletons[1:]:
-        out = merge(out, other)
-    return out
-
-
-def _is_sharded(state: Any) -> bool:
-    return any(hasattr(t, "to_local") for t in flatten(state)[1].values())
-
-
-def _write_skeleton(path: Path, state: Any, skeleton=None) -> dict[str, FileInfo]:
-    """Rank 0, DCP layout: the state's skeleton as `state.json` (`skeleton`: every rank's, merged)."""
-    skeleton = flatten(state)[0] if skeleton is None else skeleton
-    return {"state.json": write_bytes(path / "state.json", json.dumps({"skeleton": skeleton}).encode())}
-
-
-def _write_dcp(path: Path, state: Any, group, files: dict[str, FileInfo]) -> CheckpointError | None:
-    """Every rank: the state's tensors as DCP shards with JSON metadata, their infos added to `files`; the error, if
-    the write failed (DCP gathers every rank's outcome and raises on all of them alike)."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from disttrain.checkpoint.dcp import save_sharded  # DCP and DTensor only where a state is sharded
-
-    try:
-        for name in save_sharded(flatten(state)[1], path, group or None):
-            files[name] = hash_file(path / name)
-    except OSError as exc:
-        return CheckpointError(_describe_os_error(exc, path))
-    except CheckpointException as exc:  # (a BaseException)
-        problems = sorted({str(e).splitlines()[0] if str(e) else type(e).__name__ for e, _ in exc.failures.values()})
-        return CheckpointError(f"cannot write checkpoint {path}: {'; '.join(problems)}; earlier checkpoints are "
-                               "untouched")
-    return None
-
-
-def _remove_checkpoint(path: Path) -> None:
-    """Uncommit first, so that a deletion interrupted half-way leaves a folder discovery ignores."""
-    (path / COMMIT).unlink(missing_ok=True)
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def _describe_os_error(exc: OSError, path: Path) -> str:
-    try:
-        free = shutil.disk_usage(path.parent).free
-        space = f"{free / 2**20:.1f} MiB free on that file system"
-    except OSError:
-        space = "free space unknown"
-    return f"cannot write checkpoint {exc.filename or path}: {exc.strerror or exc} ({space}); earlier checkpoints " \
-           "are untouched"
-
-
-def _try_write(path: Path, data: bytes) -> None:
-    try:
-        atomic_write(path, data)
-    except OSError:
-        pass  # the disk is what failed; rank 0 will time out and say so
-
-
-def _finite_or_str(metrics: dict[str, Any]) -> dict[str, Any]:
-    return {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in metrics.items()}
