@@ -166,25 +166,27 @@ def test_rows_measured_next_to_busy_neighbours_are_left_out(tmp_path):
 
 
 def test_one_sitting_measures_steps_and_links_then_validates(tmp_path):
+    """The job's step as it accumulates (4 sequences per rank in micro-batches of 2), measured and predicted."""
     result = run_cli(["bench", "predict", "--measure", "--validate", "--rounds", "1", "--world-sizes", "1,2",
-                      "--strategies", "fsdp", "--steps", "2", "--warmup", "1", "--micro-batch", "2", *TINY,
+                      "--strategies", "fsdp", "--steps", "2", "--warmup", "1", "--local-batch", "4",
+                      "--micro-batch", "2", *TINY,
                       "--max-other-cpu", "4", "--out", str(tmp_path / "s")], tmp_path, timeout=180)  # under pytest
     assert result.returncode == 0, result.stderr
     rows = list(csv.DictReader(open(tmp_path / "s" / "scaling.csv")))
-    assert [(r["strategy"], r["world_size"], r["global_batch"]) for r in rows] == [("fsdp", "1", "2"),
-                                                                                  ("fsdp", "2", "4")]
+    assert [(r["strategy"], r["world_size"], r["global_batch"], r["micro_batch"]) for r in rows] == [
+        ("fsdp", "1", "4", "2"), ("fsdp", "2", "8", "2")]
     assert all(float(r["step_time_s"]) > 0 and r["params"] == str(SHAPE.params) for r in rows)
     fit = json.loads((tmp_path / "s" / "comm" / "comm_fit.json").read_text())
     assert set(fit["collectives"]) == {"all_reduce", "all_gather", "reduce_scatter"}
     assert {tuple(f["sizes_bytes"]) for f in fit["collectives"].values()} == {(2**16, 2**24)}  # the step's sizes
     # timed as a CPU step issues its collectives: each call after as much compute as one pass of an FSDP unit
-    phase = 1e3 * float(rows[0]["step_time_s"]) / (2 * (2 + 1))  # the 1-rank step over 2 x (2 blocks + the root)
+    phase = 1e3 * float(rows[0]["step_time_s"]) / (2 * (2 + 1) * 2)  # over 2 x (2 blocks + the root) x 2 micro
     assert fit["busy"] == "step" and fit["compute_ms"] == pytest.approx(phase, abs=0.006)
     assert f"each rank computing {fit['compute_ms']:g} ms before each call (--busy step)" in \
         (tmp_path / "s" / "predict.md").read_text()
     checked = [r for r in csv.DictReader(open(tmp_path / "s" / "predict.csv")) if r["check"] == "measured"]
     assert {r["log_every"] for r in rows} == {"10"}  # the default: a median step gathers no figures
-    work = sm.Workload(SHAPE, float(rows[0]["step_time_s"]), 1.0, "fp32", cpu_cores=2,
+    work = sm.Workload(SHAPE, float(rows[0]["step_time_s"]), 1.0, "fp32", micro_steps=2, cpu_cores=2,
                        log_every=0)
     fsdp2 = sm.step_time("fsdp", 2, work, ic.interconnect_from_fit(fit))
     assert float(checked[1]["predicted"]) == pytest.approx(fsdp2.step_s, rel=1e-9)  # from the pooled links
@@ -230,6 +232,8 @@ def test_rounds_of_comm_runs_pool_their_calls():
     (["--measure", "--world-sizes", "1,two"], "--world-sizes '1,two': give counts"),
     (["--measure", "--world-sizes", "1,100000"], "--world-sizes: 100000 ranks is more than this machine can start"),
     (["--measure", "--validate", "--rounds", "0"], "--rounds 0: give 1 or more"),
+    (["--measure", "--local-batch", "6", "--micro-batch", "4"], "--local-batch 6: --measure accumulates it in "
+     "micro-batches of --micro-batch 4; give a multiple of it"),
     (["--measure", "--set", "parallel.bucket_cap_mb=1"], "--strategies fsdp at 1 rank: parallel.bucket_cap_mb = 1.0 "
      "needs a strategy that uses it (ddp, zero1), not 'fsdp'"),
     (["--validate", "--measured", "busy.csv", "--interconnect", "measured:fit.json"], "--measured busy.csv: every row "
@@ -238,7 +242,8 @@ def test_rounds_of_comm_runs_pool_their_calls():
     (["--micro-batch", "5"], "--micro-batch 5: the batch per GPU, 32 (the config's: data.global_batch_size 32 over "
      "dist.nproc 1, one node's ranks), is not a multiple of it"),
     (["--interconnect", "measured:fit.json"], "--interconnect measured:...: give --compute-s, one device's step of 32 "
-     "sequences in micro-batches of 8"),
+     "sequences in micro-batches of 8: the 1-rank step_time_s of `disttrain bench predict [CONFIG] --measure "
+     "--world-sizes 1 --local-batch 32 --micro-batch 8`"),
     (["--set", "data.global_batch_size=36"], "data.global_batch_size = 36 is not a positive multiple of "
      "data.micro_batch_size x dist.nproc = 8 x 1"),
     (["--mfu", "0"], "--mfu 0: give a fraction in (0, 1]"),

@@ -86,7 +86,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    "the precision's matmul dtype: 989 in bf16 / fp16, 67 in fp32)")
     p.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilisation of one device")
     p.add_argument("--local-batch", type=int, default=0, help="sequences per GPU per step (default: the preset's, or "
-                   "the config's data.global_batch_size / dist.nproc, one node's ranks: give it for several nodes)")
+                   "the config's data.global_batch_size / dist.nproc, one node's ranks: give it for several nodes); "
+                   "--measure: per rank, accumulated in --micro-batch (default: one micro-batch)")
     p.add_argument("--micro-batch", type=int, default=0,
                    help="sequences per forward pass: the batch per GPU / this = accumulation (default: the config's "
                         "data.micro_batch_size; none with --model or --local-batch); --measure: per rank")
@@ -187,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.world_sizes = integers(args.world_sizes, "--world-sizes", "counts >= 1", "1,2,3")
         args.micro_batch = args.micro_batch or (LOCAL_BATCH[args.model] if args.model else cfg.data.micro_batch_size)
+        args.local_batch = args.local_batch or args.micro_batch  # (no accumulation unless --local-batch asks)
         predict_measure.check(args)
         if args.rounds < 1:
             raise ConfigError(f"--rounds {args.rounds}: give 1 or more (3 steadies the busy links)")
@@ -241,8 +243,8 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
         compute, source = args.compute_s, "given (--compute-s)"
     elif fit is not None:
         raise ConfigError(f"--interconnect measured:...: give --compute-s, one device's step of {local} sequences in "
-                          f"micro-batches of {micro} (`bench predict --measure` times one micro-batch per rank: its "
-                          "1-rank step_time_s with --local-batch and --micro-batch both its --micro-batch)")
+                          f"micro-batches of {micro}: the 1-rank step_time_s of `disttrain bench predict [CONFIG] "
+                          f"--measure --world-sizes 1 --local-batch {local} --micro-batch {micro}`")
     else:
         tflops = args.tflops or (H100_FP32_TFLOPS if precision == "fp32" else H100_BF16_TFLOPS)
         compute = compute_seconds(shape, tokens, tflops, args.mfu)
@@ -277,18 +279,6 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
     lines += ["", "Efficiency: tokens/s per GPU relative to the smallest count (weak scaling). Collectives: the sum "
               "of their times, mostly hidden behind compute; exposed: what the step waits for. " + _footer()]
     return "\n".join(lines) + "\n", rows
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def validate(args, shape, precision, net, fit, cfg) -> tuple[str, list[dict]]:

@@ -2,9 +2,10 @@
 measurements the scale model is checked against.
 
 For each world size (one launch each) and strategy: the Trainer's step (`Trainer._setup` + `_train_step`, as
-`bench overhead` times it) with a fixed micro-batch per rank and global batch = micro-batch x world size (no
-accumulation), 1 torch thread per rank, `--warmup` untimed steps then `--steps` timed ones; the figure is rank 0's
-median (every step ends in the backend's all-reduce of the loss totals, so rank 0 waits for the slowest).
+`bench overhead` times it) with a fixed batch per rank (`--local-batch`, accumulated in micro-batches of
+`--micro-batch`; by default one micro-batch) and global batch = batch per rank x world size, 1 torch thread per
+rank, `--warmup` untimed steps then `--steps` timed ones; the figure is rank 0's median (every step ends in the
+backend's all-reduce of the loss totals, so rank 0 waits for the slowest).
 Writes `<out>/scaling.csv` with the columns `disttrain bench scaling` writes (strategy, mode, world_size,
 global_batch, micro_batch, log_every, params, trained_params, step_time_s, tokens_per_s) plus step_time_std_s (over
 the timed steps), cores, `rank_cpu` (a rank's CPU time, gloo's threads included, over the wall time: 1.0 = a core
@@ -32,19 +33,22 @@ COLUMNS = ["strategy", "mode", "world_size", "global_batch", "micro_batch", "log
 
 def _overrides(args: argparse.Namespace, world: int) -> list[str]:
     return [*args.overrides, f"data.micro_batch_size={args.micro_batch}",
-            f"data.global_batch_size={args.micro_batch * world}", "dist.threads_per_rank=1", "log.progress=false",
+            f"data.global_batch_size={args.local_batch * world}", "dist.threads_per_rank=1", "log.progress=false",
             "train.steps=100000", f"run.out_dir={args.out}", "run.name=predict_measure_run"]
 
 
 def check(args: argparse.Namespace) -> None:
-    """--measure's own flags, before anything starts: world sizes this machine can start (on the config's device)
-    and --strategies the scale model knows."""
+    """--measure's own flags, before anything starts: a batch per rank that is whole micro-batches, world sizes this
+    machine can start (on the config's device) and --strategies the scale model knows."""
     import torch
 
     from disttrain.bench import rank_limit
     from disttrain.bench.scale_model import canonical_strategy
     from disttrain.config import load_config, uses_cuda, validate
 
+    if args.local_batch % args.micro_batch:
+        raise ConfigError(f"--local-batch {args.local_batch}: --measure accumulates it in micro-batches of "
+                          f"--micro-batch {args.micro_batch}; give a multiple of it")
     gpus = torch.cuda.device_count()
     limit, what = rank_limit(gpus if uses_cuda(load_config(args.config, args.overrides), gpus) else 0)
     if args.validate and args.world_sizes[-1] < 2:
@@ -78,7 +82,8 @@ def measure(args: argparse.Namespace, out: Path) -> Path:
     rows_file.unlink(missing_ok=True)
     for world in args.world_sizes:
         entry = ["disttrain.bench.predict_measure", f"--strategies={args.strategies}", f"--steps={args.steps}",
-                 f"--warmup={args.warmup}", f"--micro-batch={args.micro_batch}", f"--out={out}",
+                 f"--warmup={args.warmup}", f"--micro-batch={args.micro_batch}",
+                 f"--local-batch={args.local_batch}", f"--out={out}",
                  *([args.config] if args.config else []), *[f"--set={o}" for o in args.overrides]]
         code = launch(world, entry, out / "predict_measure_run")
         if code:
@@ -140,11 +145,14 @@ def sitting(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
 
 def phase_ms(rows: list[dict], n_layer: int) -> float:
     """The compute between two of a step's collectives, the comm fit's `--compute-ms`: the 1-rank step (fsdp's,
-    where measured) over the passes of its FSDP units (forward and backward of each block and of the root); 8 ms
-    where no 1-rank step was measured."""
+    where measured) over the passes of its FSDP units (forward and backward of each block and of the root, in each
+    micro-batch); 8 ms where no 1-rank step was measured."""
     ones = [r for r in rows if int(r["world_size"]) == 1]
     base = [r for r in ones if r["strategy"] == "fsdp"] or ones
-    return 1e3 * float(base[0]["step_time_s"]) / (2 * (n_layer + 1)) if base else 8.0
+    if not base:
+        return 8.0
+    micro_steps = int(base[0]["global_batch"]) // int(base[0]["micro_batch"])
+    return 1e3 * float(base[0]["step_time_s"]) / (2 * (n_layer + 1) * micro_steps)
 
 
 def pool(raws: list[dict]) -> dict:
@@ -177,6 +185,7 @@ def _worker_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--local-batch", type=int, default=8)
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -218,10 +227,10 @@ def main(argv: list[str] | None = None) -> None:
         others = other_cpu(busy_seconds() - busy, ours.item(), wall)
         median = statistics.median(times[args.warmup:])
         if runtime.is_main_process():
-            row = {"strategy": strategy, "mode": "weak", "world_size": world, "global_batch": args.micro_batch * world,
+            row = {"strategy": strategy, "mode": "weak", "world_size": world, "global_batch": args.local_batch * world,
                    "micro_batch": args.micro_batch, "log_every": cfg.train.log_every, "step_time_s": median,
                    "step_time_std_s": statistics.stdev(times[args.warmup:]) if args.steps > 1 else 0.0,
-                   "tokens_per_s": args.micro_batch * world * cfg.model.seq_len / median, **sizes,
+                   "tokens_per_s": args.local_batch * world * cfg.model.seq_len / median, **sizes,
                    "cores": len(os.sched_getaffinity(0)), "rank_cpu": round(ours.item() / world / wall, 3),
                    "other_cpu": round(others, 3)}
             with open(Path(args.out) / "predict_measure_rows.jsonl", "a") as f:
