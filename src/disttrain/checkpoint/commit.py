@@ -1,6 +1,6 @@
-"""One checkpoint's folder, from rank 0: the commit (every rank's file list into the manifest, then the commit
-marker, then `latest`: manager.py has the protocol), its removal (uncommitted first), and the one line that says why
-a write failed."""
+"""One checkpoint's folder: rank 0's commit (every rank's file list into the manifest, then the commit marker, then
+`latest`: manager.py has the protocol) and removal (uncommitted first); and what every rank uses to report a failed
+write (`describe_os_error`, its one line; `try_write`, a rank's error for rank 0 to read)."""
 
 from __future__ import annotations
 
