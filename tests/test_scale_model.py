@@ -128,6 +128,33 @@ def test_a_cpu_host_pays_the_cpu_time_of_the_buckets_issued_during_backward():
             "alpha_s": alpha, "beta_s_per_byte": beta, "cpu_alpha_s": -1.0, "cpu_beta_s_per_byte": 0.0}}})
 
 
+def test_each_collective_is_priced_with_the_links_of_its_element_type():
+    # float32 links, and bfloat16's slower per byte (gloo's, measured: bench comm --dtype); float16 not measured
+    def links(beta: float) -> dict:
+        return {c: {"alpha_s": 1e-3, "beta_s_per_byte": beta} for c in ("all_reduce", "all_gather", "reduce_scatter")}
+    fit = {"world_size": 2, "backend": "gloo", "device": "cpu", "collectives": links(1e-9)}
+    plain, measured = ic.interconnect_from_fit(fit), ic.interconnect_from_fit({**fit, "dtypes": {"bfloat16": links(
+        4e-9)}})
+    assert "float32, and bfloat16 where sent" in measured.note
+    three = ic.with_gpus_per_node(measured, 3)  # (every rank on one host, as --validate takes it: one ring)
+    assert ic.collective_time("all_reduce", 1e6, 3, three.for_dtype("bfloat16", "all_reduce")) == pytest.approx(
+        1e-3 + 4e-9 * 1e6 * 2 * 2 / 3 / ic.bus_factor("all_reduce", 2), rel=1e-12)
+    shape = sm.gpt_shape(2, 64, 32, 256)
+    grads = shape.params  # elements, in one bucket
+    for compression, extra in (("bf16", 3e-9 * grads * 2), ("fp16", 0.0), ("none", 0.0)):
+        work = sm.Workload(shape, 0.05, 1, "fp32", grad_compression=compression, log_every=0)
+        moved = sm.step_time("ddp", 2, work, measured).step_s - sm.step_time("ddp", 2, work, plain).step_s
+        assert moved == pytest.approx(extra, rel=1e-9, abs=1e-15)  # the bucket's 2-byte elements at bfloat16's beta
+    mixed = sm.Workload(shape, 0.05, 1, "bf16-mixed", log_every=0)  # FSDP gathers bfloat16, reduces float32
+    a, b = (sm.step_time("fsdp", 2, mixed, net) for net in (plain, measured))
+    gathered = sum(u.params * 2 * (2 if i > 0 else 1) for i, u in enumerate(shape.units()))  # (the root once)
+    assert b.comm_s - a.comm_s == pytest.approx(3e-9 * gathered, rel=1e-9)
+    assert sm.step_time("fsdp", 2, replace(mixed, precision="fp32"), measured).step_s == \
+        sm.step_time("fsdp", 2, replace(mixed, precision="fp32"), plain).step_s  # float32 throughout: unchanged
+    with pytest.raises(ConfigError, match="dtype 'float64' is not one of float32, bfloat16, float16"):
+        ic.interconnect_from_fit({**fit, "dtypes": {"float64": links(1e-9)}})
+
+
 def test_ddp_buckets_hold_whole_tensors_from_the_last_parameter():
     # as DDP's rebuilt buckets: in the order gradients are ready, closed once they reach the cap
     model = sm.ModelShape("m", 1030, counted=(sm.UnitShape(1030, 1030, 1, 2),), grad_tensors=(10, 10, 1000, 10))

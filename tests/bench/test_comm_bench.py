@@ -12,6 +12,7 @@ import pytest
 
 from conftest import run_cli
 from disttrain.bench import comm, comm_report
+from disttrain.bench import interconnect as ic
 from disttrain.cli.main import main as cli
 
 SCHEDSTAT = os.path.isfile(f"/proc/self/task/{threading.get_native_id()}/schedstat")
@@ -29,11 +30,12 @@ def run(tmp_path_factory):
 def test_table_columns_and_bus_bandwidth_follow_the_measured_time(run):
     out, result = run
     rows = list(csv.DictReader(open(out / "comm.csv")))
-    assert list(rows[0]) == ["collective", "bytes", "world_size", "backend", "iterations", "time_median_s",
+    assert list(rows[0]) == ["collective", "dtype", "bytes", "world_size", "backend", "iterations", "time_median_s",
                              "time_mean_s", "time_min_s", "algbw_GBps", "busbw_GBps",
                              *(["cpu_median_s", "cpu_mean_s"] if SCHEDSTAT else [])]
     assert [r["collective"] for r in rows[::4]] == list(comm.COLLECTIVES)  # 1K, 4K, 16K, 64K each
     assert {int(r["bytes"]) for r in rows} == {1024, 4096, 16384, 65536}
+    assert {r["dtype"] for r in rows} == {"float32"}  # (the default)
     factor = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "broadcast": 1.0, "all_to_all": 0.5}
     for r in rows:
         t = float(r["time_median_s"])
@@ -67,6 +69,31 @@ def test_fit_is_sane(run):
             / float(r["time_median_s"]) for r in rows if r["collective"] == c), rel=1e-9)
 
 
+def test_each_dtype_is_timed_and_fitted_and_the_scale_model_prices_its_bytes_with_it(tmp_path):
+    result = run_cli(["bench", "comm", "--nproc", "2", "--collectives", "all_reduce,reduce_scatter", "--dtype",
+                      "float32,bfloat16", "--min-size", "1K", "--max-size", "4K", "--iters", "3", "--min-iters", "2",
+                      "--warmup", "1", "--out", str(tmp_path / "b")], tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = list(csv.DictReader(open(tmp_path / "b" / "comm.csv")))
+    assert [(r["dtype"], r["collective"], r["bytes"]) for r in rows] == [
+        (d, c, b) for d in ("float32", "bfloat16") for c in ("all_reduce", "reduce_scatter") for b in ("1024", "4096")]
+    fit = json.loads((tmp_path / "b" / "comm_fit.json").read_text())
+    assert fit["dtype"] == "float32" and set(fit["dtypes"]) == {"bfloat16"}
+    for c, f in fit["dtypes"]["bfloat16"].items():  # bfloat16's own calls, fitted as float32's are
+        times = [float(r["time_median_s"]) for r in rows if (r["dtype"], r["collective"]) == ("bfloat16", c)]
+        assert f["max_rel_error"] == pytest.approx(max(abs(f["alpha_s"] + f["beta_s_per_byte"] * b - t) / t
+                                                       for b, t in zip((1024, 4096), times, strict=True)), rel=1e-9)
+    assert "| all_reduce (bfloat16) | 4K | 4096 | 3 |" in result.stdout and "float32, bfloat16 buffers" in result.stdout
+    fit["collectives"]["all_gather"] = fit["collectives"]["reduce_scatter"]  # (the scale model needs all three)
+    net = ic.interconnect_from_fit(fit)
+    assert net.for_dtype("bfloat16", "all_reduce") is net.dtypes["bfloat16"]
+    assert net.for_dtype("bfloat16", "all_gather") is net  # not measured in bfloat16: float32's links
+    assert net.for_dtype("float16", "all_reduce") is net
+    bf16 = fit["dtypes"]["bfloat16"]["all_reduce"]
+    assert ic.collective_time("all_reduce", 4096, 2, net.for_dtype("bfloat16", "all_reduce")) == pytest.approx(
+        bf16["alpha_s"] + bf16["beta_s_per_byte"] * 4096, rel=1e-9)
+
+
 def test_report_without_matplotlib_writes_everything_else(run, tmp_path, monkeypatch, capsys):
     out, _ = run
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
@@ -87,6 +114,7 @@ def test_report_without_matplotlib_writes_everything_else(run, tmp_path, monkeyp
     (["--busy", "step", "--compute-ms", "-1"], "--compute-ms -1: give milliseconds >= 0"),
     (["--busy", "step", "--compute-ms", "nan"], "--compute-ms nan: give milliseconds >= 0"),
     (["--compute-ms", "20"], "--compute-ms 20 applies to --busy step only"),
+    (["--dtype", "float32,float64"], "--dtype 'float32,float64': float64; choose from float32, bfloat16, float16"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
     assert cli(["bench", "comm", *args]) == 2

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import run_cli
 from disttrain.bench import interconnect as ic
-from disttrain.bench import predict_measure, predict_validate
+from disttrain.bench import predict_job, predict_measure, predict_validate
 from disttrain.bench import scale_model as sm
 from disttrain.bench.predict_job import counted_shape
 from disttrain.bench.published_scaling import PUBLISHED
@@ -205,6 +205,20 @@ def test_rounds_of_comm_runs_pool_their_calls():
     older = raw([3.0], 0.3)
     del older["rows"][0]["cpu_s"]  # a run without CPU times: the pooled size has none
     assert "cpu_s" not in predict_measure.pool([raw([1.0], 0.1), older])["rows"][0]
+    half = {**raw([5.0], 0.1), "rows": [{**r, "dtype": "bfloat16"} for r in raw([5.0], 0.1)["rows"]]}
+    both = [{**raw([1.0], 0.1), "rows": raw([1.0], 0.1)["rows"] + half["rows"]},
+            {**raw([2.0], 0.1), "rows": raw([2.0], 0.1)["rows"] + half["rows"]}]
+    assert [(r.get("dtype", "float32"), r["bytes"], r["times_s"]) for r in predict_measure.pool(both)["rows"]] == [
+        ("float32", 1024, [1.0, 2.0]), ("float32", 4096, [1.0, 2.0]),  # each dtype's calls pooled apart
+        ("bfloat16", 1024, [5.0, 5.0]), ("bfloat16", 4096, [5.0, 5.0])]
+
+
+@pytest.mark.parametrize("precision, compression, sent", [
+    ("fp32", "none", ["float32"]), ("bf16-mixed", "none", ["float32", "bfloat16"]),
+    ("fp16-mixed", "bf16", ["float32", "float16", "bfloat16"]), ("fp32", "fp16", ["float32", "float16"]),
+    ("bf16-true", "fp16", ["float32", "bfloat16", "float16"])])
+def test_a_sitting_measures_the_links_of_each_element_type_the_job_sends(precision, compression, sent):
+    assert predict_job.wire_dtypes(precision, compression) == sent
 
 
 @pytest.mark.parametrize("args, message", [

@@ -2,11 +2,13 @@
 
     disttrain bench comm [--collectives all_reduce,all_gather,reduce_scatter,broadcast,all_to_all]
                          [--min-size 1K] [--max-size 256M] [--factor 4] [--nproc N] [--busy 0|1|step]
-                         [--compute-ms 8] [--out bench_results]
+                         [--compute-ms 8] [--dtype float32,bfloat16,float16] [--out bench_results]
 
-`--nproc` ranks (default 2 on CPU with gloo, every visible GPU with nccl) run each collective on float32 buffers of
-each size, `--factor` apart. Sizes follow nccl-tests: S is the whole buffer (all_gather's output, reduce_scatter's
-input, all_to_all's buffer per rank), rounded down to a multiple of 4 x ranks bytes. Every timed call starts after a
+`--nproc` ranks (default 2 on CPU with gloo, every visible GPU with nccl) run each collective on buffers of each
+size, `--factor` apart, in each `--dtype` (float32 by default; bfloat16 / float16 are what gradient compression and
+a mixed precision's gathers send, and gloo reduces them slower per byte than float32). Sizes follow nccl-tests: S is
+the whole buffer (all_gather's output, reduce_scatter's input, all_to_all's buffer per rank), rounded down to a
+multiple of the element's bytes x ranks. Every timed call starts after a
 barrier; its time (on CUDA the device's, by events: `_measure`) is the slowest rank's; the figure is the median over
 the iterations after warm-up (fewer for big sizes: `--iters` up to 4 MiB, then in proportion to the size, at least
 `--min-iters`). The sizes of a collective take turns, one call each per round, so that a slow spell of a shared
@@ -23,10 +25,10 @@ overlap on), and the all-gather's output and the reduce-scatter's input and outp
 as FSDP2 allocates them (all_reduce works in place, as on DDP's persistent buckets). `disttrain bench predict
 --measure --validate` fits the links it predicts CPU steps with this way.
 
-Per collective, alpha (s) and beta (s/byte) of t = alpha + beta * S are fitted by least squares on the relative
-error (interconnect.fit_alpha_beta), so small and large sizes both count. On a CPU each call's CPU seconds on the
-process group's own threads (gloo's; `bench.backend_threads_seconds`, read before and after the call, outside its
-timing) are recorded and fitted the same way (`cpu_alpha_s`, `cpu_beta_s_per_byte`): what a call issued while its
+Per collective and dtype, alpha (s) and beta (s/byte) of t = alpha + beta * S are fitted by least squares on the
+relative error (interconnect.fit_alpha_beta), so small and large sizes both count. On a CPU each call's CPU seconds
+on the process group's own threads (gloo's; `bench.backend_threads_seconds`, read before and after the call, outside
+its timing) are recorded and fitted the same way (`cpu_alpha_s`, `cpu_beta_s_per_byte`): what a call issued while its
 rank computes takes from the cores, which the scale model charges DDP's buckets on a host whose cores all run ranks.
 Results (comm_report.py): `<out>/comm.csv`, `comm.md` (table, fit, config, versions, machine, date), `comm.png`
 (latency and busbw vs size, log-log; needs matplotlib) and `comm_fit.json` (the fit, which `disttrain bench predict
@@ -48,7 +50,7 @@ from pathlib import Path
 
 from disttrain.bench import check_numbers, rank_limit
 from disttrain.bench.comm_report import report
-from disttrain.bench.interconnect import COLLECTIVES
+from disttrain.bench.interconnect import COLLECTIVES, DTYPES
 from disttrain.errors import ArgumentParser, ConfigError
 
 _UNITS = {"": 1, "K": 2**10, "KIB": 2**10, "M": 2**20, "MIB": 2**20, "G": 2**30, "GIB": 2**30}
@@ -80,6 +82,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                         "training step on a CPU machine issues its collectives")
     p.add_argument("--compute-ms", type=float, default=None,
                    help="with --busy step: milliseconds of compute before each timed call (default 8)")
+    p.add_argument("--dtype", default="float32",
+                   help="comma-separated element types: " + ", ".join(DTYPES) + " (the first one's fit is the main "
+                        "one; the scale model prices each collective's bytes with the fit of its dtype)")
     p.add_argument("--out", default="bench_results")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -106,6 +111,11 @@ def check(args: argparse.Namespace) -> None:
     if unknown or not names:
         what = f"{', '.join(unknown)} unknown" if unknown else "none given"
         raise ConfigError(f"--collectives: {what}; choose from {', '.join(COLLECTIVES)}")
+    dtypes = list(dict.fromkeys(d.strip() for d in args.dtype.split(",") if d.strip()))
+    if not dtypes or set(dtypes) - set(DTYPES):
+        wrong = ", ".join(d for d in dtypes if d not in DTYPES) or "none given"
+        raise ConfigError(f"--dtype {args.dtype!r}: {wrong}; choose from {', '.join(DTYPES)}")
+    args.dtype = ",".join(dtypes)
     low, high = parse_size(args.min_size, "--min-size"), parse_size(args.max_size, "--max-size")
     if low > high:
         raise ConfigError(f"--min-size {args.min_size} is above --max-size {args.max_size}")
@@ -140,30 +150,32 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _operation(collective: str, nbytes: int, n: int, device, fresh: bool = False):
-    """(bytes actually moved, a function running the collective once) on float32 buffers of zeros (no
+def _operation(collective: str, nbytes: int, n: int, device, fresh: bool = False, dtype: str = "float32"):
+    """(bytes actually moved, a function running the collective once) on buffers of zeros of `dtype` (no
     denormals, no overflow however often they are summed). `fresh`: the all-gather's output and the reduce-scatter's
     input and output are new tensors at every call, as FSDP2's are."""
     import torch
     import torch.distributed as dist
 
-    count = max(n, nbytes // 4 // n * n)
-    full = torch.zeros(count, device=device)
+    kind = getattr(torch, dtype)
+    size = kind.itemsize
+    count = max(n, nbytes // size // n * n)
+    full = torch.zeros(count, device=device, dtype=kind)
     if collective == "all_reduce":
-        return count * 4, lambda: dist.all_reduce(full)
+        return count * size, lambda: dist.all_reduce(full)
     if collective == "broadcast":
-        return count * 4, lambda: dist.broadcast(full, src=0)
-    part = torch.zeros(count // n, device=device)
+        return count * size, lambda: dist.broadcast(full, src=0)
+    part = torch.zeros(count // n, device=device, dtype=kind)
     if collective == "all_gather" and fresh:
-        return count * 4, lambda: dist.all_gather_into_tensor(torch.empty_like(full), part)
+        return count * size, lambda: dist.all_gather_into_tensor(torch.empty_like(full), part)
     if collective == "all_gather":
-        return count * 4, lambda: dist.all_gather_into_tensor(full, part)
+        return count * size, lambda: dist.all_gather_into_tensor(full, part)
     if collective == "reduce_scatter" and fresh:  # the input copied as FSDP2's chunk_cat copies the gradients in
-        return count * 4, lambda: dist.reduce_scatter_tensor(torch.empty_like(part), full.clone())
+        return count * size, lambda: dist.reduce_scatter_tensor(torch.empty_like(part), full.clone())
     if collective == "reduce_scatter":
-        return count * 4, lambda: dist.reduce_scatter_tensor(part, full)
-    other = torch.zeros(count, device=device)
-    return count * 4, lambda: dist.all_to_all_single(other, full)
+        return count * size, lambda: dist.reduce_scatter_tensor(part, full)
+    other = torch.zeros(count, device=device, dtype=kind)
+    return count * size, lambda: dist.all_to_all_single(other, full)
 
 
 HOLD_CYCLES = 2_000_000
@@ -269,13 +281,13 @@ def _worker(args: argparse.Namespace) -> None:
         threading.Thread(target=_compute, args=(stop,), daemon=True).start()
     step = args.busy == "step"
     before = _phase(args.compute_ms) if step else None
-    for collective in [c for c in args.collectives.split(",") if c]:
-        _measure([_operation(collective, 1024, n, runtime.device)[1]], [5], 0, runtime.device)  # connections
-        every = sizes(parse_size(args.min_size, ""), parse_size(args.max_size, ""), args.factor)
-        ops = [_operation(collective, size, n, runtime.device, fresh=step) for size in every]
+    every = sizes(parse_size(args.min_size, ""), parse_size(args.max_size, ""), args.factor)
+    for dtype, collective in [(d, c) for d in args.dtype.split(",") for c in args.collectives.split(",") if c]:
+        _measure([_operation(collective, 1024, n, runtime.device, dtype=dtype)[1]], [5], 0, runtime.device)  # (links)
+        ops = [_operation(collective, size, n, runtime.device, fresh=step, dtype=dtype) for size in every]
         iters = [iterations(size, args.iters, args.min_iters) for size in every]
         times, cpus = _measure([run for _, run in ops], iters, args.warmup, runtime.device, before)
-        rows += [{"collective": collective, "bytes": nbytes, "iterations": k, "times_s": t,
+        rows += [{"collective": collective, "dtype": dtype, "bytes": nbytes, "iterations": k, "times_s": t,
                   **({"cpu_s": cpus[j]} if cpus else {})}
                  for j, ((nbytes, _), k, t) in enumerate(zip(ops, iters, times, strict=True))]
         del ops
@@ -287,7 +299,7 @@ def _worker(args: argparse.Namespace) -> None:
         devices = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
                    if runtime.device.type == "cuda" else [])
         raw = {"backend": runtime.backend, "world_size": n, "device": runtime.device.type, "devices": devices,
-               "rows": rows, "torch": torch.__version__, "host": platform.node(),
+               "dtypes": args.dtype.split(","), "rows": rows, "torch": torch.__version__, "host": platform.node(),
                "machine": ", ".join(filter(None, [platform.machine(), f"{len(os.sched_getaffinity(0))} cores",
                                                   platform.processor()])),
                "threads_per_rank": 1, "warmup": args.warmup, "busy": {"0": False, "1": True}.get(args.busy, args.busy),

@@ -1,6 +1,6 @@
 """`disttrain bench comm`'s figures from its ranks' raw times (comm_raw.json): the table (latency, algorithm and bus
-bandwidth per size), the fit of t = alpha + beta x bytes per collective that the scale model reads (comm_fit.json),
-comm.csv, comm.md and comm.png."""
+bandwidth per size), the fit of t = alpha + beta x bytes per collective and element type that the scale model reads
+(comm_fit.json), comm.csv, comm.md and comm.png."""
 
 from __future__ import annotations
 
@@ -19,36 +19,50 @@ def summarise(raw: dict) -> tuple[list[dict], dict]:
     `raw["fit_statistic"]` says so (`disttrain bench predict`'s pooled sitting: a step pays the sum of its calls, so
     their expectation, and a bimodal time's median jumps between the modes where the mean moves with their mix).
     On a CPU host the CPU seconds of the process group's threads per call (`cpu_s`) are fitted the same way
-    (`cpu_alpha_s`, `cpu_beta_s_per_byte`): what a call issued while its rank computes takes from the cores."""
+    (`cpu_alpha_s`, `cpu_beta_s_per_byte`): what a call issued while its rank computes takes from the cores.
+    Per element type (`--dtype`): the first one's fits are the fit's `collectives` (its `dtype`), the others' are
+    under `dtypes`."""
     n, table = raw["world_size"], []
     statistic = raw.get("fit_statistic", "median")
     for r in raw["rows"]:
         median = statistics.median(r["times_s"])
         algbw = r["bytes"] / median / 1e9
-        table.append({"collective": r["collective"], "bytes": r["bytes"], "world_size": n, "backend": raw["backend"],
+        table.append({"collective": r["collective"], "dtype": r.get("dtype", "float32"), "bytes": r["bytes"],
+                      "world_size": n, "backend": raw["backend"],
                       "iterations": r["iterations"], "time_median_s": median,
                       "time_mean_s": statistics.mean(r["times_s"]), "time_min_s": min(r["times_s"]),
                       "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(r["collective"], n),
                       **({"cpu_median_s": statistics.median(r["cpu_s"]), "cpu_mean_s": statistics.mean(r["cpu_s"])}
                          if r.get("cpu_s") else {})})
-    fits = {}
-    for c in dict.fromkeys(r["collective"] for r in table):
-        rows = [r for r in table if r["collective"] == c]
+    fits: dict[str, dict] = {}
+    for dtype, c in dict.fromkeys((r["dtype"], r["collective"]) for r in table):
+        rows = [r for r in table if (r["dtype"], r["collective"]) == (dtype, c)]
         points = [(r["bytes"], r[f"time_{statistic}_s"]) for r in rows]
         alpha, beta = fit_alpha_beta([b for b, _ in points], [t for _, t in points])
         worst = max(abs(alpha + beta * b - t) / t for b, t in points)
-        fits[c] = {"alpha_s": alpha, "beta_s_per_byte": beta, "bandwidth_Bps": 1 / beta if beta else None,
-                   "bus_bandwidth_Bps": bus_factor(c, n) / beta if beta else None, "max_rel_error": worst,
-                   "sizes_bytes": [points[0][0], points[-1][0]]}
+        fits.setdefault(dtype, {})[c] = {
+            "alpha_s": alpha, "beta_s_per_byte": beta, "bandwidth_Bps": 1 / beta if beta else None,
+            "bus_bandwidth_Bps": bus_factor(c, n) / beta if beta else None, "max_rel_error": worst,
+            "sizes_bytes": [points[0][0], points[-1][0]]}
         if all(r.get(f"cpu_{statistic}_s", 0) > 0 for r in rows):  # (a CPU host's: the backend's threads' time)
             cpu_alpha, cpu_beta = fit_alpha_beta([r["bytes"] for r in rows], [r[f"cpu_{statistic}_s"] for r in rows])
-            fits[c].update(cpu_alpha_s=cpu_alpha, cpu_beta_s_per_byte=cpu_beta)
+            fits[dtype][c].update(cpu_alpha_s=cpu_alpha, cpu_beta_s_per_byte=cpu_beta)
+    first = next(iter(fits))
     fit = {"backend": raw["backend"], "world_size": n, "device": raw["device"], "host": raw["host"],
            "date": raw["date"], "torch": raw["torch"], "model": "t = alpha + beta * bytes (nccl-tests' size)",
            "statistic": statistic,
            "busy": raw.get("busy", False), **({"compute_ms": raw["compute_ms"]} if "compute_ms" in raw else {}),
-           "collectives": fits}
+           "dtype": first, "collectives": fits[first],
+           **({"dtypes": {d: f for d, f in fits.items() if d != first}} if len(fits) > 1 else {})}
     return table, fit
+
+
+def _fits(fit: dict) -> list[tuple[str, str, dict]]:
+    """(label, dtype, fit) of every fitted collective, each dtype's in turn; the label names the dtype where the fit
+    has several."""
+    several = bool(fit.get("dtypes"))
+    dtypes = {fit.get("dtype", "float32"): fit["collectives"], **fit.get("dtypes", {})}
+    return [(f"{c} ({d})" if several else c, d, f) for d, fits in dtypes.items() for c, f in fits.items()]
 
 
 def _size(b: float) -> str:
@@ -79,23 +93,25 @@ def report(raw: dict, out: Path) -> None:
     lines = [f"# Collectives: latency and bandwidth ({raw['date']})", "",
              f"{raw['world_size']} ranks, {raw['backend']} on {raw['device']}"
              f"{' (' + ', '.join(raw['devices']) + ')' if raw['devices'] else ''}, 1 torch thread per rank; "
-             f"float32 buffers{_busy_text(raw)}; "
+             f"{', '.join(raw.get('dtypes', ['float32']))} buffers{_busy_text(raw)}; "
              f"the slowest rank's time per call after {raw['warmup']} warm-up calls: latency and bandwidths "
              f"from the median, the fit through each size's {raw.get('fit_statistic', 'median')}. "
              f"Other processes kept {raw['other_cpu']:.2f} cores busy meanwhile (0 = a quiet machine).",
              "",
              "| collective | size | bytes | iters | latency (us) | algbw (GB/s) | busbw (GB/s) |",
              "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['collective']} | {_size(r['bytes'])} | {r['bytes']} | {r['iterations']} | "
+    several = bool(fit.get("dtypes"))
+    lines += [f"| {r['collective']}{' (' + r['dtype'] + ')' if several else ''} | {_size(r['bytes'])} | "
+              f"{r['bytes']} | {r['iterations']} | "
               f"{r['time_median_s'] * 1e6:.1f} | {r['algbw_GBps']:.3f} | {r['busbw_GBps']:.3f} |" for r in table]
     lines += ["", "Fit t = alpha + beta x bytes (least squares on the relative error):", "",
               "| collective | alpha (us) | beta (ns/byte) | 1/beta (GB/s) | bus bandwidth (GB/s) | worst error |",
               "|---|---|---|---|---|---|"]
-    for c, f in fit["collectives"].items():
+    for c, _, f in _fits(fit):
         bw = f"{f['bandwidth_Bps'] / 1e9:.3f} | {f['bus_bandwidth_Bps'] / 1e9:.3f}" if f["beta_s_per_byte"] else "- | -"
         lines.append(f"| {c} | {f['alpha_s'] * 1e6:.1f} | {f['beta_s_per_byte'] * 1e9:.4f} | {bw} | "
                      f"{f['max_rel_error'] * 100:.0f}% |")
-    cpu = {c: f for c, f in fit["collectives"].items() if "cpu_alpha_s" in f}
+    cpu = {c: f for c, _, f in _fits(fit) if "cpu_alpha_s" in f}
     if cpu:
         lines += ["", "CPU time of the process group's threads (gloo's) per call, fitted the same way: what a call "
                   "issued while its rank computes takes from the cores (the scale model charges it for DDP's buckets "
@@ -122,13 +138,14 @@ def plot(table: list[dict], fit: dict, path: Path) -> bool:
         print("disttrain: comm.png not written: pip install 'disttrain[plot]'", file=sys.stderr)
         return False
     fig, (lat, bw) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for c, f in fit["collectives"].items():
-        rows = [r for r in table if r["collective"] == c]
+    for label, dtype, f in _fits(fit):
+        c = label.split(" ")[0]
+        rows = [r for r in table if (r["collective"], r["dtype"]) == (c, dtype)]
         x = [r["bytes"] for r in rows]
-        (line,) = lat.loglog(x, [r[f"time_{fit.get('statistic', 'median')}_s"] * 1e6 for r in rows], "o-", label=c,
-                             markersize=3)
+        (line,) = lat.loglog(x, [r[f"time_{fit.get('statistic', 'median')}_s"] * 1e6 for r in rows], "o-",
+                             label=label, markersize=3)
         lat.loglog(x, [(f["alpha_s"] + f["beta_s_per_byte"] * b) * 1e6 for b in x], ":", color=line.get_color())
-        bw.loglog(x, [r["busbw_GBps"] for r in rows], "o-", label=c, markersize=3)
+        bw.loglog(x, [r["busbw_GBps"] for r in rows], "o-", label=label, markersize=3)
     lat.set(xlabel="message size (bytes)", ylabel="latency (us)", title="latency (dotted: alpha + beta x bytes)")
     bw.set(xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)", title="bus bandwidth")
     lat.legend(fontsize=8)

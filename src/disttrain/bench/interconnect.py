@@ -20,6 +20,9 @@ from disttrain.errors import ConfigError
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 
+DTYPES = ("float32", "bfloat16", "float16")
+"""Element types `disttrain bench comm --dtype` measures and the scale model prices bytes of."""
+
 
 def bus_factor(collective: str, n: int) -> float:
     """busbw / algbw for `n` ranks (nccl-tests' definitions)."""
@@ -77,6 +80,18 @@ class Interconnect:
     """Per collective, on a CPU host where measured (`bench comm`'s `cpu_alpha_s`, `cpu_beta_s_per_byte`): the CPU
     time a call takes on the process group's threads, which is what a call issued while its rank computes costs a
     host whose cores all run ranks (its waiting overlaps the compute)."""
+    dtypes: Mapping[str, Interconnect] | None = None
+    """Links measured on other element types (`bench comm --dtype`: gloo reduces bfloat16 / float16 slower per byte
+    than float32), each with the collectives measured in it; `for_dtype` picks them. Without one, these links (of
+    float32, or of the fit's first dtype) price every element type's bytes."""
+
+    def for_dtype(self, dtype: str, collective: str) -> Interconnect:
+        """The links that price `collective` on elements of `dtype`: those measured in it, where they were (on this
+        interconnect's devices per node)."""
+        own = (self.dtypes or {}).get(dtype)
+        if own is None or collective not in own.intra:
+            return self
+        return replace(own, gpus_per_node=self.gpus_per_node)
 
 
 def uniform(link: Link) -> dict[str, Link]:
@@ -99,13 +114,36 @@ def interconnect_from_fit(fit: Mapping, name: str = "measured") -> Interconnect:
     """The links `disttrain bench comm` measured (its comm_fit.json): per collective, the bus bandwidth factor / beta
     and the fitted alpha, spread over the ring steps of the measured world size on accelerators, a cost per call on
     a CPU host (`Link.call_s`: at 3 ranks a gloo call pays it once, not once per hop). Devices per node = the measured
-    world size; beyond it the same links are assumed (one measurement says nothing about a network)."""
+    world size; beyond it the same links are assumed (one measurement says nothing about a network). The fit's other
+    element types (`dtypes`: `bench comm --dtype`) become `Interconnect.dtypes`."""
     world, per_call = int(fit["world_size"]), fit.get("device") == "cpu"
     if world < 2:
         raise ConfigError(f"{name}: world_size {world}: a fit of links needs 2 or more ranks; rerun `disttrain bench "
                           "comm` with --nproc 2 or more")
+    links, cpu = _links(fit["collectives"], world, per_call, name)
+    missing = [c for c in ("all_reduce", "all_gather", "reduce_scatter") if c not in links]
+    if missing:
+        raise ConfigError(f"{name}: the fit has no {', '.join(missing)}; rerun `disttrain bench comm` with them")
+    busy = {"step": f", each rank computing {fit.get('compute_ms', 0):g} ms before each call (--busy step)",
+            True: ", each rank's core computing meanwhile (--busy 1)"}.get(fit.get("busy"), "")
+    others = {}
+    for dtype, fits in (fit.get("dtypes") or {}).items():
+        if dtype not in DTYPES:
+            raise ConfigError(f"{name}: dtype {dtype!r} is not one of {', '.join(DTYPES)}; rerun `disttrain bench "
+                              "comm`")
+        own, own_cpu = _links(fits, world, per_call, f"{name} ({dtype})")
+        others[dtype] = Interconnect(f"{name} ({dtype})", world, own, own, cpu=own_cpu or None)
+    dtypes = f"; {fit.get('dtype', 'float32')}, and {', '.join(others)} where sent" if others else ""
+    return Interconnect(name, world, links, links, f"{fit['backend']} on {fit.get('host', '?')}, {world} ranks{busy}, "
+                        f"measured {fit.get('date', '?')}" + ("; CPU time per call too" if cpu else "") + dtypes,
+                        cpu=cpu or None, dtypes=others or None)
+
+
+def _links(fits: Mapping, world: int, per_call: bool, name: str) -> tuple[dict[str, Link], dict[str, Link]]:
+    """(links, CPU links) of one element type's fitted collectives; the CPU links only where all_reduce, all_gather and
+    reduce_scatter all have a CPU fit (what DDP's buckets use)."""
     links, cpu = {}, {}
-    for c, f in fit["collectives"].items():
+    for c, f in fits.items():
         for prefix in ("", "cpu_") if per_call and "cpu_alpha_s" in f else ("",):
             numbers = [f.get(f"{prefix}alpha_s"), f.get(f"{prefix}beta_s_per_byte")]
             if not all(isinstance(x, int | float) and math.isfinite(x) and x >= 0 for x in numbers):
@@ -117,15 +155,7 @@ def interconnect_from_fit(fit: Mapping, name: str = "measured") -> Interconnect:
         if per_call and "cpu_alpha_s" in f:
             beta = f["cpu_beta_s_per_byte"]
             cpu[c] = Link(0.0, bus_factor(c, world) / beta if beta > 0 else math.inf, call_s=f["cpu_alpha_s"])
-    missing = [c for c in ("all_reduce", "all_gather", "reduce_scatter") if c not in links]
-    if missing:
-        raise ConfigError(f"{name}: the fit has no {', '.join(missing)}; rerun `disttrain bench comm` with them")
-    busy = {"step": f", each rank computing {fit.get('compute_ms', 0):g} ms before each call (--busy step)",
-            True: ", each rank's core computing meanwhile (--busy 1)"}.get(fit.get("busy"), "")
-    cpu = cpu if all(c in cpu for c in ("all_reduce", "all_gather", "reduce_scatter")) else {}  # (what DDP's use)
-    return Interconnect(name, world, links, links, f"{fit['backend']} on {fit.get('host', '?')}, {world} ranks{busy}, "
-                        f"measured {fit.get('date', '?')}" + ("; CPU time per call too" if cpu else ""),
-                        cpu=cpu or None)
+    return links, (cpu if all(c in cpu for c in ("all_reduce", "all_gather", "reduce_scatter")) else {})
 
 
 def ring_time(collective: str, nbytes: float, n: int, link: Link) -> float:

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from disttrain.bench import check_numbers, integers
 from disttrain.bench.interconnect import PRESETS, Interconnect, interconnect_from_fit, with_gpus_per_node
-from disttrain.bench.predict_job import config_batch, config_strategy, counted_shape, settings
+from disttrain.bench.predict_job import config_batch, config_strategy, counted_shape, settings, wire_dtypes
 from disttrain.bench.predict_validate import measured_checks, published_checks
 from disttrain.bench.scale_model import (
     BYTES,
@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         if not sitting:
             print(f"disttrain: wrote {predict_measure.measure(args, out)}")
             return 0
-        measured, fit_path = predict_measure.sitting(args, out)  # step times and links measured together
+        dtypes = wire_dtypes(precision, cfg.parallel.grad_compression)
+        measured, fit_path = predict_measure.sitting(args, out, dtypes)  # step times and links measured together
         args.measured, args.interconnect = str(measured), f"measured:{fit_path}"
         net, fit = interconnect(args.interconnect)
     net = with_gpus_per_node(net, args.gpus_per_node) if args.gpus_per_node else net

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from disttrain.bench.scale_model import STRATEGIES, ModelShape, UnitShape
+from disttrain.bench.scale_model import COMPRESSED, STRATEGIES, WIRE_DTYPES, ModelShape, UnitShape
 from disttrain.config import Config, ModelConfig
 from disttrain.errors import ConfigError
 
@@ -85,6 +85,13 @@ def config_batch(cfg: Config) -> tuple[int, int]:
                           f"data.micro_batch_size x dist.nproc = {d.micro_batch_size} x {world}: the job's batch per "
                           "GPU is unknown; fix them, or give --local-batch and --micro-batch")
     return d.global_batch_size // world, d.micro_batch_size
+
+
+def wire_dtypes(precision: str, grad_compression: str) -> list[str]:
+    """The element types a step of the job sends (float32 first: the step's small collectives, and what every other
+    type falls back to): those a sitting's comm fit measures, so that each collective is priced in its own."""
+    sent = [*WIRE_DTYPES.get(precision, ()), COMPRESSED.get(grad_compression, "float32")]
+    return list(dict.fromkeys(["float32", *sent]))
 
 
 def config_strategy(cfg: Config) -> str:

@@ -100,9 +100,10 @@ bucket) with a factor of 4 either side. gloo's time is not affine over 1 KiB..25
 MiB and falls once buffers leave the caches), so a line fitted there misses the sizes the step sends."""
 
 
-def sitting(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
+def sitting(args: argparse.Namespace, out: Path, dtypes: list[str]) -> tuple[Path, Path]:
     """`--measure --validate`: `--rounds` R rounds, each the step times of every world size (`measure`) and then a comm
-    fit on 2 ranks timed as a CPU step issues its collectives (`disttrain bench comm --busy step`: each call after a
+    fit on 2 ranks, in each of `dtypes` (the element types the job sends: `predict_job.wire_dtypes`), timed as a CPU
+    step issues its collectives (`disttrain bench comm --busy step`: each call after a
     phase of compute on every rank as long as an FSDP unit's pass, `phase_ms`, into new tensors), so that the step
     times and the links are measured in the same sitting, under the same neighbours. Returns (scaling.csv of every
     round's rows, comm_fit.json of every round's calls pooled: per size, the mean of all rounds' calls). A
@@ -129,7 +130,7 @@ def sitting(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
             measured = list(csv.DictReader(f))
         rows += measured
         busy = ["--busy", "0"] if cuda else ["--busy", "step", "--compute-ms", f"{phase_ms(measured, n_layer):.2f}"]
-        code = comm.main([*busy, "--collectives", "all_reduce,all_gather,reduce_scatter",
+        code = comm.main([*busy, "--collectives", "all_reduce,all_gather,reduce_scatter", "--dtype", ",".join(dtypes),
                           "--nproc", str(max(args.world_sizes) if cuda else 2), "--min-size", FIT_SIZES[0],
                           "--max-size", FIT_SIZES[1], "--out", str(here / "comm")])
         if code:
@@ -156,12 +157,14 @@ def phase_ms(rows: list[dict], n_layer: int) -> float:
 
 
 def pool(raws: list[dict]) -> dict:
-    """One `comm_raw.json` of several runs of `disttrain bench comm` with the same sizes: each size's calls of every
-    run together (the sitting then fits through their means)."""
+    """One `comm_raw.json` of several runs of `disttrain bench comm` with the same sizes and dtypes: each size's calls
+    of every run together (the sitting then fits through their means)."""
+    def key(r: dict) -> tuple:
+        return r.get("dtype", "float32"), r["collective"], r["bytes"]
+
     pooled = {**raws[-1], "other_cpu": max(r["other_cpu"] for r in raws), "rows": []}
     for row in raws[0]["rows"]:
-        same = [r for raw in raws for r in raw["rows"] if (r["collective"], r["bytes"]) == (row["collective"],
-                                                                                             row["bytes"])]
+        same = [r for raw in raws for r in raw["rows"] if key(r) == key(row)]
         pooled["rows"].append({**{k: v for k, v in row.items() if k != "cpu_s"},
                                "iterations": sum(r["iterations"] for r in same),
                                "times_s": [t for r in same for t in r["times_s"]],

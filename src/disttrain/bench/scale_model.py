@@ -101,19 +101,31 @@ MODELS: dict[str, ModelShape] = {
     "bert-large": ModelShape("bert-large", 340e6, 12.6e6, 24, 1024, 128, 24 * 12.6e6),
 }
 
-BYTES: dict[str, tuple[int, int, int]] = {  # (stored parameters and DDP gradients, FSDP gather, FSDP reduce)
-    "fp32": (4, 4, 4), "bf16-mixed": (4, 2, 4), "fp16-mixed": (4, 2, 4), "bf16-true": (2, 2, 2)}
-"""Bytes per element on the wire under each precision (precision.py: FSDP gathers in the compute dtype and
-reduces in fp32; DDP and ZeRO-1 move the stored parameters' dtype). `Workload.grad_compression` fp16 / bf16 makes
-the reductions 2 bytes (DDP's hook, FSDP's reduce dtype): `reduced_bytes`."""
+WIRE_DTYPES: dict[str, tuple[str, str, str]] = {  # (stored parameters and DDP gradients, FSDP gather, FSDP reduce)
+    "fp32": ("float32",) * 3, "bf16-mixed": ("float32", "bfloat16", "float32"),
+    "fp16-mixed": ("float32", "float16", "float32"), "bf16-true": ("bfloat16",) * 3}
+"""Element types on the wire under each precision (precision.py: FSDP gathers in the compute dtype and reduces in
+fp32; DDP and ZeRO-1 move the stored parameters' dtype). `Workload.grad_compression` fp16 / bf16 makes the
+reductions 2 bytes (DDP's hook, FSDP's reduce dtype): `reduced_dtype`. Each collective's bytes are priced with the
+links of its element type where the interconnect has them (`Interconnect.for_dtype`)."""
 
-COMPRESSED = ("fp16", "bf16")
-"""`parallel.grad_compression` values that reduce gradients in 2 bytes an element."""
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+BYTES: dict[str, tuple[int, ...]] = {name: tuple(ITEMSIZE[d] for d in dtypes) for name, dtypes in WIRE_DTYPES.items()}
+"""Bytes per element of `WIRE_DTYPES`."""
+
+COMPRESSED = {"fp16": "float16", "bf16": "bfloat16"}
+"""`parallel.grad_compression` values that reduce gradients in 2 bytes an element, and that element type."""
+
+
+def reduced_dtype(precision: str, grad_compression: str = "none") -> str:
+    """Element type of a gradient reduction under FSDP (DDP's too where compressed)."""
+    return COMPRESSED.get(grad_compression, WIRE_DTYPES[precision][2])
 
 
 def reduced_bytes(precision: str, grad_compression: str = "none") -> int:
     """Bytes per element of a gradient reduction under FSDP (DDP's too where compressed)."""
-    return 2 if grad_compression in COMPRESSED else BYTES[precision][2]
+    return ITEMSIZE[reduced_dtype(precision, grad_compression)]
 
 
 @dataclass(frozen=True)
@@ -227,16 +239,21 @@ def _buckets(model: ModelShape, grad_bytes: int, bucket_bytes: float) -> list[fl
 def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[list[Unit], float, float]:
     """(units in forward order, seconds of collectives after backward, wire bytes per step)."""
     model, (stored, gathered, _) = work.model, BYTES[work.precision]
-    reduced = reduced_bytes(work.precision, work.grad_compression)
-    ddp_wire = reduced if work.grad_compression in COMPRESSED else stored  # (DDP's hook sends each bucket in it)
+    stored_dtype, gathered_dtype, _ = WIRE_DTYPES[work.precision]
+    reduced_type = reduced_dtype(work.precision, work.grad_compression)
+    reduced = ITEMSIZE[reduced_type]
+    ddp_dtype = reduced_type if work.grad_compression in COMPRESSED else stored_dtype  # (DDP's hook sends it)
+    ddp_wire = ITEMSIZE[ddp_dtype]
 
-    def wire(collective: str, nbytes: float, ranks: int, times: float = 1, across: bool = False) -> float:
+    def wire(collective: str, nbytes: float, ranks: int, times: float = 1, across: bool = False,
+             dtype: str = "float32") -> float:
         nonlocal sent
         sent += times * nbytes * bus_factor(collective, ranks)
+        links = net.for_dtype(dtype, collective)
         if across:
-            link = net.inter[collective]
+            link = links.inter[collective]
             return link.call_s * (ranks > 1 and nbytes > 0) + ring_time(collective, nbytes, ranks, link)
-        return collective_time(collective, nbytes, ranks, net)
+        return collective_time(collective, nbytes, ranks, links)
 
     sent = 0.0
     sharded = strategy not in ("ddp", "zero1")
@@ -254,8 +271,10 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
     flops = sum(u.forward_flops + u.backward_flops for u in shapes)
     if not sharded:
         buckets = [b * ddp_wire / stored for b in _buckets(model, stored, work.bucket_bytes)]  # (bytes on the wire)
-        units = _bucket_units(shapes, flops, buckets, lambda nbytes: wire("all_reduce", nbytes, n), net, n)
-        after += wire("all_gather", model.trained_params * stored, n) if strategy == "zero1" else 0.0
+        units = _bucket_units(shapes, flops, buckets, lambda nbytes: wire("all_reduce", nbytes, n, dtype=ddp_dtype),
+                              net.for_dtype(ddp_dtype, "all_reduce"), n)
+        if strategy == "zero1":
+            after += wire("all_gather", model.trained_params * stored, n, dtype=stored_dtype)
         return units, after, sent
     replicas = n // shard
     units = []
@@ -265,10 +284,11 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
         # always runs, the last block); the root stays gathered. (`parallel.fsdp_prefetch` = d would gather d.)
         follows = shapes[i + 1].backward_flops > 0 if i + 1 < len(shapes) else True
         again = strategy in ("fsdp", "hsdp") and i > 0 and (u.backward_flops > 0 or follows)
-        gather = wire("all_gather", u.params * gathered, shard, work.micro_steps * (2 if again else 1))
-        reduce = wire("reduce_scatter", u.trained * reduced, shard)
+        gather = wire("all_gather", u.params * gathered, shard, work.micro_steps * (2 if again else 1),
+                      dtype=gathered_dtype)
+        reduce = wire("reduce_scatter", u.trained * reduced, shard, dtype=reduced_type)
         if replicas > 1:  # hsdp: the shard's gradient is all-reduced across the nodes' replicas
-            reduce += wire("all_reduce", u.trained * reduced / shard, replicas, across=True)
+            reduce += wire("all_reduce", u.trained * reduced / shard, replicas, across=True, dtype=reduced_type)
         units.append(Unit(u.forward_flops / flops, u.backward_flops / flops, gather, gather if again else 0.0, reduce))
     return units, after, sent
 
