@@ -159,8 +159,8 @@ def assert_same_training(got: dict, reference: dict, steps=slice(None)) -> None:
 
 @pytest.mark.parametrize("world, variant", [(2, "ddp+tp2+sp"), (4, "fsdp+tp2+lp"), (4, "ddp+pp2+tp2")])
 def test_weight_sync_pieces_tile_the_trained_weights(runs, world, variant):
-    """What each rank sends in a weight sync (service/weights.py `local_pieces`): under tp2 x fsdp2 FSDP shards the
-    tensor-parallel shards again (strided placements, gathered one tensor at a time). The ranks' pieces cover every
+    """What each rank sends in a weight sync (service/weights/pieces.py `local_pieces`): under tp2 x fsdp2 FSDP shards
+    the tensor-parallel shards again (strided placements, gathered one tensor at a time). The ranks' pieces cover every
     element of every weight exactly once, tied names point at a sent tensor, and they equal the trained weights."""
     from safetensors import safe_open
 

@@ -1,4 +1,4 @@
-"""Weight sync from a TrainingService to inference engines (service/weights.py): every rank sends its own shards,
+"""Weight sync from a TrainingService to inference engines (service/weights/): every rank sends its own shards,
 the engines hold exactly the trained weights (full and delta versions), and a dead, absent or corrupted consumer
 is named within the timeout while the trainer stays usable."""
 

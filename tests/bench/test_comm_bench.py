@@ -14,6 +14,7 @@ from conftest import run_cli
 from disttrain.bench import comm, comm_report
 from disttrain.bench import interconnect as ic
 from disttrain.cli.main import main as cli
+from disttrain.errors import ConfigError
 
 SCHEDSTAT = os.path.isfile(f"/proc/self/task/{threading.get_native_id()}/schedstat")
 
@@ -70,13 +71,14 @@ def test_fit_is_sane(run):
 
 
 def test_each_dtype_is_timed_and_fitted_and_the_scale_model_prices_its_bytes_with_it(tmp_path):
-    result = run_cli(["bench", "comm", "--nproc", "2", "--collectives", "all_reduce,reduce_scatter", "--dtype",
-                      "float32,bfloat16", "--min-size", "1K", "--max-size", "4K", "--iters", "3", "--min-iters", "2",
-                      "--warmup", "1", "--out", str(tmp_path / "b")], tmp_path, timeout=120)
+    result = run_cli(["bench", "comm", "--nproc", "2", "--collectives", "all_reduce,all_gather,reduce_scatter",
+                      "--dtype", "float32,bfloat16", "--min-size", "1K", "--max-size", "4K", "--iters", "3",
+                      "--min-iters", "2", "--warmup", "1", "--out", str(tmp_path / "b")], tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr
     rows = list(csv.DictReader(open(tmp_path / "b" / "comm.csv")))
     assert [(r["dtype"], r["collective"], r["bytes"]) for r in rows] == [
-        (d, c, b) for d in ("float32", "bfloat16") for c in ("all_reduce", "reduce_scatter") for b in ("1024", "4096")]
+        (d, c, b) for d in ("float32", "bfloat16") for c in ("all_reduce", "all_gather", "reduce_scatter")
+        for b in ("1024", "4096")]
     fit = json.loads((tmp_path / "b" / "comm_fit.json").read_text())
     assert fit["dtype"] == "float32" and set(fit["dtypes"]) == {"bfloat16"}
     for c, f in fit["dtypes"]["bfloat16"].items():  # bfloat16's own calls, fitted as float32's are
@@ -84,14 +86,31 @@ def test_each_dtype_is_timed_and_fitted_and_the_scale_model_prices_its_bytes_wit
         assert f["max_rel_error"] == pytest.approx(max(abs(f["alpha_s"] + f["beta_s_per_byte"] * b - t) / t
                                                        for b, t in zip((1024, 4096), times, strict=True)), rel=1e-9)
     assert "| all_reduce (bfloat16) | 4K | 4096 | 3 |" in result.stdout and "float32, bfloat16 buffers" in result.stdout
-    fit["collectives"]["all_gather"] = fit["collectives"]["reduce_scatter"]  # (the scale model needs all three)
     net = ic.interconnect_from_fit(fit)
-    assert net.for_dtype("bfloat16", "all_reduce") is net.dtypes["bfloat16"]
-    assert net.for_dtype("bfloat16", "all_gather") is net  # not measured in bfloat16: float32's links
-    assert net.for_dtype("float16", "all_reduce") is net
+    assert net.for_dtype("bfloat16", "all_reduce") == net.dtypes["bfloat16"]
+    assert net.for_dtype("float16", "all_reduce") is net  # not measured in float16: float32's links
     bf16 = fit["dtypes"]["bfloat16"]["all_reduce"]
     assert ic.collective_time("all_reduce", 4096, 2, net.for_dtype("bfloat16", "all_reduce")) == pytest.approx(
         bf16["alpha_s"] + bf16["beta_s_per_byte"] * 4096, rel=1e-9)
+
+
+def test_a_fit_of_one_other_dtype_says_so_and_prices_every_element_type(tmp_path):
+    raw = {"world_size": 2, "backend": "gloo", "device": "cpu", "devices": [], "host": "h", "machine": "m",
+           "torch": "t", "date": "d", "warmup": 1, "other_cpu": 0.0, "dtypes": ["bfloat16"],
+           "rows": [{"collective": c, "dtype": "bfloat16", "bytes": b, "iterations": 2,
+                     "times_s": [1e-3 + b * 1e-9] * 2}
+                    for c in ("all_reduce", "all_gather", "reduce_scatter") for b in (1024, 4096)]}
+    comm_report.report(raw, tmp_path)
+    fit = json.loads((tmp_path / "comm_fit.json").read_text())
+    assert fit["dtype"] == "bfloat16" and "dtypes" not in fit
+    text = (tmp_path / "comm.md").read_text()
+    assert "| all_reduce (bfloat16) | 1K |" in text and "| all_reduce (bfloat16) | 1000.0 |" in text
+    net = ic.interconnect_from_fit(fit)
+    assert "measured in bfloat16, which prices every element type's bytes" in net.note
+    assert net.for_dtype("float32", "all_reduce") is net
+    partial = {**fit, "dtype": "float32", "dtypes": {"bfloat16": {"all_reduce": fit["collectives"]["all_reduce"]}}}
+    with pytest.raises(ConfigError, match=r"measured \(bfloat16\): the fit has no all_gather, reduce_scatter"):
+        ic.interconnect_from_fit(partial)  # (a hierarchical all-reduce runs all three)
 
 
 def test_report_without_matplotlib_writes_everything_else(run, tmp_path, monkeypatch, capsys):

@@ -1,6 +1,7 @@
 """`disttrain bench predict`: the forecast table, the validation against a measured CSV and the published cases,
 the measuring mode (one sitting on 1 and 2 ranks: step times, links, the check), and bad input (one line, exit 2)."""
 
+import argparse
 import csv
 import json
 from dataclasses import replace
@@ -9,12 +10,12 @@ import pytest
 
 from conftest import run_cli
 from disttrain.bench import interconnect as ic
-from disttrain.bench import predict_job, predict_measure, predict_validate
+from disttrain.bench import predict, predict_job, predict_measure, predict_validate
 from disttrain.bench import scale_model as sm
 from disttrain.bench.predict_job import counted_shape
 from disttrain.bench.published_scaling import PUBLISHED
 from disttrain.cli.main import main as cli
-from disttrain.config import ModelConfig
+from disttrain.config import ModelConfig, load_config
 
 FIT = {"backend": "gloo", "world_size": 2, "device": "cpu", "host": "h", "date": "d",
        "collectives": {c: {"alpha_s": 4e-4, "beta_s_per_byte": 1e-9} for c in ic.COLLECTIVES}}
@@ -211,6 +212,24 @@ def test_rounds_of_comm_runs_pool_their_calls():
     assert [(r.get("dtype", "float32"), r["bytes"], r["times_s"]) for r in predict_measure.pool(both)["rows"]] == [
         ("float32", 1024, [1.0, 2.0]), ("float32", 4096, [1.0, 2.0]),  # each dtype's calls pooled apart
         ("bfloat16", 1024, [5.0, 5.0]), ("bfloat16", 4096, [5.0, 5.0])]
+
+
+@pytest.mark.parametrize("local, micro, model, batch", [
+    (0, 0, "", (8, 8)), (32, 0, "", (32, 32)), (0, 4, "", (4, 4)), (8, 4, "", (8, 4)), (0, 0, "llama3-8b", (2, 2))])
+def test_measure_times_one_micro_batch_unless_the_batch_per_rank_is_given_with_one(local, micro, model, batch):
+    """`--measure`'s batch per rank: --local-batch alone is one micro-batch, as a forecast reads it (the config's
+    data.micro_batch_size, 8, only where neither is given)."""
+    args = argparse.Namespace(local_batch=local, micro_batch=micro, model=model)
+    assert predict.measure_batch(args, load_config(None, [])) == batch
+
+
+def test_the_sitting_s_compute_phase_is_one_unit_pass_of_one_micro_batch():
+    def row(step, global_batch, micro):
+        return {"strategy": "fsdp", "world_size": "1", "step_time_s": str(step), "global_batch": str(global_batch),
+                "micro_batch": str(micro)}
+    assert predict_measure.phase_ms([row(0.12, 4, 4)], 2) == pytest.approx(1e3 * 0.12 / (2 * 3), rel=1e-12)
+    assert predict_measure.phase_ms([row(0.24, 8, 4)], 2) == pytest.approx(1e3 * 0.12 / (2 * 3), rel=1e-12)
+    assert predict_measure.phase_ms([], 2) == 8.0
 
 
 @pytest.mark.parametrize("precision, compression, sent", [

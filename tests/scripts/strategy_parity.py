@@ -98,7 +98,7 @@ def train(out: Path, runtime, name: str, variant: str, extra: list[str]) -> tupl
 
 
 def dump_pieces(path: Path, trainer, cfg, runtime) -> None:
-    """What this rank sends in a weight sync (service/weights.py `local_pieces`), as `NAME@OFFSETS` tensors, with
+    """What this rank sends in a weight sync (service/weights/pieces.py `local_pieces`), as `NAME@OFFSETS` tensors, with
     the tied names (aliases) and full shapes in the file's metadata. Collective: every rank calls it."""
     from disttrain.parallel import registry
     from disttrain.parallel.mesh import layout_for

@@ -58,9 +58,9 @@ def summarise(raw: dict) -> tuple[list[dict], dict]:
 
 
 def _fits(fit: dict) -> list[tuple[str, str, dict]]:
-    """(label, dtype, fit) of every fitted collective, each dtype's in turn; the label names the dtype where the fit
-    has several."""
-    several = bool(fit.get("dtypes"))
+    """(label, dtype, fit) of every fitted collective, each dtype's in turn; the label names the dtype unless the fit is
+    of float32 alone."""
+    several = bool(fit.get("dtypes")) or fit.get("dtype", "float32") != "float32"
     dtypes = {fit.get("dtype", "float32"): fit["collectives"], **fit.get("dtypes", {})}
     return [(f"{c} ({d})" if several else c, d, f) for d, fits in dtypes.items() for c, f in fits.items()]
 
@@ -100,7 +100,7 @@ def report(raw: dict, out: Path) -> None:
              "",
              "| collective | size | bytes | iters | latency (us) | algbw (GB/s) | busbw (GB/s) |",
              "|---|---|---|---|---|---|---|"]
-    several = bool(fit.get("dtypes"))
+    several = len({r["dtype"] for r in table}) > 1 or table[0]["dtype"] != "float32"
     lines += [f"| {r['collective']}{' (' + r['dtype'] + ')' if several else ''} | {_size(r['bytes'])} | "
               f"{r['bytes']} | {r['iterations']} | "
               f"{r['time_median_s'] * 1e6:.1f} | {r['algbw_GBps']:.3f} | {r['busbw_GBps']:.3f} |" for r in table]
@@ -138,14 +138,17 @@ def plot(table: list[dict], fit: dict, path: Path) -> bool:
         print("disttrain: comm.png not written: pip install 'disttrain[plot]'", file=sys.stderr)
         return False
     fig, (lat, bw) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for label, dtype, f in _fits(fit):
+    fitted = _fits(fit)
+    colours = {c: f"C{i}" for i, c in enumerate(dict.fromkeys(label.split(" ")[0] for label, _, _ in fitted))}
+    styles = {d: style for d, style in zip(dict.fromkeys(d for _, d, _ in fitted), ("o-", "s--", "^-."), strict=False)}
+    for label, dtype, f in fitted:  # a colour per collective, a line style per element type
         c = label.split(" ")[0]
         rows = [r for r in table if (r["collective"], r["dtype"]) == (c, dtype)]
         x = [r["bytes"] for r in rows]
-        (line,) = lat.loglog(x, [r[f"time_{fit.get('statistic', 'median')}_s"] * 1e6 for r in rows], "o-",
-                             label=label, markersize=3)
-        lat.loglog(x, [(f["alpha_s"] + f["beta_s_per_byte"] * b) * 1e6 for b in x], ":", color=line.get_color())
-        bw.loglog(x, [r["busbw_GBps"] for r in rows], "o-", label=label, markersize=3)
+        lat.loglog(x, [r[f"time_{fit.get('statistic', 'median')}_s"] * 1e6 for r in rows], styles[dtype],
+                   color=colours[c], label=label, markersize=3)
+        lat.loglog(x, [(f["alpha_s"] + f["beta_s_per_byte"] * b) * 1e6 for b in x], ":", color=colours[c])
+        bw.loglog(x, [r["busbw_GBps"] for r in rows], styles[dtype], color=colours[c], label=label, markersize=3)
     lat.set(xlabel="message size (bytes)", ylabel="latency (us)", title="latency (dotted: alpha + beta x bytes)")
     bw.set(xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)", title="bus bandwidth")
     lat.legend(fontsize=8)

@@ -121,9 +121,6 @@ def interconnect_from_fit(fit: Mapping, name: str = "measured") -> Interconnect:
         raise ConfigError(f"{name}: world_size {world}: a fit of links needs 2 or more ranks; rerun `disttrain bench "
                           "comm` with --nproc 2 or more")
     links, cpu = _links(fit["collectives"], world, per_call, name)
-    missing = [c for c in ("all_reduce", "all_gather", "reduce_scatter") if c not in links]
-    if missing:
-        raise ConfigError(f"{name}: the fit has no {', '.join(missing)}; rerun `disttrain bench comm` with them")
     busy = {"step": f", each rank computing {fit.get('compute_ms', 0):g} ms before each call (--busy step)",
             True: ", each rank's core computing meanwhile (--busy 1)"}.get(fit.get("busy"), "")
     others = {}
@@ -133,15 +130,18 @@ def interconnect_from_fit(fit: Mapping, name: str = "measured") -> Interconnect:
                               "comm`")
         own, own_cpu = _links(fits, world, per_call, f"{name} ({dtype})")
         others[dtype] = Interconnect(f"{name} ({dtype})", world, own, own, cpu=own_cpu or None)
-    dtypes = f"; {fit.get('dtype', 'float32')}, and {', '.join(others)} where sent" if others else ""
+    first = fit.get("dtype", "float32")
+    dtypes = (f"; {first}, and {', '.join(others)} where sent" if others else
+              f"; measured in {first}, which prices every element type's bytes" if first != "float32" else "")
     return Interconnect(name, world, links, links, f"{fit['backend']} on {fit.get('host', '?')}, {world} ranks{busy}, "
                         f"measured {fit.get('date', '?')}" + ("; CPU time per call too" if cpu else "") + dtypes,
                         cpu=cpu or None, dtypes=others or None)
 
 
 def _links(fits: Mapping, world: int, per_call: bool, name: str) -> tuple[dict[str, Link], dict[str, Link]]:
-    """(links, CPU links) of one element type's fitted collectives; the CPU links only where all_reduce, all_gather and
-    reduce_scatter all have a CPU fit (what DDP's buckets use)."""
+    """(links, CPU links) of one element type's fitted collectives, which must include all_reduce, all_gather and
+    reduce_scatter (a hierarchical all-reduce runs all three); the CPU links only where all three have a CPU fit
+    (what DDP's buckets use)."""
     links, cpu = {}, {}
     for c, f in fits.items():
         for prefix in ("", "cpu_") if per_call and "cpu_alpha_s" in f else ("",):
@@ -155,6 +155,9 @@ def _links(fits: Mapping, world: int, per_call: bool, name: str) -> tuple[dict[s
         if per_call and "cpu_alpha_s" in f:
             beta = f["cpu_beta_s_per_byte"]
             cpu[c] = Link(0.0, bus_factor(c, world) / beta if beta > 0 else math.inf, call_s=f["cpu_alpha_s"])
+    missing = [c for c in ("all_reduce", "all_gather", "reduce_scatter") if c not in links]
+    if missing:
+        raise ConfigError(f"{name}: the fit has no {', '.join(missing)}; rerun `disttrain bench comm` with them")
     return links, (cpu if all(c in cpu for c in ("all_reduce", "all_gather", "reduce_scatter")) else {})
 
 

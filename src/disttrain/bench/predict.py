@@ -149,6 +149,15 @@ def default_batch(args: argparse.Namespace, cfg: Config) -> tuple[int, int]:
     return (LOCAL_BATCH[args.model],) * 2 if args.model else config_batch(cfg)
 
 
+def measure_batch(args: argparse.Namespace, cfg: Config) -> tuple[int, int]:
+    """(sequences per rank per step, per forward pass) that `--measure` times: `--local-batch` in micro-batches of
+    `--micro-batch`; either alone is one micro-batch (as a forecast reads `--local-batch` alone); neither: one
+    micro-batch of the preset's batch or the config's `data.micro_batch_size`."""
+    default = LOCAL_BATCH[args.model] if args.model else cfg.data.micro_batch_size
+    micro = args.micro_batch or args.local_batch or default
+    return args.local_batch or micro, micro
+
+
 def _frozen(shape: ModelShape) -> str:
     frozen = 1 - shape.trained_params / shape.params
     return f", {frozen:.1%} of the parameters frozen (model.freeze: gathered, never reduced)" if frozen else ""
@@ -187,8 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         from disttrain.bench import predict_measure
 
         args.world_sizes = integers(args.world_sizes, "--world-sizes", "counts >= 1", "1,2,3")
-        args.micro_batch = args.micro_batch or (LOCAL_BATCH[args.model] if args.model else cfg.data.micro_batch_size)
-        args.local_batch = args.local_batch or args.micro_batch  # (no accumulation unless --local-batch asks)
+        args.local_batch, args.micro_batch = measure_batch(args, cfg)
         predict_measure.check(args)
         if args.rounds < 1:
             raise ConfigError(f"--rounds {args.rounds}: give 1 or more (3 steadies the busy links)")
@@ -243,9 +251,10 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
     if args.compute_s:
         compute, source = args.compute_s, "given (--compute-s)"
     elif fit is not None:
+        how = ("" if args.model else f": the 1-rank step_time_s of `disttrain bench predict [CONFIG] --measure "
+               f"--world-sizes 1 --local-batch {local} --micro-batch {micro}`")
         raise ConfigError(f"--interconnect measured:...: give --compute-s, one device's step of {local} sequences in "
-                          f"micro-batches of {micro}: the 1-rank step_time_s of `disttrain bench predict [CONFIG] "
-                          f"--measure --world-sizes 1 --local-batch {local} --micro-batch {micro}`")
+                          f"micro-batches of {micro}{how}")
     else:
         tflops = args.tflops or (H100_FP32_TFLOPS if precision == "fp32" else H100_BF16_TFLOPS)
         compute = compute_seconds(shape, tokens, tflops, args.mfu)

@@ -463,7 +463,7 @@ class TrainingService:
 
     async def weight_sync(self, consumers: int = 1, *, dtype: str | None = None, bucket_mb: float = 64,
                           timeout_s: float = 60.0, delta: bool = True, host: str | None = None):
-        """Open a weight sync to `consumers` inference engines (weights.py): every rank listens on `host` (default
+        """Open a weight sync to `consumers` inference engines (weights/): every rank listens on `host` (default
         the service's, loopback); hand `sync.endpoint` to each engine's `WeightReceiver`, then `await sync.push()`.
         `dtype` ("bfloat16", "float16", "float32"; None: the model's) is what travels; `delta` keeps a copy of what
         was sent so that `push(delta=True)` sends only the changed elements."""

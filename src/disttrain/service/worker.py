@@ -11,7 +11,7 @@ A worker connects to the driver, says hello (rank, pid, host, token), then serve
                      `disttrain.collectives`) -> its result
     save / load      CheckpointManager save / load of the backend state (every rank takes part)
     state_dict       full model weights (rank 0 replies with them)
-    weights_*        open / push / close a weight sync to inference engines (weights.py)
+    weights_*        open / push / close a weight sync to inference engines (weights/)
     shutdown         leave the process group and exit
 
 Every reply carries the command's id; an exception becomes an error reply with its traceback, and the
@@ -71,7 +71,7 @@ class RankServer:
         self.running = True
         self._stop = threading.Event()
         self._loss_fns: dict[str, Callable] = {}
-        self.publisher = None  # a weight sync's sending side (weights.py)
+        self.publisher = None  # a weight sync's sending side (weights/)
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -279,7 +279,7 @@ class RankServer:
         return {"keys": list(weights)}, (weights if sends else None)
 
     def op_weights_open(self, msg: dict, tensors: dict) -> tuple[dict, None]:
-        """Listen for weight-sync consumers (weights.py); replies with this rank's address."""
+        """Listen for weight-sync consumers (weights/); replies with this rank's address."""
         from disttrain.service.weights import Publisher
 
         if self.publisher is not None:
@@ -288,7 +288,7 @@ class RankServer:
         return {"address": self.publisher.address}, None
 
     def op_weights_push(self, msg: dict, tensors: dict) -> tuple[dict, None]:
-        """Send this rank's pieces of the weights to every consumer (weights.py); a report, never a failure for a
+        """Send this rank's pieces of the weights to every consumer (weights/); a report, never a failure for a
         consumer's sake."""
         from disttrain.service.weights import local_pieces, parse_dtype
 
