@@ -345,7 +345,7 @@ def test_a_stage_without_gradients_still_joins_the_norm():
 
 def test_stage_split_balances_parameters_and_takes_given_points():
     from disttrain.models.gpt import GPT
-    from disttrain.parallel.pipeline import balanced_split, split_points
+    from disttrain.parallel.stages import balanced_split, split_points
 
     assert balanced_split([10, 10, 10, 10], 2) == [2]
     assert balanced_split([10, 10, 10, 10], 2, first_extra=25) == [1]  # the embedding weighs on the first stage

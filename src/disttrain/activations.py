@@ -11,9 +11,10 @@ from typing import NamedTuple
 from torch import nn
 
 from disttrain.config import Config, ModelConfig
-from disttrain.parallel import pipeline, placement, tensor
+from disttrain.parallel import placement, tensor
 from disttrain.parallel.activation_checkpoint import leading_frozen_blocks
 from disttrain.parallel.mesh import MeshLayout
+from disttrain.parallel.stages import FAMILIES, family_of, stage_bounds, stage_count
 
 
 class Spared(NamedTuple):
@@ -128,7 +129,7 @@ def spared_by_freeze(model: nn.Module, linears: str) -> Spared:
     full, an upper bound."""
     if all(p.requires_grad for p in model.parameters()):
         return NOTHING_SPARED
-    head = model.get_submodule(pipeline.FAMILIES[pipeline.family_of(model)].head[-1])
+    head = model.get_submodule(FAMILIES[family_of(model)].head[-1])
     skip = leading_frozen_blocks(model)
     head_frozen = not any(p.requires_grad for p in head.parameters())
     return Spared(skip or 0, skip is not None, head_frozen and linears != "zero3")
@@ -191,8 +192,8 @@ def _gpt_split_activations(cfg: Config, linears: str, mesh: MeshLayout, model: n
     says; the first stage also holds the step's token ids, one tensor that the pipeline cuts into micro-batches."""
     p, m, micro = cfg.parallel, cfg.model, cfg.data.micro_batch_size
     stages = placement.rank_stages(mesh, p, stage_rank)
-    last = pipeline.stage_count(p, mesh.pipeline) - 1
-    bounds = pipeline.stage_bounds(model, last + 1, p.pipeline_split)
+    last = stage_count(p, mesh.pipeline) - 1
+    bounds = stage_bounds(model, last + 1, p.pipeline_split)
     microbatches = cfg.data.global_batch_size // (mesh.data * micro) if mesh.pipeline > 1 else 1
     chunk = dataclasses.replace(m, seq_len=m.seq_len // mesh.context)  # (context parallelism: this rank's chunk)
     spared = spared_by_freeze(model, linears)

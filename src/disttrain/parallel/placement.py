@@ -5,7 +5,7 @@ parallel/tensor.py applies: column-wise linears by output rows, row-wise by inpu
 the embedding by vocabulary rows, the head by vocabulary columns, i.e. its weight's rows; the rest whole).
 
 It reads a model built on the meta device (no memory) and the same split rules the strategies apply
-(pipeline.split_points, tensor.FAMILIES), so the estimate follows what a real run holds.
+(stages.split_points, tensor.FAMILIES), so the estimate follows what a real run holds.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torch import nn
 from disttrain.parallel import pipeline, tensor
 from disttrain.parallel.activation_checkpoint import transformer_blocks
 from disttrain.parallel.mesh import VIRTUAL_SCHEDULES, MeshLayout
+from disttrain.parallel.stages import FAMILIES, family_of, stage_bounds, stage_count, stages_of
 
 if TYPE_CHECKING:
     from disttrain.config import ParallelConfig
@@ -28,8 +29,7 @@ Shape = tuple[int, ...]
 
 def rank_stages(layout: MeshLayout, parallel: ParallelConfig, pipeline_rank: int) -> list[int]:
     """The stages a pipeline rank runs, as the pipeline places them."""
-    return pipeline.stages_of(pipeline_rank, layout.pipeline, pipeline.stage_count(parallel, layout.pipeline),
-                              parallel.pipeline_schedule)
+    return stages_of(pipeline_rank, layout.pipeline, stage_count(parallel, layout.pipeline), parallel.pipeline_schedule)
 
 
 def stage_parameters(model: nn.Module, layout: MeshLayout, parallel: ParallelConfig,
@@ -38,9 +38,9 @@ def stage_parameters(model: nn.Module, layout: MeshLayout, parallel: ParallelCon
     each once."""
     if layout.pipeline == 1:
         return [(n, p) for n, p in model.named_parameters() if p.requires_grad == trainable]
-    fam = pipeline.FAMILIES[pipeline.family_of(model)]
-    stages = pipeline.stage_count(parallel, layout.pipeline)
-    bounds = pipeline.stage_bounds(model, stages, parallel.pipeline_split)
+    fam = FAMILIES[family_of(model)]
+    stages = stage_count(parallel, layout.pipeline)
+    bounds = stage_bounds(model, stages, parallel.pipeline_split)
     blocks = transformer_blocks(model)
     mine = rank_stages(layout, parallel, pipeline_rank)
     modules = [blocks[i] for s in mine for i in range(*bounds[s])]
@@ -125,7 +125,7 @@ def in_flight(schedule: str, ranks: int, pipeline_rank: int, microbatches: int,
         per_round = m // max(1, m // p)
         chunks = min(per_round + 2 * (p - 1 - r) + 1, 2 * m)
         return [(i // per_round) % 2 for i in range(chunks)], False
-    local = {stage: i for i, stage in enumerate(pipeline.stages_of(r, p, 2 * p, schedule))}
+    local = {stage: i for i, stage in enumerate(stages_of(r, p, 2 * p, schedule))}
     held, peak = [], []
     for stage, kind in order:
         if kind == "F":

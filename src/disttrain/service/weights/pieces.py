@@ -26,9 +26,6 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
     return DTYPES[name]
 
 
-# -- what one rank holds -------------------------------------------------------------------------------
-
-
 @dataclass
 class Piece:
     """One rank's part of a tensor of the model: `local` is the slice at `offset` of a tensor of `shape`."""

@@ -311,6 +311,3 @@ def _deliver(consumer: _Consumer, stream: _Stream, version: int, deadline: float
     if answer.get("op") == "ack" and answer.get("version") == version:
         return None
     return f"refused version {version}: {answer.get('error', answer)}"
-
-
-# -- the receiving side: an inference engine ----------------------------------------------------------------

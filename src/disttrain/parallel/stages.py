@@ -1,0 +1,191 @@
+"""What a pipeline stage holds and runs (pure model surgery, no process group): the model families disttrain splits
+(how each embeds, runs a block and finishes), where the stages split (balanced by parameters, or
+`parallel.pipeline_split`), which pipeline rank holds which stage under each schedule, and the stage's module
+(`StagePart`) with the rest of the model pruned to placeholders. pipeline.py runs them with
+`torch.distributed.pipelining`; the memory estimator (placement.py, activations.py) reads the same split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from disttrain.errors import ConfigError
+from disttrain.parallel.activation_checkpoint import transformer_blocks
+from disttrain.parallel.mesh import V_SCHEDULES, VIRTUAL_SCHEDULES
+
+# ----------------------------------------------------------------------------------------------
+# What a stage runs, per model family
+
+
+@dataclass
+class Family:
+    """How the model turns token ids into the residual stream, runs one block, and turns the stream into logits."""
+
+    embeddings: tuple[str, ...]
+    """Modules that only the first stage keeps."""
+    head: tuple[str, ...]
+    """Modules that only the last stage keeps."""
+    embed: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    block: Callable[[nn.Module, nn.Module, torch.Tensor], torch.Tensor]
+    """block(model, block, x): run one block (a Llama layer needs the rotary embedding of the positions)."""
+    finish: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+def _gpt_embed(model, ids):
+    return model.drop(model.tok_emb(ids) + model.pos_emb(torch.arange(ids.shape[1], device=ids.device)))
+
+
+def _llama_block(model, block, x):
+    positions = torch.arange(x.shape[1], device=x.device)[None]
+    rotary = model.model.rotary_emb(x, positions)
+    return block(x, attention_mask=None, position_ids=positions, position_embeddings=rotary)
+
+
+FAMILIES = {
+    "gpt": Family(("tok_emb", "pos_emb", "drop"), ("ln_f", "lm_head"), _gpt_embed,
+                  lambda model, block, x: block(x), lambda model, x: model.lm_head(model.ln_f(x))),
+    "llama": Family(("model.embed_tokens",), ("model.norm", "lm_head"),
+                    lambda model, ids: model.model.embed_tokens(ids), _llama_block,
+                    lambda model, x: model.lm_head(model.model.norm(x))),
+}
+
+
+def family_of(model: nn.Module) -> str:
+    names = {name for name, _ in model.named_modules()}
+    for name, fam in FAMILIES.items():
+        if set(fam.embeddings) | set(fam.head) <= names:
+            return name
+    raise ConfigError(f"parallel.pipeline > 1: disttrain cannot split {type(model).__name__} into stages (it splits "
+                      "the reference GPT and Hugging Face Llama-family models); set parallel.pipeline = 1")
+
+
+# ----------------------------------------------------------------------------------------------
+# Where the stages split (pure)
+
+
+def balanced_split(block_sizes: list[int], stages: int, first_extra: int = 0, last_extra: int = 0) -> list[int]:
+    """Index of the first block of each stage after the first: consecutive blocks, each stage at least one,
+    minimising the largest stage's parameters (the embedding counts on the first stage, the head on the last)."""
+    n = len(block_sizes)
+    if n < stages:
+        raise ConfigError(f"{n} blocks cannot fill {stages} pipeline stages; use fewer stages")
+    best: tuple[int, list[int]] | None = None
+
+    def search(start: int, stage: int, cuts: list[int], worst: int) -> None:
+        nonlocal best
+        if best is not None and worst >= best[0]:
+            return
+        if stage == stages - 1:
+            load = sum(block_sizes[start:]) + last_extra + (first_extra if stage == 0 else 0)
+            worst = max(worst, load)
+            if best is None or worst < best[0]:
+                best = (worst, cuts)
+            return
+        for end in range(start + 1, n - (stages - 1 - stage) + 1):
+            load = sum(block_sizes[start:end]) + (first_extra if stage == 0 else 0)
+            search(end, stage + 1, [*cuts, end], max(worst, load))
+
+    search(0, 0, [], 0)
+    return best[1]
+
+
+def split_points(model: nn.Module, stages: int, given: str) -> list[int]:
+    """First block index of stages 2..N: `parallel.pipeline_split` ("blocks.3,blocks.6" or layer numbers) or
+    balanced by parameter count."""
+    blocks = transformer_blocks(model)
+    if given.strip():
+        names = {id(b): i for i, b in enumerate(blocks)}
+        index = {name: names[id(m)] for name, m in model.named_modules() if id(m) in names}
+        cuts = []
+        for item in (s.strip() for s in given.split(",")):
+            if item not in index:
+                raise ConfigError(f"parallel.pipeline_split = {given!r}: {item!r} is not a block of the model; give "
+                                  f"block names such as {next(iter(index))!r}")
+            cuts.append(index[item])
+        if len(cuts) != stages - 1 or cuts != sorted(set(cuts)) or cuts[0] == 0:
+            raise ConfigError(f"parallel.pipeline_split = {given!r}: give {stages - 1} increasing block names after "
+                              f"the first block (where stages 2..{stages} begin)")
+        return cuts
+    fam = FAMILIES[family_of(model)]
+    size = lambda names: sum(p.numel() for n in names for p in model.get_submodule(n).parameters())  # noqa: E731
+    return balanced_split([sum(p.numel() for p in b.parameters()) for b in blocks], stages, size(fam.embeddings),
+                          size(fam.head))
+
+
+def stage_count(parallel, ranks: int) -> int:
+    """Stages over `ranks` pipeline ranks: two (virtual) per rank for the interleaved schedules."""
+    return ranks * (2 if parallel.pipeline_schedule in VIRTUAL_SCHEDULES else 1)
+
+
+def holder(stage: int, ranks: int, schedule: str = "1f1b") -> int:
+    """The pipeline rank that runs `stage`: virtual stages loop (stage s on rank s mod ranks), or under a V-shaped
+    schedule go down and back (s on rank s for s < ranks, else 2 ranks - 1 - s), as torch's schedules place them."""
+    if schedule in V_SCHEDULES and stage >= ranks:
+        return 2 * ranks - 1 - stage
+    return stage % ranks
+
+
+def stages_of(rank: int, ranks: int, stages: int, schedule: str = "1f1b") -> list[int]:
+    """The stages pipeline rank `rank` runs, in stage order."""
+    return [s for s in range(stages) if holder(s, ranks, schedule) == rank]
+
+
+def stage_bounds(model: nn.Module, stages: int, given: str) -> list[tuple[int, int]]:
+    """[first block, end) of each stage (`split_points`)."""
+    cuts = split_points(model, stages, given) if stages > 1 else []
+    return list(zip([0, *cuts], [*cuts, len(transformer_blocks(model))], strict=True))
+
+
+# ----------------------------------------------------------------------------------------------
+# Building the stages
+
+
+class Placeholder(nn.Module):
+    """Where another stage's block was: no parameters, so names and indices stay the full model's."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipeline stage ran a block that belongs to another stage")
+
+
+class StagePart(nn.Module):
+    """One stage: the embedding (first stage), its blocks, the final norm and head (last stage) of the model, as
+    submodules (the same parameters as the pruned model's). What a `PipelineStage` runs, and what data parallelism
+    wraps (its own FSDP root: the model's forward is never called under a pipeline)."""
+
+    def __init__(self, model: nn.Module, fam: Family, bounds: tuple[int, int], first: bool, last: bool):
+        super().__init__()
+        self.fam, self.first, self.last = fam, first, last
+        self.blocks = nn.ModuleList(transformer_blocks(model)[bounds[0]:bounds[1]])
+        self.ends = nn.ModuleDict({name.replace(".", "_"): model.get_submodule(name) for name in
+                                   [*(fam.embeddings if first else ()), *(fam.head if last else ())]})
+        self._model = [model]  # not a submodule: the pruned model, for the family's functions
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        model = self._model[0]
+        if self.first:
+            x = self.fam.embed(model, x)
+        for block in self.blocks:
+            x = self.fam.block(model, block, x)
+        return self.fam.finish(model, x) if self.last else x
+
+
+def prune(model: nn.Module, fam: Family, keep: list[tuple[int, int]], first: bool, last: bool) -> None:
+    """Leave in `model` only what this rank runs: the blocks in `keep`'s ranges (others become placeholders), the
+    embedding if it holds the first stage, the head if the last (a tied weight stays with the module kept)."""
+    block_list = _block_list(model)
+    for i in range(len(block_list)):
+        if not any(lo <= i < hi for lo, hi in keep):
+            block_list[i] = Placeholder()
+    for names, kept in ((fam.embeddings, first), (fam.head, last)):
+        for name in names if not kept else ():
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, None)
+
+
+def _block_list(model: nn.Module) -> nn.ModuleList:
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return max(lists, key=len)
