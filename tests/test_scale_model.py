@@ -155,6 +155,35 @@ def test_each_collective_is_priced_with_the_links_of_its_element_type():
         ic.interconnect_from_fit({**fit, "dtypes": {"float64": links(1e-9)}})
 
 
+def test_powersgd_sends_each_bucket_as_its_whole_tensors_then_p_then_q():
+    # two blocks, each of a 64 x 256 matrix, a 64-vector, an 8 x 8 matrix and a 256-vector (float32): the 8 x 8 one
+    # compressed at rank 1 ((8 + 8) x 1 x 2 < 64), sent whole at rank 4 (16 x 4 x 2 > 64), the big one at both
+    tensors, rows = (64 * 256, 64, 8 * 8, 256) * 2, (64, 0, 8, 0) * 2
+    shape = sm.ModelShape("toy", sum(tensors), counted=(sm.UnitShape(sum(tensors) / 2, sum(tensors) / 2, 1, 2),) * 2,
+                          grad_tensors=tensors, grad_rows=rows)
+    links = ic.uniform(ic.Link(0.0, 1e9, call_s=1e-3))  # a call's 1 ms, then 1 ns a bus byte
+    net = ic.Interconnect("cpu", 2, links, links)
+    gpu = replace(net, intra=ic.uniform(ic.Link(1e-3, 1e9)), inter=ic.uniform(ic.Link(1e-3, 1e9)))
+    work = sm.Workload(shape, 0.05, 1, "fp32", grad_compression="powersgd", log_every=0, cpu_cores=2,
+                       bucket_bytes=64 * 256 * 4)
+    grads, calls = sm._bucket_calls(shape, work, 4, 4)
+    whole, p, q = 2 * (64 + 256), 2 * (64 + 8), 2 * (256 + 8)  # both blocks in one bucket on a CPU (gloo)
+    assert grads == [sum(tensors) * 4] and calls == [[4 * whole, 4 * p, 4 * q]]
+    assert sm.step_time("ddp", 2, work, net).comm_s == pytest.approx(3e-3 + 4e-9 * (whole + p + q), rel=1e-12)
+    four = replace(work, powersgd_rank=4, cpu_cores=0)  # on GPUs: DDP's buckets, here one per block
+    grads, calls = sm._bucket_calls(shape, four, 4, 4)
+    assert calls == [[4 * (64 + 64 + 256), 4 * 4 * 64, 4 * 4 * 256]] * 2
+    plain = sm.step_time("ddp", 2, replace(four, grad_compression="none"), gpu)
+    low = sm.step_time("ddp", 2, four, gpu)
+    assert plain.wire_bytes - low.wire_bytes == pytest.approx(4 * 2 * (64 * 256 - 4 * (64 + 256)), rel=1e-12)
+    hops = 2 * 1e-3  # a 2-rank ring all-reduce: 2 steps
+    assert low.comm_s == pytest.approx(2 * (3 * hops + (4 * (64 + 64 + 256) + 4 * 4 * (64 + 256)) / 1e9), rel=1e-12)
+    with pytest.raises(ConfigError, match="the shapes of big's gradients are not known"):
+        sm.step_time("ddp", 2, replace(work, model=sm.ModelShape("big", 1e6)), net)
+    with pytest.raises(ConfigError, match="'powersgd' is a DDP communication hook: zero2 does not run it"):
+        sm.step_time("zero2", 2, work, net)
+
+
 def test_ddp_buckets_hold_whole_tensors_from_the_last_parameter():
     # as DDP's rebuilt buckets: in the order gradients are ready, closed once they reach the cap
     model = sm.ModelShape("m", 1030, counted=(sm.UnitShape(1030, 1030, 1, 2),), grad_tensors=(10, 10, 1000, 10))

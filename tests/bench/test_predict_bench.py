@@ -248,8 +248,10 @@ def test_a_sitting_measures_the_links_of_each_element_type_the_job_sends(precisi
     (["--gpus", "0,8"], "--gpus '0,8': give counts >= 1"),
     (["--model", "gpt5"], "--model 'gpt5' is not a preset"),
     (["--model", "resnet50"], "the FLOPs of resnet50 are not modelled; give --compute-s"),
-    (["--set", "parallel.grad_compression=powersgd"], "parallel.grad_compression = 'powersgd': its low-rank factors' "
-     "bytes are not modelled"),
+    (["--model", "llama3-8b", "--strategy", "ddp", "--set", "parallel.grad_compression=powersgd"],
+     "parallel.grad_compression = 'powersgd': the shapes of llama3-8b's gradients are not known"),
+    (["--strategy", "ddp,fsdp", "--set", "parallel.grad_compression=powersgd"],
+     "parallel.grad_compression = 'powersgd' is a DDP communication hook: fsdp does not run it"),
     (["--measure", "--strategies", "fsdp", "--set", "parallel.grad_compression=powersgd"], "--strategies fsdp at 1 "
      "rank: parallel.grad_compression = 'powersgd' is a DDP communication hook"),  # (--measure models nothing)
     (["--strategy", "ddp", "--set", "parallel.bucket_cap_mb=0"], "parallel.bucket_cap_mb = 0.0: must be > 0"),
@@ -338,8 +340,8 @@ def test_validate_reads_the_series_of_a_bench_scaling_csv(tmp_path):
     assert float(rows[3]["predicted"]) == pytest.approx(  # the hand-written loop gathers no figures per step
         sm.step_time("ddp", 2, replace(work, log_every=0), net).step_s, rel=1e-9)
     assert float(rows[3]["predicted"]) < float(rows[1]["predicted"])
-    assert [(r["case"], r["gpus"]) for r in rows[4:]] == [("ddp weak disttrain parallel.bucket_cap_mb 0.01", "1"),
-                                                          ("ddp weak disttrain parallel.bucket_cap_mb 0.01", "2")]
+    assert [(r["case"], r["gpus"]) for r in rows[4:6]] == [("ddp weak disttrain parallel.bucket_cap_mb 0.01", "1"),
+                                                           ("ddp weak disttrain parallel.bucket_cap_mb 0.01", "2")]
     swept = sm.step_time("ddp", 2, replace(work, bucket_bytes=0.01 * 2**20), net).step_s  # each series its buckets
     assert float(rows[5]["predicted"]) == pytest.approx(swept, rel=1e-9) and swept > float(rows[1]["predicted"])
     report = (tmp_path / "predict.md").read_text()
@@ -347,7 +349,10 @@ def test_validate_reads_the_series_of_a_bench_scaling_csv(tmp_path):
     assert [predict_validate._log_every(r) for r in ({"log_every": "10", "loop": "disttrain"}, {"log_every": "1"},
                                             {"loop": "hand-written"}, {"loop": "disttrain"})] == [0, 1, 0, 1]
     assert "Not predicted (no 1-rank row to start from): fsdp strong disttrain." in report
-    assert ("Not predicted: ddp weak disttrain parallel.grad_compression powersgd (parallel.grad_compression = "
-            "'powersgd': its low-rank factors' bytes are not modelled") in report
+    assert [(r["case"], r["gpus"]) for r in rows[6:]] == [("ddp weak disttrain parallel.grad_compression powersgd",
+                                                           "1"), ("ddp weak disttrain parallel.grad_compression "
+                                                                  "powersgd", "2")]
+    low_rank = sm.step_time("ddp", 2, replace(work, grad_compression="powersgd"), net).step_s  # its factors' bytes
+    assert float(rows[7]["predicted"]) == pytest.approx(low_rank, rel=1e-9) and low_rank != float(rows[1]["predicted"])
     assert "ddp weak disttrain model.d_model 128 (its sweep of model.d_model is not modelled)" in report
-    assert len(rows) == 6  # the other series were predicted
+    assert len(rows) == 8  # the other series were predicted

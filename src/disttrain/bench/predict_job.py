@@ -50,7 +50,8 @@ def counted_shape(model_cfg: ModelConfig) -> ModelShape:
             else f"{type(model).__name__} of {len(blocks)} blocks")
     return ModelShape(name, params, (params - units[0].params) / max(1, len(blocks)), len(blocks),
                       seq_len=model_cfg.seq_len, counted=units,
-                      grad_tensors=tuple(p.numel() for p in model.parameters() if p.requires_grad))
+                      grad_tensors=tuple(p.numel() for p in model.parameters() if p.requires_grad),
+                      grad_rows=tuple(p.shape[0] if p.dim() > 1 else 0 for p in model.parameters() if p.requires_grad))
 
 
 def model_sizes(model) -> dict[str, int]:
@@ -118,8 +119,8 @@ def config_strategy(cfg: Config) -> str:
 
 def settings(cfg: Config) -> dict:
     """What a config sets of a step's collectives that the scale model takes, as `Workload`'s fields: the steps per
-    logged line (each gathers the ranks' figures), DDP's bucket size and the gradients' compression; one line for a
-    pipeline, tensor or context split, which the model does not have. (Not taken:
+    logged line (each gathers the ranks' figures), DDP's bucket size and the gradients' compression (powersgd with its
+    rank); one line for a pipeline, tensor or context split, which the model does not have. (Not taken:
     `parallel.hsdp_shard_size`, hsdp shards within a node of the interconnect; `parallel.fsdp_prefetch`;
     `parallel.cpu_offload`, whose copies are in the compute time given or measured.)"""
     from disttrain.config import CHOICES
@@ -131,16 +132,12 @@ def settings(cfg: Config) -> dict:
                           f"split); predict the job without it, e.g. --set {split[0].split(' = ')[0]}=1")
     if p.grad_compression not in choices:
         raise ConfigError(f"parallel.grad_compression = {p.grad_compression!r}: choose from {', '.join(choices)}")
-    if p.grad_compression == "powersgd":
-        raise ConfigError("parallel.grad_compression = 'powersgd': its low-rank factors' bytes are not modelled; "
-                          "predict with --set parallel.grad_compression=none (an upper bound on the bytes), or "
-                          "measure it with `disttrain bench scaling`")
     if not (p.bucket_cap_mb > 0 and math.isfinite(p.bucket_cap_mb)):
         raise ConfigError(f"parallel.bucket_cap_mb = {p.bucket_cap_mb}: must be > 0; e.g. 25 (DDP's default)")
     if cfg.train.log_every < 1:
         raise ConfigError(f"train.log_every = {cfg.train.log_every}: must be >= 1; e.g. 10 (the default)")
     return {"log_every": cfg.train.log_every, "bucket_bytes": p.bucket_cap_mb * 2**20,
-            "grad_compression": p.grad_compression}
+            "grad_compression": p.grad_compression, "powersgd_rank": p.powersgd_rank}
 
 
 def series_settings(config: str | None, overrides: list[str], cfg: Config, swept: str) -> dict:

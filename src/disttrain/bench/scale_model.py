@@ -5,6 +5,7 @@ and its collectives, timed on an interconnect's alpha-beta links (interconnect.p
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -47,6 +48,9 @@ class ModelShape:
     grad_tensors: tuple[int, ...] = ()
     """Elements of each trained parameter in registration order (counted models): DDP fills a bucket with whole
     tensors. Empty: the gradients split evenly into buckets."""
+    grad_rows: tuple[int, ...] = ()
+    """Rows of each of those gradients as PowerSGD views it (its first dimension; 0 for a vector, which it sends
+    whole). Empty: PowerSGD's factors cannot be counted."""
 
     @property
     def root_params(self) -> float:
@@ -141,8 +145,10 @@ class Workload:
     bucket_bytes: float = 25 * 2**20
     """DDP's bucket size (`parallel.bucket_cap_mb`), in the gradients' stored dtype."""
     grad_compression: str = "none"
-    """`parallel.grad_compression`: fp16 / bf16 send DDP's buckets and FSDP's reduce-scatters in 2 bytes an element
-    (powersgd is not modelled)."""
+    """`parallel.grad_compression`: fp16 / bf16 send DDP's buckets and FSDP's reduce-scatters in 2 bytes an element;
+    powersgd sends DDP's buckets as low-rank factors (`_bucket_calls`)."""
+    powersgd_rank: int = 1
+    """`parallel.powersgd_rank`: the factors' rank under powersgd."""
     cpu_cores: int = 0
     """0 on accelerators. On CPU, ranks beyond the cores share them, and so do gloo's communication threads."""
     log_every: int = 10
@@ -224,16 +230,57 @@ def _buckets(model: ModelShape, grad_bytes: int, bucket_bytes: float) -> list[fl
     bucket closed once it holds `bucket_bytes` or more (whole tensors, where the model's are known), so the bucket
     reduced last (holding the first parameters) is the partial one."""
     if model.grad_tensors:
-        buckets, size = [], 0.0
-        for numel in reversed(model.grad_tensors):
-            size += numel * grad_bytes
-            if size >= bucket_bytes:
-                buckets.append(size)
-                size = 0.0
-        return ([size] if size else []) + buckets[::-1]
+        return [sum(model.grad_tensors[i] for i in members) * grad_bytes
+                for members in _bucket_members(model.grad_tensors, grad_bytes, bucket_bytes)]
     total = model.trained_params * grad_bytes
     full, rest = divmod(total, bucket_bytes)
     return ([rest] if rest else []) + [bucket_bytes] * int(full)
+
+
+def _bucket_members(tensors: tuple[int, ...], grad_bytes: int, bucket_bytes: float) -> list[list[int]]:
+    """The trained tensors (their indices) in each of DDP's buckets, in forward order (`_buckets`)."""
+    buckets, members, size = [], [], 0.0
+    for i in reversed(range(len(tensors))):
+        members.append(i)
+        size += tensors[i] * grad_bytes
+        if size >= bucket_bytes:
+            buckets.append(members[::-1])
+            members, size = [], 0.0
+    return ([members[::-1]] if members else []) + buckets[::-1]
+
+
+POWERSGD_MIN_COMPRESSION = 2
+"""torch's `PowerSGDState.min_compression_rate`: a matrix is sent as factors only where they are this many times
+smaller than it."""
+
+
+def _bucket_calls(model: ModelShape, work: Workload, stored: int, wire: int) -> tuple[list[float], list[list[float]]]:
+    """(gradient bytes of each DDP bucket in forward order, the all-reduces it makes: bytes on the wire). Under
+    powersgd (rank r, in the gradients' dtype), past its first two steps, torch's hook all-reduces a bucket's tensors
+    it does not compress (vectors, and matrices whose factors would not be half their size or less), then the P
+    factors (rows x r of each matrix), then the Q factors (cols x r), one after the other; on a CPU (gloo) disttrain
+    runs it with one bucket (parallel/ddp.py). The hook's own compute (the factors' matmuls, error feedback) is not
+    counted: it is in a 1-rank step measured under powersgd, not in one measured without."""
+    if work.grad_compression != "powersgd":
+        buckets = _buckets(model, stored, work.bucket_bytes)
+        return buckets, [[b * wire / stored] for b in buckets]
+    if not model.grad_rows:
+        raise ConfigError(f"parallel.grad_compression = 'powersgd': the shapes of {model.name}'s gradients are not "
+                          "known, so its low-rank factors cannot be counted; model a config (its model is counted "
+                          "from its module tree) rather than --model")
+    r, grads, calls = work.powersgd_rank, [], []
+    for members in _bucket_members(model.grad_tensors, stored, math.inf if work.cpu_cores else work.bucket_bytes):
+        whole = p = q = 0.0
+        for i in members:
+            numel, rows = model.grad_tensors[i], model.grad_rows[i]
+            cols = numel // rows if rows else 0
+            if rows and (rows + cols) * r * POWERSGD_MIN_COMPRESSION < numel:
+                p, q = p + rows * r, q + cols * r
+            else:
+                whole += numel
+        grads.append(sum(model.grad_tensors[i] for i in members) * stored)
+        calls.append([x * stored for x in (whole, p, q) if x])
+    return grads, calls
 
 
 def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[list[Unit], float, float]:
@@ -257,6 +304,9 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
 
     sent = 0.0
     sharded = strategy not in ("ddp", "zero1")
+    if sharded and work.grad_compression == "powersgd":
+        raise ConfigError(f"parallel.grad_compression = 'powersgd' is a DDP communication hook: {strategy} does not "
+                          "run it; predict ddp or zero1 with it, or the others with none, fp16 or bf16")
     shard = min(n, net.gpus_per_node) if strategy == "hsdp" else n
     # The Trainer's small collectives that block a step, exposed after backward: on one CPU host each costs a call
     # (a hand-off and wake-ups: skipping the figures' gather took 0.5-2.5 ms off a 2-rank ddp step here), on GPUs
@@ -270,8 +320,9 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
     shapes = model.units()
     flops = sum(u.forward_flops + u.backward_flops for u in shapes)
     if not sharded:
-        buckets = [b * ddp_wire / stored for b in _buckets(model, stored, work.bucket_bytes)]  # (bytes on the wire)
-        units = _bucket_units(shapes, flops, buckets, lambda nbytes: wire("all_reduce", nbytes, n, dtype=ddp_dtype),
+        grads, calls = _bucket_calls(model, work, stored, ddp_wire)
+        units = _bucket_units(shapes, flops, grads, calls, lambda nbytes: wire("all_reduce", nbytes, n,
+                                                                               dtype=ddp_dtype),
                               net.for_dtype(ddp_dtype, "all_reduce"), n)
         if strategy == "zero1":
             after += wire("all_gather", model.trained_params * stored, n, dtype=stored_dtype)
@@ -293,21 +344,22 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
     return units, after, sent
 
 
-def _bucket_units(shapes: list[UnitShape], flops: float, buckets: list[float], all_reduce: Callable[[float], float],
-                  net: Interconnect, n: int) -> list[Unit]:
-    """DDP's (and zero1's) units: one per bucket (`buckets`: bytes on the wire, forward order; `all_reduce(bytes)` its
-    seconds), spread over the compute of the units from the first to the last that trains. The backward of the
-    frozen units after that one comes first and readies no gradient (a frozen front's backward is nothing): a unit
-    of their own, reducing nothing."""
+def _bucket_units(shapes: list[UnitShape], flops: float, buckets: list[float], calls: list[list[float]],
+                  all_reduce: Callable[[float], float], net: Interconnect, n: int) -> list[Unit]:
+    """DDP's (and zero1's) units: one per bucket (`buckets`: its gradients' bytes, forward order; `calls`: the
+    all-reduces it makes, one after the other, bytes on the wire; `all_reduce(bytes)` one's seconds), spread over
+    the compute of the units from the first to the last that trains. The backward of the frozen units after that one
+    comes first and readies no gradient (a frozen front's backward is nothing): a unit of their own, reducing
+    nothing."""
     def shares(group: list[UnitShape]) -> tuple[float, float]:
         return sum(u.forward_flops for u in group) / flops, sum(u.backward_flops for u in group) / flops
 
     last = max((i for i, u in enumerate(shapes) if u.trained), default=-1)
     (forward, backward), tail = shares(shapes[:last + 1]), shapes[last + 1:]
     cpu = replace(net, intra=net.cpu, inter=net.cpu) if net.cpu else None
-    units = [Unit(forward * b / sum(buckets), backward * b / sum(buckets), reduce=all_reduce(b),
-                  reduce_cpu=collective_time("all_reduce", b, n, cpu) if cpu else None)
-             for b in buckets] or [Unit(forward, backward)]
+    units = [Unit(forward * b / sum(buckets), backward * b / sum(buckets), reduce=sum(map(all_reduce, sizes)),
+                  reduce_cpu=sum(collective_time("all_reduce", c, n, cpu) for c in sizes) if cpu else None)
+             for b, sizes in zip(buckets, calls, strict=True)] or [Unit(forward, backward)]
     return units + ([Unit(*shares(tail))] if tail else [])
 
 
