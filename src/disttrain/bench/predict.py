@@ -269,6 +269,8 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
                          "step_s": s.step_s, "compute_s": s.compute_s, "comm_s": s.comm_s, "exposed_s": s.exposed_s,
                          "wire_bytes_per_gpu": s.wire_bytes, "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu,
                          "efficiency": p.efficiency})
+    factors = (f" (DDP's buckets as rank-{job['powersgd_rank']} factors)" if job["grad_compression"] == "powersgd"
+               else "")
     lines = [f"# Predicted scaling: {shape.name}, {', '.join(strategies)} ({_date()})", "",
              *([picked] if picked else []),
              f"- model: {shape.params / 1e6:,.1f} M parameters, {shape.n_layer} blocks of "
@@ -278,7 +280,7 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
              f"- compute of one step on one device: {compute:.4g} s, {source}",
              f"- precision {precision}, gradient compression {job['grad_compression']}: bytes per element stored / "
              f"gathered / reduced {' / '.join(map(str, BYTES[precision][:2]))} / "
-             f"{reduced_bytes(precision, job['grad_compression'])}; DDP buckets of "
+             f"{reduced_bytes(precision, job['grad_compression'])}{factors}; DDP buckets of "
              f"{job['bucket_bytes'] / 2**20:g} MiB; a logged line every {job['log_every']} steps",
              f"- interconnect {net.name}: {net.gpus_per_node} devices per node; {net.note}", "",
              "| strategy | GPUs | step (s) | compute (s) | collectives (s) | exposed (s) | tokens/s per GPU | "
