@@ -307,7 +307,7 @@ def test_a_previous_runs_ended_ranks_in_the_run_folder_stop_nothing():
     """A rank another node's launcher gave up on counts unless its process's status was in the run folder when the
     watch began (a previous run's, in a rerun); never this host's own ranks (its agent sees them), nor a rank that
     had finished."""
-    from disttrain.monitor import ended_elsewhere
+    from disttrain.watchdog import ended_elsewhere
 
     def status(rank, host, pid, ended=None, phase="forward"):
         return {"rank": rank, "host": host, "pid": pid, "node": rank, "phase": phase,

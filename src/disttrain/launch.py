@@ -112,7 +112,8 @@ def _run_torchrun(plan: LaunchPlan, entry: list[str], run_dir: Path, module: boo
     from torch.distributed.run import get_args_parser, run
 
     from disttrain.launch_fork import forks, run_forked
-    from disttrain.monitor import Watchdog, clear_statuses, mark_ended, summary
+    from disttrain.monitor import clear_statuses, mark_ended
+    from disttrain.watchdog import Watchdog, summary
 
     argv = torchrun_argv(plan, entry, run_dir / "logs", module)
     print("disttrain: launching: torchrun " + shlex.join(argv), file=sys.stderr, flush=True)

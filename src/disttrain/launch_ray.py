@@ -6,7 +6,7 @@ one actor per bundle. This process hosts the rendezvous store (as torchrun's age
 environment torchrun would (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR/PORT), and
 each actor runs `disttrain.run.main` on the saved config: the same Trainer, data order, checkpoints and status files,
 hence the same losses as under torchrun. The watchdog and the failure summary are the launcher's own
-(`monitor.py`): a rank that dies or raises ends the attempt (the other actors are killed, as torchrun stops the
+(`watchdog.py`): a rank that dies or raises ends the attempt (the other actors are killed, as torchrun stops the
 group), a hung rank is named; `--max-restarts K` starts new actors up to K times, each resuming from the newest
 committed checkpoint. The terminal is torchrun's too: each actor writes its stdout and stderr to
 `RUN_DIR/logs/ray/attempt_N/RANK/{stdout,stderr}.log`, and this process tails them as `[rank R] ...` lines under
@@ -123,7 +123,8 @@ def _attempt(ray, actors, cfg: Config, config_path: Path, attempt: int, stop: _F
     signal (`stop`) every rank is waited for: each finishes its step and checkpoints."""
     import torch.distributed as dist
 
-    from disttrain.monitor import Watchdog, clear_statuses, summary
+    from disttrain.monitor import clear_statuses
+    from disttrain.watchdog import Watchdog, summary
 
     d, procs, run_dir = cfg.dist, cfg.dist.nproc, cfg.run_dir
     places = ray.get([a.where.remote() for a in actors], timeout=d.startup_timeout_s)

@@ -172,7 +172,7 @@ def init_runtime(cfg: DistConfig, environ: Mapping[str, str] | None = None, alwa
     torch.set_num_threads(threads)
     if info.world_size == 1 and not always_form_group and not dist.is_initialized():
         return Runtime(info, device, backend, distributed=False)
-    # Collectives time out only after either watchdog limit (monitor.py): the launcher's watchdog names a
+    # Collectives time out only after either watchdog limit (watchdog.py): the launcher's watchdog names a
     # rank that stopped making progress, rather than racing a peer's collective timeout that names no one.
     timeout = timedelta(seconds=cfg.timeout_s + cfg.startup_timeout_s)
     if backend == "nccl":  # nccl times each collective on the device, for comm_s (parallel/comm.py)

@@ -364,7 +364,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from disttrain.monitor import report
+    from disttrain.watchdog import report
 
     print(report(Path(args.run_dir), args.dump))
     return 0
