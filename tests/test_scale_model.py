@@ -178,6 +178,9 @@ def test_powersgd_sends_each_bucket_as_its_whole_tensors_then_p_then_q():
     assert plain.wire_bytes - low.wire_bytes == pytest.approx(4 * 2 * (64 * 256 - 4 * (64 + 256)), rel=1e-12)
     hops = 2 * 1e-3  # a 2-rank ring all-reduce: 2 steps
     assert low.comm_s == pytest.approx(2 * (3 * hops + (4 * (64 + 64 + 256) + 4 * 4 * (64 + 256)) / 1e9), rel=1e-12)
+    # on GPUs the hook synchronizes the device at each bucket: its calls hold up the backward, none hides behind it
+    assert low.step_s == pytest.approx(0.05 + low.comm_s, rel=1e-12)
+    assert plain.step_s < 0.05 + plain.comm_s  # (the plain all-reduce of the second bucket overlaps the backward)
     with pytest.raises(ConfigError, match="the shapes of big's gradients are not known"):
         sm.step_time("ddp", 2, replace(work, model=sm.ModelShape("big", 1e6)), net)
     with pytest.raises(ConfigError, match="'powersgd' is a DDP communication hook: zero2 does not run it"):

@@ -48,6 +48,18 @@ def test_forecast_of_a_config_counts_what_model_freeze_leaves_to_reduce(tmp_path
     assert f"{frozen:.1%} of the parameters frozen (model.freeze" in (tmp_path / "frozen" / "predict.md").read_text()
 
 
+def test_forecast_of_a_powersgd_job_sends_its_factors(tmp_path):
+    for name, settings in (("none", []), ("powersgd", ["--set", "parallel.grad_compression=powersgd", "--set",
+                                                       "parallel.powersgd_rank=2"])):
+        assert cli(["bench", "predict", *TINY, *settings, "--strategy", "ddp", "--gpus", "8,64", "--compute-s", "0.1",
+                    "--out", str(tmp_path / name)]) == 0
+    rows = {name: [float(r["wire_bytes_per_gpu"]) for r in csv.DictReader(open(tmp_path / name / "predict.csv"))]
+            for name in ("none", "powersgd")}
+    assert all(low < plain for low, plain in zip(rows["powersgd"], rows["none"], strict=True))
+    assert "gradient compression powersgd: bytes per element stored / gathered / reduced 4 / 4 / 4 (DDP's buckets " \
+           "as rank-2 factors)" in (tmp_path / "powersgd" / "predict.md").read_text()
+
+
 @pytest.mark.parametrize("settings, expected", [
     (["parallel.strategy=auto"], "ddp"),  # (what auto runs on several ranks)
     (["parallel.strategy=zero1"], "zero1"),

@@ -11,7 +11,7 @@ from disttrain.bench.scale_model import COMPRESSED, STRATEGIES, WIRE_DTYPES, Mod
 from disttrain.config import Config, ModelConfig
 from disttrain.errors import ConfigError
 
-MODELLED_SWEEPS = ("parallel.bucket_cap_mb", "parallel.grad_compression", "train.log_every",
+MODELLED_SWEEPS = ("parallel.bucket_cap_mb", "parallel.grad_compression", "parallel.powersgd_rank", "train.log_every",
                    "parallel.activation_checkpointing", "data.", "optim.")
 """`bench scaling --sweep` keys a measured series can be predicted under: what `settings` takes, the batch (the
 rows' columns) and what changes compute only (measured in the series' own 1-rank row). A sweep of another key (the

@@ -186,6 +186,9 @@ class Unit:
     reduce_cpu: float | None = None
     """A DDP bucket's all-reduce: its CPU seconds on the process group's threads, where measured
     (`Interconnect.cpu`)."""
+    blocking: bool = False
+    """The reduction holds up the compute until it is done: PowerSGD's hook on GPUs, whose last step synchronizes the
+    device (`torch.cuda.synchronize`) on the thread running the backward, at every bucket."""
 
 
 @dataclass
@@ -222,6 +225,7 @@ def _pass(units: list[Unit], seconds: float, part: str, gather: str, reduce: boo
         t = start + getattr(u, part) * seconds
         if reduce and u.reduce:
             comm = max(comm, t) + u.reduce
+            t = comm if u.blocking else t
     return t, comm
 
 
@@ -258,8 +262,10 @@ def _bucket_calls(model: ModelShape, work: Workload, stored: int, wire: int) -> 
     """(gradient bytes of each DDP bucket in forward order, the all-reduces it makes: bytes on the wire). Under
     powersgd (rank r, in the gradients' dtype), past its first two steps, torch's hook all-reduces a bucket's tensors
     it does not compress (vectors, and matrices whose factors would not be half their size or less), then the P
-    factors (rows x r of each matrix), then the Q factors (cols x r), one after the other; on a CPU (gloo) disttrain
-    runs it with one bucket (parallel/ddp.py). The hook's own compute (the factors' matmuls, error feedback) is not
+    factors (rows x r of each matrix), then the Q factors (cols x r), one after the other (a part with no bytes is
+    an empty call: not counted); on a CPU (gloo) disttrain runs it with one bucket (parallel/ddp.py); on GPUs the
+    hook's last step synchronizes the device on the backward's thread, so each bucket holds up the backward until
+    its calls are done (`Unit.blocking`). The hook's own compute (the factors' matmuls, error feedback) is not
     counted: it is in a 1-rank step measured under powersgd, not in one measured without."""
     if work.grad_compression != "powersgd":
         buckets = _buckets(model, stored, work.bucket_bytes)
@@ -321,9 +327,10 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
     flops = sum(u.forward_flops + u.backward_flops for u in shapes)
     if not sharded:
         grads, calls = _bucket_calls(model, work, stored, ddp_wire)
+        blocking = work.grad_compression == "powersgd" and not work.cpu_cores  # (the hook's device synchronize)
         units = _bucket_units(shapes, flops, grads, calls, lambda nbytes: wire("all_reduce", nbytes, n,
                                                                                dtype=ddp_dtype),
-                              net.for_dtype(ddp_dtype, "all_reduce"), n)
+                              net.for_dtype(ddp_dtype, "all_reduce"), n, blocking)
         if strategy == "zero1":
             after += wire("all_gather", model.trained_params * stored, n, dtype=stored_dtype)
         return units, after, sent
@@ -345,12 +352,13 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
 
 
 def _bucket_units(shapes: list[UnitShape], flops: float, buckets: list[float], calls: list[list[float]],
-                  all_reduce: Callable[[float], float], net: Interconnect, n: int) -> list[Unit]:
+                  all_reduce: Callable[[float], float], net: Interconnect, n: int, blocking: bool = False
+                  ) -> list[Unit]:
     """DDP's (and zero1's) units: one per bucket (`buckets`: its gradients' bytes, forward order; `calls`: the
     all-reduces it makes, one after the other, bytes on the wire; `all_reduce(bytes)` one's seconds), spread over
     the compute of the units from the first to the last that trains. The backward of the frozen units after that one
     comes first and readies no gradient (a frozen front's backward is nothing): a unit of their own, reducing
-    nothing."""
+    nothing. `blocking`: each bucket's reduction holds up the backward (`Unit.blocking`)."""
     def shares(group: list[UnitShape]) -> tuple[float, float]:
         return sum(u.forward_flops for u in group) / flops, sum(u.backward_flops for u in group) / flops
 
@@ -358,7 +366,8 @@ def _bucket_units(shapes: list[UnitShape], flops: float, buckets: list[float], c
     (forward, backward), tail = shares(shapes[:last + 1]), shapes[last + 1:]
     cpu = replace(net, intra=net.cpu, inter=net.cpu) if net.cpu else None
     units = [Unit(forward * b / sum(buckets), backward * b / sum(buckets), reduce=sum(map(all_reduce, sizes)),
-                  reduce_cpu=sum(collective_time("all_reduce", c, n, cpu) for c in sizes) if cpu else None)
+                  reduce_cpu=sum(collective_time("all_reduce", c, n, cpu) for c in sizes) if cpu else None,
+                  blocking=blocking)
              for b, sizes in zip(buckets, calls, strict=True)] or [Unit(forward, backward)]
     return units + ([Unit(*shares(tail))] if tail else [])
 
