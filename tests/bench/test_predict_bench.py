@@ -60,6 +60,26 @@ def test_forecast_of_a_powersgd_job_sends_its_factors(tmp_path):
            "as rank-2 factors)" in (tmp_path / "powersgd" / "predict.md").read_text()
 
 
+def test_a_forecast_sweeps_a_setting_of_the_collectives_in_one_table(tmp_path):
+    assert cli(["bench", "predict", *TINY, "--strategy", "ddp,fsdp", "--gpus", "8,64", "--compute-s", "0.1",
+                "--sweep", "parallel.grad_compression=none,powersgd", "--out", str(tmp_path / "swept")]) == 0
+    swept = list(csv.DictReader(open(tmp_path / "swept" / "predict.csv")))
+    assert [(r["strategy"], r["setting"], r["gpus"]) for r in swept] == [
+        ("ddp", "parallel.grad_compression=none", "8"), ("ddp", "parallel.grad_compression=none", "64"),
+        ("fsdp", "parallel.grad_compression=none", "8"), ("fsdp", "parallel.grad_compression=none", "64"),
+        ("ddp", "parallel.grad_compression=powersgd", "8"), ("ddp", "parallel.grad_compression=powersgd", "64")]
+    for value, at in (("none", 1), ("powersgd", 5)):  # each value's rows are its own forecast's
+        assert cli(["bench", "predict", *TINY, "--strategy", "ddp", "--gpus", "8,64", "--compute-s", "0.1", "--set",
+                    f"parallel.grad_compression={value}", "--out", str(tmp_path / value)]) == 0
+        alone = list(csv.DictReader(open(tmp_path / value / "predict.csv")))
+        assert swept[at]["step_s"] == alone[1]["step_s"] and swept[at]["wire_bytes_per_gpu"] == \
+            alone[1]["wire_bytes_per_gpu"]
+    text = (tmp_path / "swept" / "predict.md").read_text()
+    assert "| ddp | parallel.grad_compression=powersgd | 64 |" in text and "- swept: parallel.grad_compression" in text
+    assert "Not predicted: fsdp with parallel.grad_compression=powersgd (parallel.grad_compression = 'powersgd' is " \
+           "a DDP communication hook" in text
+
+
 @pytest.mark.parametrize("settings, expected", [
     (["parallel.strategy=auto"], "ddp"),  # (what auto runs on several ranks)
     (["parallel.strategy=zero1"], "zero1"),
@@ -279,6 +299,13 @@ def test_a_sitting_measures_the_links_of_each_element_type_the_job_sends(precisi
     (["--measure", "--world-sizes", "1,two"], "--world-sizes '1,two': give counts"),
     (["--measure", "--world-sizes", "1,100000"], "--world-sizes: 100000 ranks is more than this machine can start"),
     (["--measure", "--validate", "--rounds", "0"], "--rounds 0: give 1 or more"),
+    (["--sweep", "model.d_model=128,256"], "--sweep model.d_model: a forecast sweeps a setting that changes only a "
+     "step's collectives (parallel.grad_compression, parallel.powersgd_rank"),
+    (["--sweep", "parallel.grad_compression=zip"], "parallel.grad_compression"),
+    (["--sweep", "parallel.bucket_cap_mb"], "--sweep parallel.bucket_cap_mb: expected section.key=v1,v2"),
+    (["--validate", "--sweep", "parallel.bucket_cap_mb=1,25"], "--sweep parallel.bucket_cap_mb=1,25: a forecast's"),
+    (["--strategy", "fsdp", "--sweep", "parallel.grad_compression=powersgd"], "--sweep "
+     "parallel.grad_compression=powersgd: no strategy runs any of its values: fsdp with"),
     (["--measure", "--local-batch", "6", "--micro-batch", "4"], "--local-batch 6: --measure accumulates it in "
      "micro-batches of --micro-batch 4; give a multiple of it"),
     (["--measure", "--set", "parallel.bucket_cap_mb=1"], "--strategies fsdp at 1 rank: parallel.bucket_cap_mb = 1.0 "

@@ -3,7 +3,7 @@ this machine does not have, from one device's compute time and an alpha-beta mod
 
     disttrain bench predict [CONFIG] [--set ...] [--model llama3-8b] [--strategy ddp,fsdp] [--gpus 8,64,512,1024]
         [--interconnect h100-nvlink+ib-ndr | measured:DIR/comm_fit.json] [--compute-s S | --tflops T --mfu M]
-        [--local-batch B] [--micro-batch M] [--precision bf16-mixed] [--out bench_results]
+        [--local-batch B] [--micro-batch M] [--precision bf16-mixed] [--sweep KEY=V1,V2] [--out bench_results]
     disttrain bench predict --validate [CONFIG] [--set ...] [--measured DIR/scaling.csv
         --interconnect measured:DIR/comm_fit.json]
     disttrain bench predict --measure [CONFIG] [--set ...] [--world-sizes 1,2,3] [--strategies ddp,fsdp]
@@ -18,7 +18,9 @@ module tree built on the meta device (`model.freeze` included); the strategy it 
 `--strategy` names others; its batch per GPU, `data.global_batch_size` over `dist.nproc` (one node's ranks: for a
 job on several nodes give `--local-batch`), accumulated in micro-batches of `data.micro_batch_size` (`--local-batch`
 and `--micro-batch` override both); its gradient compression, DDP buckets and logged lines. With `--model`, the
-preset with the config's settings. Writes `<out>/predict.md` and `predict.csv`.
+preset with the config's settings. `--sweep KEY=V1,V2` forecasts each value of a setting that changes only the
+collectives (`FORECAST_SWEEPS`: gradient compression, PowerSGD's rank, DDP's buckets, the logged lines) in one
+table. Writes `<out>/predict.md` and `predict.csv`.
 
 `--validate` checks the model (predict_validate.py): (i) with `--measured` (the CSV of `disttrain bench scaling`, or
 of `--measure`, or a minimal one with the columns strategy, world_size, step_time_s; its `params` and
@@ -64,6 +66,9 @@ from disttrain.errors import ArgumentParser, ConfigError, make_folder
 
 DEFAULT_NET = "h100-nvlink+ib-ndr"
 
+FORECAST_SWEEPS = ("parallel.grad_compression", "parallel.powersgd_rank", "parallel.bucket_cap_mb", "train.log_every")
+"""Settings `--sweep` forecasts: those that change only a step's collectives, not its compute."""
+
 LOCAL_BATCH = {"llama3-8b": 2, "llama3-70b": 1, "resnet50": 32, "bert-large": 32}
 """Sequences (images) per GPU per step of each preset model: torchtitan's Llama runs, the DDP paper's batch."""
 
@@ -93,6 +98,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                         "data.micro_batch_size; none with --model or --local-batch); --measure: per rank")
     p.add_argument("--precision", default="", help="one of " + ", ".join(BYTES) + " (default: the config's, or "
                    "bf16-mixed for --model)")
+    p.add_argument("--sweep", default="", help="KEY=V1,V2,...: forecast each value (one of "
+                   + ", ".join(FORECAST_SWEEPS) + ")")
     p.add_argument("--cpu-cores", type=int, default=-1,
                    help="cores ranks share on a CPU machine (default: this machine's with a CPU comm fit, else 0)")
     p.add_argument("--validate", action="store_true", help="check the model (see the module help)")
@@ -186,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     shape, precision, cfg = model_shape(args)
     precision = _precision(args, precision)
     sitting = args.measure and args.validate
+    if args.sweep and (args.measure or args.validate):
+        raise ConfigError(f"--sweep {args.sweep}: a forecast's; --validate predicts a measured sweep from its CSV's "
+                          "columns (`disttrain bench scaling --sweep`), --measure measures the config as set")
     if sitting and args.interconnect:
         raise ConfigError(f"--interconnect {args.interconnect}: --measure --validate measures this machine's links "
                           "itself; leave --interconnect out (or check a fit with --validate --measured CSV "
@@ -233,42 +243,33 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 
 def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[str, list[dict]]:
-    job = settings(cfg)
+    jobs = sweep_jobs(args, cfg)
     picked = ""
     if not strategies:
         strategies = ["fsdp" if args.model else config_strategy(cfg)]
         picked = "" if args.model else (f"- strategy: the config's parallel.strategy = {cfg.parallel.strategy!r}, "
                                         f"modelled as {strategies[0]}")
-    local, micro = (args.local_batch, args.local_batch) if args.local_batch else default_batch(args, cfg)
-    micro = args.micro_batch or micro  # (--local-batch alone: no accumulation)
-    given = ("--local-batch" if args.local_batch else "the preset's" if args.model else
-             f"the config's: data.global_batch_size {cfg.data.global_batch_size} over dist.nproc {cfg.dist.nproc}, "
-             "one node's ranks")
-    if local % micro:
-        raise ConfigError(f"--micro-batch {micro}: the batch per GPU, {local} ({given}), is not a multiple of it; "
-                          "give a divisor of it, or --local-batch")
+    local, micro, given = _forecast_batch(args, cfg)
     tokens = local * max(shape.seq_len, 1)
-    if args.compute_s:
-        compute, source = args.compute_s, "given (--compute-s)"
-    elif fit is not None:
-        how = ("" if args.model else f": the 1-rank step_time_s of `disttrain bench predict [CONFIG] --measure "
-               f"--world-sizes 1 --local-batch {local} --micro-batch {micro}`")
-        raise ConfigError(f"--interconnect measured:...: give --compute-s, one device's step of {local} sequences in "
-                          f"micro-batches of {micro}{how}")
-    else:
-        tflops = args.tflops or (H100_FP32_TFLOPS if precision == "fp32" else H100_BF16_TFLOPS)
-        compute = compute_seconds(shape, tokens, tflops, args.mfu)
-        source = (f"{shape.flops_per_token():.3g} FLOPs/token / ({tflops:g} TFLOP/s x MFU {args.mfu:g}"
-                  + ("" if args.tflops else f"; the H100's dense peak in {precision}") + ")")
-    work = Workload(shape, compute, tokens, precision, local // micro, cpu_cores=_cores(args, fit), **job)
-    rows = []
-    for strategy in strategies:
-        for p in predict(strategy, gpus, work, net):
-            s = p.step
-            rows.append({"strategy": strategy, "gpus": p.gpus, "nodes": -(-p.gpus // net.gpus_per_node),
-                         "step_s": s.step_s, "compute_s": s.compute_s, "comm_s": s.comm_s, "exposed_s": s.exposed_s,
-                         "wire_bytes_per_gpu": s.wire_bytes, "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu,
-                         "efficiency": p.efficiency})
+    compute, source = _compute(args, shape, tokens, precision, fit, local, micro)
+    rows, skipped = [], []
+    for setting, job in jobs:
+        work = Workload(shape, compute, tokens, precision, local // micro, cpu_cores=_cores(args, fit), **job)
+        for strategy in strategies:
+            try:
+                predicted = predict(strategy, gpus, work, net)
+            except ConfigError as exc:
+                if not setting:
+                    raise
+                skipped.append(f"{strategy} with {setting} ({exc})")
+                continue
+            rows += [{"strategy": strategy, **({"setting": setting} if setting else {}), "gpus": p.gpus,
+                      "nodes": -(-p.gpus // net.gpus_per_node), "step_s": p.step.step_s, "compute_s": p.step.compute_s,
+                      "comm_s": p.step.comm_s, "exposed_s": p.step.exposed_s, "wire_bytes_per_gpu": p.step.wire_bytes,
+                      "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu, "efficiency": p.efficiency} for p in predicted]
+    if not rows:
+        raise ConfigError(f"--sweep {args.sweep}: no strategy runs any of its values: {'; '.join(skipped)}")
+    job = jobs[0][1] if len(jobs) == 1 else settings(cfg)
     factors = (f" (DDP's buckets as rank-{job['powersgd_rank']} factors)" if job["grad_compression"] == "powersgd"
                else "")
     lines = [f"# Predicted scaling: {shape.name}, {', '.join(strategies)} ({_date()})", "",
@@ -282,15 +283,70 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
              f"gathered / reduced {' / '.join(map(str, BYTES[precision][:2]))} / "
              f"{reduced_bytes(precision, job['grad_compression'])}{factors}; DDP buckets of "
              f"{job['bucket_bytes'] / 2**20:g} MiB; a logged line every {job['log_every']} steps",
-             f"- interconnect {net.name}: {net.gpus_per_node} devices per node; {net.note}", "",
-             "| strategy | GPUs | step (s) | compute (s) | collectives (s) | exposed (s) | tokens/s per GPU | "
-             "efficiency |",
-             "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['strategy']} | {r['gpus']} | {r['step_s']:.4f} | {r['compute_s']:.4f} | {r['comm_s']:.4f} | "
-              f"{r['exposed_s']:.4f} | {r['tokens_per_s_per_gpu']:,.1f} | {r['efficiency']:.3f} |" for r in rows]
+             *([f"- swept: {args.sweep.partition('=')[0]} (each row's setting; the line above is the config's)"]
+               if len(jobs) > 1 or jobs[0][0] else []),
+             f"- interconnect {net.name}: {net.gpus_per_node} devices per node; {net.note}", "", *_table(rows)]
+    if skipped:
+        lines += ["", f"Not predicted: {'; '.join(skipped)}."]
     lines += ["", "Efficiency: tokens/s per GPU relative to the smallest count (weak scaling). Collectives: the sum "
               "of their times, mostly hidden behind compute; exposed: what the step waits for. " + _footer()]
     return "\n".join(lines) + "\n", rows
+
+
+def sweep_jobs(args: argparse.Namespace, cfg: Config) -> list[tuple[str, dict]]:
+    """(setting, the scale model's settings of the job) of each forecast: the config's (setting ''), or one per
+    value of `--sweep` (a setting of `FORECAST_SWEEPS`, applied to the config)."""
+    if not args.sweep:
+        return [("", settings(cfg))]
+    from disttrain.bench.scaling import parse_sweep
+    from disttrain.config import load_config
+
+    key, values = parse_sweep(args.sweep)
+    if key not in FORECAST_SWEEPS:
+        raise ConfigError(f"--sweep {key}: a forecast sweeps a setting that changes only a step's collectives "
+                          f"({', '.join(FORECAST_SWEEPS)}); forecast each value of {key} on its own (--set {key}=...)")
+    return [(f"{key}={value}", settings(load_config(args.config, [*args.overrides, f"{key}={value}"])))
+            for value in values]
+
+
+def _forecast_batch(args: argparse.Namespace, cfg: Config) -> tuple[int, int, str]:
+    """(sequences per GPU per step, per forward pass, where they come from), checked."""
+    local, micro = (args.local_batch, args.local_batch) if args.local_batch else default_batch(args, cfg)
+    micro = args.micro_batch or micro  # (--local-batch alone: no accumulation)
+    given = ("--local-batch" if args.local_batch else "the preset's" if args.model else
+             f"the config's: data.global_batch_size {cfg.data.global_batch_size} over dist.nproc {cfg.dist.nproc}, "
+             "one node's ranks")
+    if local % micro:
+        raise ConfigError(f"--micro-batch {micro}: the batch per GPU, {local} ({given}), is not a multiple of it; "
+                          "give a divisor of it, or --local-batch")
+    return local, micro, given
+
+
+def _compute(args, shape: ModelShape, tokens: int, precision: str, fit: dict | None, local: int, micro: int
+             ) -> tuple[float, str]:
+    """(seconds of one step's compute on one device, where they come from): given, or from FLOPs; a measured
+    interconnect needs it given."""
+    if args.compute_s:
+        return args.compute_s, "given (--compute-s)"
+    if fit is not None:
+        how = ("" if args.model else f": the 1-rank step_time_s of `disttrain bench predict [CONFIG] --measure "
+               f"--world-sizes 1 --local-batch {local} --micro-batch {micro}`")
+        raise ConfigError(f"--interconnect measured:...: give --compute-s, one device's step of {local} sequences in "
+                          f"micro-batches of {micro}{how}")
+    tflops = args.tflops or (H100_FP32_TFLOPS if precision == "fp32" else H100_BF16_TFLOPS)
+    return compute_seconds(shape, tokens, tflops, args.mfu), (
+        f"{shape.flops_per_token():.3g} FLOPs/token / ({tflops:g} TFLOP/s x MFU {args.mfu:g}"
+        + ("" if args.tflops else f"; the H100's dense peak in {precision}") + ")")
+
+
+def _table(rows: list[dict]) -> list[str]:
+    swept = "setting" in rows[0]
+    head = ("| strategy | " + ("setting | " if swept else "") + "GPUs | step (s) | compute (s) | collectives (s) | "
+            "exposed (s) | tokens/s per GPU | efficiency |")
+    return [head, "|---" * head.count(" | ") + "|---|"] + [
+        f"| {r['strategy']} | " + (f"{r['setting']} | " if swept else "") + f"{r['gpus']} | {r['step_s']:.4f} | "
+        f"{r['compute_s']:.4f} | {r['comm_s']:.4f} | {r['exposed_s']:.4f} | {r['tokens_per_s_per_gpu']:,.1f} | "
+        f"{r['efficiency']:.3f} |" for r in rows]
 
 
 def validate(args, shape, precision, net, fit, cfg) -> tuple[str, list[dict]]:

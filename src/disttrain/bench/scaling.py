@@ -160,7 +160,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     cuda = uses_cuda(base, gpus)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     worlds = _world_sizes(args.world_sizes, gpus if cuda else cores, cuda)
-    key, values = _sweep(args.sweep)
+    key, values = parse_sweep(args.sweep)
     if key and not any(reads(s, key) for s in strategies):
         raise ConfigError(f"--sweep {key}: none of --strategies {','.join(strategies)} reads it; add one of "
                           f"{', '.join(registry.option_users()[key.split('.', 1)[1]])}")
@@ -202,7 +202,7 @@ def _world_sizes(text: str, devices: int, cuda: bool) -> list[int]:
     return worlds
 
 
-def _sweep(text: str) -> tuple[str, list[str]]:
+def parse_sweep(text: str) -> tuple[str, list[str]]:
     """(key, values) of --sweep section.key=v1,v2; the key and every value are checked by the config's loader."""
     from disttrain.config import load_config
 
@@ -276,7 +276,7 @@ def _worker(args: argparse.Namespace) -> None:
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if runtime.device.type == "cpu" and len(cores) >= runtime.launch.local_world_size:
         os.sched_setaffinity(0, {cores[runtime.local_rank]})  # one core per rank: less scheduler noise
-    key, values = _sweep(args.sweep)
+    key, values = parse_sweep(args.sweep)
     rows = []
     for strategy, value in jobs(args.strategies.split(","), key, values):
         cfg = row_config(base, strategy, key, value, args.mode, runtime.world_size)
