@@ -394,6 +394,25 @@ def test_hsdp_takes_whole_nodes_beyond_one():
     assert [p.gpus for p in sm.predict("fsdp", [8, 12], work, net)] == [8, 12]  # a partial node is a ring's hop
 
 
+def test_hsdp_shards_over_its_shard_size_and_all_reduces_across_the_replicas():
+    """parallel.hsdp_shard_size: 16 on 8-GPU nodes at 64 GPUs shards over two nodes (a hierarchical reduce-scatter)
+    and all-reduces each shard's gradient over 4 replicas, each on another node; 4 puts 2 replicas in a node."""
+    net = ic.PRESETS["h100-nvlink+ib-ndr"]
+    shape = sm.gpt_shape(2, 64, 32, 256)
+    work = sm.Workload(shape, 1.0, 8192, "fp32", log_every=0)
+    for shard, per_node in ((16, 1), (4, 2), (0, 1)):  # (0: the interconnect's devices per node, 8)
+        units, _, _ = sm._units("hsdp", replace(work, hsdp_shard=shard), 64, net)
+        size = shard or 8
+        replicas = ic.with_gpus_per_node(net, per_node)
+        for unit, u in zip(units, shape.units(), strict=True):
+            assert unit.reduce == pytest.approx(ic.collective_time("reduce_scatter", u.trained * 4, size, net)
+                                                + ic.collective_time("all_reduce", u.trained * 4 / size, 64 // size,
+                                                                     replicas), rel=1e-12)
+    assert sm.step_time("hsdp", 64, replace(work, hsdp_shard=64), net) == sm.step_time("fsdp", 64, work, net)
+    with pytest.raises(ConfigError, match="parallel.hsdp_shard_size = 16: it does not divide 24 GPUs"):
+        sm.predict("hsdp", [8, 24], replace(work, hsdp_shard=16), net)
+
+
 def test_the_model_imports_no_torch():
     code = ("import sys, disttrain.bench.scale_model, disttrain.bench.published_scaling; "
             "assert 'torch' not in sys.modules, 'torch imported'")

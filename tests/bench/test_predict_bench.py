@@ -86,6 +86,8 @@ def test_a_forecast_sweeps_a_setting_of_the_collectives_in_one_table(tmp_path):
     (["parallel.strategy=deepspeed"], "zero2"),  # its default stage
     (["parallel.strategy=deepspeed", "parallel.deepspeed_stage=3"], "fsdp"),
     (["parallel.strategy=fsdp", "parallel.reshard_after_forward=false"], "zero2"),  # gathered once, kept for backward
+    (["parallel.strategy=hsdp"], "fsdp"),  # hsdp_shard_size 0: one sharding group of every rank
+    (["parallel.strategy=hsdp", "parallel.hsdp_shard_size=4"], "hsdp"),
 ])
 def test_the_strategy_is_the_one_the_config_s_job_runs(settings, expected, tmp_path):
     sets = [x for setting in settings for x in ("--set", setting)]
@@ -290,7 +292,8 @@ def test_a_sitting_measures_the_links_of_each_element_type_the_job_sends(precisi
     (["--set", "parallel.strategy=single"], "parallel.strategy = 'single' is not modelled; give --strategy"),
     (["--set", "parallel.strategy=fsdpp"], "parallel.strategy = 'fsdpp' is not known"),
     (["--set", "parallel.pipeline=2"], "parallel.pipeline = 2: the scale model has data parallelism only"),
-    (["--set", "parallel.strategy=hsdp", "--set", "parallel.reshard_after_forward=false"],
+    (["--set", "parallel.strategy=hsdp", "--set", "parallel.hsdp_shard_size=2", "--set",
+      "parallel.reshard_after_forward=false"],
      "parallel.reshard_after_forward = false with hsdp is not modelled"),
     (["--set", "model.name=no_such_module:build"], "model.name = 'no_such_module:build': cannot import"),
     (["--set", "model.name=needs_real_tensors:build"], "model.name = 'needs_real_tensors:build': the model cannot be "

@@ -11,8 +11,9 @@ from disttrain.bench.scale_model import COMPRESSED, STRATEGIES, WIRE_DTYPES, Mod
 from disttrain.config import Config, ModelConfig
 from disttrain.errors import ConfigError
 
-MODELLED_SWEEPS = ("parallel.bucket_cap_mb", "parallel.grad_compression", "parallel.powersgd_rank", "train.log_every",
-                   "parallel.activation_checkpointing", "data.", "optim.")
+MODELLED_SWEEPS = ("parallel.bucket_cap_mb", "parallel.grad_compression", "parallel.powersgd_rank",
+                   "parallel.hsdp_shard_size", "train.log_every", "parallel.activation_checkpointing", "data.",
+                   "optim.")
 """`bench scaling --sweep` keys a measured series can be predicted under: what `settings` takes, the batch (the
 rows' columns) and what changes compute only (measured in the series' own 1-rank row). A sweep of another key (the
 model, the precision, a strategy's layout) is listed as not predicted."""
@@ -98,14 +99,17 @@ def wire_dtypes(precision: str, grad_compression: str) -> list[str]:
 def config_strategy(cfg: Config) -> str:
     """The modelled strategy the config's job runs on several ranks: `auto` is ddp there, DeepSpeed's stages 0-3
     are ddp, zero1, zero2 and fsdp (ZeRO-3), fsdp that keeps its parameters gathered after forward
-    (`parallel.reshard_after_forward = false`) is zero2. One line for what the model does not have: `single`, an
-    unknown name, hsdp kept gathered."""
+    (`parallel.reshard_after_forward = false`) is zero2, hsdp of one sharding group (`parallel.hsdp_shard_size` 0:
+    every rank) is fsdp. One line for what the model does not have: `single`, an unknown name, hsdp kept
+    gathered."""
     from disttrain.parallel import registry
 
     p = cfg.parallel
     name = registry.resolve(p.strategy, 2).name  # (an unknown name: the registry's one line)
     if name == "deepspeed" and 0 <= p.deepspeed_stage <= 3:
         name = ("ddp", "zero1", "zero2", "fsdp")[p.deepspeed_stage]
+    if name == "hsdp" and p.hsdp_shard_size == 0:  # (every rank one sharding group: plain FSDP)
+        name = "fsdp"
     if name in ("fsdp", "hsdp") and not p.reshard_after_forward:
         if name == "hsdp":
             raise ConfigError("parallel.reshard_after_forward = false with hsdp is not modelled (hsdp is modelled "
@@ -121,7 +125,7 @@ def settings(cfg: Config) -> dict:
     """What a config sets of a step's collectives that the scale model takes, as `Workload`'s fields: the steps per
     logged line (each gathers the ranks' figures), DDP's bucket size and the gradients' compression (powersgd with its
     rank); one line for a pipeline, tensor or context split, which the model does not have. (Not taken:
-    `parallel.hsdp_shard_size`, hsdp shards within a node of the interconnect; `parallel.fsdp_prefetch`;
+    `parallel.fsdp_prefetch`;
     `parallel.cpu_offload`, whose copies are in the compute time given or measured.)"""
     from disttrain.config import CHOICES
 
@@ -137,7 +141,8 @@ def settings(cfg: Config) -> dict:
     if cfg.train.log_every < 1:
         raise ConfigError(f"train.log_every = {cfg.train.log_every}: must be >= 1; e.g. 10 (the default)")
     return {"log_every": cfg.train.log_every, "bucket_bytes": p.bucket_cap_mb * 2**20,
-            "grad_compression": p.grad_compression, "powersgd_rank": p.powersgd_rank}
+            "grad_compression": p.grad_compression, "powersgd_rank": p.powersgd_rank,
+            "hsdp_shard": p.hsdp_shard_size}
 
 
 def series_settings(config: str | None, overrides: list[str], cfg: Config, swept: str) -> dict:

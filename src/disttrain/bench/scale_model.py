@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from disttrain.bench.interconnect import Interconnect, bus_factor, collective_time, ring_time
+from disttrain.bench.interconnect import Interconnect, bus_factor, collective_time
 from disttrain.errors import ConfigError
 
 # --- models and workloads ------------------------------------------------------------------------------------
@@ -149,6 +149,9 @@ class Workload:
     powersgd sends DDP's buckets as low-rank factors (`_bucket_calls`)."""
     powersgd_rank: int = 1
     """`parallel.powersgd_rank`: the factors' rank under powersgd."""
+    hsdp_shard: int = 0
+    """hsdp's ranks per sharding group (`parallel.hsdp_shard_size`); 0: the interconnect's devices per node (shard
+    within a node, replicate across)."""
     cpu_cores: int = 0
     """0 on accelerators. On CPU, ranks beyond the cores share them, and so do gloo's communication threads."""
     log_every: int = 10
@@ -298,14 +301,15 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
     ddp_dtype = reduced_type if work.grad_compression in COMPRESSED else stored_dtype  # (DDP's hook sends it)
     ddp_wire = ITEMSIZE[ddp_dtype]
 
-    def wire(collective: str, nbytes: float, ranks: int, times: float = 1, across: bool = False,
-             dtype: str = "float32") -> float:
+    def wire(collective: str, nbytes: float, ranks: int, times: float = 1, dtype: str = "float32",
+             groups: int = 1) -> float:
+        """Seconds of one call over `ranks` ranks, each of `groups` ranks apart (hsdp's replicas: a node holds
+        devices per node / groups of them, each on its share of the node's network)."""
         nonlocal sent
         sent += times * nbytes * bus_factor(collective, ranks)
         links = net.for_dtype(dtype, collective)
-        if across:
-            link = links.inter[collective]
-            return link.call_s * (ranks > 1 and nbytes > 0) + ring_time(collective, nbytes, ranks, link)
+        if groups > 1:
+            links = replace(links, gpus_per_node=max(1, links.gpus_per_node // groups))
         return collective_time(collective, nbytes, ranks, links)
 
     sent = 0.0
@@ -313,7 +317,10 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
     if sharded and work.grad_compression == "powersgd":
         raise ConfigError(f"parallel.grad_compression = 'powersgd' is a DDP communication hook: {strategy} does not "
                           "run it; predict ddp or zero1 with it, or the others with none, fp16 or bf16")
-    shard = min(n, net.gpus_per_node) if strategy == "hsdp" else n
+    shard = min(n, work.hsdp_shard or net.gpus_per_node) if strategy == "hsdp" else n
+    if n % shard:
+        raise ConfigError(f"parallel.hsdp_shard_size = {shard}: it does not divide {n} GPUs into sharding groups; "
+                          f"give GPU counts that are multiples of it")
     # The Trainer's small collectives that block a step, exposed after backward: on one CPU host each costs a call
     # (a hand-off and wake-ups: skipping the figures' gather took 0.5-2.5 ms off a 2-rank ddp step here), on GPUs
     # a ring's latency (tens of microseconds in a node, ~1 ms over 1024 GPUs). The optimizer step all-reduces the
@@ -345,8 +352,8 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
         gather = wire("all_gather", u.params * gathered, shard, work.micro_steps * (2 if again else 1),
                       dtype=gathered_dtype)
         reduce = wire("reduce_scatter", u.trained * reduced, shard, dtype=reduced_type)
-        if replicas > 1:  # hsdp: the shard's gradient is all-reduced across the nodes' replicas
-            reduce += wire("all_reduce", u.trained * reduced / shard, replicas, across=True, dtype=reduced_type)
+        if replicas > 1:  # hsdp: the shard's gradient is all-reduced across the replicas
+            reduce += wire("all_reduce", u.trained * reduced / shard, replicas, dtype=reduced_type, groups=shard)
         units.append(Unit(u.forward_flops / flops, u.backward_flops / flops, gather, gather if again else 0.0, reduce))
     return units, after, sent
 
@@ -415,7 +422,7 @@ class Prediction:
 def predict(strategy: str, counts: list[int], work: Workload, net: Interconnect) -> list[Prediction]:
     per_node = net.gpus_per_node
     partial_nodes = [n for n in counts if n > per_node and n % per_node]
-    if strategy == "hsdp" and partial_nodes:  # (its replicas are whole nodes: 12 would be modelled as 8)
+    if strategy == "hsdp" and not work.hsdp_shard and partial_nodes:  # (its replicas are whole nodes)
         raise ConfigError(f"--gpus {partial_nodes[0]}: hsdp shards within a node of {per_node} devices and "
                           f"replicates across nodes; give at most {per_node} or a multiple of {per_node}")
     steps = [(n, step_time(strategy, n, work, net)) for n in sorted(counts)]
