@@ -413,6 +413,18 @@ def test_hsdp_shards_over_its_shard_size_and_all_reduces_across_the_replicas():
         sm.predict("hsdp", [8, 24], replace(work, hsdp_shard=16), net)
 
 
+def test_deeper_prefetch_issues_a_later_unit_s_gather_behind_a_long_compute():
+    """parallel.fsdp_prefetch = 2: the third unit's big all-gather goes out when the first (a long compute) starts,
+    not when the second does."""
+    units = [sm.Unit(0.5, 0.0), sm.Unit(0.1, 0.0, gather_fwd=0.01), sm.Unit(0.1, 0.0, gather_fwd=0.3)]
+    assert sm._pass(units, 1.0, "forward", "gather_fwd", False, 0.0, 0.0)[0] == pytest.approx(0.5 + 0.3 + 0.1)
+    assert sm._pass(units, 1.0, "forward", "gather_fwd", False, 0.0, 0.0, depth=2)[0] == pytest.approx(0.7)
+    net, work = ic.PRESETS["h100-nvlink+ib-ndr"], sm.Workload(LLAMA, 1.0, 8192, "bf16-mixed", log_every=0)
+    deep = sm.step_time("fsdp", 1024, replace(work, prefetch=4), net)
+    assert deep.step_s <= sm.step_time("fsdp", 1024, work, net).step_s and deep.comm_s == pytest.approx(
+        sm.step_time("fsdp", 1024, work, net).comm_s)  # the same collectives, issued earlier
+
+
 def test_the_model_imports_no_torch():
     code = ("import sys, disttrain.bench.scale_model, disttrain.bench.published_scaling; "
             "assert 'torch' not in sys.modules, 'torch imported'")

@@ -67,7 +67,7 @@ from disttrain.errors import ArgumentParser, ConfigError, make_folder
 DEFAULT_NET = "h100-nvlink+ib-ndr"
 
 FORECAST_SWEEPS = ("parallel.grad_compression", "parallel.powersgd_rank", "parallel.bucket_cap_mb",
-                   "parallel.hsdp_shard_size", "train.log_every")
+                   "parallel.hsdp_shard_size", "parallel.fsdp_prefetch", "train.log_every")
 """Settings `--sweep` forecasts: those that change only a step's collectives, not its compute."""
 
 LOCAL_BATCH = {"llama3-8b": 2, "llama3-70b": 1, "resnet50": 32, "bert-large": 32}

@@ -12,8 +12,8 @@ from disttrain.config import Config, ModelConfig
 from disttrain.errors import ConfigError
 
 MODELLED_SWEEPS = ("parallel.bucket_cap_mb", "parallel.grad_compression", "parallel.powersgd_rank",
-                   "parallel.hsdp_shard_size", "train.log_every", "parallel.activation_checkpointing", "data.",
-                   "optim.")
+                   "parallel.hsdp_shard_size", "parallel.fsdp_prefetch", "train.log_every",
+                   "parallel.activation_checkpointing", "data.", "optim.")
 """`bench scaling --sweep` keys a measured series can be predicted under: what `settings` takes, the batch (the
 rows' columns) and what changes compute only (measured in the series' own 1-rank row). A sweep of another key (the
 model, the precision, a strategy's layout) is listed as not predicted."""
@@ -123,10 +123,10 @@ def config_strategy(cfg: Config) -> str:
 
 def settings(cfg: Config) -> dict:
     """What a config sets of a step's collectives that the scale model takes, as `Workload`'s fields: the steps per
-    logged line (each gathers the ranks' figures), DDP's bucket size and the gradients' compression (powersgd with its
-    rank); one line for a pipeline, tensor or context split, which the model does not have. (Not taken:
-    `parallel.fsdp_prefetch`;
-    `parallel.cpu_offload`, whose copies are in the compute time given or measured.)"""
+    logged line (each gathers the ranks' figures), DDP's bucket size, the gradients' compression (powersgd with its
+    rank), hsdp's shard size and FSDP's prefetch depth; one line for a pipeline, tensor or context split, which the
+    model does not have. (Not taken: `parallel.cpu_offload`, whose copies are in the compute time given or
+    measured.)"""
     from disttrain.config import CHOICES
 
     p, choices = cfg.parallel, CHOICES["parallel.grad_compression"]
@@ -142,7 +142,7 @@ def settings(cfg: Config) -> dict:
         raise ConfigError(f"train.log_every = {cfg.train.log_every}: must be >= 1; e.g. 10 (the default)")
     return {"log_every": cfg.train.log_every, "bucket_bytes": p.bucket_cap_mb * 2**20,
             "grad_compression": p.grad_compression, "powersgd_rank": p.powersgd_rank,
-            "hsdp_shard": p.hsdp_shard_size}
+            "hsdp_shard": p.hsdp_shard_size, "prefetch": p.fsdp_prefetch or 1}
 
 
 def series_settings(config: str | None, overrides: list[str], cfg: Config, swept: str) -> dict:

@@ -149,6 +149,9 @@ class Workload:
     powersgd sends DDP's buckets as low-rank factors (`_bucket_calls`)."""
     powersgd_rank: int = 1
     """`parallel.powersgd_rank`: the factors' rank under powersgd."""
+    prefetch: int = 1
+    """All-gathers a sharded strategy issues ahead of the unit running (`parallel.fsdp_prefetch`; FSDP2's implicit
+    prefetch is one)."""
     hsdp_shard: int = 0
     """hsdp's ranks per sharding group (`parallel.hsdp_shard_size`); 0: the interconnect's devices per node (shard
     within a node, replicate across)."""
@@ -208,11 +211,12 @@ class Step:
         return self.step_s - self.compute_s
 
 
-def _pass(units: list[Unit], seconds: float, part: str, gather: str, reduce: bool, t: float, comm: float
-          ) -> tuple[float, float]:
+def _pass(units: list[Unit], seconds: float, part: str, gather: str, reduce: bool, t: float, comm: float,
+          depth: int = 1) -> tuple[float, float]:
     """One forward or backward pass over `units` (in execution order) on two streams, compute and one FIFO of
-    collectives: a unit starts when its all-gather is done; the next unit's all-gather is issued when a unit
-    starts (prefetch of one, as FSDP2 does); a unit's reduction is issued when its backward ends."""
+    collectives: a unit starts when its all-gather is done; the all-gathers of the next `depth` units are issued
+    when a unit starts (FSDP2 prefetches one implicitly; `parallel.fsdp_prefetch` sets more); a unit's reduction
+    is issued when its backward ends."""
     def issue(u: Unit, at: float) -> float:
         nonlocal comm
         if not getattr(u, gather):
@@ -220,11 +224,10 @@ def _pass(units: list[Unit], seconds: float, part: str, gather: str, reduce: boo
         comm = max(comm, at) + getattr(u, gather)
         return comm
 
-    ready = issue(units[0], t)
+    ready = [issue(units[0], t)]
     for i, u in enumerate(units):
-        start = max(t, ready)
-        if i + 1 < len(units):
-            ready = issue(units[i + 1], start)
+        start = max(t, ready[i])
+        ready += [issue(units[j], start) for j in range(len(ready), min(i + depth + 1, len(units)))]
         t = start + getattr(u, part) * seconds
         if reduce and u.reduce:
             comm = max(comm, t) + u.reduce
@@ -346,7 +349,7 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
     for i, u in enumerate(shapes):
         # gathered again for backward where the block's backward runs, or the next unit's does (FSDP2's implicit
         # prefetch: a unit's pre-backward gathers the unit before it in forward order, run or not; the root's, which
-        # always runs, the last block); the root stays gathered. (`parallel.fsdp_prefetch` = d would gather d.)
+        # always runs, the last block); the root stays gathered. (`parallel.fsdp_prefetch` issues them earlier.)
         follows = shapes[i + 1].backward_flops > 0 if i + 1 < len(shapes) else True
         again = strategy in ("fsdp", "hsdp") and i > 0 and (u.backward_flops > 0 or follows)
         gather = wire("all_gather", u.params * gathered, shard, work.micro_steps * (2 if again else 1),
@@ -405,8 +408,9 @@ def step_time(strategy: str, n: int, work: Workload, net: Interconnect) -> Step:
     seconds = compute / work.micro_steps
     t = comm = 0.0
     for m in range(work.micro_steps):
-        t, comm = _pass(units, seconds, "forward", "gather_fwd", False, t, comm)
-        t, comm = _pass(units[::-1], seconds, "backward", "gather_bwd", m == work.micro_steps - 1, t, comm)
+        t, comm = _pass(units, seconds, "forward", "gather_fwd", False, t, comm, work.prefetch)
+        t, comm = _pass(units[::-1], seconds, "backward", "gather_bwd", m == work.micro_steps - 1, t, comm,
+                        work.prefetch)
     return Step(max(t, comm) + after, compute, comm_total, sent)
 
 
