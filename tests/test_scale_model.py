@@ -409,8 +409,11 @@ def test_hsdp_shards_over_its_shard_size_and_all_reduces_across_the_replicas():
                                                 + ic.collective_time("all_reduce", u.trained * 4 / size, 64 // size,
                                                                      replicas), rel=1e-12)
     assert sm.step_time("hsdp", 64, replace(work, hsdp_shard=64), net) == sm.step_time("fsdp", 64, work, net)
-    with pytest.raises(ConfigError, match="parallel.hsdp_shard_size = 16: it does not divide 24 GPUs"):
-        sm.predict("hsdp", [8, 24], replace(work, hsdp_shard=16), net)
+    for counts, shard, says in (([16, 24], 16, "16: it does not divide 24 GPUs"),
+                                ([8, 16], 16, "16: it does not divide 8 GPUs"),  # (disttrain refuses it too)
+                                ([24], 6, "6: its sharding groups would straddle nodes of 8 devices unevenly")):
+        with pytest.raises(ConfigError, match=f"parallel.hsdp_shard_size = {says}"):
+            sm.predict("hsdp", counts, replace(work, hsdp_shard=shard), net)
 
 
 def test_deeper_prefetch_issues_a_later_unit_s_gather_behind_a_long_compute():

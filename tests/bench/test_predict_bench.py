@@ -48,6 +48,17 @@ def test_forecast_of_a_config_counts_what_model_freeze_leaves_to_reduce(tmp_path
     assert f"{frozen:.1%} of the parameters frozen (model.freeze" in (tmp_path / "frozen" / "predict.md").read_text()
 
 
+def test_a_sweep_of_hsdp_s_shard_size_models_what_each_value_runs(tmp_path):
+    """The config's hsdp with shard size 0 runs plain FSDP: the swept value 0 is fsdp, 2 is hsdp."""
+    assert cli(["bench", "predict", *TINY, "--set", "parallel.strategy=hsdp", "--gpus", "2,4", "--compute-s", "0.1",
+                "--sweep", "parallel.hsdp_shard_size=0,2", "--out", str(tmp_path)]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "predict.csv")))
+    assert [(r["strategy"], r["setting"], r["gpus"]) for r in rows] == [
+        ("fsdp", "parallel.hsdp_shard_size=0", "2"), ("fsdp", "parallel.hsdp_shard_size=0", "4"),
+        ("hsdp", "parallel.hsdp_shard_size=2", "2"), ("hsdp", "parallel.hsdp_shard_size=2", "4")]
+    assert rows[0]["step_s"] == rows[2]["step_s"] and rows[1]["step_s"] != rows[3]["step_s"]  # (one group at 2)
+
+
 def test_forecast_of_a_powersgd_job_sends_its_factors(tmp_path):
     for name, settings in (("none", []), ("powersgd", ["--set", "parallel.grad_compression=powersgd", "--set",
                                                        "parallel.powersgd_rank=2"])):
@@ -307,8 +318,16 @@ def test_a_sitting_measures_the_links_of_each_element_type_the_job_sends(precisi
     (["--sweep", "parallel.grad_compression=zip"], "parallel.grad_compression"),
     (["--sweep", "parallel.bucket_cap_mb"], "--sweep parallel.bucket_cap_mb: expected section.key=v1,v2"),
     (["--validate", "--sweep", "parallel.bucket_cap_mb=1,25"], "--sweep parallel.bucket_cap_mb=1,25: a forecast's"),
-    (["--strategy", "fsdp", "--sweep", "parallel.grad_compression=powersgd"], "--sweep "
-     "parallel.grad_compression=powersgd: no strategy runs any of its values: fsdp with"),
+    (["--strategy", "hsdp", "--set", "parallel.hsdp_shard_size=-2"], "parallel.hsdp_shard_size = -2: must be >= 0"),
+    (["--strategy", "fsdp", "--sweep", "parallel.bucket_cap_mb=1,25"], "--sweep parallel.bucket_cap_mb: fsdp does "
+     "not read it; give --strategy with one that does"),
+    (["--sweep", "parallel.strategy=ddp,fsdp"], "--sweep parallel.strategy: a forecast sweeps a setting"),
+    (["--strategy", "hsdp", "--gpus", "8,12", "--sweep", "parallel.fsdp_prefetch=0,2"], "--gpus 12: hsdp shards "
+     "within a node of 8 devices"),  # (the same refusal at every value: not the sweep's)
+    (["--strategy", "fsdp", "--sweep", "parallel.grad_compression=powersgd"], "parallel.grad_compression = "
+     "'powersgd' is a DDP communication hook: fsdp does not run it"),  # (every value's refusal: as without a sweep)
+    (["--strategy", "hsdp", "--gpus", "24", "--sweep", "parallel.hsdp_shard_size=16,6"], "--sweep "
+     "parallel.hsdp_shard_size=16,6: no strategy runs any of its values: hsdp with parallel.hsdp_shard_size=16"),
     (["--measure", "--local-batch", "6", "--micro-batch", "4"], "--local-batch 6: --measure accumulates it in "
      "micro-batches of --micro-batch 4; give a multiple of it"),
     (["--measure", "--set", "parallel.bucket_cap_mb=1"], "--strategies fsdp at 1 rank: parallel.bucket_cap_mb = 1.0 "

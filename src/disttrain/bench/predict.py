@@ -244,33 +244,39 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 
 def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[str, list[dict]]:
-    jobs = sweep_jobs(args, cfg)
+    jobs = sweep_jobs(args, cfg, strategies)
     picked = ""
     if not strategies:
-        strategies = ["fsdp" if args.model else config_strategy(cfg)]
         picked = "" if args.model else (f"- strategy: the config's parallel.strategy = {cfg.parallel.strategy!r}, "
-                                        f"modelled as {strategies[0]}")
+                                        f"modelled as {config_strategy(cfg)}")
     local, micro, given = _forecast_batch(args, cfg)
     tokens = local * max(shape.seq_len, 1)
     compute, source = _compute(args, shape, tokens, precision, fit, local, micro)
-    rows, skipped = [], []
-    for setting, job in jobs:
-        work = Workload(shape, compute, tokens, precision, local // micro, cpu_cores=_cores(args, fit), **job)
-        for strategy in strategies:
+    rows, failed = [], {}
+    for setting, swept in jobs:
+        work = Workload(shape, compute, tokens, precision, local // micro, cpu_cores=_cores(args, fit),
+                        **settings(swept))
+        for strategy in strategies or ["fsdp" if args.model else config_strategy(swept)]:
             try:
                 predicted = predict(strategy, gpus, work, net)
             except ConfigError as exc:
                 if not setting:
                     raise
-                skipped.append(f"{strategy} with {setting} ({exc})")
+                failed.setdefault(strategy, []).append((setting, str(exc)))
                 continue
             rows += [{"strategy": strategy, **({"setting": setting} if setting else {}), "gpus": p.gpus,
                       "nodes": -(-p.gpus // net.gpus_per_node), "step_s": p.step.step_s, "compute_s": p.step.compute_s,
                       "comm_s": p.step.comm_s, "exposed_s": p.step.exposed_s, "wire_bytes_per_gpu": p.step.wire_bytes,
                       "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu, "efficiency": p.efficiency} for p in predicted]
+    for errors in failed.values():  # the same refusal at every value is not the sweep's: as without one
+        if len(errors) == len(jobs) and len({error for _, error in errors}) == 1:
+            raise ConfigError(errors[0][1])
+    skipped = [f"{strategy} with {setting} ({error})" for strategy, errors in failed.items()
+               for setting, error in errors]
     if not rows:
         raise ConfigError(f"--sweep {args.sweep}: no strategy runs any of its values: {'; '.join(skipped)}")
-    job = jobs[0][1] if len(jobs) == 1 else settings(cfg)
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    job = settings(cfg) if args.sweep else settings(jobs[0][1])
     factors = (f" (DDP's buckets as rank-{job['powersgd_rank']} factors)" if job["grad_compression"] == "powersgd"
                else "")
     lines = [f"# Predicted scaling: {shape.name}, {', '.join(strategies)} ({_date()})", "",
@@ -294,20 +300,25 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
     return "\n".join(lines) + "\n", rows
 
 
-def sweep_jobs(args: argparse.Namespace, cfg: Config) -> list[tuple[str, dict]]:
-    """(setting, the scale model's settings of the job) of each forecast: the config's (setting ''), or one per
-    value of `--sweep` (a setting of `FORECAST_SWEEPS`, applied to the config)."""
+def sweep_jobs(args: argparse.Namespace, cfg: Config, strategies: list[str]) -> list[tuple[str, Config]]:
+    """(setting, config) of each forecast: the config (setting ''), or one per value of `--sweep` (a setting of
+    `FORECAST_SWEEPS` that one of `strategies` reads, or the config's strategy where none is given), applied to it."""
     if not args.sweep:
-        return [("", settings(cfg))]
-    from disttrain.bench.scaling import parse_sweep
+        return [("", cfg)]
+    from disttrain.bench.scaling import parse_sweep, reads
     from disttrain.config import load_config
 
-    key, values = parse_sweep(args.sweep)
+    key = args.sweep.partition("=")[0]
     if key not in FORECAST_SWEEPS:
         raise ConfigError(f"--sweep {key}: a forecast sweeps a setting that changes only a step's collectives "
                           f"({', '.join(FORECAST_SWEEPS)}); forecast each value of {key} on its own (--set {key}=...)")
-    return [(f"{key}={value}", settings(load_config(args.config, [*args.overrides, f"{key}={value}"])))
-            for value in values]
+    key, values = parse_sweep(args.sweep)
+    jobs = [(f"{key}={value}", load_config(args.config, [*args.overrides, f"{key}={value}"])) for value in values]
+    names = strategies or list(dict.fromkeys("fsdp" if args.model else config_strategy(c) for _, c in jobs))
+    if not any(reads(name, key) for name in names):
+        raise ConfigError(f"--sweep {key}: {', '.join(names)} do{'es' if len(names) == 1 else ''} not read it; "
+                          "give --strategy with one that does")
+    return jobs
 
 
 def _forecast_batch(args: argparse.Namespace, cfg: Config) -> tuple[int, int, str]:

@@ -138,6 +138,9 @@ def settings(cfg: Config) -> dict:
         raise ConfigError(f"parallel.grad_compression = {p.grad_compression!r}: choose from {', '.join(choices)}")
     if not (p.bucket_cap_mb > 0 and math.isfinite(p.bucket_cap_mb)):
         raise ConfigError(f"parallel.bucket_cap_mb = {p.bucket_cap_mb}: must be > 0; e.g. 25 (DDP's default)")
+    for key in ("hsdp_shard_size", "fsdp_prefetch"):
+        if getattr(p, key) < 0:
+            raise ConfigError(f"parallel.{key} = {getattr(p, key)}: must be >= 0")
     if cfg.train.log_every < 1:
         raise ConfigError(f"train.log_every = {cfg.train.log_every}: must be >= 1; e.g. 10 (the default)")
     return {"log_every": cfg.train.log_every, "bucket_bytes": p.bucket_cap_mb * 2**20,

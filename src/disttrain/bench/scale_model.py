@@ -320,10 +320,14 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
     if sharded and work.grad_compression == "powersgd":
         raise ConfigError(f"parallel.grad_compression = 'powersgd' is a DDP communication hook: {strategy} does not "
                           "run it; predict ddp or zero1 with it, or the others with none, fp16 or bf16")
-    shard = min(n, work.hsdp_shard or net.gpus_per_node) if strategy == "hsdp" else n
+    g = net.gpus_per_node
+    shard = (work.hsdp_shard or min(n, g)) if strategy == "hsdp" else n
     if n % shard:
         raise ConfigError(f"parallel.hsdp_shard_size = {shard}: it does not divide {n} GPUs into sharding groups; "
                           f"give GPU counts that are multiples of it")
+    if strategy == "hsdp" and n > g and shard % g and g % shard:  # (groups are consecutive ranks)
+        raise ConfigError(f"parallel.hsdp_shard_size = {shard}: its sharding groups would straddle nodes of {g} "
+                          f"devices unevenly, which the model does not price; give a divisor or a multiple of {g}")
     # The Trainer's small collectives that block a step, exposed after backward: on one CPU host each costs a call
     # (a hand-off and wake-ups: skipping the figures' gather took 0.5-2.5 ms off a 2-rank ddp step here), on GPUs
     # a ring's latency (tens of microseconds in a node, ~1 ms over 1024 GPUs). The optimizer step all-reduces the
