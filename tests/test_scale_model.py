@@ -11,11 +11,12 @@ import pytest
 
 from disttrain.bench import interconnect as ic
 from disttrain.bench import scale_model as sm
+from disttrain.bench.model_shapes import MODELS, ModelShape, UnitShape, gpt_shape
 from disttrain.bench.published_scaling import PUBLISHED
 from disttrain.errors import ConfigError
 
 NET = ic.PRESETS["h100-nvlink+ib-ndr"]
-LLAMA = sm.MODELS["llama3-8b"]
+LLAMA = MODELS["llama3-8b"]
 
 
 def flat(link: ic.Link, gpus_per_node: int = 8) -> ic.Interconnect:
@@ -85,7 +86,7 @@ def test_gradient_compression_sends_two_bytes_an_element_and_buckets_set_the_cal
             assert plain - halved == pytest.approx(ic.bus_factor(collective, 64) * LLAMA.params * 2, rel=1e-9)
     cpu = ic.interconnect_from_fit({"world_size": 2, "backend": "gloo", "device": "cpu", "collectives": {
         c: {"alpha_s": 2e-3, "beta_s_per_byte": 1e-9} for c in ic.COLLECTIVES}})
-    shape = sm.gpt_shape(2, 64, 32, 256)  # 0.43 MB of fp32 gradients
+    shape = gpt_shape(2, 64, 32, 256)  # 0.43 MB of fp32 gradients
     one, many = (sm.step_time("ddp", 2, sm.Workload(shape, 0.05, 1, "fp32", bucket_bytes=b, cpu_cores=2,
                                                     log_every=0), cpu) for b in (25 * 2**20, 2**16))
     calls = math.ceil(shape.params * 4 / 2**16)  # a call's alpha for each bucket, the bytes the same
@@ -104,7 +105,7 @@ def test_a_cpu_host_pays_the_cpu_time_of_the_buckets_issued_during_backward():
     wall, cpu = ic.interconnect_from_fit(fit), ic.interconnect_from_fit(timed)
     assert wall.cpu is None and ic.collective_time("all_reduce", 1e6, 2, replace(cpu, intra=cpu.cpu)) == \
         pytest.approx(cpu_alpha + cpu_beta * 1e6, rel=1e-12)
-    shape = sm.gpt_shape(2, 64, 32, 256)
+    shape = gpt_shape(2, 64, 32, 256)
     work = sm.Workload(shape, 0.05, 1, "fp32", bucket_bytes=2**16, cpu_cores=2, log_every=0)
     buckets = sm._buckets(shape, 4, 2**16)
     assert len(buckets) > 2
@@ -139,7 +140,7 @@ def test_each_collective_is_priced_with_the_links_of_its_element_type():
     three = ic.with_gpus_per_node(measured, 3)  # (every rank on one host, as --validate takes it: one ring)
     assert ic.collective_time("all_reduce", 1e6, 3, three.for_dtype("bfloat16", "all_reduce")) == pytest.approx(
         1e-3 + 4e-9 * 1e6 * 2 * 2 / 3 / ic.bus_factor("all_reduce", 2), rel=1e-12)
-    shape = sm.gpt_shape(2, 64, 32, 256)
+    shape = gpt_shape(2, 64, 32, 256)
     grads = shape.params  # elements, in one bucket
     for compression, extra in (("bf16", 3e-9 * grads * 2), ("fp16", 0.0), ("none", 0.0)):
         work = sm.Workload(shape, 0.05, 1, "fp32", grad_compression=compression, log_every=0)
@@ -159,7 +160,7 @@ def test_powersgd_sends_each_bucket_as_its_whole_tensors_then_p_then_q():
     # two blocks, each of a 64 x 256 matrix, a 64-vector, an 8 x 8 matrix and a 256-vector (float32): the 8 x 8 one
     # compressed at rank 1 ((8 + 8) x 1 x 2 < 64), sent whole at rank 4 (16 x 4 x 2 > 64), the big one at both
     tensors, rows = (64 * 256, 64, 8 * 8, 256) * 2, (64, 0, 8, 0) * 2
-    shape = sm.ModelShape("toy", sum(tensors), counted=(sm.UnitShape(sum(tensors) / 2, sum(tensors) / 2, 1, 2),) * 2,
+    shape = ModelShape("toy", sum(tensors), counted=(UnitShape(sum(tensors) / 2, sum(tensors) / 2, 1, 2),) * 2,
                           grad_tensors=tensors, grad_rows=rows)
     links = ic.uniform(ic.Link(0.0, 1e9, call_s=1e-3))  # a call's 1 ms, then 1 ns a bus byte
     net = ic.Interconnect("cpu", 2, links, links)
@@ -182,14 +183,14 @@ def test_powersgd_sends_each_bucket_as_its_whole_tensors_then_p_then_q():
     assert low.step_s == pytest.approx(0.05 + low.comm_s, rel=1e-12)
     assert plain.step_s < 0.05 + plain.comm_s  # (the plain all-reduce of the second bucket overlaps the backward)
     with pytest.raises(ConfigError, match="the shapes of big's gradients are not known"):
-        sm.step_time("ddp", 2, replace(work, model=sm.ModelShape("big", 1e6)), net)
+        sm.step_time("ddp", 2, replace(work, model=ModelShape("big", 1e6)), net)
     with pytest.raises(ConfigError, match="'powersgd' is a DDP communication hook: zero2 does not run it"):
         sm.step_time("zero2", 2, work, net)
 
 
 def test_ddp_buckets_hold_whole_tensors_from_the_last_parameter():
     # as DDP's rebuilt buckets: in the order gradients are ready, closed once they reach the cap
-    model = sm.ModelShape("m", 1030, counted=(sm.UnitShape(1030, 1030, 1, 2),), grad_tensors=(10, 10, 1000, 10))
+    model = ModelShape("m", 1030, counted=(UnitShape(1030, 1030, 1, 2),), grad_tensors=(10, 10, 1000, 10))
     assert sm._buckets(model, 4, 40) == [40, 40, 4000, 40]  # forward order; an even split would make 103
     assert sm._buckets(model, 4, 100) == [80, 4040]  # the first parameters' bucket is the partial one
     assert sm._buckets(model, 4, 25 * 2**20) == [4120]
@@ -197,7 +198,7 @@ def test_ddp_buckets_hold_whole_tensors_from_the_last_parameter():
 
 def test_ddp_hides_the_all_reduce_behind_backward_except_the_last_bucket():
     link = ic.Link(0.0, 1e9)  # 1 GB/s, so the bytes decide
-    model = sm.ModelShape("m", 100e6 / 4)  # 100 MB of fp32 gradients = 4 buckets of 25 MiB (+ a partial one)
+    model = ModelShape("m", 100e6 / 4)  # 100 MB of fp32 gradients = 4 buckets of 25 MiB (+ a partial one)
     work = sm.Workload(model, compute_s=10.0, tokens=1, precision="fp32")
     buckets = sm._buckets(model, 4, work.bucket_bytes)
     last = ic.collective_time("all_reduce", buckets[0], 2, flat(link))
@@ -216,7 +217,7 @@ def test_a_cpu_step_pays_a_call_for_each_blocking_collective():
     alpha, beta = 2e-3, 1e-9
     net = ic.with_gpus_per_node(ic.interconnect_from_fit({"world_size": 2, "backend": "gloo", "device": "cpu",
         "collectives": {c: {"alpha_s": alpha, "beta_s_per_byte": beta} for c in ic.COLLECTIVES}}), 3)
-    shape = sm.gpt_shape(2, 64, 32, 256)
+    shape = gpt_shape(2, 64, 32, 256)
     work = sm.Workload(shape, 0.05, 1, "fp32", cpu_cores=2, log_every=1)  # a line every step
     grads = shape.params * 4
     figures = alpha + beta * 40 * 2  # the logged line's all-gather of the ranks' figures (5 float64 each)
@@ -242,7 +243,7 @@ def test_efficiency_falls_with_the_count_for_every_strategy():
 
 
 def test_cpu_ranks_beyond_the_cores_share_them():
-    work = sm.Workload(sm.gpt_shape(2, 64, 32, 256), 0.1, 64, "fp32", cpu_cores=2)
+    work = sm.Workload(gpt_shape(2, 64, 32, 256), 0.1, 64, "fp32", cpu_cores=2)
     net = ic.Interconnect("cpu", 4, ic.uniform(ic.Link(1e-4, 1e9)), ic.uniform(ic.Link(1e-4, 1e9)))
     assert sm.step_time("ddp", 2, work, net).compute_s == pytest.approx(0.1)
     assert sm.step_time("ddp", 3, work, net).compute_s == pytest.approx(0.15)
@@ -251,9 +252,9 @@ def test_cpu_ranks_beyond_the_cores_share_them():
 def test_frozen_parameters_are_gathered_but_never_reduced():
     # a root and 4 blocks; model.freeze took the root (a tied head: forward and its input's gradient) and blocks 0-1
     # (before the first trained parameter: no gradient reaches them)
-    block, front = sm.UnitShape(1e6, 1e6, 2e6, 4e6), sm.UnitShape(1e6, 0, 2e6, 0)
-    trained = sm.ModelShape("m", 4.5e6, 1e6, 4, counted=(sm.UnitShape(0.5e6, 0.5e6, 1e6, 2e6),) + (block,) * 4)
-    frozen = sm.ModelShape("m", 4.5e6, 1e6, 4, counted=(sm.UnitShape(0.5e6, 0, 1e6, 1e6), front, front, block, block))
+    block, front = UnitShape(1e6, 1e6, 2e6, 4e6), UnitShape(1e6, 0, 2e6, 0)
+    trained = ModelShape("m", 4.5e6, 1e6, 4, counted=(UnitShape(0.5e6, 0.5e6, 1e6, 2e6),) + (block,) * 4)
+    frozen = ModelShape("m", 4.5e6, 1e6, 4, counted=(UnitShape(0.5e6, 0, 1e6, 1e6), front, front, block, block))
     assert frozen.trained_params == 2e6 and trained.trained_params == 4.5e6
     assert frozen.flops_per_token() == 1e6 + 1e6 + 2 * 2e6 + 2 * 6e6
     net, n = flat(ic.Link(1e-6, 10e9)), 4
@@ -276,8 +277,8 @@ def test_frozen_parameters_are_gathered_but_never_reduced():
 
 def test_ddp_buckets_wait_for_the_backward_of_frozen_blocks_after_the_last_trained_one():
     # the root and block 0 train, block 1 is frozen (its backward passes the input's gradient on: 1 of 8 FLOPs)
-    model = sm.ModelShape("m", 3e6, 1e6, 2, counted=(sm.UnitShape(1e6, 1e6, 1, 2), sm.UnitShape(1e6, 1e6, 1, 2),
-                                                     sm.UnitShape(1e6, 0, 1, 1)))
+    model = ModelShape("m", 3e6, 1e6, 2, counted=(UnitShape(1e6, 1e6, 1, 2), UnitShape(1e6, 1e6, 1, 2),
+                                                     UnitShape(1e6, 0, 1, 1)))
     work = sm.Workload(model, 1.0, 1, "fp32", bucket_bytes=2e6, log_every=0)  # 8 MB of gradients: 4 buckets
     step = sm.step_time("ddp", 2, work, flat(ic.Link(0.0, 2e6 / 0.2)))  # 0.2 s per bucket's all-reduce
     # forward 3/8 s; block 1's backward 1/8 s readies nothing; then a bucket every 1/8 s, their all-reduces queued
@@ -303,7 +304,7 @@ def test_a_config_s_model_is_counted_from_its_module_tree():
     from disttrain.perf import flops_per_token
 
     cfg = ModelConfig(n_layer=3, d_model=96, n_head=4, seq_len=48, vocab_size=300)
-    shape, closed = counted_shape(cfg), sm.gpt_shape(3, 96, 48, 300)
+    shape, closed = counted_shape(cfg), gpt_shape(3, 96, 48, 300)
     assert (shape.params, shape.layer_params, shape.n_layer) == (closed.params, closed.layer_params, 3)
     assert shape.trained_params == shape.params
     assert shape.flops_per_token() == flops_per_token(build_model(cfg), 48)
@@ -329,7 +330,7 @@ def test_shapes_and_flops():
 
     cfg = ModelConfig(n_layer=3, d_model=96, n_head=4, seq_len=48, vocab_size=300)
     model = GPT(cfg)
-    shape = sm.gpt_shape(3, 96, 48, 300)
+    shape = gpt_shape(3, 96, 48, 300)
     assert shape.params == sum(p.numel() for p in model.parameters())
     assert shape.layer_params == sum(p.numel() for p in model.blocks[0].parameters())
     assert isinstance(torch.__version__, str)
@@ -381,7 +382,7 @@ def test_bad_names_are_config_errors():
     with pytest.raises(ConfigError, match="choose from ddp"):
         sm.canonical_strategy("tp")
     with pytest.raises(ConfigError, match="--compute-s"):
-        sm.compute_seconds(sm.MODELS["resnet50"], 32, 989, 0.4)
+        sm.compute_seconds(MODELS["resnet50"], 32, 989, 0.4)
     assert math.isfinite(sm.compute_seconds(LLAMA, 8192, 989, 0.4))
 
 
@@ -398,7 +399,7 @@ def test_hsdp_shards_over_its_shard_size_and_all_reduces_across_the_replicas():
     """parallel.hsdp_shard_size: 16 on 8-GPU nodes at 64 GPUs shards over two nodes (a hierarchical reduce-scatter)
     and all-reduces each shard's gradient over 4 replicas, each on another node; 4 puts 2 replicas in a node."""
     net = ic.PRESETS["h100-nvlink+ib-ndr"]
-    shape = sm.gpt_shape(2, 64, 32, 256)
+    shape = gpt_shape(2, 64, 32, 256)
     work = sm.Workload(shape, 1.0, 8192, "fp32", log_every=0)
     for shard, per_node in ((16, 1), (4, 2), (0, 1)):  # (0: the interconnect's devices per node, 8)
         units, _, _ = sm._units("hsdp", replace(work, hsdp_shard=shard), 64, net)

@@ -12,6 +12,7 @@ from conftest import run_cli
 from disttrain.bench import interconnect as ic
 from disttrain.bench import predict, predict_job, predict_measure, predict_validate
 from disttrain.bench import scale_model as sm
+from disttrain.bench.model_shapes import MODELS
 from disttrain.bench.predict_job import counted_shape
 from disttrain.bench.published_scaling import PUBLISHED
 from disttrain.cli.main import main as cli
@@ -29,7 +30,7 @@ def test_forecast_writes_the_table(tmp_path, capsys):
                 "--mfu", "0.4", "--out", str(tmp_path)]) == 0
     rows = list(csv.DictReader(open(tmp_path / "predict.csv")))
     assert [(r["strategy"], r["gpus"]) for r in rows] == [("ddp", "8"), ("ddp", "64"), ("fsdp", "8"), ("fsdp", "64")]
-    work = sm.Workload(sm.MODELS["llama3-8b"], sm.compute_seconds(sm.MODELS["llama3-8b"], 2 * 8192, 989, 0.4), 16384)
+    work = sm.Workload(MODELS["llama3-8b"], sm.compute_seconds(MODELS["llama3-8b"], 2 * 8192, 989, 0.4), 16384)
     expected = sm.step_time("fsdp", 64, work, ic.PRESETS["h100-nvlink+ib-ndr"])
     assert float(rows[3]["step_s"]) == pytest.approx(expected.step_s, rel=1e-9)
     assert float(rows[2]["efficiency"]) == 1.0 and float(rows[3]["efficiency"]) < 1.0
@@ -115,7 +116,7 @@ def test_forecast_takes_the_config_s_compression_and_buckets(tmp_path):
         assert cli(["bench", "predict", *preset, *settings, "--out", str(tmp_path / name)]) == 0
     wire = {name: float(list(csv.DictReader(open(tmp_path / name / "predict.csv")))[1]["wire_bytes_per_gpu"])
             for name in ("preset", "preset_bf16")}
-    assert wire["preset_bf16"] == pytest.approx(wire["preset"] - 2 * 63 / 64 * sm.MODELS["llama3-8b"].params * 2,
+    assert wire["preset_bf16"] == pytest.approx(wire["preset"] - 2 * 63 / 64 * MODELS["llama3-8b"].params * 2,
                                                 rel=1e-9)
     runs = {"plain": [], "bf16": ["--set", "parallel.grad_compression=bf16"],
             "buckets": ["--set", "parallel.bucket_cap_mb=0.01", "--set", "train.log_every=1"]}

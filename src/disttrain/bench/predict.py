@@ -46,15 +46,14 @@ from pathlib import Path
 
 from disttrain.bench import check_numbers, integers
 from disttrain.bench.interconnect import PRESETS, Interconnect, interconnect_from_fit, with_gpus_per_node
+from disttrain.bench.model_shapes import MODELS, ModelShape
 from disttrain.bench.predict_job import config_batch, config_strategy, counted_shape, settings, wire_dtypes
 from disttrain.bench.predict_validate import measured_checks, published_checks
 from disttrain.bench.scale_model import (
     BYTES,
     H100_BF16_TFLOPS,
     H100_FP32_TFLOPS,
-    MODELS,
     STRATEGIES,
-    ModelShape,
     Workload,
     canonical_strategy,
     compute_seconds,

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disttrain.bench.interconnect import PRESETS
+from disttrain.bench.model_shapes import MODELS
 from disttrain.bench.scale_model import (
     H100_BF16_TFLOPS,
-    MODELS,
     Prediction,
     Workload,
     compute_seconds,

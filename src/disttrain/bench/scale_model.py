@@ -10,100 +10,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from disttrain.bench.interconnect import Interconnect, bus_factor, collective_time
+from disttrain.bench.model_shapes import ModelShape, UnitShape
 from disttrain.errors import ConfigError
 
-# --- models and workloads ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class UnitShape:
-    """One FSDP unit of a model: what lies outside the transformer blocks (the root: embeddings, final norm, head),
-    or one block."""
-
-    params: float
-    trained: float
-    """Parameters with a gradient: the others (model.freeze) are gathered but never reduced."""
-    forward_flops: float
-    backward_flops: float
-    """Per token; 0 where no gradient reaches the unit (frozen blocks before the first trained parameter). Where a
-    model's FLOPs are not known, its parameters stand in for them (a share of the step is all they give)."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    name: str
-    params: float
-    """All parameters (what is gathered)."""
-    layer_params: float = 0.0
-    """Parameters of one transformer block: the FSDP unit. The rest (embeddings, head) is the root unit."""
-    n_layer: int = 0
-    d_model: int = 0
-    seq_len: int = 0
-    matmul_params: float = 0.0
-    """Parameters used in matrix multiplies (6 FLOPs per token each); 0 and nothing `counted` = FLOPs unknown: give
-    the compute time."""
-    counted: tuple[UnitShape, ...] = ()
-    """The units as counted from a model's module tree (`bench predict` with a config: `perf.flops_by_unit`, frozen
-    parameters and all); empty: every parameter trained, the FLOPs from the formula, forward a third of each unit's."""
-    grad_tensors: tuple[int, ...] = ()
-    """Elements of each trained parameter in registration order (counted models): DDP fills a bucket with whole
-    tensors. Empty: the gradients split evenly into buckets."""
-    grad_rows: tuple[int, ...] = ()
-    """Rows of each of those gradients as PowerSGD views it (its first dimension; 0 for a vector, which it sends
-    whole). Empty: PowerSGD's factors cannot be counted."""
-
-    @property
-    def root_params(self) -> float:
-        return self.params - self.n_layer * self.layer_params
-
-    @property
-    def trained_params(self) -> float:
-        return sum(u.trained for u in self.units())
-
-    def flops_per_token(self) -> float:
-        """6 x params + 12 x layers x d_model x seq (forward + backward, attention scores included), or the sum of the
-        counted units'."""
-        if self.counted:
-            return sum(u.forward_flops + u.backward_flops for u in self.counted)
-        return 6 * self.matmul_params + 12 * self.n_layer * self.d_model * self.seq_len
-
-    def units(self) -> list[UnitShape]:
-        """The root unit, then each block (one unit without blocks). Uncounted, each unit's FLOPs by the formula when
-        known (a block: 6 x its parameters + its attention, the root the rest), else its parameters."""
-        if self.counted:
-            return list(self.counted)
-        if self.n_layer == 0:
-            return [UnitShape(self.params, self.params, self.params / 3, 2 * self.params / 3)]
-        total = self.flops_per_token() if self.matmul_params else self.params
-        block = (6 * self.layer_params + 12 * self.d_model * self.seq_len if self.matmul_params
-                 else self.layer_params)
-        root = max(0.0, total - self.n_layer * block)
-        return ([UnitShape(self.root_params, self.root_params, root / 3, 2 * root / 3)]
-                + [UnitShape(self.layer_params, self.layer_params, block / 3, 2 * block / 3)] * self.n_layer)
-
-
-def gpt_shape(n_layer: int, d_model: int, seq_len: int, vocab_size: int) -> ModelShape:
-    """disttrain's reference GPT (models/gpt.py) in closed form: tied embeddings, learned positions, biased linears.
-    (`bench predict` counts a config's model instead, `predict_job.counted_shape`; this form keeps the scale model's
-    own tests free of torch, and checks that count.)"""
-    layer = 12 * d_model**2 + 13 * d_model
-    rest = vocab_size * d_model + seq_len * d_model + 2 * d_model
-    return ModelShape(f"gpt {n_layer}x{d_model}", n_layer * layer + rest, layer, n_layer, d_model, seq_len,
-                      n_layer * 12 * d_model**2 + vocab_size * d_model)
-
-
-def _llama(name, layers, d, ffn, kv_heads, heads, vocab, seq):
-    layer = 2 * d * d + 2 * d * (d * kv_heads // heads) + 3 * d * ffn + 2 * d
-    matmul = layers * (layer - 2 * d) + vocab * d  # the output head multiplies; the input embedding is a lookup
-    return ModelShape(name, layers * layer + 2 * vocab * d + d, layer, layers, d, seq, matmul)
-
-
-MODELS: dict[str, ModelShape] = {
-    "llama3-8b": _llama("llama3-8b", 32, 4096, 14336, 8, 32, 128256, 8192),
-    "llama3-70b": _llama("llama3-70b", 80, 8192, 28672, 8, 64, 128256, 8192),
-    "resnet50": ModelShape("resnet50", 25.6e6),
-    "bert-large": ModelShape("bert-large", 340e6, 12.6e6, 24, 1024, 128, 24 * 12.6e6),
-}
+# --- workloads ------------------------------------------------------------------------------------------------
 
 WIRE_DTYPES: dict[str, tuple[str, str, str]] = {  # (stored parameters and DDP gradients, FSDP gather, FSDP reduce)
     "fp32": ("float32",) * 3, "bf16-mixed": ("float32", "bfloat16", "float32"),
