@@ -72,6 +72,14 @@ def test_forecast_of_a_powersgd_job_sends_its_factors(tmp_path):
            "as rank-2 factors)" in (tmp_path / "powersgd" / "predict.md").read_text()
 
 
+def test_a_job_on_several_nodes_shares_its_global_batch_over_every_node_s_ranks(tmp_path):
+    assert cli(["bench", "predict", *TINY, "--set", "data.global_batch_size=64", "--nodes", "2", "--strategy", "ddp",
+                "--gpus", "8", "--compute-s", "0.1", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "predict.md").read_text()
+    assert "32 x 32 tokens per GPU per step (the config's: data.global_batch_size 64 over dist.nproc 1 x 2 nodes; " \
+           "4 micro-batches of 8" in text
+
+
 def test_a_forecast_sweeps_a_setting_of_the_collectives_in_one_table(tmp_path):
     assert cli(["bench", "predict", *TINY, "--strategy", "ddp,fsdp", "--gpus", "8,64", "--compute-s", "0.1",
                 "--sweep", "parallel.grad_compression=none,powersgd", "--out", str(tmp_path / "swept")]) == 0
@@ -343,6 +351,9 @@ def test_a_sitting_measures_the_links_of_each_element_type_the_job_sends(precisi
      "--world-sizes 1 --local-batch 32 --micro-batch 8`"),
     (["--set", "data.global_batch_size=36"], "data.global_batch_size = 36 is not a positive multiple of "
      "data.micro_batch_size x dist.nproc = 8 x 1"),
+    (["--nodes", "0"], "--nodes 0: give nodes >= 1"),
+    (["--nodes", "3"], "data.global_batch_size = 32 is not a positive multiple of data.micro_batch_size x "
+     "dist.nproc x --nodes = 8 x 1 x 3"),
     (["--mfu", "0"], "--mfu 0: give a fraction in (0, 1]"),
     (["--mfu", "1.5"], "--mfu 1.5: give a fraction in (0, 1]"),
     (["--tflops", "nan"], "--tflops nan: give a peak > 0"),

@@ -3,7 +3,8 @@ this machine does not have, from one device's compute time and an alpha-beta mod
 
     disttrain bench predict [CONFIG] [--set ...] [--model llama3-8b] [--strategy ddp,fsdp] [--gpus 8,64,512,1024]
         [--interconnect h100-nvlink+ib-ndr | measured:DIR/comm_fit.json] [--compute-s S | --tflops T --mfu M]
-        [--local-batch B] [--micro-batch M] [--precision bf16-mixed] [--sweep KEY=V1,V2] [--out bench_results]
+        [--local-batch B | --nodes N] [--micro-batch M] [--precision bf16-mixed] [--sweep KEY=V1,V2]
+        [--out bench_results]
     disttrain bench predict --validate [CONFIG] [--set ...] [--measured DIR/scaling.csv
         --interconnect measured:DIR/comm_fit.json]
     disttrain bench predict --measure [CONFIG] [--set ...] [--world-sizes 1,2,3] [--strategies ddp,fsdp]
@@ -15,8 +16,8 @@ d_model x seq (a config's model: counted from its modules, `perf.flops_by_unit`,
 out); plus each strategy's collectives (ring / hierarchical alpha-beta times) overlapped with the compute they can
 hide behind. Without `--model` the job of CONFIG / `--set` is modelled (predict_job.py): its model counted from its
 module tree built on the meta device (`model.freeze` included); the strategy it runs on several ranks, unless
-`--strategy` names others; its batch per GPU, `data.global_batch_size` over `dist.nproc` (one node's ranks: for a
-job on several nodes give `--local-batch`), accumulated in micro-batches of `data.micro_batch_size` (`--local-batch`
+`--strategy` names others; its batch per GPU, `data.global_batch_size` over `dist.nproc` x `--nodes` (dist.nproc
+is one node's ranks; the nodes are a launch's), accumulated in micro-batches of `data.micro_batch_size` (`--local-batch`
 and `--micro-batch` override both); its gradient compression, DDP buckets and logged lines. With `--model`, the
 preset with the config's settings. `--sweep KEY=V1,V2` forecasts each value of a setting that changes only the
 collectives (`FORECAST_SWEEPS`: gradient compression, PowerSGD's rank, DDP's buckets, the logged lines) in one
@@ -91,8 +92,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    "the precision's matmul dtype: 989 in bf16 / fp16, 67 in fp32)")
     p.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilisation of one device")
     p.add_argument("--local-batch", type=int, default=0, help="sequences per GPU per step (default: the preset's, or "
-                   "the config's data.global_batch_size / dist.nproc, one node's ranks: give it for several nodes); "
-                   "--measure: per rank, accumulated in --micro-batch (default: one micro-batch)")
+                   "the config's data.global_batch_size / (dist.nproc x --nodes)); --measure: per rank, accumulated "
+                   "in --micro-batch (default: one micro-batch)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes the config's job runs on (a launch's --nnodes: "
+                   "dist.nproc is one node's ranks), for its batch per GPU")
     p.add_argument("--micro-batch", type=int, default=0,
                    help="sequences per forward pass: the batch per GPU / this = accumulation (default: the config's "
                         "data.micro_batch_size; none with --model or --local-batch); --measure: per rank")
@@ -153,7 +156,7 @@ def model_shape(args: argparse.Namespace) -> tuple[ModelShape, str, Config]:
 def default_batch(args: argparse.Namespace, cfg: Config) -> tuple[int, int]:
     """(sequences per GPU per step, per forward pass) where no flag gives them: a preset's batch, not accumulated,
     or the config's job's (`config_batch`)."""
-    return (LOCAL_BATCH[args.model],) * 2 if args.model else config_batch(cfg)
+    return (LOCAL_BATCH[args.model],) * 2 if args.model else config_batch(cfg, args.nodes)
 
 
 def measure_batch(args: argparse.Namespace, cfg: Config) -> tuple[int, int]:
@@ -237,6 +240,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
                   ("--local-batch", args.local_batch, 0, "sequences >= 0 (0: the preset's or the config's)"),
                   ("--micro-batch", args.micro_batch, 0, "sequences >= 0 (0: the config's, or no accumulation)"),
                   ("--gpus-per-node", args.gpus_per_node, 0, "devices >= 0 (0: the interconnect's)"),
+                  ("--nodes", args.nodes, 1, "nodes >= 1"),
                   ("--cpu-cores", args.cpu_cores, -1, "cores >= 0, or -1 for this machine's"),
                   ("--max-other-cpu", args.max_other_cpu, 0.0, "cores >= 0"),
                   ("--steps", args.steps, 1, "steps >= 1"), ("--warmup", args.warmup, 0, "steps >= 0"))
@@ -325,8 +329,8 @@ def _forecast_batch(args: argparse.Namespace, cfg: Config) -> tuple[int, int, st
     local, micro = (args.local_batch, args.local_batch) if args.local_batch else default_batch(args, cfg)
     micro = args.micro_batch or micro  # (--local-batch alone: no accumulation)
     given = ("--local-batch" if args.local_batch else "the preset's" if args.model else
-             f"the config's: data.global_batch_size {cfg.data.global_batch_size} over dist.nproc {cfg.dist.nproc}, "
-             "one node's ranks")
+             f"the config's: data.global_batch_size {cfg.data.global_batch_size} over dist.nproc {cfg.dist.nproc}"
+             + (f" x {args.nodes} nodes" if args.nodes > 1 else ", one node's ranks"))
     if local % micro:
         raise ConfigError(f"--micro-batch {micro}: the batch per GPU, {local} ({given}), is not a multiple of it; "
                           "give a divisor of it, or --local-batch")

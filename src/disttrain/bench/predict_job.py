@@ -79,17 +79,18 @@ def config_sizes(model_cfg: ModelConfig) -> dict[str, int | str]:
         return {"params": "", "trained_params": ""}
 
 
-def config_batch(cfg: Config) -> tuple[int, int]:
+def config_batch(cfg: Config, nodes: int = 1) -> tuple[int, int]:
     """(sequences per GPU per step, sequences per forward pass) of the config's job: `data.global_batch_size` over
-    its `dist.nproc` ranks, in micro-batches of `data.micro_batch_size` (the Trainer accumulates the rest, and
-    reduces the gradients on the last micro-batch only). A forecast keeps this batch per GPU at every count (weak
-    scaling). `dist.nproc` is one node's processes (a launch's `--nnodes` is not in the config): the batch of a job
-    on several nodes is given with `--local-batch`."""
-    d, world = cfg.data, cfg.dist.nproc
+    its ranks, `dist.nproc` on each of its `nodes` (a launch's `--nnodes`, which the config does not hold), in
+    micro-batches of `data.micro_batch_size` (the Trainer accumulates the rest, and reduces the gradients on the last
+    micro-batch only). A forecast keeps this batch per GPU at every count (weak scaling)."""
+    d, world = cfg.data, cfg.dist.nproc * nodes
     if world < 1 or d.micro_batch_size < 1 or d.global_batch_size < 1 or \
             d.global_batch_size % (world * d.micro_batch_size):
+        names, values = ("dist.nproc x --nodes", f"{cfg.dist.nproc} x {nodes}") if nodes > 1 else \
+            ("dist.nproc", f"{world}")
         raise ConfigError(f"data.global_batch_size = {d.global_batch_size} is not a positive multiple of "
-                          f"data.micro_batch_size x dist.nproc = {d.micro_batch_size} x {world}: the job's batch per "
+                          f"data.micro_batch_size x {names} = {d.micro_batch_size} x {values}: the job's batch per "
                           "GPU is unknown; fix them, or give --local-batch and --micro-batch")
     return d.global_batch_size // world, d.micro_batch_size
 
