@@ -418,11 +418,21 @@ def test_hsdp_shards_over_its_shard_size_and_all_reduces_across_the_replicas():
 
 
 def test_deeper_prefetch_issues_a_later_unit_s_gather_behind_a_long_compute():
-    """parallel.fsdp_prefetch = 2: the third unit's big all-gather goes out when the first (a long compute) starts,
-    not when the second does."""
-    units = [sm.Unit(0.5, 0.0), sm.Unit(0.1, 0.0, gather_fwd=0.01), sm.Unit(0.1, 0.0, gather_fwd=0.3)]
-    assert sm._pass(units, 1.0, "forward", "gather_fwd", False, 0.0, 0.0)[0] == pytest.approx(0.5 + 0.3 + 0.1)
-    assert sm._pass(units, 1.0, "forward", "gather_fwd", False, 0.0, 0.0, depth=2)[0] == pytest.approx(0.7)
+    """parallel.fsdp_prefetch = 2: the third block's big all-gather goes out when the first block (a long compute)
+    starts, not when the second does; the root, first in forward, prefetches one block (FSDP2's implicit prefetch:
+    disttrain sets the blocks' lists only)."""
+    units = [sm.Unit(0.05, 0.0), sm.Unit(0.5, 0.0, gather_fwd=0.01), sm.Unit(0.1, 0.0, gather_fwd=0.01),
+             sm.Unit(0.1, 0.0, gather_fwd=0.3)]
+    assert sm._pass(units, 1.0, "forward", "gather_fwd", False, 0.0, 0.0)[0] == pytest.approx(0.55 + 0.3 + 0.1)
+    assert sm._pass(units, 1.0, "forward", "gather_fwd", False, 0.0, 0.0, depth=2)[0] == pytest.approx(0.75)
+    assert sm._pass(units[:1] + units[2:], 1.0, "forward", "gather_fwd", False, 0.0, 0.0, depth=2)[0] == \
+        pytest.approx(0.05 + 0.3 + 0.1)  # (the root issued the first block's gather only: the second's at 0.05)
+    # a frozen front: the first trained block's pre-backward gathers the `prefetch` blocks before it, run or not
+    block, front = UnitShape(1e6, 1e6, 2e6, 4e6), UnitShape(1e6, 0, 2e6, 0)
+    frozen = ModelShape("m", 5e6, 1e6, 4, counted=(UnitShape(1e6, 1e6, 1e6, 2e6), front, front, block, block))
+    one, two = (sm.step_time("fsdp", 8, sm.Workload(frozen, 1.0, 1, "fp32", prefetch=d, log_every=0),
+                             ic.PRESETS["h100-nvlink+ib-ndr"]) for d in (1, 2))
+    assert two.wire_bytes - one.wire_bytes == pytest.approx(1e6 * 4 * ic.bus_factor("all_gather", 8), rel=1e-12)
     net, work = ic.PRESETS["h100-nvlink+ib-ndr"], sm.Workload(LLAMA, 1.0, 8192, "bf16-mixed", log_every=0)
     deep = sm.step_time("fsdp", 1024, replace(work, prefetch=4), net)
     assert deep.step_s <= sm.step_time("fsdp", 1024, work, net).step_s and deep.comm_s == pytest.approx(

@@ -248,10 +248,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[str, list[dict]]:
     jobs = sweep_jobs(args, cfg, strategies)
-    picked = ""
-    if not strategies:
-        picked = "" if args.model else (f"- strategy: the config's parallel.strategy = {cfg.parallel.strategy!r}, "
-                                        f"modelled as {config_strategy(cfg)}")
+    picked = not strategies and not args.model
     local, micro, given = _forecast_batch(args, cfg)
     tokens = local * max(shape.seq_len, 1)
     compute, source = _compute(args, shape, tokens, precision, fit, local, micro)
@@ -279,11 +276,12 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
     if not rows:
         raise ConfigError(f"--sweep {args.sweep}: no strategy runs any of its values: {'; '.join(skipped)}")
     strategies = list(dict.fromkeys(r["strategy"] for r in rows))
-    job = settings(cfg) if args.sweep else settings(jobs[0][1])
+    job = settings(cfg)
     factors = (f" (DDP's buckets as rank-{job['powersgd_rank']} factors)" if job["grad_compression"] == "powersgd"
                else "")
     lines = [f"# Predicted scaling: {shape.name}, {', '.join(strategies)} ({_date()})", "",
-             *([picked] if picked else []),
+             *([f"- strategy: the config's parallel.strategy = {cfg.parallel.strategy!r}, modelled as "
+                f"{', '.join(strategies)}"] if picked else []),
              f"- model: {shape.params / 1e6:,.1f} M parameters, {shape.n_layer} blocks of "
              f"{shape.layer_params / 1e6:,.2f} M{_frozen(shape)}; {local} x {max(shape.seq_len, 1)} tokens per GPU per "
              f"step ({given}; " + (f"{local // micro} micro-batches of {micro}: gradients reduced on the last)"

@@ -8,11 +8,7 @@ from __future__ import annotations
 import math
 
 from disttrain.bench.model_shapes import ModelShape, UnitShape
-from disttrain.bench.scale_model import (
-    COMPRESSED,
-    STRATEGIES,
-    WIRE_DTYPES,
-)
+from disttrain.bench.scale_model import COMPRESSED, STRATEGIES, WIRE_DTYPES
 from disttrain.config import Config, ModelConfig
 from disttrain.errors import ConfigError
 

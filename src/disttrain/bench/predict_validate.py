@@ -13,11 +13,7 @@ from disttrain.bench.interconnect import Interconnect, with_gpus_per_node
 from disttrain.bench.model_shapes import ModelShape
 from disttrain.bench.predict_job import series_settings
 from disttrain.bench.published_scaling import PUBLISHED
-from disttrain.bench.scale_model import (
-    STRATEGIES,
-    Workload,
-    step_time,
-)
+from disttrain.bench.scale_model import STRATEGIES, Workload, step_time
 from disttrain.config import Config
 from disttrain.errors import ConfigError
 

@@ -125,8 +125,8 @@ def _pass(units: list[Unit], seconds: float, part: str, gather: str, reduce: boo
           depth: int = 1) -> tuple[float, float]:
     """One forward or backward pass over `units` (in execution order) on two streams, compute and one FIFO of
     collectives: a unit starts when its all-gather is done; the all-gathers of the next `depth` units are issued
-    when a unit starts (FSDP2 prefetches one implicitly; `parallel.fsdp_prefetch` sets more); a unit's reduction
-    is issued when its backward ends."""
+    when a unit starts (FSDP2 prefetches one implicitly; `parallel.fsdp_prefetch` sets more, for the blocks: the
+    root, first in forward, prefetches one); a unit's reduction is issued when its backward ends."""
     def issue(u: Unit, at: float) -> float:
         nonlocal comm
         if not getattr(u, gather):
@@ -137,7 +137,8 @@ def _pass(units: list[Unit], seconds: float, part: str, gather: str, reduce: boo
     ready = [issue(units[0], t)]
     for i, u in enumerate(units):
         start = max(t, ready[i])
-        ready += [issue(units[j], start) for j in range(len(ready), min(i + depth + 1, len(units)))]
+        ahead = 1 if i == 0 and part == "forward" else max(depth, 1)  # (the root's forward: FSDP2's implicit one)
+        ready += [issue(units[j], start) for j in range(len(ready), min(i + ahead + 1, len(units)))]
         t = start + getattr(u, part) * seconds
         if reduce and u.reduce:
             comm = max(comm, t) + u.reduce
@@ -261,10 +262,11 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
     replicas = n // shard
     units = []
     for i, u in enumerate(shapes):
-        # gathered again for backward where the block's backward runs, or the next unit's does (FSDP2's implicit
-        # prefetch: a unit's pre-backward gathers the unit before it in forward order, run or not; the root's, which
-        # always runs, the last block); the root stays gathered. (`parallel.fsdp_prefetch` issues them earlier.)
-        follows = shapes[i + 1].backward_flops > 0 if i + 1 < len(shapes) else True
+        # gathered again for backward where the block's backward runs, or one of the next `prefetch` units' does (a
+        # unit's pre-backward gathers the unit before it in forward order, run or not, FSDP2's implicit prefetch, or
+        # the `parallel.fsdp_prefetch` units before it; the root's, which always runs, the last block); the root
+        # stays gathered.
+        follows = i + 1 == len(shapes) or any(s.backward_flops > 0 for s in shapes[i + 1:i + 1 + work.prefetch])
         again = strategy in ("fsdp", "hsdp") and i > 0 and (u.backward_flops > 0 or follows)
         gather = wire("all_gather", u.params * gathered, shard, work.micro_steps * (2 if again else 1),
                       dtype=gathered_dtype)

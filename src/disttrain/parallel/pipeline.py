@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from disttrain.errors import ConfigError
-from disttrain.parallel.mesh import V_SCHEDULES, VIRTUAL_SCHEDULES
+from disttrain.parallel.mesh import VIRTUAL_SCHEDULES
 from disttrain.parallel.spec import Prepared
 from disttrain.parallel.stages import (
     FAMILIES,
@@ -39,15 +39,12 @@ from disttrain.parallel.stages import (
     family_of,
     holder,
     prune,
+    schedule_class,
     stage_bounds,
     stage_count,
     stages_of,
 )
 from disttrain.parallel.state import dtensor_targets, full_state_dict_fns, local_tensor, tie_groups
-
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
-             "zero-bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
-             "dualpipev": "ScheduleDualPipeV"}
 
 KEPT_SCHEDULES = 4
 """Schedules (with their stages' device buffers) kept for the step shapes seen last (`PipelinePrepared._schedule`)."""
@@ -186,17 +183,6 @@ def build_schedule(prepared: PipelinePrepared, microbatches: int, size: int, wid
     name = schedule_class(lay.schedule, microbatches, lay.ranks)
     return getattr(pipelining, name)(stages[0] if one else stages, n_microbatches=microbatches,
                                      loss_fn=lambda output, target: output, scale_grads=False)
-
-
-def schedule_class(schedule: str, microbatches: int, ranks: int) -> str:
-    """The name of the torch.distributed.pipelining class that runs `schedule` for a step of `microbatches`."""
-    # too few micro-batches to interleave (e.g. one call of the TrainingService): all forwards, then all backwards,
-    # the same numbers (torch's V-shaped schedule drops the micro-batches it lacks itself; no other has its placement)
-    if microbatches < ranks and schedule not in V_SCHEDULES:
-        return "ScheduleLoopedBFS" if schedule in VIRTUAL_SCHEDULES else "ScheduleGPipe"
-    if microbatches < 2 * ranks and schedule == "dualpipev":  # DualPipeV needs one per stage: zbv, same V
-        return "ScheduleZBVZeroBubble"
-    return SCHEDULES[schedule]
 
 
 def _ids_of(inputs) -> torch.Tensor:

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from disttrain.parallel import pipeline, tensor
+from disttrain.parallel import tensor
 from disttrain.parallel.activation_checkpoint import transformer_blocks
 from disttrain.parallel.mesh import VIRTUAL_SCHEDULES, MeshLayout
-from disttrain.parallel.stages import FAMILIES, family_of, stage_bounds, stage_count, stages_of
+from disttrain.parallel.stages import FAMILIES, family_of, schedule_class, stage_bounds, stage_count, stages_of
 
 if TYPE_CHECKING:
     from disttrain.config import ParallelConfig
@@ -139,7 +139,7 @@ def in_flight(schedule: str, ranks: int, pipeline_rank: int, microbatches: int,
 
 def torch_order(schedule: str, ranks: int, rank: int, microbatches: int) -> list[tuple[int, str]] | None:
     """[(stage, F | B | I | W)]: the computations pipeline rank `rank` runs in a step, in the order the
-    torch.distributed.pipelining class that runs `schedule` (pipeline.schedule_class) computes for it (forward,
+    torch.distributed.pipelining class that runs `schedule` (stages.schedule_class) computes for it (forward,
     full backward, input backward, weight backward; an overlapped forward-backward pair as its two parts, in the
     order the runtime runs them). From the class's own `_calculate_single_rank_operations`, given what it reads
     (no stages or process group needed); None for the one-stage classes, or where this torch has no such method."""
@@ -152,7 +152,7 @@ def torch_order(schedule: str, ranks: int, rank: int, microbatches: int) -> list
                             _stages=[None, None], num_stages=2 * ranks, _num_stages=2 * ranks, rank=rank,
                             number_of_rounds=rounds, microbatches_per_round=microbatches // rounds)
     try:  # a private method (the order is torch's to keep; a copy of it here would drift from the torch installed)
-        cls = getattr(pipelining, pipeline.schedule_class(schedule, microbatches, ranks))
+        cls = getattr(pipelining, schedule_class(schedule, microbatches, ranks))
         actions = cls._calculate_single_rank_operations(state, rank)
         return [(part.stage_index, _KINDS[part.computation_type.name])
                 for action in filter(None, actions) for part in action.sub_actions or (action,)]

@@ -1,8 +1,9 @@
 """What a pipeline stage holds and runs (pure model surgery, no process group): the model families disttrain splits
 (how each embeds, runs a block and finishes), where the stages split (balanced by parameters, or
-`parallel.pipeline_split`), which pipeline rank holds which stage under each schedule, and the stage's module
-(`StagePart`) with the rest of the model pruned to placeholders. pipeline.py runs them with
-`torch.distributed.pipelining`; the memory estimator (placement.py, activations.py) reads the same split.
+`parallel.pipeline_split`), which pipeline rank holds which stage under each schedule, which torch class runs the
+schedule (`schedule_class`), and the stage's module (`StagePart`) with the rest of the model pruned to placeholders.
+pipeline.py runs them with `torch.distributed.pipelining`; the memory estimator (placement.py, activations.py) reads
+the same split.
 """
 
 from __future__ import annotations
@@ -189,3 +190,19 @@ def prune(model: nn.Module, fam: Family, keep: list[tuple[int, int]], first: boo
 def _block_list(model: nn.Module) -> nn.ModuleList:
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
     return max(lists, key=len)
+
+
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+             "zero-bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+             "dualpipev": "ScheduleDualPipeV"}
+
+
+def schedule_class(schedule: str, microbatches: int, ranks: int) -> str:
+    """The name of the torch.distributed.pipelining class that runs `schedule` for a step of `microbatches`."""
+    # too few micro-batches to interleave (e.g. one call of the TrainingService): all forwards, then all backwards,
+    # the same numbers (torch's V-shaped schedule drops the micro-batches it lacks itself; no other has its placement)
+    if microbatches < ranks and schedule not in V_SCHEDULES:
+        return "ScheduleLoopedBFS" if schedule in VIRTUAL_SCHEDULES else "ScheduleGPipe"
+    if microbatches < 2 * ranks and schedule == "dualpipev":  # DualPipeV needs one per stage: zbv, same V
+        return "ScheduleZBVZeroBubble"
+    return SCHEDULES[schedule]
