@@ -57,12 +57,15 @@ def summarise(raw: dict) -> tuple[list[dict], dict]:
     return table, fit
 
 
+def _named_dtypes(fit: dict) -> bool:
+    """Whether labels name the element type: unless the fit is of float32 alone."""
+    return bool(fit.get("dtypes")) or fit.get("dtype", "float32") != "float32"
+
+
 def _fits(fit: dict) -> list[tuple[str, str, dict]]:
-    """(label, dtype, fit) of every fitted collective, each dtype's in turn; the label names the dtype unless the fit is
-    of float32 alone."""
-    several = bool(fit.get("dtypes")) or fit.get("dtype", "float32") != "float32"
+    """(label, dtype, fit) of every fitted collective, each dtype's in turn (`_named_dtypes`)."""
     dtypes = {fit.get("dtype", "float32"): fit["collectives"], **fit.get("dtypes", {})}
-    return [(f"{c} ({d})" if several else c, d, f) for d, fits in dtypes.items() for c, f in fits.items()]
+    return [(f"{c} ({d})" if _named_dtypes(fit) else c, d, f) for d, fits in dtypes.items() for c, f in fits.items()]
 
 
 def _size(b: float) -> str:
@@ -100,7 +103,7 @@ def report(raw: dict, out: Path) -> None:
              "",
              "| collective | size | bytes | iters | latency (us) | algbw (GB/s) | busbw (GB/s) |",
              "|---|---|---|---|---|---|---|"]
-    several = len({r["dtype"] for r in table}) > 1 or table[0]["dtype"] != "float32"
+    several = _named_dtypes(fit)
     lines += [f"| {r['collective']}{' (' + r['dtype'] + ')' if several else ''} | {_size(r['bytes'])} | "
               f"{r['bytes']} | {r['iterations']} | "
               f"{r['time_median_s'] * 1e6:.1f} | {r['algbw_GBps']:.3f} | {r['busbw_GBps']:.3f} |" for r in table]
