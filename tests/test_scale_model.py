@@ -439,6 +439,55 @@ def test_deeper_prefetch_issues_a_later_unit_s_gather_behind_a_long_compute():
         sm.step_time("fsdp", 1024, work, net).comm_s)  # the same collectives, issued earlier
 
 
+def test_a_tensor_split_runs_the_strategy_over_its_groups_on_a_share_of_the_model():
+    """tensor = 2 on 64 GPUs: the strategy runs over 32 ranks two apart, each with half of every unit: as 32 ranks of
+    half the model where a node holds 4 of them (its network shared by the 2 groups a node holds)."""
+    work = sm.Workload(LLAMA, 1.0, 8192, "bf16-mixed", log_every=0)
+    for strategy in ("ddp", "zero1", "fsdp"):
+        split = sm.step_time(strategy, 64, replace(work, tensor=2), NET)
+        alone = sm.step_time(strategy, 32, replace(work, model=sm.split_shape(LLAMA, 2)),
+                             ic.with_gpus_per_node(NET, 4))
+        assert (split.step_s, split.comm_s, split.wire_bytes) == pytest.approx(
+            (alone.step_s, alone.comm_s, alone.wire_bytes), rel=1e-12)
+    half = sm.split_shape(LLAMA, 2)
+    assert (half.params, half.trained_params) == pytest.approx((LLAMA.params / 2, LLAMA.trained_params / 2))
+    assert [u.forward_flops for u in half.units()] == [u.forward_flops for u in LLAMA.units()]  # (the shares kept)
+
+
+def test_a_tensor_split_s_collectives_hold_up_the_compute():
+    """A tensor group alone (8 GPUs, tensor = 8): the step is its compute plus every collective of each micro-batch,
+    and once those of the step; with data parallelism around it they add to the step too, less what of the data
+    collectives the longer compute now hides."""
+    calls = (("forward", "all_reduce", 64e6, "bfloat16"), ("backward", "all_gather", 32e6, "float32"),
+             ("backward", "reduce_scatter", 32e6, "float32"), ("step", "all_reduce", 1e3, "float32"))
+    work = sm.Workload(LLAMA, 0.5, 1024, "bf16-mixed", micro_steps=2, log_every=0, tensor=8, tp_calls=calls)
+    group = sm.step_time("fsdp", 8, work, NET)
+
+    def seconds(part):
+        return sum(ic.collective_time(c, b, 8, NET) for p, c, b, _ in calls if p == part)
+
+    tensor = 2 * (seconds("forward") + seconds("backward")) + seconds("step")
+    assert group.step_s == pytest.approx(0.5 + tensor, rel=1e-12) and group.comm_s == pytest.approx(tensor)
+    assert group.wire_bytes == pytest.approx(2 * (64e6 * 2 * 7 / 8 + 64e6 * 7 / 8) + 1e3 * 2 * 7 / 8, rel=1e-12)
+    for strategy in ("ddp", "fsdp"):
+        quiet = sm.step_time(strategy, 64, replace(work, tp_calls=()), NET)
+        loud = sm.step_time(strategy, 64, work, NET)
+        assert quiet.step_s < loud.step_s <= quiet.step_s + tensor + 1e-12
+        assert loud.comm_s == pytest.approx(quiet.comm_s + tensor, rel=1e-12)
+
+
+@pytest.mark.parametrize("change, gpus, says", [
+    (dict(tensor=3), [8], "parallel.tensor = 3 does not divide 8 GPUs"),
+    (dict(tensor=16), [16], "parallel.tensor = 16: its groups would span nodes of 8 devices"),
+    (dict(tensor=2, grad_compression="powersgd"), [8], "parallel.grad_compression = 'powersgd' with parallel.tensor"),
+])
+def test_what_a_tensor_split_does_not_price_is_refused(change, gpus, says):
+    with pytest.raises(ConfigError, match=says):
+        sm.predict("ddp", gpus, replace(sm.Workload(LLAMA, 1.0, 8192), **change), NET)
+    with pytest.raises(ConfigError, match="hsdp with parallel.tensor = 2 is not modelled"):
+        sm.predict("hsdp", [16], replace(sm.Workload(LLAMA, 1.0, 8192), tensor=2), NET)
+
+
 def test_the_model_imports_no_torch():
     code = ("import sys, disttrain.bench.scale_model, disttrain.bench.published_scaling; "
             "assert 'torch' not in sys.modules, 'torch imported'")

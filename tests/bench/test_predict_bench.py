@@ -247,6 +247,52 @@ def test_one_sitting_measures_steps_and_links_then_validates(tmp_path):
     assert float(checked[1]["predicted"]) == pytest.approx(fsdp2.step_s, rel=1e-9)  # from the pooled links
 
 
+def test_forecast_of_a_tensor_split_prices_its_recorded_calls_and_a_share_of_the_model(tmp_path):
+    """parallel.tensor = 2: a group of 2 GPUs reads one batch (the config's global batch over 1 x 2 / 2 = 32
+    sequences, micro-batches of 8), each GPU computes half of it on half the parameters, and the calls recorded
+    from the config's model (one sequence's, x 8) hold up the compute; a preset's are in closed form."""
+    assert cli(["bench", "predict", *TINY, "--set", "parallel.tensor=2", "--set", "dist.nproc=2", "--strategy",
+                "ddp,fsdp", "--gpus", "2,8", "--out", str(tmp_path / "gpt")]) == 0
+    cfg = load_config(None, [*TINY[1::2], "parallel.tensor=2", "dist.nproc=2"])
+    calls = predict_job.split_calls(cfg, SHAPE, "fp32", 8)
+    assert len(calls) > 0 and {c[0] for c in calls} == {"forward", "backward", "step"}
+    compute = sm.compute_seconds(SHAPE, 32 * 32 / 2, sm.H100_FP32_TFLOPS, 0.35)
+    work = sm.Workload(SHAPE, compute, 32 * 32 / 2, "fp32", 4, tensor=2, tp_calls=calls)
+    rows = list(csv.DictReader(open(tmp_path / "gpt" / "predict.csv")))
+    for row in rows:
+        expected = sm.step_time(row["strategy"], int(row["gpus"]), work, ic.PRESETS["h100-nvlink+ib-ndr"])
+        assert float(row["step_s"]) == pytest.approx(expected.step_s, rel=1e-9)
+    assert float(rows[0]["step_s"]) == pytest.approx(float(rows[2]["step_s"]), rel=1e-12)  # (one group, no data)
+    text = (tmp_path / "gpt" / "predict.md").read_text()
+    assert "32 x 32 tokens per tensor group per step" in text and "- tensor split over 2 GPUs of a node" in text
+    assert cli(["bench", "predict", "--model", "llama3-70b", "--set", "parallel.tensor=8", "--set",
+                "parallel.sequence_parallel=true", "--gpus", "8,64", "--out", str(tmp_path / "llama")]) == 0
+    assert "each micro-batch sends 325 collectives in forward and 322 in backward" in \
+        (tmp_path / "llama" / "predict.md").read_text()  # 3 (the loss's) + 1 + 161 + 160; 161 + 160 + 1 (80 blocks)
+
+
+def test_a_sitting_of_a_tensor_split_times_one_rank_s_compute_alone(tmp_path):
+    """--measure at 1 rank of a split of 2: the whole group's job on a fake group of 2, whose collectives return at
+    once (the base the model predicts the 2-rank step from); --local-batch is the group's at every world size."""
+    result = run_cli(["bench", "predict", "--measure", "--validate", "--rounds", "1", "--world-sizes", "1,2",
+                      "--strategies", "ddp", "--steps", "2", "--warmup", "1", "--local-batch", "4", *TINY,
+                      "--set", "parallel.tensor=2", "--max-other-cpu", "4", "--out", str(tmp_path / "s")], tmp_path,
+                     timeout=180)
+    assert result.returncode == 0, result.stderr
+    rows = list(csv.DictReader(open(tmp_path / "s" / "scaling.csv")))
+    assert [(r["world_size"], r["tensor"], r["global_batch"]) for r in rows] == [("1", "2", "4"), ("2", "2", "4")]
+    fit = json.loads((tmp_path / "s" / "comm" / "comm_fit.json").read_text())
+    cfg = load_config(None, [*TINY[1::2], "parallel.tensor=2"])
+    calls = predict_job.split_calls(cfg, SHAPE, "fp32", 4)
+    micro = sum(1 for c in calls if c[0] != "step")  # each call after a phase of compute as long as the step's gaps
+    assert fit["compute_ms"] == pytest.approx(1e3 * float(rows[0]["step_time_s"]) / micro, abs=0.006)
+    checked = [r for r in csv.DictReader(open(tmp_path / "s" / "predict.csv")) if r["check"] == "measured"]
+    work = sm.Workload(SHAPE, float(rows[0]["step_time_s"]), 1.0, "fp32", cpu_cores=2, log_every=0, tensor=2,
+                       tp_calls=calls)
+    expected = sm.step_time("ddp", 2, work, ic.interconnect_from_fit(fit))
+    assert float(checked[1]["predicted"]) == pytest.approx(expected.step_s, rel=1e-9)
+
+
 def test_rounds_of_comm_runs_pool_their_calls():
     def raw(times, other):
         return {"world_size": 2, "other_cpu": other, "date": str(other),
@@ -311,7 +357,18 @@ def test_a_sitting_measures_the_links_of_each_element_type_the_job_sends(precisi
     (["--strategy", "ddp", "--set", "parallel.bucket_cap_mb=0"], "parallel.bucket_cap_mb = 0.0: must be > 0"),
     (["--set", "parallel.strategy=single"], "parallel.strategy = 'single' is not modelled; give --strategy"),
     (["--set", "parallel.strategy=fsdpp"], "parallel.strategy = 'fsdpp' is not known"),
-    (["--set", "parallel.pipeline=2"], "parallel.pipeline = 2: the scale model has data parallelism only"),
+    (["--set", "parallel.pipeline=2"], "parallel.pipeline = 2: the scale model has data and tensor parallelism"),
+    (["--set", "parallel.tensor=3"], "parallel.tensor = 3 does not divide dist.nproc = 1 ranks"),
+    (["--set", "parallel.tensor=3", "--set", "dist.nproc=3"], "parallel.tensor = 3 does not divide the model's "
+     "attention heads (4)"),
+    (["--model", "resnet50", "--set", "parallel.tensor=2", "--compute-s", "1"], "parallel.tensor = 2: resnet50 has no tensor-parallel "
+     "plan"),
+    (["--model", "llama3-8b", "--set", "parallel.tensor=16", "--gpus", "16"], "parallel.tensor = 16: its groups "
+     "would span nodes of 8 devices"),
+    (["--model", "llama3-8b", "--set", "parallel.tensor=2", "--gpus", "8,9"], "parallel.tensor = 2 does not divide "
+     "9 GPUs; give GPU counts that are multiples of it"),
+    (["--model", "llama3-8b", "--strategy", "hsdp", "--set", "parallel.tensor=2", "--gpus", "16"], "hsdp with "
+     "parallel.tensor = 2 is not modelled"),
     (["--set", "parallel.strategy=hsdp", "--set", "parallel.hsdp_shard_size=2", "--set",
       "parallel.reshard_after_forward=false"],
      "parallel.reshard_after_forward = false with hsdp is not modelled"),

@@ -44,6 +44,9 @@ class ModelShape:
     grad_rows: tuple[int, ...] = ()
     """Rows of each of those gradients as PowerSGD views it (its first dimension; 0 for a vector, which it sends
     whole). Empty: PowerSGD's factors cannot be counted."""
+    columns: int = 0
+    """Column-wise split linears of a block under disttrain's tensor plan (a Llama's q, k, v, gate and up: 5), for
+    `tensor_calls`; 0: no plan (a counted model's collectives are recorded instead)."""
 
     @property
     def root_params(self) -> float:
@@ -88,7 +91,41 @@ def gpt_shape(n_layer: int, d_model: int, seq_len: int, vocab_size: int) -> Mode
 def _llama(name, layers, d, ffn, kv_heads, heads, vocab, seq):
     layer = 2 * d * d + 2 * d * (d * kv_heads // heads) + 3 * d * ffn + 2 * d
     matmul = layers * (layer - 2 * d) + vocab * d  # the output head multiplies; the input embedding is a lookup
-    return ModelShape(name, layers * layer + 2 * vocab * d + d, layer, layers, d, seq, matmul)
+    return ModelShape(name, layers * layer + 2 * vocab * d + d, layer, layers, d, seq, matmul, columns=5)
+
+
+def tensor_calls(model: ModelShape, stored: str, compute: str, sequence_parallel: bool, clip: bool = True
+                 ) -> tuple[tuple[str, str, float, str], ...]:
+    """(part, collective, bytes, dtype) of one sequence's tensor-split collectives for a preset, in closed form: what
+    `bench/tensor_calls.count` records of a Llama under disttrain's plan with its logits split (loss parallel: three
+    all-reduces of a float32 a token in forward), the others of seq x d_model elements. The embedding's output is
+    all-reduced in the `stored` dtype; a block's row-wise outputs arrive in the `compute` dtype (autocast), the
+    gradients of its column-wise inputs in the stored one (the norms' outputs are float32). Without sequence
+    parallelism: forward one all-reduce per row-wise linear, backward one per column-wise linear (and the head's
+    input); with it, each all-reduce is an all-gather and a reduce-scatter, and the backward gathers once per
+    attention and MLP input. Once a step (part "step", its sizes not a sequence's): the norm of the clipped gradients
+    (`clip`) all-reduces the column-wise shards' norms and the total, and under sequence parallelism each norm's
+    weight gradient, left partial by backward, is summed where read: by the clip and by the optimizer."""
+    size, layers = model.seq_len * model.d_model, model.n_layer
+    loss = (("forward", "all_reduce", model.seq_len * 4, "float32"),) * 3
+    step = (("step", "all_reduce", (model.columns * layers + 1) * _bytes(stored), stored),
+            ("step", "all_reduce", 4 * _bytes(stored), stored)) if clip else ()  # (the norms in the gradients' dtype)
+    if sequence_parallel:
+        step += (("step", "all_reduce", model.d_model * _bytes(stored), stored),) * (2 * layers + 1) * (1 + clip)
+    if not sequence_parallel:
+        return step + loss + ((("forward", "all_reduce", size * _bytes(stored), stored),)
+                + (("forward", "all_reduce", size * _bytes(compute), compute),) * 2 * layers
+                + (("backward", "all_reduce", size * _bytes(stored), stored),) * (model.columns * layers + 1))
+    return step + loss + ((("forward", "all_reduce", size * _bytes(stored), stored),)
+            + (("forward", "all_gather", size * _bytes(stored), stored),) * (2 * layers + 1)
+            + (("forward", "reduce_scatter", size * _bytes(compute), compute),) * 2 * layers
+            + (("backward", "reduce_scatter", size * _bytes(stored), stored),) * (2 * layers + 1)
+            + (("backward", "all_gather", size * _bytes(compute), compute),) * 2 * layers
+            + (("backward", "all_gather", size * _bytes(stored), stored),))
+
+
+def _bytes(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
 
 
 MODELS: dict[str, ModelShape] = {

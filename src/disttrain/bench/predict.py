@@ -48,7 +48,14 @@ from pathlib import Path
 from disttrain.bench import check_numbers, integers
 from disttrain.bench.interconnect import PRESETS, Interconnect, interconnect_from_fit, with_gpus_per_node
 from disttrain.bench.model_shapes import MODELS, ModelShape
-from disttrain.bench.predict_job import config_batch, config_strategy, counted_shape, settings, wire_dtypes
+from disttrain.bench.predict_job import (
+    config_batch,
+    config_strategy,
+    counted_shape,
+    settings,
+    split_calls,
+    wire_dtypes,
+)
 from disttrain.bench.predict_validate import measured_checks, published_checks
 from disttrain.bench.scale_model import (
     BYTES,
@@ -250,12 +257,14 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
     jobs = sweep_jobs(args, cfg, strategies)
     picked = not strategies and not args.model
     local, micro, given = _forecast_batch(args, cfg)
-    tokens = local * max(shape.seq_len, 1)
+    tensor = settings(cfg)["tensor"]
+    tokens = local * max(shape.seq_len, 1) / tensor  # (a tensor group's ranks share a batch)
     compute, source = _compute(args, shape, tokens, precision, fit, local, micro)
+    calls = split_calls(cfg, shape, precision, micro)
     rows, failed = [], {}
     for setting, swept in jobs:
         work = Workload(shape, compute, tokens, precision, local // micro, cpu_cores=_cores(args, fit),
-                        **settings(swept))
+                        **settings(swept), tp_calls=calls)
         for strategy in strategies or ["fsdp" if args.model else config_strategy(swept)]:
             try:
                 predicted = predict(strategy, gpus, work, net)
@@ -283,9 +292,11 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
              *([f"- strategy: the config's parallel.strategy = {cfg.parallel.strategy!r}, modelled as "
                 f"{', '.join(strategies)}"] if picked else []),
              f"- model: {shape.params / 1e6:,.1f} M parameters, {shape.n_layer} blocks of "
-             f"{shape.layer_params / 1e6:,.2f} M{_frozen(shape)}; {local} x {max(shape.seq_len, 1)} tokens per GPU per "
-             f"step ({given}; " + (f"{local // micro} micro-batches of {micro}: gradients reduced on the last)"
-                                   if local > micro else "no accumulation)"),
+             f"{shape.layer_params / 1e6:,.2f} M{_frozen(shape)}; {local} x {max(shape.seq_len, 1)} tokens per "
+             f"{'tensor group' if tensor > 1 else 'GPU'} per step ({given}; "
+             + (f"{local // micro} micro-batches of {micro}: gradients reduced on the last)" if local > micro
+                else "no accumulation)"),
+             *([_split_line(cfg, calls, tensor, local)] if tensor > 1 else []),
              f"- compute of one step on one device: {compute:.4g} s, {source}",
              f"- precision {precision}, gradient compression {job['grad_compression']}: bytes per element stored / "
              f"gathered / reduced {' / '.join(map(str, BYTES[precision][:2]))} / "
@@ -299,6 +310,16 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
     lines += ["", "Efficiency: tokens/s per GPU relative to the smallest count (weak scaling). Collectives: the sum "
               "of their times, mostly hidden behind compute; exposed: what the step waits for. " + _footer()]
     return "\n".join(lines) + "\n", rows
+
+
+def _split_line(cfg: Config, calls: tuple, tensor: int, local: int) -> str:
+    sent = {part: sum(1 for c in calls if c[0] == part) for part in ("forward", "backward", "step")}
+    size = sum(c[2] for c in calls if c[0] != "step") / 2**20
+    return (f"- tensor split over {tensor} GPUs of a node (parallel.tensor; sequence parallel "
+            f"{'on' if cfg.parallel.sequence_parallel else 'off'}): a group's ranks share its {local} sequences "
+            f"(tokens per GPU: 1/{tensor} of them); each micro-batch sends {sent['forward']} collectives in forward "
+            f"and {sent['backward']} in backward ({size:,.1f} MiB), the step {sent['step']} more, each holding up "
+            f"the compute; the strategy runs over GPUs / {tensor} ranks, each with 1/{tensor} of the parameters")
 
 
 def sweep_jobs(args: argparse.Namespace, cfg: Config, strategies: list[str]) -> list[tuple[str, Config]]:
@@ -328,6 +349,7 @@ def _forecast_batch(args: argparse.Namespace, cfg: Config) -> tuple[int, int, st
     micro = args.micro_batch or micro  # (--local-batch alone: no accumulation)
     given = ("--local-batch" if args.local_batch else "the preset's" if args.model else
              f"the config's: data.global_batch_size {cfg.data.global_batch_size} over dist.nproc {cfg.dist.nproc}"
+             + (f" / parallel.tensor {cfg.parallel.tensor}" if cfg.parallel.tensor > 1 else "")
              + (f" x {args.nodes} nodes" if args.nodes > 1 else ", one node's ranks"))
     if local % micro:
         raise ConfigError(f"--micro-batch {micro}: the batch per GPU, {local} ({given}), is not a multiple of it; "

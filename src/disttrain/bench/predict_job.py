@@ -79,16 +79,21 @@ def config_batch(cfg: Config, nodes: int = 1) -> tuple[int, int]:
     """(sequences per GPU per step, sequences per forward pass) of the config's job: `data.global_batch_size` over
     its ranks, `dist.nproc` on each of its `nodes` (a launch's `--nnodes`, which the config does not hold), in
     micro-batches of `data.micro_batch_size` (the Trainer accumulates the rest, and reduces the gradients on the last
-    micro-batch only). A forecast keeps this batch per GPU at every count (weak scaling)."""
-    d, world = cfg.data, cfg.dist.nproc * nodes
+    micro-batch only); under a tensor split, over its groups (`parallel.tensor` ranks read one batch), and per group.
+    A forecast keeps this batch per GPU (per group) at every count (weak scaling)."""
+    d, world, tensor = cfg.data, cfg.dist.nproc * nodes, max(1, cfg.parallel.tensor)
+    names, values = ("dist.nproc x --nodes", f"{cfg.dist.nproc} x {nodes}") if nodes > 1 else ("dist.nproc", f"{world}")
+    if world % tensor:
+        raise ConfigError(f"parallel.tensor = {tensor} does not divide {names} = {values} ranks: the job's groups are "
+                          "unknown; give a tensor degree that divides its ranks")
+    groups = world // tensor
     if world < 1 or d.micro_batch_size < 1 or d.global_batch_size < 1 or \
-            d.global_batch_size % (world * d.micro_batch_size):
-        names, values = ("dist.nproc x --nodes", f"{cfg.dist.nproc} x {nodes}") if nodes > 1 else \
-            ("dist.nproc", f"{world}")
+            d.global_batch_size % (groups * d.micro_batch_size):
+        over = f" / parallel.tensor {tensor}" if tensor > 1 else ""
         raise ConfigError(f"data.global_batch_size = {d.global_batch_size} is not a positive multiple of "
-                          f"data.micro_batch_size x {names} = {d.micro_batch_size} x {values}: the job's batch per "
-                          "GPU is unknown; fix them, or give --local-batch and --micro-batch")
-    return d.global_batch_size // world, d.micro_batch_size
+                          f"data.micro_batch_size x {names}{over} = {d.micro_batch_size} x {values}{over}: the job's "
+                          "batch per GPU is unknown; fix them, or give --local-batch and --micro-batch")
+    return d.global_batch_size // groups, d.micro_batch_size
 
 
 def wire_dtypes(precision: str, grad_compression: str) -> list[str]:
@@ -132,9 +137,9 @@ def settings(cfg: Config) -> dict:
     from disttrain.config import CHOICES
 
     p, choices = cfg.parallel, CHOICES["parallel.grad_compression"]
-    split = [f"parallel.{k} = {getattr(p, k)}" for k in ("pipeline", "tensor", "context") if getattr(p, k) > 1]
+    split = [f"parallel.{k} = {getattr(p, k)}" for k in ("pipeline", "context") if getattr(p, k) > 1]
     if split:
-        raise ConfigError(f"{split[0]}: the scale model has data parallelism only (no pipeline, tensor or context "
+        raise ConfigError(f"{split[0]}: the scale model has data and tensor parallelism (no pipeline or context "
                           f"split); predict the job without it, e.g. --set {split[0].split(' = ')[0]}=1")
     if p.grad_compression not in choices:
         raise ConfigError(f"parallel.grad_compression = {p.grad_compression!r}: choose from {', '.join(choices)}")
@@ -147,7 +152,30 @@ def settings(cfg: Config) -> dict:
         raise ConfigError(f"train.log_every = {cfg.train.log_every}: must be >= 1; e.g. 10 (the default)")
     return {"log_every": cfg.train.log_every, "bucket_bytes": p.bucket_cap_mb * 2**20,
             "grad_compression": p.grad_compression, "powersgd_rank": p.powersgd_rank,
-            "hsdp_shard": p.hsdp_shard_size, "prefetch": p.fsdp_prefetch or 1}
+            "hsdp_shard": p.hsdp_shard_size, "prefetch": p.fsdp_prefetch or 1, "tensor": max(1, p.tensor)}
+
+
+def split_calls(cfg: Config, shape: ModelShape, precision: str, sequences: float
+                ) -> tuple[tuple[str, str, float, str], ...]:
+    """The tensor split's collectives of a step in micro-batches of `sequences` sequences (`Workload.tp_calls`):
+    recorded from the config's model under disttrain's plan (`tensor_calls.count`), or in closed form for a preset;
+    () where `parallel.tensor` is 1. A forward's and a backward's sizes are one sequence's times `sequences`; the
+    step's (part "step") are the parameters'."""
+    from disttrain.bench import model_shapes, tensor_calls
+
+    if cfg.parallel.tensor <= 1:
+        return ()
+    if shape.counted:
+        calls = [(c.part, c.collective, c.nbytes, c.dtype) for c in tensor_calls.count(cfg, precision)]
+    elif shape.columns:
+        stored, compute, _ = WIRE_DTYPES[precision]
+        calls = model_shapes.tensor_calls(shape, stored, compute, cfg.parallel.sequence_parallel,
+                                          cfg.optim.grad_clip > 0)
+    else:
+        raise ConfigError(f"parallel.tensor = {cfg.parallel.tensor}: {shape.name} has no tensor-parallel plan; "
+                          "predict it with parallel.tensor = 1")
+    return tuple((part, collective, nbytes * (1 if part == "step" else sequences), dtype)
+                 for part, collective, nbytes, dtype in calls)
 
 
 def series_settings(config: str | None, overrides: list[str], cfg: Config, swept: str) -> dict:

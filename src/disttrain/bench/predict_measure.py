@@ -6,6 +6,9 @@ For each world size (one launch each) and strategy: the Trainer's step (`Trainer
 `--micro-batch`; by default one micro-batch) and global batch = batch per rank x world size, 1 torch thread per
 rank, `--warmup` untimed steps then `--steps` timed ones; the figure is rank 0's median (every step ends in the
 backend's all-reduce of the loss totals, so rank 0 waits for the slowest).
+Under a tensor split (`parallel.tensor` = T), `--local-batch` is a tensor group's, and the world size 1 is one rank
+of the split on a fake group of T (tensor_calls.fake_group: its collectives return at once): the compute of one
+rank alone, from which the scale model predicts the split's steps. Its row's `tensor` column says so.
 Writes `<out>/scaling.csv` with the columns `disttrain bench scaling` writes (strategy, mode, world_size,
 global_batch, micro_batch, log_every, params, trained_params, step_time_s, tokens_per_s) plus step_time_std_s (over
 the timed steps), cores, `rank_cpu` (a rank's CPU time, gloo's threads included, over the wall time: 1.0 = a core
@@ -27,13 +30,15 @@ from pathlib import Path
 
 from disttrain.errors import ArgumentParser, ConfigError
 
-COLUMNS = ["strategy", "mode", "world_size", "global_batch", "micro_batch", "log_every", "step_time_s",
+COLUMNS = ["strategy", "mode", "world_size", "tensor", "global_batch", "micro_batch", "log_every", "step_time_s",
            "step_time_std_s", "tokens_per_s", "params", "trained_params", "cores", "rank_cpu", "other_cpu"]
 
 
-def _overrides(args: argparse.Namespace, world: int) -> list[str]:
+def _overrides(args: argparse.Namespace, world: int, tensor: int) -> list[str]:
+    """The job at `world` ranks: `--local-batch` per data replica (a rank, or a tensor group of `tensor`)."""
     return [*args.overrides, f"data.micro_batch_size={args.micro_batch}",
-            f"data.global_batch_size={args.local_batch * world}", "dist.threads_per_rank=1", "log.progress=false",
+            f"data.global_batch_size={args.local_batch * max(1, world // tensor)}", "dist.threads_per_rank=1",
+            "log.progress=false",
             "train.steps=100000", f"run.out_dir={args.out}", "run.name=predict_measure_run"]
 
 
@@ -64,11 +69,12 @@ def check(args: argparse.Namespace) -> None:
     if not names:
         raise ConfigError(f"--strategies {args.strategies!r} names no strategy; e.g. --strategies ddp,fsdp")
     args.strategies = ",".join(dict.fromkeys(names))  # (the ranks run the names the scale model reads back)
+    tensor = load_config(args.config, args.overrides).parallel.tensor
     for name in dict.fromkeys(names):  # each strategy's run at each world size, as its ranks will check it
         for world in args.world_sizes:
-            try:
-                validate(load_config(args.config, [*_overrides(args, world), f"parallel.strategy={name}"]), gpus,
-                         world)
+            try:  # (1 rank of a tensor split: the whole group's job, on a fake group: `main`)
+                validate(load_config(args.config, [*_overrides(args, world, tensor), f"parallel.strategy={name}"]),
+                         gpus, tensor if world == 1 else world)
             except ConfigError as exc:
                 raise ConfigError(f"--strategies {name} at {world} rank{'s' if world > 1 else ''}: {exc} (or leave "
                                   f"{name} out of --strategies)") from None
@@ -115,10 +121,11 @@ def sitting(args: argparse.Namespace, out: Path, dtypes: list[str]) -> tuple[Pat
     import torch
 
     from disttrain.bench import comm, comm_report
+    from disttrain.bench.tensor_calls import count
     from disttrain.config import load_config, uses_cuda
 
     cfg = load_config(args.config, args.overrides)
-    n_layer = cfg.model.n_layer
+    n_layer, split = cfg.model.n_layer, sum(1 for c in count(cfg) if c.part != "step")  # (a micro-batch's)
     # on GPUs the compute runs on the devices: no host phase; and the links are fitted over every rank measured
     # (nccl picks its algorithm by the number of ranks), where on CPU 2 ranks fit what 3 share (the cores)
     cuda = uses_cuda(cfg, torch.cuda.device_count())
@@ -129,7 +136,8 @@ def sitting(args: argparse.Namespace, out: Path, dtypes: list[str]) -> tuple[Pat
         with open(measure(args, here), newline="") as f:
             measured = list(csv.DictReader(f))
         rows += measured
-        busy = ["--busy", "0"] if cuda else ["--busy", "step", "--compute-ms", f"{phase_ms(measured, n_layer):.2f}"]
+        busy = (["--busy", "0"] if cuda else
+                ["--busy", "step", "--compute-ms", f"{phase_ms(measured, n_layer, split):.2f}"])
         code = comm.main([*busy, "--collectives", "all_reduce,all_gather,reduce_scatter", "--dtype", ",".join(dtypes),
                           "--nproc", str(max(args.world_sizes) if cuda else 2), "--min-size", FIT_SIZES[0],
                           "--max-size", FIT_SIZES[1], "--out", str(here / "comm")])
@@ -144,16 +152,17 @@ def sitting(args: argparse.Namespace, out: Path, dtypes: list[str]) -> tuple[Pat
     return path, out / "comm" / "comm_fit.json"
 
 
-def phase_ms(rows: list[dict], n_layer: int) -> float:
+def phase_ms(rows: list[dict], n_layer: int, split: int = 0) -> float:
     """The compute between two of a step's collectives, the comm fit's `--compute-ms`: the 1-rank step (fsdp's,
     where measured) over the passes of its FSDP units (forward and backward of each block and of the root, in each
-    micro-batch); 8 ms where no 1-rank step was measured."""
+    micro-batch), or under a tensor split over its `split` collectives a micro-batch; 8 ms where no 1-rank step was
+    measured."""
     ones = [r for r in rows if int(r["world_size"]) == 1]
     base = [r for r in ones if r["strategy"] == "fsdp"] or ones
     if not base:
         return 8.0
     micro_steps = int(base[0]["global_batch"]) // int(base[0]["micro_batch"])
-    return 1e3 * float(base[0]["step_time_s"]) / (2 * (n_layer + 1) * micro_steps)
+    return 1e3 * float(base[0]["step_time_s"]) / ((split or 2 * (n_layer + 1)) * micro_steps)
 
 
 def pool(raws: list[dict]) -> dict:
@@ -200,6 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     from disttrain.bench import busy_seconds, other_cpu, own_seconds
     from disttrain.bench.loops import disttrain_loop
     from disttrain.bench.predict_job import model_sizes
+    from disttrain.bench.tensor_calls import form_fake_group
     from disttrain.config import load_config
     from disttrain.data import GlobalSampler, build_datasets
     from disttrain.models import build_model
@@ -207,8 +217,13 @@ def main(argv: list[str] | None = None) -> None:
 
     args = _worker_args(argv)
     world = detect_launch(os.environ).world_size
-    cfg = load_config(args.config, _overrides(args, world))
-    runtime = init_runtime(cfg.dist, always_form_group=True)
+    tensor = load_config(args.config, args.overrides).parallel.tensor
+    cfg = load_config(args.config, _overrides(args, world, tensor))
+    environ = os.environ
+    if world == 1 and tensor > 1:  # one rank of the split, its collectives returning at once: its compute alone
+        form_fake_group(tensor)
+        environ = {**os.environ, "WORLD_SIZE": str(tensor), "LOCAL_WORLD_SIZE": str(tensor)}
+    runtime = init_runtime(cfg.dist, environ, always_form_group=True)
     train, _ = build_datasets(cfg.data, cfg.model.seq_len)
     sampler = GlobalSampler(len(train), cfg.run.seed)
     sizes = model_sizes(build_model(cfg.model))
@@ -230,10 +245,11 @@ def main(argv: list[str] | None = None) -> None:
         others = other_cpu(busy_seconds() - busy, ours.item(), wall)
         median = statistics.median(times[args.warmup:])
         if runtime.is_main_process():
-            row = {"strategy": strategy, "mode": "weak", "world_size": world, "global_batch": args.local_batch * world,
+            row = {"strategy": strategy, "mode": "weak", "world_size": world, "tensor": tensor,
+                   "global_batch": cfg.data.global_batch_size,
                    "micro_batch": args.micro_batch, "log_every": cfg.train.log_every, "step_time_s": median,
                    "step_time_std_s": statistics.stdev(times[args.warmup:]) if args.steps > 1 else 0.0,
-                   "tokens_per_s": args.local_batch * world * cfg.model.seq_len / median, **sizes,
+                   "tokens_per_s": cfg.data.global_batch_size * cfg.model.seq_len / median, **sizes,
                    "cores": len(os.sched_getaffinity(0)), "rank_cpu": round(ours.item() / world / wall, 3),
                    "other_cpu": round(others, 3)}
             with open(Path(args.out) / "predict_measure_rows.jsonl", "a") as f:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from disttrain.bench.interconnect import Interconnect, with_gpus_per_node
 from disttrain.bench.model_shapes import ModelShape
-from disttrain.bench.predict_job import series_settings
+from disttrain.bench.predict_job import series_settings, split_calls
 from disttrain.bench.published_scaling import PUBLISHED
 from disttrain.bench.scale_model import STRATEGIES, Workload, step_time
 from disttrain.config import Config
@@ -26,7 +26,8 @@ Measured = dict[str, tuple[str, dict[int, dict], str]]
 
 
 def read_measured(path: Path, shape: ModelShape, max_other_cpu: float) -> tuple[Measured, int]:
-    """(label -> (strategy, world size -> {step_time_s, local: samples per rank per step (0 if unknown),
+    """(label -> (strategy, world size -> {step_time_s, local: samples per data replica per step (a rank's, or a
+    tensor group's where the CSV's `tensor` column splits the model; 0 if unknown),
     micro_steps, log_every: 1 where the row's median step gathered the ranks' figures}, swept setting) for every
     series of a modelled strategy, rows left out). A row whose `other_cpu` (where the CSV has one) is above
     `max_other_cpu` measured its neighbours too and is left out. A CSV whose `params` or `trained_params` (where it
@@ -68,7 +69,8 @@ def read_measured(path: Path, shape: ModelShape, max_other_cpu: float) -> tuple[
     for label, (strategy, worlds) in series.items():
         by_world = {}
         for world, rows in worlds.items():
-            local = float(rows[0]["global_batch"]) / world if rows[0].get("global_batch") else 0.0
+            replicas = max(1, world // int(rows[0].get("tensor") or 1))  # (a tensor group reads one batch)
+            local = float(rows[0]["global_batch"]) / replicas if rows[0].get("global_batch") else 0.0
             micro = float(rows[0]["micro_batch"]) if rows[0].get("micro_batch") else local
             by_world[world] = {"step_time_s": statistics.median(float(r["step_time_s"]) for r in rows),
                                "local": local, "micro_steps": max(1, round(local / micro)) if micro else 1,
@@ -94,13 +96,13 @@ def _check_row(path: Path, line: int, row: dict) -> None:
     try:
         world, step = int(row["world_size"]), float(row["step_time_s"])
         numbers = [float(row[k]) for k in ("global_batch", "micro_batch", "log_every", "params", "trained_params",
-                                           "other_cpu") if row.get(k)]
+                                           "other_cpu", "tensor") if row.get(k)]
     except (TypeError, ValueError):
         world, step, numbers = 0, 0.0, []
     if world < 1 or not 0 < step < math.inf or not all(math.isfinite(x) and x >= 0 for x in numbers):
         raise ConfigError(f"--measured {path}, line {line}: expected a world_size >= 1, a step_time_s > 0 (seconds) "
-                          "and numbers >= 0 in global_batch, micro_batch, log_every, params, trained_params and "
-                          "other_cpu; got "
+                          "and numbers >= 0 in global_batch, micro_batch, log_every, params, trained_params, "
+                          "other_cpu and tensor; got "
                           + ", ".join(f"{k} {v!r}" for k, v in row.items() if k != "strategy"))
 
 
@@ -118,6 +120,7 @@ def measured_checks(args, shape: ModelShape, precision: str, net: Interconnect, 
              "from the 1-rank step. Target: |error| <= 10%.", "",
              "| series | ranks | measured (s) | predicted (s) | error | collectives (s) |",
              "|---|---|---|---|---|---|"]
+    per_sequence = split_calls(cfg, shape, precision, 1.0)  # (a tensor split's collectives: none without one)
     skipped = [label for label, (_, by_world, _) in measured.items() if 1 not in by_world]
     refused = []
     for label, (strategy, by_world, swept) in measured.items():
@@ -131,8 +134,11 @@ def measured_checks(args, shape: ModelShape, precision: str, net: Interconnect, 
         base = by_world[1]
         for world, m in sorted(by_world.items()):
             scale = m["local"] / base["local"] if base["local"] else 1.0
+            sequences = m["local"] / m["micro_steps"]
+            calls = tuple((part, kind, nbytes * (1 if part == "step" else sequences), dtype)
+                          for part, kind, nbytes, dtype in per_sequence)
             work = Workload(shape, base["step_time_s"] * scale, 1.0, precision, m["micro_steps"], cpu_cores=cores,
-                            **{**job, "log_every": m["log_every"]})  # (the gathers a row's median step pays)
+                            **{**job, "log_every": m["log_every"]}, tp_calls=calls)  # (the gathers a median pays)
             s = step_time(strategy, world, work, net)
             error = s.step_s / m["step_time_s"] - 1
             rows.append({"check": "measured", "case": label, "gpus": world, "reference": m["step_time_s"],

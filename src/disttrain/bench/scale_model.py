@@ -70,6 +70,13 @@ class Workload:
     log_every: int = 10
     """Steps per logged line (`train.log_every`, 10 by default; 0 = none): each line all-gathers the ranks' figures
     (perf.rank_summary: 5 float64 per rank) and waits for it."""
+    tensor: int = 1
+    """Ranks each block is split over (`parallel.tensor`), neighbours within a node: the strategy runs over GPUs /
+    tensor ranks, each holding 1/tensor of every unit, and `compute_s` and `tokens` are one of those ranks' shares."""
+    tp_calls: tuple[tuple[str, str, float, str], ...] = ()
+    """(part, collective, bytes, dtype) of each collective the tensor split sends in one micro-batch's forward or
+    backward, or once in the step after them (part "step": the clip's norm, partial gradients summed)
+    (`bench/tensor_calls.count`, or `model_shapes.tensor_calls` for a preset); each holds up the compute."""
 
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
@@ -206,8 +213,11 @@ def _bucket_calls(model: ModelShape, work: Workload, stored: int, wire: int) -> 
     return grads, calls
 
 
-def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[list[Unit], float, float]:
-    """(units in forward order, seconds of collectives after backward, wire bytes per step)."""
+def _units(strategy: str, work: Workload, n: int, net: Interconnect, spread: int = 1
+           ) -> tuple[list[Unit], float, float]:
+    """(units in forward order, seconds of collectives after backward, wire bytes per step) of the strategy over `n`
+    ranks, each `spread` ranks apart (a tensor split's neighbours hold the other shares: `work.model` is one
+    rank's)."""
     model, (stored, gathered, _) = work.model, BYTES[work.precision]
     stored_dtype, gathered_dtype, _ = WIRE_DTYPES[work.precision]
     reduced_type = reduced_dtype(work.precision, work.grad_compression)
@@ -216,9 +226,10 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
     ddp_wire = ITEMSIZE[ddp_dtype]
 
     def wire(collective: str, nbytes: float, ranks: int, times: float = 1, dtype: str = "float32",
-             groups: int = 1) -> float:
-        """Seconds of one call over `ranks` ranks, each of `groups` ranks apart (hsdp's replicas: a node holds
-        devices per node / groups of them, each on its share of the node's network)."""
+             groups: int = spread) -> float:
+        """Seconds of one call over `ranks` ranks, each of `groups` ranks apart (hsdp's replicas, a tensor split's
+        data-parallel groups: a node holds devices per node / groups of them, each on its share of the node's
+        network)."""
         nonlocal sent
         sent += times * nbytes * bus_factor(collective, ranks)
         links = net.for_dtype(dtype, collective)
@@ -247,7 +258,7 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect) -> tuple[li
     # done before anyone waits: skipping it changed a 2-rank ddp step here by nothing.)
     after = wire("all_reduce", 8, shard) if sharded else 0.0
     if work.log_every:
-        after += wire("all_gather", 40 * n, n, times=1 / work.log_every) / work.log_every
+        after += wire("all_gather", 40 * n * spread, n * spread, times=1 / work.log_every, groups=1) / work.log_every
     shapes = model.units()
     flops = sum(u.forward_flops + u.backward_flops for u in shapes)
     if not sharded:
@@ -315,19 +326,72 @@ def step_time(strategy: str, n: int, work: Workload, net: Interconnect) -> Step:
     compute = work.compute_s * slowdown
     if n == 1:
         return Step(compute, compute, 0.0, 0.0)
-    units, after, sent = _units(strategy, work, n, net)
+    _check_tensor(strategy, n, work, net)
+    units, after, sent = _units(strategy, replace(work, model=split_shape(work.model, work.tensor)),
+                                n // work.tensor, net, work.tensor)
+    (split_fwd, split_bwd, split_step), (sent_micro, sent_step) = _tensor_seconds(work, net)
+    split = (split_fwd + split_bwd) * work.micro_steps
+    sent += sent_micro * work.micro_steps + sent_step
+    after += split_step  # (after backward, before the optimizer's update)
     comm_total = (sum(u.gather_fwd + u.gather_bwd for u in units) * work.micro_steps
-                  + sum(u.reduce for u in units) + after)
+                  + sum(u.reduce for u in units) + after + split)
     if work.cpu_cores and local >= work.cpu_cores:  # no free core: gloo's threads take turns with compute
         charged = comm_total - _waits_behind_backward(units)
         return Step(compute + charged * slowdown, compute, comm_total * slowdown, sent)
     seconds = compute / work.micro_steps
+    if split:  # the tensor split's collectives run in line with the compute, spread over the units by their shares
+        busy = seconds + split_fwd + split_bwd
+        forward, backward = sum(u.forward for u in units), sum(u.backward for u in units)
+        units = [replace(u, forward=(u.forward * seconds + split_fwd * u.forward / forward) / busy,
+                         backward=(u.backward * seconds + split_bwd * u.backward / backward) / busy)
+                 for u in units]
+        seconds = busy
     t = comm = 0.0
     for m in range(work.micro_steps):
         t, comm = _pass(units, seconds, "forward", "gather_fwd", False, t, comm, work.prefetch)
         t, comm = _pass(units[::-1], seconds, "backward", "gather_bwd", m == work.micro_steps - 1, t, comm,
                         work.prefetch)
     return Step(max(t, comm) + after, compute, comm_total, sent)
+
+
+def split_shape(model: ModelShape, tensor: int) -> ModelShape:
+    """One rank's share of `model` under a tensor split of `tensor` ranks: every unit's parameters and trained
+    tensors divided by it (its compute shares kept). The norms and positions a split leaves whole are counted split
+    too: a few thousand parameters a block."""
+    if tensor == 1:
+        return model
+    return replace(model, params=model.params / tensor, layer_params=model.layer_params / tensor,
+                   counted=tuple(UnitShape(u.params / tensor, u.trained / tensor, u.forward_flops,
+                                                  u.backward_flops) for u in model.units()),
+                   grad_tensors=tuple(x / tensor for x in model.grad_tensors))
+
+
+def _check_tensor(strategy: str, n: int, work: Workload, net: Interconnect) -> None:
+    """What the model does not price of a tensor split: a count it does not divide, a group wider than a node, hsdp
+    or PowerSGD with it (disttrain refuses powersgd under a model split)."""
+    t = work.tensor
+    if t == 1:
+        return
+    if n % t:
+        raise ConfigError(f"parallel.tensor = {t} does not divide {n} GPUs; give GPU counts that are multiples of it")
+    if t > net.gpus_per_node:
+        raise ConfigError(f"parallel.tensor = {t}: its groups would span nodes of {net.gpus_per_node} devices, which "
+                          f"the model does not price (each block's collectives hold up its compute); give at most "
+                          f"{net.gpus_per_node}")
+    if strategy == "hsdp" or work.grad_compression == "powersgd":
+        what = "hsdp" if strategy == "hsdp" else "parallel.grad_compression = 'powersgd'"
+        raise ConfigError(f"{what} with parallel.tensor = {t} is not modelled; predict fsdp or ddp with it")
+
+
+def _tensor_seconds(work: Workload, net: Interconnect) -> tuple[tuple[float, float, float], tuple[float, float]]:
+    """((forward, backward) seconds of one micro-batch's tensor-split collectives and the step's, (bytes each rank
+    sends in a micro-batch, in the step))."""
+    seconds, sent = {"forward": 0.0, "backward": 0.0, "step": 0.0}, {"forward": 0.0, "backward": 0.0, "step": 0.0}
+    for part, collective, nbytes, dtype in work.tp_calls:
+        seconds[part] += collective_time(collective, nbytes, work.tensor, net.for_dtype(dtype, collective))
+        sent[part] += nbytes * bus_factor(collective, work.tensor)
+    return (seconds["forward"], seconds["backward"], seconds["step"]), (sent["forward"] + sent["backward"],
+                                                                        sent["step"])
 
 
 @dataclass
