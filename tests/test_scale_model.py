@@ -476,6 +476,24 @@ def test_a_tensor_split_s_collectives_hold_up_the_compute():
         assert loud.comm_s == pytest.approx(quiet.comm_s + tensor, rel=1e-12)
 
 
+def test_the_step_s_tensor_split_calls_go_out_together_and_pay_one_call_s_cost():
+    """The clip's norm and the optimizer sum the partial gradients with DTensor's functional collectives, issued
+    together and waited once: on a CPU host's links (a cost per call) the run pays that cost once, the other calls
+    their bytes; each micro-batch's calls, waited one by one, pay it each."""
+    fit = {"world_size": 2, "backend": "gloo", "device": "cpu", "collectives": {
+        c: {"alpha_s": 1e-3, "beta_s_per_byte": 1e-9} for c in ("all_reduce", "all_gather", "reduce_scatter")}}
+    net = ic.interconnect_from_fit(fit)
+    work = sm.Workload(gpt_shape(2, 64, 32, 256), 0.1, 1, "fp32", log_every=0, tensor=2, cpu_cores=2)
+
+    def step(*calls):
+        return sm.step_time("ddp", 2, replace(work, tp_calls=calls), net).step_s
+
+    run = [("step", "all_reduce", 1e4, "float32")] * 3
+    assert step(*run) - step() == pytest.approx(1e-3 + 3 * 1e-9 * 1e4, rel=1e-9)
+    apart = [("backward", "all_reduce", 1e4, "float32")] * 3
+    assert step(*apart) - step() == pytest.approx(3 * (1e-3 + 1e-9 * 1e4), rel=1e-9)
+
+
 @pytest.mark.parametrize("change, gpus, says", [
     (dict(tensor=3), [8], "parallel.tensor = 3 does not divide 8 GPUs"),
     (dict(tensor=16), [16], "parallel.tensor = 16: its groups would span nodes of 8 devices"),

@@ -361,8 +361,8 @@ def test_a_sitting_measures_the_links_of_each_element_type_the_job_sends(precisi
     (["--set", "parallel.tensor=3"], "parallel.tensor = 3 does not divide dist.nproc = 1 ranks"),
     (["--set", "parallel.tensor=3", "--set", "dist.nproc=3"], "parallel.tensor = 3 does not divide the model's "
      "attention heads (4)"),
-    (["--model", "resnet50", "--set", "parallel.tensor=2", "--compute-s", "1"], "parallel.tensor = 2: resnet50 has no tensor-parallel "
-     "plan"),
+    (["--model", "resnet50", "--set", "parallel.tensor=2", "--compute-s", "1"], "parallel.tensor = 2: resnet50 has "
+     "no tensor-parallel plan"),
     (["--model", "llama3-8b", "--set", "parallel.tensor=16", "--gpus", "16"], "parallel.tensor = 16: its groups "
      "would span nodes of 8 devices"),
     (["--model", "llama3-8b", "--set", "parallel.tensor=2", "--gpus", "8,9"], "parallel.tensor = 2 does not divide "
