@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from disttrain.bench import buckets, timeline
 from disttrain.bench import interconnect as ic
 from disttrain.bench import scale_model as sm
 from disttrain.bench.model_shapes import MODELS, ModelShape, UnitShape, gpt_shape
@@ -107,13 +108,13 @@ def test_a_cpu_host_pays_the_cpu_time_of_the_buckets_issued_during_backward():
         pytest.approx(cpu_alpha + cpu_beta * 1e6, rel=1e-12)
     shape = gpt_shape(2, 64, 32, 256)
     work = sm.Workload(shape, 0.05, 1, "fp32", bucket_bytes=2**16, cpu_cores=2, log_every=0)
-    buckets = sm._buckets(shape, 4, 2**16)
-    assert len(buckets) > 2
+    sizes = buckets.gradient_buckets(shape, 4, 2**16)
+    assert len(sizes) > 2
     before = sm.step_time("ddp", 2, work, wall)
     after = sm.step_time("ddp", 2, work, cpu)
-    assert before.step_s == pytest.approx(0.05 + sum(alpha + beta * b for b in buckets), rel=1e-12)
-    assert after.step_s == pytest.approx(0.05 + alpha + beta * buckets[0]  # the first parameters' bucket: the last
-                                         + sum(cpu_alpha + cpu_beta * b for b in buckets[1:]), rel=1e-12)
+    assert before.step_s == pytest.approx(0.05 + sum(alpha + beta * b for b in sizes), rel=1e-12)
+    assert after.step_s == pytest.approx(0.05 + alpha + beta * sizes[0]  # the first parameters' bucket: the last
+                                         + sum(cpu_alpha + cpu_beta * b for b in sizes[1:]), rel=1e-12)
     assert after.comm_s == before.comm_s and after.wire_bytes == before.wire_bytes
     assert sm.step_time("zero1", 2, work, cpu).step_s == pytest.approx(  # DDP's buckets, then its exposed all-gather
         after.step_s + ic.collective_time("all_gather", shape.params * 4, 2, cpu), rel=1e-12)
@@ -167,12 +168,12 @@ def test_powersgd_sends_each_bucket_as_its_whole_tensors_then_p_then_q():
     gpu = replace(net, intra=ic.uniform(ic.Link(1e-3, 1e9)), inter=ic.uniform(ic.Link(1e-3, 1e9)))
     work = sm.Workload(shape, 0.05, 1, "fp32", grad_compression="powersgd", log_every=0, cpu_cores=2,
                        bucket_bytes=64 * 256 * 4)
-    grads, calls = sm._bucket_calls(shape, work, 4, 4)
+    grads, calls = buckets.bucket_calls(shape, work, 4, 4)
     whole, p, q = 2 * (64 + 256), 2 * (64 + 8), 2 * (256 + 8)  # both blocks in one bucket on a CPU (gloo)
     assert grads == [sum(tensors) * 4] and calls == [[4 * whole, 4 * p, 4 * q]]
     assert sm.step_time("ddp", 2, work, net).comm_s == pytest.approx(3e-3 + 4e-9 * (whole + p + q), rel=1e-12)
     four = replace(work, powersgd_rank=4, cpu_cores=0)  # on GPUs: DDP's buckets, here one per block
-    grads, calls = sm._bucket_calls(shape, four, 4, 4)
+    grads, calls = buckets.bucket_calls(shape, four, 4, 4)
     assert calls == [[4 * (64 + 64 + 256), 4 * 4 * 64, 4 * 4 * 256]] * 2
     plain = sm.step_time("ddp", 2, replace(four, grad_compression="none"), gpu)
     low = sm.step_time("ddp", 2, four, gpu)
@@ -191,24 +192,24 @@ def test_powersgd_sends_each_bucket_as_its_whole_tensors_then_p_then_q():
 def test_ddp_buckets_hold_whole_tensors_from_the_last_parameter():
     # as DDP's rebuilt buckets: in the order gradients are ready, closed once they reach the cap
     model = ModelShape("m", 1030, counted=(UnitShape(1030, 1030, 1, 2),), grad_tensors=(10, 10, 1000, 10))
-    assert sm._buckets(model, 4, 40) == [40, 40, 4000, 40]  # forward order; an even split would make 103
-    assert sm._buckets(model, 4, 100) == [80, 4040]  # the first parameters' bucket is the partial one
-    assert sm._buckets(model, 4, 25 * 2**20) == [4120]
+    assert buckets.gradient_buckets(model, 4, 40) == [40, 40, 4000, 40]  # forward order; an even split would make 103
+    assert buckets.gradient_buckets(model, 4, 100) == [80, 4040]  # the first parameters' bucket is the partial one
+    assert buckets.gradient_buckets(model, 4, 25 * 2**20) == [4120]
 
 
 def test_ddp_hides_the_all_reduce_behind_backward_except_the_last_bucket():
     link = ic.Link(0.0, 1e9)  # 1 GB/s, so the bytes decide
     model = ModelShape("m", 100e6 / 4)  # 100 MB of fp32 gradients = 4 buckets of 25 MiB (+ a partial one)
     work = sm.Workload(model, compute_s=10.0, tokens=1, precision="fp32")
-    buckets = sm._buckets(model, 4, work.bucket_bytes)
-    last = ic.collective_time("all_reduce", buckets[0], 2, flat(link))
+    sizes = buckets.gradient_buckets(model, 4, work.bucket_bytes)
+    last = ic.collective_time("all_reduce", sizes[0], 2, flat(link))
     figures = ic.collective_time("all_gather", 40 * 2, 2, flat(link))  # the logged line's, after the step
     step = sm.step_time("ddp", 2, work, flat(link))
     assert step.step_s == pytest.approx(10.0 + last + figures / 10, rel=1e-9)  # the rest fits in the 6.7 s backward
     assert sm.step_time("ddp", 2, replace(work, log_every=1), flat(link)).step_s == pytest.approx(
         10.0 + last + figures, rel=1e-9)
     slow = sm.step_time("ddp", 2, sm.Workload(model, 0.03, 1, "fp32"), flat(link))
-    first_ready = 0.02 * buckets[-1] / sum(buckets)  # backward (2/3 of 0.03 s) until the first bucket is complete
+    first_ready = 0.02 * sizes[-1] / sum(sizes)  # backward (2/3 of 0.03 s) until the first bucket is complete
     assert slow.step_s == pytest.approx(0.01 + first_ready + slow.comm_s, rel=1e-9)  # then the collectives back to back
 
 
@@ -421,11 +422,12 @@ def test_deeper_prefetch_issues_a_later_unit_s_gather_behind_a_long_compute():
     """parallel.fsdp_prefetch = 2: the third block's big all-gather goes out when the first block (a long compute)
     starts, not when the second does; the root, first in forward, prefetches one block (FSDP2's implicit prefetch:
     disttrain sets the blocks' lists only)."""
-    units = [sm.Unit(0.05, 0.0), sm.Unit(0.5, 0.0, gather_fwd=0.01), sm.Unit(0.1, 0.0, gather_fwd=0.01),
-             sm.Unit(0.1, 0.0, gather_fwd=0.3)]
-    assert sm._pass(units, 1.0, "forward", "gather_fwd", False, 0.0, 0.0)[0] == pytest.approx(0.55 + 0.3 + 0.1)
-    assert sm._pass(units, 1.0, "forward", "gather_fwd", False, 0.0, 0.0, depth=2)[0] == pytest.approx(0.75)
-    assert sm._pass(units[:1] + units[2:], 1.0, "forward", "gather_fwd", False, 0.0, 0.0, depth=2)[0] == \
+    unit = timeline.Unit
+    units = [unit(0.05, 0.0), unit(0.5, 0.0, gather_fwd=0.01), unit(0.1, 0.0, gather_fwd=0.01),
+             unit(0.1, 0.0, gather_fwd=0.3)]
+    assert timeline.run_pass(units, 1.0, "forward", "gather_fwd", False, 0.0, 0.0)[0] == pytest.approx(0.55 + 0.3 + 0.1)
+    assert timeline.run_pass(units, 1.0, "forward", "gather_fwd", False, 0.0, 0.0, depth=2)[0] == pytest.approx(0.75)
+    assert timeline.run_pass(units[:1] + units[2:], 1.0, "forward", "gather_fwd", False, 0.0, 0.0, depth=2)[0] == \
         pytest.approx(0.05 + 0.3 + 0.1)  # (the root issued the first block's gather only: the second's at 0.05)
     # a frozen front: the first trained block's pre-backward gathers the `prefetch` blocks before it, run or not
     block, front = UnitShape(1e6, 1e6, 2e6, 4e6), UnitShape(1e6, 0, 2e6, 0)

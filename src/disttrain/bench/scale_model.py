@@ -5,12 +5,12 @@ and its collectives, timed on an interconnect's alpha-beta links (interconnect.p
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from disttrain.bench.buckets import bucket_calls, bucket_units, waits_behind_backward
 from disttrain.bench.interconnect import Interconnect, bus_factor, collective_time
 from disttrain.bench.model_shapes import ModelShape, UnitShape
+from disttrain.bench.timeline import Step, Unit, run_pass
 from disttrain.errors import ConfigError
 
 # --- workloads ------------------------------------------------------------------------------------------------
@@ -56,7 +56,7 @@ class Workload:
     """DDP's bucket size (`parallel.bucket_cap_mb`), in the gradients' stored dtype."""
     grad_compression: str = "none"
     """`parallel.grad_compression`: fp16 / bf16 send DDP's buckets and FSDP's reduce-scatters in 2 bytes an element;
-    powersgd sends DDP's buckets as low-rank factors (`_bucket_calls`)."""
+    powersgd sends DDP's buckets as low-rank factors (`buckets.bucket_calls`)."""
     powersgd_rank: int = 1
     """`parallel.powersgd_rank`: the factors' rank under powersgd."""
     prefetch: int = 1
@@ -92,125 +92,6 @@ def canonical_strategy(name: str) -> str:
 
 
 # --- one step under each strategy ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Unit:
-    """What is gathered and reduced together (an FSDP block or root, a DDP bucket, or DDP's frozen units after the
-    last trained one, which reduce nothing) and its shares of compute."""
-
-    forward: float
-    backward: float
-    """Shares of the step's compute (of forward + backward + the optimizer's step, which the backward share holds)."""
-    gather_fwd: float = 0.0
-    gather_bwd: float = 0.0
-    reduce: float = 0.0
-    """Seconds of each collective."""
-    reduce_cpu: float | None = None
-    """A DDP bucket's all-reduce: its CPU seconds on the process group's threads, where measured
-    (`Interconnect.cpu`)."""
-    blocking: bool = False
-    """The reduction holds up the compute until it is done: PowerSGD's hook on GPUs, whose last step synchronizes the
-    device (`torch.cuda.synchronize`) on the thread running the backward, at every bucket."""
-
-
-@dataclass
-class Step:
-    step_s: float
-    compute_s: float
-    comm_s: float
-    """Sum of the step's collective times, overlapped or not."""
-    wire_bytes: float
-    """Bytes each rank sends per step (the collectives' sizes x bus factor)."""
-
-    @property
-    def exposed_s(self) -> float:
-        return self.step_s - self.compute_s
-
-
-def _pass(units: list[Unit], seconds: float, part: str, gather: str, reduce: bool, t: float, comm: float,
-          depth: int = 1) -> tuple[float, float]:
-    """One forward or backward pass over `units` (in execution order) on two streams, compute and one FIFO of
-    collectives: a unit starts when its all-gather is done; the all-gathers of the next `depth` units are issued
-    when a unit starts (FSDP2 prefetches one implicitly; `parallel.fsdp_prefetch` sets more, for the blocks: the
-    root, first in forward, prefetches one); a unit's reduction is issued when its backward ends."""
-    def issue(u: Unit, at: float) -> float:
-        nonlocal comm
-        if not getattr(u, gather):
-            return at
-        comm = max(comm, at) + getattr(u, gather)
-        return comm
-
-    ready = [issue(units[0], t)]
-    for i, u in enumerate(units):
-        start = max(t, ready[i])
-        ahead = 1 if i == 0 and part == "forward" else max(depth, 1)  # (the root's forward: FSDP2's implicit one)
-        ready += [issue(units[j], start) for j in range(len(ready), min(i + ahead + 1, len(units)))]
-        t = start + getattr(u, part) * seconds
-        if reduce and u.reduce:
-            comm = max(comm, t) + u.reduce
-            t = comm if u.blocking else t
-    return t, comm
-
-
-def _buckets(model: ModelShape, grad_bytes: int, bucket_bytes: float) -> list[float]:
-    """DDP's gradient buckets in forward order (bytes), of the trained parameters: filled from the last parameter, a
-    bucket closed once it holds `bucket_bytes` or more (whole tensors, where the model's are known), so the bucket
-    reduced last (holding the first parameters) is the partial one."""
-    if model.grad_tensors:
-        return [sum(model.grad_tensors[i] for i in members) * grad_bytes
-                for members in _bucket_members(model.grad_tensors, grad_bytes, bucket_bytes)]
-    total = model.trained_params * grad_bytes
-    full, rest = divmod(total, bucket_bytes)
-    return ([rest] if rest else []) + [bucket_bytes] * int(full)
-
-
-def _bucket_members(tensors: tuple[int, ...], grad_bytes: int, bucket_bytes: float) -> list[list[int]]:
-    """The trained tensors (their indices) in each of DDP's buckets, in forward order (`_buckets`)."""
-    buckets, members, size = [], [], 0.0
-    for i in reversed(range(len(tensors))):
-        members.append(i)
-        size += tensors[i] * grad_bytes
-        if size >= bucket_bytes:
-            buckets.append(members[::-1])
-            members, size = [], 0.0
-    return ([members[::-1]] if members else []) + buckets[::-1]
-
-
-POWERSGD_MIN_COMPRESSION = 2
-"""torch's `PowerSGDState.min_compression_rate`: a matrix is sent as factors only where they are this many times
-smaller than it."""
-
-
-def _bucket_calls(model: ModelShape, work: Workload, stored: int, wire: int) -> tuple[list[float], list[list[float]]]:
-    """(gradient bytes of each DDP bucket in forward order, the all-reduces it makes: bytes on the wire). Under
-    powersgd (rank r, in the gradients' dtype), past its first two steps, torch's hook all-reduces a bucket's tensors
-    it does not compress (vectors, and matrices whose factors would not be half their size or less), then the P
-    factors (rows x r of each matrix), then the Q factors (cols x r), one after the other (a part with no bytes is
-    an empty call: not counted); on a CPU (gloo) disttrain runs it with one bucket (parallel/ddp.py); on GPUs the
-    hook's last step synchronizes the device on the backward's thread, so each bucket holds up the backward until
-    its calls are done (`Unit.blocking`). The hook's own compute (the factors' matmuls, error feedback) is not
-    counted: it is in a 1-rank step measured under powersgd, not in one measured without."""
-    if work.grad_compression != "powersgd":
-        buckets = _buckets(model, stored, work.bucket_bytes)
-        return buckets, [[b * wire / stored] for b in buckets]
-    if not model.grad_rows:
-        raise ConfigError(f"parallel.grad_compression = 'powersgd': the shapes of {model.name}'s gradients are not "
-                          "known, so its low-rank factors cannot be counted; model a config (its model is counted "
-                          "from its module tree) rather than --model")
-    r, grads, calls = work.powersgd_rank, [], []
-    for members in _bucket_members(model.grad_tensors, stored, math.inf if work.cpu_cores else work.bucket_bytes):
-        whole = p = q = 0.0
-        for i in members:
-            numel, rows = model.grad_tensors[i], model.grad_rows[i]
-            cols = numel // rows if rows else 0
-            if rows and (rows + cols) * r * POWERSGD_MIN_COMPRESSION < numel:
-                p, q = p + rows * r, q + cols * r
-            else:
-                whole += numel
-        grads.append(sum(model.grad_tensors[i] for i in members) * stored)
-        calls.append([x * stored for x in (whole, p, q) if x])
-    return grads, calls
 
 
 def _units(strategy: str, work: Workload, n: int, net: Interconnect, spread: int = 1
@@ -262,9 +143,9 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect, spread: int
     shapes = model.units()
     flops = sum(u.forward_flops + u.backward_flops for u in shapes)
     if not sharded:
-        grads, calls = _bucket_calls(model, work, stored, ddp_wire)
+        grads, calls = bucket_calls(model, work, stored, ddp_wire)
         blocking = work.grad_compression == "powersgd" and not work.cpu_cores  # (the hook's device synchronize)
-        units = _bucket_units(shapes, flops, grads, calls, lambda nbytes: wire("all_reduce", nbytes, n,
+        units = bucket_units(shapes, flops, grads, calls, lambda nbytes: wire("all_reduce", nbytes, n,
                                                                                dtype=ddp_dtype),
                               net.for_dtype(ddp_dtype, "all_reduce"), n, blocking)
         if strategy == "zero1":
@@ -288,36 +169,6 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect, spread: int
     return units, after, sent
 
 
-def _bucket_units(shapes: list[UnitShape], flops: float, buckets: list[float], calls: list[list[float]],
-                  all_reduce: Callable[[float], float], net: Interconnect, n: int, blocking: bool = False
-                  ) -> list[Unit]:
-    """DDP's (and zero1's) units: one per bucket (`buckets`: its gradients' bytes, forward order; `calls`: the
-    all-reduces it makes, one after the other, bytes on the wire; `all_reduce(bytes)` one's seconds), spread over
-    the compute of the units from the first to the last that trains. The backward of the frozen units after that one
-    comes first and readies no gradient (a frozen front's backward is nothing): a unit of their own, reducing
-    nothing. `blocking`: each bucket's reduction holds up the backward (`Unit.blocking`)."""
-    def shares(group: list[UnitShape]) -> tuple[float, float]:
-        return sum(u.forward_flops for u in group) / flops, sum(u.backward_flops for u in group) / flops
-
-    last = max((i for i, u in enumerate(shapes) if u.trained), default=-1)
-    (forward, backward), tail = shares(shapes[:last + 1]), shapes[last + 1:]
-    cpu = replace(net, intra=net.cpu, inter=net.cpu) if net.cpu else None
-    units = [Unit(forward * b / sum(buckets), backward * b / sum(buckets), reduce=sum(map(all_reduce, sizes)),
-                  reduce_cpu=sum(collective_time("all_reduce", c, n, cpu) for c in sizes) if cpu else None,
-                  blocking=blocking)
-             for b, sizes in zip(buckets, calls, strict=True)] or [Unit(forward, backward)]
-    return units + ([Unit(*shares(tail))] if tail else [])
-
-
-def _waits_behind_backward(units: list[Unit]) -> float:
-    """Seconds of DDP's bucket all-reduces that a host whose cores all run ranks does not pay, where their CPU time
-    was measured: a bucket issued while backward goes on costs the step its CPU time (the backend's threads take the
-    cores from compute), its waiting overlaps the compute; the bucket of the first parameters in forward order,
-    issued when backward ends, is waited for whole."""
-    buckets = [u for u in units if u.reduce_cpu is not None]
-    return sum(u.reduce - min(u.reduce, u.reduce_cpu) for u in buckets[1:])
-
-
 def step_time(strategy: str, n: int, work: Workload, net: Interconnect) -> Step:
     """One optimizer step on `n` devices (weak scaling: `work` is one device's share at every `n`)."""
     strategy = canonical_strategy(strategy)
@@ -336,7 +187,7 @@ def step_time(strategy: str, n: int, work: Workload, net: Interconnect) -> Step:
     comm_total = (sum(u.gather_fwd + u.gather_bwd for u in units) * work.micro_steps
                   + sum(u.reduce for u in units) + after + split)
     if work.cpu_cores and local >= work.cpu_cores:  # no free core: gloo's threads take turns with compute
-        charged = comm_total - _waits_behind_backward(units)
+        charged = comm_total - waits_behind_backward(units)
         return Step(compute + charged * slowdown, compute, comm_total * slowdown, sent)
     seconds = compute / work.micro_steps
     if split:  # the tensor split's collectives run in line with the compute, spread over the units by their shares
@@ -348,8 +199,8 @@ def step_time(strategy: str, n: int, work: Workload, net: Interconnect) -> Step:
         seconds = busy
     t = comm = 0.0
     for m in range(work.micro_steps):
-        t, comm = _pass(units, seconds, "forward", "gather_fwd", False, t, comm, work.prefetch)
-        t, comm = _pass(units[::-1], seconds, "backward", "gather_bwd", m == work.micro_steps - 1, t, comm,
+        t, comm = run_pass(units, seconds, "forward", "gather_fwd", False, t, comm, work.prefetch)
+        t, comm = run_pass(units[::-1], seconds, "backward", "gather_bwd", m == work.micro_steps - 1, t, comm,
                         work.prefetch)
     return Step(max(t, comm) + after, compute, comm_total, sent)
 
