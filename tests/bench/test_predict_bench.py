@@ -357,8 +357,14 @@ def test_a_sitting_measures_the_links_of_each_element_type_the_job_sends(precisi
     (["--strategy", "ddp", "--set", "parallel.bucket_cap_mb=0"], "parallel.bucket_cap_mb = 0.0: must be > 0"),
     (["--set", "parallel.strategy=single"], "parallel.strategy = 'single' is not modelled; give --strategy"),
     (["--set", "parallel.strategy=fsdpp"], "parallel.strategy = 'fsdpp' is not known"),
-    (["--set", "parallel.pipeline=2"], "parallel.pipeline = 2: the scale model has data and tensor parallelism"),
-    (["--set", "parallel.tensor=3"], "parallel.tensor = 3 does not divide dist.nproc = 1 ranks"),
+    (["--set", "parallel.context=2"], "parallel.context = 2: the scale model has data, tensor and pipeline "
+     "parallelism (no context split)"),
+    (["--set", "parallel.tensor=3"], "parallel.tensor x parallel.pipeline = 3 does not divide dist.nproc = 1 ranks"),
+    (["--set", "parallel.pipeline=2"], "parallel.tensor x parallel.pipeline = 2 does not divide dist.nproc = 1"),
+    (["--set", "parallel.pipeline=2", "--set", "dist.nproc=2", "--set", "parallel.pipeline_schedule=zbv"],
+     "parallel.pipeline_schedule = 'zbv' is not modelled; predict gpipe, 1f1b, interleaved-1f1b"),
+    (["--set", "parallel.pipeline=2", "--set", "parallel.tensor=2", "--set", "dist.nproc=4", "--set",
+      "model.n_head=2"], "parallel.pipeline = 2 with parallel.tensor = 2 is not modelled"),
     (["--set", "parallel.tensor=3", "--set", "dist.nproc=3"], "parallel.tensor = 3 does not divide the model's "
      "attention heads (4)"),
     (["--model", "resnet50", "--set", "parallel.tensor=2", "--compute-s", "1"], "parallel.tensor = 2: resnet50 has "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from disttrain.bench.model_shapes import ModelShape, UnitShape
-from disttrain.bench.scale_model import COMPRESSED, STRATEGIES, WIRE_DTYPES
+from disttrain.bench.scale_model import COMPRESSED, ITEMSIZE, STRATEGIES, WIRE_DTYPES
 from disttrain.config import Config, ModelConfig
 from disttrain.errors import ConfigError
 
@@ -79,17 +79,19 @@ def config_batch(cfg: Config, nodes: int = 1) -> tuple[int, int]:
     """(sequences per GPU per step, sequences per forward pass) of the config's job: `data.global_batch_size` over
     its ranks, `dist.nproc` on each of its `nodes` (a launch's `--nnodes`, which the config does not hold), in
     micro-batches of `data.micro_batch_size` (the Trainer accumulates the rest, and reduces the gradients on the last
-    micro-batch only); under a tensor split, over its groups (`parallel.tensor` ranks read one batch), and per group.
-    A forecast keeps this batch per GPU (per group) at every count (weak scaling)."""
-    d, world, tensor = cfg.data, cfg.dist.nproc * nodes, max(1, cfg.parallel.tensor)
+    micro-batch only); under a tensor split or a pipeline, over its groups (`parallel.tensor` x `parallel.pipeline`
+    ranks read one batch), and per group. A forecast keeps this batch per GPU (per group) at every count (weak
+    scaling)."""
+    d, world = cfg.data, cfg.dist.nproc * nodes
+    group = max(1, cfg.parallel.tensor) * max(1, cfg.parallel.pipeline)
     names, values = ("dist.nproc x --nodes", f"{cfg.dist.nproc} x {nodes}") if nodes > 1 else ("dist.nproc", f"{world}")
-    if world % tensor:
-        raise ConfigError(f"parallel.tensor = {tensor} does not divide {names} = {values} ranks: the job's groups are "
-                          "unknown; give a tensor degree that divides its ranks")
-    groups = world // tensor
+    if world % group:
+        raise ConfigError(f"parallel.tensor x parallel.pipeline = {group} does not divide {names} = {values} ranks: "
+                          "the job's groups are unknown; give degrees that divide its ranks")
+    groups = world // group
     if world < 1 or d.micro_batch_size < 1 or d.global_batch_size < 1 or \
             d.global_batch_size % (groups * d.micro_batch_size):
-        over = f" / parallel.tensor {tensor}" if tensor > 1 else ""
+        over = f" / {group} (tensor x pipeline)" if group > 1 else ""
         raise ConfigError(f"data.global_batch_size = {d.global_batch_size} is not a positive multiple of "
                           f"data.micro_batch_size x {names}{over} = {d.micro_batch_size} x {values}{over}: the job's "
                           "batch per GPU is unknown; fix them, or give --local-batch and --micro-batch")
@@ -131,16 +133,15 @@ def config_strategy(cfg: Config) -> str:
 def settings(cfg: Config) -> dict:
     """What a config sets of a step's collectives that the scale model takes, as `Workload`'s fields: the steps per
     logged line (each gathers the ranks' figures), DDP's bucket size, the gradients' compression (powersgd with its
-    rank), hsdp's shard size and FSDP's prefetch depth; one line for a pipeline, tensor or context split, which the
-    model does not have. (Not taken: `parallel.cpu_offload`, whose copies are in the compute time given or
-    measured.)"""
+    rank), hsdp's shard size, FSDP's prefetch depth, the tensor split's degree and the pipeline's degree and
+    schedule; one line for a context split, which the model does not have. (Not taken: `parallel.cpu_offload`, whose
+    copies are in the compute time given or measured.)"""
     from disttrain.config import CHOICES
 
     p, choices = cfg.parallel, CHOICES["parallel.grad_compression"]
-    split = [f"parallel.{k} = {getattr(p, k)}" for k in ("pipeline", "context") if getattr(p, k) > 1]
-    if split:
-        raise ConfigError(f"{split[0]}: the scale model has data and tensor parallelism (no pipeline or context "
-                          f"split); predict the job without it, e.g. --set {split[0].split(' = ')[0]}=1")
+    if p.context > 1:
+        raise ConfigError(f"parallel.context = {p.context}: the scale model has data, tensor and pipeline parallelism "
+                          "(no context split); predict the job without it, e.g. --set parallel.context=1")
     if p.grad_compression not in choices:
         raise ConfigError(f"parallel.grad_compression = {p.grad_compression!r}: choose from {', '.join(choices)}")
     if not (p.bucket_cap_mb > 0 and math.isfinite(p.bucket_cap_mb)):
@@ -152,7 +153,8 @@ def settings(cfg: Config) -> dict:
         raise ConfigError(f"train.log_every = {cfg.train.log_every}: must be >= 1; e.g. 10 (the default)")
     return {"log_every": cfg.train.log_every, "bucket_bytes": p.bucket_cap_mb * 2**20,
             "grad_compression": p.grad_compression, "powersgd_rank": p.powersgd_rank,
-            "hsdp_shard": p.hsdp_shard_size, "prefetch": p.fsdp_prefetch or 1, "tensor": max(1, p.tensor)}
+            "hsdp_shard": p.hsdp_shard_size, "prefetch": p.fsdp_prefetch or 1, "tensor": max(1, p.tensor),
+            "pipeline": max(1, p.pipeline), "schedule": p.pipeline_schedule}
 
 
 def split_calls(cfg: Config, shape: ModelShape, precision: str, sequences: float
@@ -189,3 +191,50 @@ def series_settings(config: str | None, overrides: list[str], cfg: Config, swept
     if not any(key == m or (m.endswith(".") and key.startswith(m)) for m in MODELLED_SWEEPS):
         raise ConfigError(f"its sweep of {key} is not modelled")
     return settings(load_config(config, [*overrides, swept]))
+
+
+def pipeline_stages(cfg: Config, shape: ModelShape, precision: str) -> tuple[tuple[ModelShape, ...], float]:
+    """(what each pipeline rank holds, bytes a sequence's activations carry across a stage boundary) under
+    `parallel.pipeline` (`Workload.stages`, `send_bytes`); ((), 0) without one. disttrain's own split
+    (parallel/stages.py): stages of consecutive blocks balanced by parameters, the embeddings on the first stage and
+    the head on the last (`parallel.pipeline_split` where given), two stages a rank under interleaved-1f1b, each on
+    rank stage mod p. A rank's units: its stages' blocks, after a unit of its embedding (the first) or head (the
+    last: the root's FLOPs, the head's matmul). The stream between stages is counted in the compute dtype (bf16 under
+    bf16-mixed: what crosses under a data-parallel wrapper). A preset's root is split half and half."""
+    from disttrain.parallel import stages as pipe
+
+    p = cfg.parallel.pipeline
+    if p <= 1:
+        return (), 0.0
+    count = pipe.stage_count(cfg.parallel, p)
+    units, stream = shape.units(), ITEMSIZE[WIRE_DTYPES[precision][1]]
+    if shape.counted:
+        from disttrain.memory import meta_model
+
+        model = meta_model(cfg.model)
+        family = pipe.FAMILIES[pipe.family_of(model)]
+
+        def size(names, trained=False):
+            params = {id(q): q for n in names for q in model.get_submodule(n).parameters()}.values()
+            return sum(q.numel() for q in params if q.requires_grad or not trained)
+        bounds = pipe.stage_bounds(model, count, cfg.parallel.pipeline_split)
+        ends = (UnitShape(size(family.embeddings), size(family.embeddings, True), 0.0, 0.0),
+                UnitShape(size(family.head), size(family.head, True), units[0].forward_flops, units[0].backward_flops))
+        hidden = model.get_input_embeddings().embedding_dim if hasattr(model, "get_input_embeddings") else \
+            model.tok_emb.embedding_dim
+    else:
+        half = units[0].params / 2
+        cuts = pipe.balanced_split([u.params for u in units[1:]], count, half, half)
+        bounds = list(zip([0, *cuts], [*cuts, len(units) - 1], strict=True))
+        ends = (UnitShape(half, half, 0.0, 0.0), UnitShape(half, half, units[0].forward_flops, units[0].backward_flops))
+        hidden = shape.d_model
+    ranks = []
+    for rank in range(p):
+        held = [s for s in range(count) if pipe.holder(s, p, cfg.parallel.pipeline_schedule) == rank]
+        root = [ends[0]] * (0 in held) + [ends[1]] * (count - 1 in held) or [UnitShape(0.0, 0.0, 0.0, 0.0)]
+        blocks = [units[1 + i] for s in held for i in range(*bounds[s])]
+        own = (UnitShape(sum(u.params for u in root), sum(u.trained for u in root),
+                         sum(u.forward_flops for u in root), sum(u.backward_flops for u in root)), *blocks)
+        ranks.append(ModelShape(f"{shape.name}, pipeline rank {rank}", sum(u.params for u in own),
+                                blocks[0].params if blocks else 0.0, len(blocks), seq_len=shape.seq_len, counted=own))
+    return tuple(ranks), shape.seq_len * hidden * stream

@@ -8,7 +8,9 @@ rank, `--warmup` untimed steps then `--steps` timed ones; the figure is rank 0's
 backend's all-reduce of the loss totals, so rank 0 waits for the slowest).
 Under a tensor split (`parallel.tensor` = T), `--local-batch` is a tensor group's, and the world size 1 is one rank
 of the split on a fake group of T (tensor_calls.fake_group: its collectives return at once): the compute of one
-rank alone, from which the scale model predicts the split's steps. Its row's `tensor` column says so.
+rank alone, from which the scale model predicts the split's steps. Under a pipeline (`parallel.pipeline` = P),
+`--local-batch` is a pipeline group's, and the world size 1 runs the whole model in one process, its micro-batches
+accumulated: the compute the stages share. The rows' `tensor` and `pipeline` columns say so.
 Writes `<out>/scaling.csv` with the columns `disttrain bench scaling` writes (strategy, mode, world_size,
 global_batch, micro_batch, log_every, params, trained_params, step_time_s, tokens_per_s) plus step_time_std_s (over
 the timed steps), cores, `rank_cpu` (a rank's CPU time, gloo's threads included, over the wall time: 1.0 = a core
@@ -30,16 +32,18 @@ from pathlib import Path
 
 from disttrain.errors import ArgumentParser, ConfigError
 
-COLUMNS = ["strategy", "mode", "world_size", "tensor", "global_batch", "micro_batch", "log_every", "step_time_s",
-           "step_time_std_s", "tokens_per_s", "params", "trained_params", "cores", "rank_cpu", "other_cpu"]
+COLUMNS = ["strategy", "mode", "world_size", "tensor", "pipeline", "global_batch", "micro_batch", "log_every",
+           "step_time_s", "step_time_std_s", "tokens_per_s", "params", "trained_params", "cores", "rank_cpu",
+           "other_cpu"]
 
 
-def _overrides(args: argparse.Namespace, world: int, tensor: int) -> list[str]:
-    """The job at `world` ranks: `--local-batch` per data replica (a rank, or a tensor group of `tensor`)."""
-    return [*args.overrides, f"data.micro_batch_size={args.micro_batch}",
-            f"data.global_batch_size={args.local_batch * max(1, world // tensor)}", "dist.threads_per_rank=1",
-            "log.progress=false",
-            "train.steps=100000", f"run.out_dir={args.out}", "run.name=predict_measure_run"]
+def _overrides(args: argparse.Namespace, world: int, group: int) -> list[str]:
+    """The job at `world` ranks: `--local-batch` per data replica (a rank, or a group of `group` ranks that a tensor
+    split or a pipeline makes); at 1 rank a pipeline's whole model, its micro-batches accumulated."""
+    return [*args.overrides, *(["parallel.pipeline=1"] if world == 1 else []),
+            f"data.micro_batch_size={args.micro_batch}",
+            f"data.global_batch_size={args.local_batch * max(1, world // group)}", "dist.threads_per_rank=1",
+            "log.progress=false", "train.steps=100000", f"run.out_dir={args.out}", "run.name=predict_measure_run"]
 
 
 def check(args: argparse.Namespace) -> None:
@@ -69,11 +73,12 @@ def check(args: argparse.Namespace) -> None:
     if not names:
         raise ConfigError(f"--strategies {args.strategies!r} names no strategy; e.g. --strategies ddp,fsdp")
     args.strategies = ",".join(dict.fromkeys(names))  # (the ranks run the names the scale model reads back)
-    tensor = load_config(args.config, args.overrides).parallel.tensor
+    split = load_config(args.config, args.overrides).parallel
+    tensor, group = split.tensor, split.tensor * split.pipeline
     for name in dict.fromkeys(names):  # each strategy's run at each world size, as its ranks will check it
         for world in args.world_sizes:
             try:  # (1 rank of a tensor split: the whole group's job, on a fake group: `main`)
-                validate(load_config(args.config, [*_overrides(args, world, tensor), f"parallel.strategy={name}"]),
+                validate(load_config(args.config, [*_overrides(args, world, group), f"parallel.strategy={name}"]),
                          gpus, tensor if world == 1 else world)
             except ConfigError as exc:
                 raise ConfigError(f"--strategies {name} at {world} rank{'s' if world > 1 else ''}: {exc} (or leave "
@@ -126,6 +131,7 @@ def sitting(args: argparse.Namespace, out: Path, dtypes: list[str]) -> tuple[Pat
 
     cfg = load_config(args.config, args.overrides)
     n_layer, split = cfg.model.n_layer, sum(1 for c in count(cfg) if c.part != "step")  # (a micro-batch's)
+    split = split or 2 * cfg.parallel.pipeline * (cfg.parallel.pipeline > 1)  # (a stage's send, each way)
     # on GPUs the compute runs on the devices: no host phase; and the links are fitted over every rank measured
     # (nccl picks its algorithm by the number of ranks), where on CPU 2 ranks fit what 3 share (the cores)
     cuda = uses_cuda(cfg, torch.cuda.device_count())
@@ -155,8 +161,8 @@ def sitting(args: argparse.Namespace, out: Path, dtypes: list[str]) -> tuple[Pat
 def phase_ms(rows: list[dict], n_layer: int, split: int = 0) -> float:
     """The compute between two of a step's collectives, the comm fit's `--compute-ms`: the 1-rank step (fsdp's,
     where measured) over the passes of its FSDP units (forward and backward of each block and of the root, in each
-    micro-batch), or under a tensor split over its `split` collectives a micro-batch; 8 ms where no 1-rank step was
-    measured."""
+    micro-batch), or over `split` collectives a micro-batch (a tensor split's; under a pipeline of P, 2 P: a stage's
+    forward or backward between its sends); 8 ms where no 1-rank step was measured."""
     ones = [r for r in rows if int(r["world_size"]) == 1]
     base = [r for r in ones if r["strategy"] == "fsdp"] or ones
     if not base:
@@ -217,8 +223,9 @@ def main(argv: list[str] | None = None) -> None:
 
     args = _worker_args(argv)
     world = detect_launch(os.environ).world_size
-    tensor = load_config(args.config, args.overrides).parallel.tensor
-    cfg = load_config(args.config, _overrides(args, world, tensor))
+    split = load_config(args.config, args.overrides).parallel
+    tensor, pipeline = split.tensor, split.pipeline
+    cfg = load_config(args.config, _overrides(args, world, tensor * pipeline))
     environ = os.environ
     if world == 1 and tensor > 1:  # one rank of the split, its collectives returning at once: its compute alone
         form_fake_group(tensor)
@@ -245,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
         others = other_cpu(busy_seconds() - busy, ours.item(), wall)
         median = statistics.median(times[args.warmup:])
         if runtime.is_main_process():
-            row = {"strategy": strategy, "mode": "weak", "world_size": world, "tensor": tensor,
+            row = {"strategy": strategy, "mode": "weak", "world_size": world, "tensor": tensor, "pipeline": pipeline,
                    "global_batch": cfg.data.global_batch_size,
                    "micro_batch": args.micro_batch, "log_every": cfg.train.log_every, "step_time_s": median,
                    "step_time_std_s": statistics.stdev(times[args.warmup:]) if args.steps > 1 else 0.0,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from disttrain.bench.interconnect import Interconnect, with_gpus_per_node
 from disttrain.bench.model_shapes import ModelShape
-from disttrain.bench.predict_job import series_settings, split_calls
+from disttrain.bench.predict_job import pipeline_stages, series_settings, split_calls
 from disttrain.bench.published_scaling import PUBLISHED
 from disttrain.bench.scale_model import STRATEGIES, Workload, step_time
 from disttrain.config import Config
@@ -69,7 +69,8 @@ def read_measured(path: Path, shape: ModelShape, max_other_cpu: float) -> tuple[
     for label, (strategy, worlds) in series.items():
         by_world = {}
         for world, rows in worlds.items():
-            replicas = max(1, world // int(rows[0].get("tensor") or 1))  # (a tensor group reads one batch)
+            group = int(rows[0].get("tensor") or 1) * int(rows[0].get("pipeline") or 1)  # (a group reads one batch)
+            replicas = max(1, world // group)
             local = float(rows[0]["global_batch"]) / replicas if rows[0].get("global_batch") else 0.0
             micro = float(rows[0]["micro_batch"]) if rows[0].get("micro_batch") else local
             by_world[world] = {"step_time_s": statistics.median(float(r["step_time_s"]) for r in rows),
@@ -121,6 +122,7 @@ def measured_checks(args, shape: ModelShape, precision: str, net: Interconnect, 
              "| series | ranks | measured (s) | predicted (s) | error | collectives (s) |",
              "|---|---|---|---|---|---|"]
     per_sequence = split_calls(cfg, shape, precision, 1.0)  # (a tensor split's collectives: none without one)
+    stages, send = pipeline_stages(cfg, shape, precision)
     skipped = [label for label, (_, by_world, _) in measured.items() if 1 not in by_world]
     refused = []
     for label, (strategy, by_world, swept) in measured.items():
@@ -137,8 +139,9 @@ def measured_checks(args, shape: ModelShape, precision: str, net: Interconnect, 
             sequences = m["local"] / m["micro_steps"]
             calls = tuple((part, kind, nbytes * (1 if part == "step" else sequences), dtype)
                           for part, kind, nbytes, dtype in per_sequence)
-            work = Workload(shape, base["step_time_s"] * scale, 1.0, precision, m["micro_steps"], cpu_cores=cores,
-                            **{**job, "log_every": m["log_every"]}, tp_calls=calls)  # (the gathers a median pays)
+            work = Workload(shape, base["step_time_s"] * scale / job["pipeline"], 1.0, precision, m["micro_steps"],
+                            cpu_cores=cores, **{**job, "log_every": m["log_every"]}, tp_calls=calls, stages=stages,
+                            send_bytes=send * sequences)  # (log_every: the gathers a median pays)
             s = step_time(strategy, world, work, net)
             error = s.step_s / m["step_time_s"] - 1
             rows.append({"check": "measured", "case": label, "gpus": world, "reference": m["step_time_s"],

@@ -73,6 +73,18 @@ class Workload:
     tensor: int = 1
     """Ranks each block is split over (`parallel.tensor`), neighbours within a node: the strategy runs over GPUs /
     tensor ranks, each holding 1/tensor of every unit, and `compute_s` and `tokens` are one of those ranks' shares."""
+    pipeline: int = 1
+    """Pipeline ranks a model's stages are split over (`parallel.pipeline`), the outermost axis: a group of pipeline x
+    tensor GPUs reads one batch in `micro_steps` micro-batches; `compute_s` and `tokens` stay one GPU's share of
+    the whole model's (as if the stages were equal); `stages` says who holds what."""
+    schedule: str = "1f1b"
+    """`parallel.pipeline_schedule`: gpipe and 1f1b (one stage per rank), interleaved-1f1b (two per rank)."""
+    stages: tuple[ModelShape, ...] = ()
+    """Under a pipeline, what each pipeline rank holds (its stages' units; the embedding's parameters on the first,
+    the head's and its FLOPs on the last): `predict_job.pipeline_stages`, disttrain's own split."""
+    send_bytes: float = 0.0
+    """Under a pipeline, bytes of one micro-batch's activations crossing a stage boundary (their gradients come back
+    as many)."""
     tp_calls: tuple[tuple[str, str, float, str], ...] = ()
     """(part, collective, bytes, dtype) of each collective the tensor split sends in one micro-batch's forward or
     backward, or once in the step after them (part "step": the clip's norm, partial gradients summed)
@@ -175,8 +187,10 @@ def step_time(strategy: str, n: int, work: Workload, net: Interconnect) -> Step:
     local = min(n, net.gpus_per_node)
     slowdown = max(1.0, local / work.cpu_cores) if work.cpu_cores else 1.0
     compute = work.compute_s * slowdown
-    if n == 1:
-        return Step(compute, compute, 0.0, 0.0)
+    if n == 1:  # (under a pipeline, its stages on one device; under a tensor split, one of its ranks alone)
+        return Step(compute * work.pipeline, compute * work.pipeline, 0.0, 0.0)
+    if work.pipeline > 1:
+        return _pipeline_step(strategy, n, work, net)
     _check_tensor(strategy, n, work, net)
     units, after, sent = _units(strategy, replace(work, model=split_shape(work.model, work.tensor)),
                                 n // work.tensor, net, work.tensor)
@@ -249,6 +263,43 @@ def _tensor_seconds(work: Workload, net: Interconnect) -> tuple[tuple[float, flo
         sent[part] += nbytes * bus_factor(collective, work.tensor)
     return (seconds["forward"], seconds["backward"], seconds["step"]), (sent["forward"] + sent["backward"],
                                                                         sent["step"])
+
+
+VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2}
+"""Stages per pipeline rank of each schedule modelled."""
+
+
+def _pipeline_step(strategy: str, n: int, work: Workload, net: Interconnect) -> Step:
+    """A pipeline of p ranks (n / p GPUs a stage): each rank's step alone, its stages' compute with their data- and
+    tensor-parallel collectives (`step_time` on its share), then the schedule's bubble, in which ranks wait for the
+    micro-batches to fill and drain the pipeline: with one stage per rank (gpipe, 1f1b) the step is m x the slowest
+    rank's micro-batch + the others' one micro-batch each ((m + p - 1) micro-batches where the stages are equal),
+    with v stages per rank (interleaved) the others' share over v; plus the sends that fill and drain it, 2 (p - 1) v
+    one-way sends of `send_bytes` (the steady state's overlap the compute), each between ranks n / p apart. On a CPU
+    host every send is a call on its rank's timeline: 2 a micro-batch."""
+    p, m, v = work.pipeline, work.micro_steps, VIRTUAL.get(work.schedule, 0)
+    if not v:
+        raise ConfigError(f"parallel.pipeline_schedule = {work.schedule!r} is not modelled; predict "
+                          f"{', '.join(VIRTUAL)} (zero-bubble schedules split the backward)")
+    if n % p or len(work.stages) != p or work.tensor > 1:
+        raise ConfigError(f"parallel.pipeline = {p} does not divide {n} GPUs; give multiples of it" if n % p else
+                          f"parallel.pipeline = {p} with parallel.tensor = {work.tensor} is not modelled; predict "
+                          "either split alone")
+    links = net if n // p < net.gpus_per_node else replace(net, gpus_per_node=1)  # (neighbours on other nodes)
+    send = collective_time("all_gather", 2 * work.send_bytes, 2, links)  # (a 2-rank gather: each sends its half)
+    total = work.model.flops_per_token()
+    steps, micro = [], []
+    for shape in work.stages:
+        compute = work.compute_s * p * shape.flops_per_token() / total  # (compute_s: a GPU's share of equal stages)
+        if work.cpu_cores:
+            compute += 2 * m * send
+        steps.append(step_time(strategy, n // p, replace(work, model=shape, compute_s=compute, pipeline=1,
+                                                         stages=()), net))
+        micro.append(compute / m)
+    bubble = (sum(micro) - max(micro)) / v + (0.0 if work.cpu_cores else 2 * (p - 1) * v * send)
+    slowest = max(steps, key=lambda s: s.step_s)
+    sends = 2 * m * work.send_bytes * v
+    return Step(slowest.step_s + bubble, work.compute_s, slowest.comm_s + 2 * m * v * send, slowest.wire_bytes + sends)
 
 
 @dataclass

@@ -1,0 +1,195 @@
+"""`disttrain bench predict`'s forecast (predict.py runs it): the job's batch per GPU and compute, each swept value's
+workload, the scale model's steps at each GPU count, and the report's header and table."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+from disttrain.bench.model_shapes import ModelShape
+from disttrain.bench.predict_job import (
+    config_batch,
+    config_strategy,
+    pipeline_stages,
+    settings,
+    split_calls,
+)
+from disttrain.bench.scale_model import (
+    BYTES,
+    H100_BF16_TFLOPS,
+    H100_FP32_TFLOPS,
+    Workload,
+    compute_seconds,
+    predict,
+    reduced_bytes,
+)
+from disttrain.config import Config
+from disttrain.errors import ConfigError
+
+FORECAST_SWEEPS = ("parallel.grad_compression", "parallel.powersgd_rank", "parallel.bucket_cap_mb",
+                   "parallel.hsdp_shard_size", "parallel.fsdp_prefetch", "train.log_every")
+"""Settings `--sweep` forecasts: those that change only a step's collectives, not its compute."""
+
+LOCAL_BATCH = {"llama3-8b": 2, "llama3-70b": 1, "resnet50": 32, "bert-large": 32}
+"""Sequences (images) per GPU per step of each preset model: torchtitan's Llama runs, the DDP paper's batch."""
+
+
+def default_batch(args: argparse.Namespace, cfg: Config) -> tuple[int, int]:
+    """(sequences per GPU per step, per forward pass) where no flag gives them: a preset's batch, not accumulated,
+    or the config's job's (`config_batch`)."""
+    return (LOCAL_BATCH[args.model],) * 2 if args.model else config_batch(cfg, args.nodes)
+
+
+def _frozen(shape: ModelShape) -> str:
+    frozen = 1 - shape.trained_params / shape.params
+    return f", {frozen:.1%} of the parameters frozen (model.freeze: gathered, never reduced)" if frozen else ""
+
+
+def cpu_cores(args: argparse.Namespace, fit: dict | None) -> int:
+    if args.cpu_cores >= 0:
+        return args.cpu_cores
+    return len(os.sched_getaffinity(0)) if fit and fit.get("device") == "cpu" else 0
+
+
+def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[str, list[dict]]:
+    jobs = sweep_jobs(args, cfg, strategies)
+    picked = not strategies and not args.model
+    local, micro, given = _forecast_batch(args, cfg)
+    tensor, pipeline = settings(cfg)["tensor"], settings(cfg)["pipeline"]
+    tokens = local * max(shape.seq_len, 1) / tensor / pipeline  # (a group's ranks share a batch)
+    compute, source = _compute(args, shape, tokens, precision, fit, local, micro)
+    calls = split_calls(cfg, shape, precision, micro)
+    stages, send = pipeline_stages(cfg, shape, precision)
+    rows, failed = [], {}
+    for setting, swept in jobs:
+        work = Workload(shape, compute, tokens, precision, local // micro, cpu_cores=cpu_cores(args, fit),
+                        **settings(swept), tp_calls=calls, stages=stages, send_bytes=send * micro)
+        for strategy in strategies or ["fsdp" if args.model else config_strategy(swept)]:
+            try:
+                predicted = predict(strategy, gpus, work, net)
+            except ConfigError as exc:
+                if not setting:
+                    raise
+                failed.setdefault(strategy, []).append((setting, str(exc)))
+                continue
+            rows += [{"strategy": strategy, **({"setting": setting} if setting else {}), "gpus": p.gpus,
+                      "nodes": -(-p.gpus // net.gpus_per_node), "step_s": p.step.step_s, "compute_s": p.step.compute_s,
+                      "comm_s": p.step.comm_s, "exposed_s": p.step.exposed_s, "wire_bytes_per_gpu": p.step.wire_bytes,
+                      "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu, "efficiency": p.efficiency} for p in predicted]
+    for errors in failed.values():  # the same refusal at every value is not the sweep's: as without one
+        if len(errors) == len(jobs) and len({error for _, error in errors}) == 1:
+            raise ConfigError(errors[0][1])
+    skipped = [f"{strategy} with {setting} ({error})" for strategy, errors in failed.items()
+               for setting, error in errors]
+    if not rows:
+        raise ConfigError(f"--sweep {args.sweep}: no strategy runs any of its values: {'; '.join(skipped)}")
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    job = settings(cfg)
+    factors = (f" (DDP's buckets as rank-{job['powersgd_rank']} factors)" if job["grad_compression"] == "powersgd"
+               else "")
+    lines = [f"# Predicted scaling: {shape.name}, {', '.join(strategies)} ({report_date()})", "",
+             *([f"- strategy: the config's parallel.strategy = {cfg.parallel.strategy!r}, modelled as "
+                f"{', '.join(strategies)}"] if picked else []),
+             f"- model: {shape.params / 1e6:,.1f} M parameters, {shape.n_layer} blocks of "
+             f"{shape.layer_params / 1e6:,.2f} M{_frozen(shape)}; {local} x {max(shape.seq_len, 1)} tokens per "
+             f"{'tensor group' if tensor > 1 else 'GPU'} per step ({given}; "
+             + (f"{local // micro} micro-batches of {micro}: gradients reduced on the last)" if local > micro
+                else "no accumulation)"),
+             *([_split_line(cfg, calls, tensor, local)] if tensor > 1 else []),
+             f"- compute of one step on one device: {compute:.4g} s, {source}",
+             f"- precision {precision}, gradient compression {job['grad_compression']}: bytes per element stored / "
+             f"gathered / reduced {' / '.join(map(str, BYTES[precision][:2]))} / "
+             f"{reduced_bytes(precision, job['grad_compression'])}{factors}; DDP buckets of "
+             f"{job['bucket_bytes'] / 2**20:g} MiB; a logged line every {job['log_every']} steps",
+             *([f"- swept: {args.sweep.partition('=')[0]} (each row's setting; the line above is the config's)"]
+               if len(jobs) > 1 or jobs[0][0] else []),
+             f"- interconnect {net.name}: {net.gpus_per_node} devices per node; {net.note}", "", *_table(rows)]
+    if skipped:
+        lines += ["", f"Not predicted: {'; '.join(skipped)}."]
+    lines += ["", "Efficiency: tokens/s per GPU relative to the smallest count (weak scaling). Collectives: the sum "
+              "of their times, mostly hidden behind compute; exposed: what the step waits for. " + report_footer()]
+    return "\n".join(lines) + "\n", rows
+
+
+def _split_line(cfg: Config, calls: tuple, tensor: int, local: int) -> str:
+    sent = {part: sum(1 for c in calls if c[0] == part) for part in ("forward", "backward", "step")}
+    size = sum(c[2] for c in calls if c[0] != "step") / 2**20
+    return (f"- tensor split over {tensor} GPUs of a node (parallel.tensor; sequence parallel "
+            f"{'on' if cfg.parallel.sequence_parallel else 'off'}): a group's ranks share its {local} sequences "
+            f"(tokens per GPU: 1/{tensor} of them); each micro-batch sends {sent['forward']} collectives in forward "
+            f"and {sent['backward']} in backward ({size:,.1f} MiB), the step {sent['step']} more, each holding up "
+            f"the compute; the strategy runs over GPUs / {tensor} ranks, each with 1/{tensor} of the parameters")
+
+
+def sweep_jobs(args: argparse.Namespace, cfg: Config, strategies: list[str]) -> list[tuple[str, Config]]:
+    """(setting, config) of each forecast: the config (setting ''), or one per value of `--sweep` (a setting of
+    `FORECAST_SWEEPS` that one of `strategies` reads, or the config's strategy where none is given), applied to it."""
+    if not args.sweep:
+        return [("", cfg)]
+    from disttrain.bench.scaling import parse_sweep, reads
+    from disttrain.config import load_config
+
+    key = args.sweep.partition("=")[0]
+    if key not in FORECAST_SWEEPS:
+        raise ConfigError(f"--sweep {key}: a forecast sweeps a setting that changes only a step's collectives "
+                          f"({', '.join(FORECAST_SWEEPS)}); forecast each value of {key} on its own (--set {key}=...)")
+    key, values = parse_sweep(args.sweep)
+    jobs = [(f"{key}={value}", load_config(args.config, [*args.overrides, f"{key}={value}"])) for value in values]
+    names = strategies or list(dict.fromkeys("fsdp" if args.model else config_strategy(c) for _, c in jobs))
+    if not any(reads(name, key) for name in names):
+        raise ConfigError(f"--sweep {key}: {', '.join(names)} do{'es' if len(names) == 1 else ''} not read it; "
+                          "give --strategy with one that does")
+    return jobs
+
+
+def _forecast_batch(args: argparse.Namespace, cfg: Config) -> tuple[int, int, str]:
+    """(sequences per GPU per step, per forward pass, where they come from), checked."""
+    local, micro = (args.local_batch, args.local_batch) if args.local_batch else default_batch(args, cfg)
+    micro = args.micro_batch or micro  # (--local-batch alone: no accumulation)
+    given = ("--local-batch" if args.local_batch else "the preset's" if args.model else
+             f"the config's: data.global_batch_size {cfg.data.global_batch_size} over dist.nproc {cfg.dist.nproc}"
+             + (f" / parallel.tensor {cfg.parallel.tensor}" if cfg.parallel.tensor > 1 else "")
+             + (f" x {args.nodes} nodes" if args.nodes > 1 else ", one node's ranks"))
+    if local % micro:
+        raise ConfigError(f"--micro-batch {micro}: the batch per GPU, {local} ({given}), is not a multiple of it; "
+                          "give a divisor of it, or --local-batch")
+    return local, micro, given
+
+
+def _compute(args, shape: ModelShape, tokens: int, precision: str, fit: dict | None, local: int, micro: int
+             ) -> tuple[float, str]:
+    """(seconds of one step's compute on one device, where they come from): given, or from FLOPs; a measured
+    interconnect needs it given."""
+    if args.compute_s:
+        return args.compute_s, "given (--compute-s)"
+    if fit is not None:
+        how = ("" if args.model else f": the 1-rank step_time_s of `disttrain bench predict [CONFIG] --measure "
+               f"--world-sizes 1 --local-batch {local} --micro-batch {micro}`")
+        raise ConfigError(f"--interconnect measured:...: give --compute-s, one device's step of {local} sequences in "
+                          f"micro-batches of {micro}{how}")
+    tflops = args.tflops or (H100_FP32_TFLOPS if precision == "fp32" else H100_BF16_TFLOPS)
+    return compute_seconds(shape, tokens, tflops, args.mfu), (
+        f"{shape.flops_per_token():.3g} FLOPs/token / ({tflops:g} TFLOP/s x MFU {args.mfu:g}"
+        + ("" if args.tflops else f"; the H100's dense peak in {precision}") + ")")
+
+
+def _table(rows: list[dict]) -> list[str]:
+    swept = "setting" in rows[0]
+    head = ("| strategy | " + ("setting | " if swept else "") + "GPUs | step (s) | compute (s) | collectives (s) | "
+            "exposed (s) | tokens/s per GPU | efficiency |")
+    return [head, "|---" * head.count(" | ") + "|---|"] + [
+        f"| {r['strategy']} | " + (f"{r['setting']} | " if swept else "") + f"{r['gpus']} | {r['step_s']:.4f} | "
+        f"{r['compute_s']:.4f} | {r['comm_s']:.4f} | {r['exposed_s']:.4f} | {r['tokens_per_s_per_gpu']:,.1f} | "
+        f"{r['efficiency']:.3f} |" for r in rows]
+
+
+def report_date() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def report_footer() -> str:
+    from disttrain._version import __version__
+
+    return f"disttrain {__version__}, Python {platform.python_version()}, {platform.node()}."
