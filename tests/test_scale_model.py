@@ -508,6 +508,56 @@ def test_what_a_tensor_split_does_not_price_is_refused(change, gpus, says):
         sm.predict("hsdp", [16], replace(sm.Workload(LLAMA, 1.0, 8192), tensor=2), NET)
 
 
+def _stage(flops: float, params: float = 1e6) -> ModelShape:
+    return ModelShape("stage", params, counted=(UnitShape(0.0, 0.0, 0.0, 0.0), UnitShape(params, params, flops / 3,
+                                                                                          2 * flops / 3)))
+
+
+def test_a_pipeline_pays_its_bubble_and_the_sends_that_fill_and_drain_it():
+    """p = 4 equal stages, m = 8 micro-batches, one GPU each: (m + p - 1) micro-batches of a stage, and 2 (p - 1)
+    sends on the path; two stages a rank (interleaved) halve the bubble; the slowest stage sets the steady state."""
+    model = gpt_shape(8, 64, 32, 256)
+    stages = tuple(_stage(1.0) for _ in range(4))
+    whole = sum(s.flops_per_token() for s in stages)
+    model = replace(model, counted=(UnitShape(0.0, 0.0, 0.0, 0.0), UnitShape(4e6, 4e6, whole / 3, 2 * whole / 3)))
+    work = sm.Workload(model, 0.8, 1, "fp32", micro_steps=8, log_every=0, pipeline=4, stages=stages, send_bytes=1e6)
+    send = ic.collective_time("all_gather", 2e6, 2, NET)
+    micro = 0.8 / 8  # (compute_s: a GPU's share of equal stages)
+    assert sm.step_time("ddp", 4, work, NET).step_s == pytest.approx((8 + 3) * micro + 2 * 3 * send, rel=1e-9)
+    interleaved = sm.step_time("ddp", 4, replace(work, schedule="interleaved-1f1b"), NET).step_s
+    assert interleaved == pytest.approx((8 + 3 / 2) * micro + 2 * 3 * 2 * send, rel=1e-9)
+    slow = replace(work, stages=(_stage(2.0), *stages[1:]))
+    total = 5.0 / 4.0  # the first stage does 2 of 5 shares: 1.6 x a GPU's equal share
+    assert sm.step_time("ddp", 4, replace(slow, model=replace(model, counted=(model.counted[0], UnitShape(
+        4e6, 4e6, total * whole / 3, 2 * total * whole / 3)))), NET).step_s == pytest.approx(
+        8 * 0.8 * 4 * 2 / 5 / 8 + 3 * 0.8 * 4 / 5 / 8 + 2 * 3 * send, rel=1e-9)
+    assert sm.step_time("ddp", 1, work, NET).step_s == pytest.approx(4 * 0.8)  # (the stages on one device)
+
+
+def test_a_pipeline_s_stages_run_their_strategy_over_the_gpus_of_a_stage():
+    """64 GPUs, p = 4: each stage's data-parallel collectives over 16 GPUs on its own parameters, as that stage
+    alone; the step adds the bubble to the slowest stage's."""
+    stages = (_stage(1.0, 2e9), _stage(1.0, 1e9))
+    model = ModelShape("m", 3e9, counted=(UnitShape(0.0, 0.0, 0.0, 0.0), UnitShape(3e9, 3e9, 2 / 3, 4 / 3)))
+    work = sm.Workload(model, 1.0, 1, "bf16-mixed", micro_steps=4, log_every=0, pipeline=2, stages=stages)
+    for strategy in ("ddp", "fsdp"):
+        alone = [sm.step_time(strategy, 32, replace(work, model=st, compute_s=1.0, pipeline=1, stages=()), NET)
+                 for st in stages]
+        step = sm.step_time(strategy, 64, work, NET)
+        assert step.step_s == pytest.approx(max(a.step_s for a in alone) + 1.0 / 4, rel=1e-9)
+        assert step.wire_bytes == pytest.approx(max(a.wire_bytes for a in alone), rel=1e-9)
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(schedule="zbv"), "parallel.pipeline_schedule = 'zbv' is not modelled"),
+    (dict(tensor=2), "parallel.pipeline = 2 with parallel.tensor = 2 is not modelled"),
+])
+def test_what_a_pipeline_does_not_price_is_refused(change, says):
+    work = sm.Workload(LLAMA, 1.0, 1, pipeline=2, stages=(LLAMA, LLAMA), **change)
+    with pytest.raises(ConfigError, match=says):
+        sm.step_time("fsdp", 8, work, NET)
+
+
 def test_the_model_imports_no_torch():
     code = ("import sys, disttrain.bench.scale_model, disttrain.bench.published_scaling; "
             "assert 'torch' not in sys.modules, 'torch imported'")

@@ -271,6 +271,25 @@ def test_forecast_of_a_tensor_split_prices_its_recorded_calls_and_a_share_of_the
         (tmp_path / "llama" / "predict.md").read_text()  # 3 (the loss's) + 1 + 161 + 160; 161 + 160 + 1 (80 blocks)
 
 
+def test_forecast_of_a_pipeline_splits_a_preset_as_disttrain_would(tmp_path):
+    """Llama 3 70B over 4 pipeline ranks (interleaved: 8 stages) in 16 micro-batches of one sequence: a GPU computes
+    a quarter of the group's batch; the stages are disttrain's balanced split of the 80 blocks."""
+    assert cli(["bench", "predict", "--model", "llama3-70b", "--set", "parallel.pipeline=4", "--set",
+                "parallel.pipeline_schedule=interleaved-1f1b", "--local-batch", "16", "--micro-batch", "1", "--gpus",
+                "32,64", "--out", str(tmp_path)]) == 0
+    cfg = load_config(None, ["parallel.pipeline=4", "parallel.pipeline_schedule=interleaved-1f1b"])
+    stages, send = predict_job.pipeline_stages(cfg, MODELS["llama3-70b"], "bf16-mixed")
+    assert [s.n_layer for s in stages] == [16, 22, 22, 20] and send == 8192 * 8192 * 2
+    tokens = 16 * 8192 / 4
+    work = sm.Workload(MODELS["llama3-70b"], sm.compute_seconds(MODELS["llama3-70b"], tokens, 989, 0.35), tokens,
+                       "bf16-mixed", 16, pipeline=4, schedule="interleaved-1f1b", stages=stages, send_bytes=send)
+    rows = list(csv.DictReader(open(tmp_path / "predict.csv")))
+    for row in rows:
+        expected = sm.step_time("fsdp", int(row["gpus"]), work, ic.PRESETS["h100-nvlink+ib-ndr"])
+        assert float(row["step_s"]) == pytest.approx(expected.step_s, rel=1e-9)
+    assert "- pipeline of 4 ranks (parallel.pipeline, interleaved-1f1b)" in (tmp_path / "predict.md").read_text()
+
+
 def test_a_sitting_of_a_tensor_split_times_one_rank_s_compute_alone(tmp_path):
     """--measure at 1 rank of a split of 2: the whole group's job on a fake group of 2, whose collectives return at
     once (the base the model predicts the 2-rank step from); --local-batch is the group's at every world size."""
@@ -289,6 +308,30 @@ def test_a_sitting_of_a_tensor_split_times_one_rank_s_compute_alone(tmp_path):
     checked = [r for r in csv.DictReader(open(tmp_path / "s" / "predict.csv")) if r["check"] == "measured"]
     work = sm.Workload(SHAPE, float(rows[0]["step_time_s"]), 1.0, "fp32", cpu_cores=2, log_every=0, tensor=2,
                        tp_calls=calls)
+    expected = sm.step_time("ddp", 2, work, ic.interconnect_from_fit(fit))
+    assert float(checked[1]["predicted"]) == pytest.approx(expected.step_s, rel=1e-9)
+
+
+def test_a_sitting_of_a_pipeline_predicts_its_stages_from_the_whole_model_on_one_rank(tmp_path):
+    """--measure at 1 rank of a pipeline of 2: the whole model, its 2 micro-batches accumulated (the compute the
+    stages share); at 2 ranks the 1f1b pipeline; predicted from disttrain's own split of the counted model."""
+    result = run_cli(["bench", "predict", "--measure", "--validate", "--rounds", "1", "--world-sizes", "1,2",
+                      "--strategies", "ddp", "--steps", "2", "--warmup", "1", "--local-batch", "4", "--micro-batch",
+                      "2", *TINY, "--set", "parallel.pipeline=2", "--max-other-cpu", "4", "--out",
+                      str(tmp_path / "s")], tmp_path, timeout=180)
+    assert result.returncode == 0, result.stderr
+    rows = list(csv.DictReader(open(tmp_path / "s" / "scaling.csv")))
+    assert [(r["world_size"], r["pipeline"], r["global_batch"], r["micro_batch"]) for r in rows] == [
+        ("1", "2", "4", "2"), ("2", "2", "4", "2")]
+    fit = json.loads((tmp_path / "s" / "comm" / "comm_fit.json").read_text())
+    assert fit["compute_ms"] == pytest.approx(1e3 * float(rows[0]["step_time_s"]) / (2 * 2 * 2), abs=0.006)
+    cfg = load_config(None, [*TINY[1::2], "parallel.pipeline=2", "dist.nproc=2"])
+    stages, send = predict_job.pipeline_stages(cfg, SHAPE, "fp32")
+    assert sum(s.params for s in stages) == SHAPE.params + 256 * 64  # (the tied head: the last stage holds it too)
+    assert sum(s.flops_per_token() for s in stages) == pytest.approx(SHAPE.flops_per_token(), rel=1e-12)
+    work = sm.Workload(SHAPE, float(rows[0]["step_time_s"]) / 2, 1.0, "fp32", 2, cpu_cores=2, log_every=0,
+                       pipeline=2, stages=stages, send_bytes=send * 2)
+    checked = [r for r in csv.DictReader(open(tmp_path / "s" / "predict.csv")) if r["check"] == "measured"]
     expected = sm.step_time("ddp", 2, work, ic.interconnect_from_fit(fit))
     assert float(checked[1]["predicted"]) == pytest.approx(expected.step_s, rel=1e-9)
 

@@ -98,6 +98,7 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
              + (f"{local // micro} micro-batches of {micro}: gradients reduced on the last)" if local > micro
                 else "no accumulation)"),
              *([_split_line(cfg, calls, tensor, local)] if tensor > 1 else []),
+             *([_pipeline_line(cfg, stages, send * micro, local // micro)] if pipeline > 1 else []),
              f"- compute of one step on one device: {compute:.4g} s, {source}",
              f"- precision {precision}, gradient compression {job['grad_compression']}: bytes per element stored / "
              f"gathered / reduced {' / '.join(map(str, BYTES[precision][:2]))} / "
@@ -121,6 +122,17 @@ def _split_line(cfg: Config, calls: tuple, tensor: int, local: int) -> str:
             f"(tokens per GPU: 1/{tensor} of them); each micro-batch sends {sent['forward']} collectives in forward "
             f"and {sent['backward']} in backward ({size:,.1f} MiB), the step {sent['step']} more, each holding up "
             f"the compute; the strategy runs over GPUs / {tensor} ranks, each with 1/{tensor} of the parameters")
+
+
+def _pipeline_line(cfg: Config, stages: tuple[ModelShape, ...], send: float, micro_batches: int) -> str:
+    """The report's line on a pipeline: its ranks, schedule, what each holds, the micro-batches and sends."""
+    held = ", ".join(f"{s.n_layer} blocks ({s.params / 1e6:,.1f} M)" for s in stages)
+    p = cfg.parallel.pipeline
+    return (f"- pipeline of {p} ranks (parallel.pipeline, {cfg.parallel.pipeline_schedule}): a group's ranks share "
+            f"its batch (tokens per GPU: 1/{p} of them), in {micro_batches} micro-batches; the ranks hold {held} "
+            f"(disttrain's split: embeddings on the first, the head on the last); {send / 2**20:,.2f} MiB of "
+            f"activations cross a stage boundary each micro-batch, each way; the strategy runs over each stage's "
+            f"GPUs / {p}")
 
 
 def sweep_jobs(args: argparse.Namespace, cfg: Config, strategies: list[str]) -> list[tuple[str, Config]]:
