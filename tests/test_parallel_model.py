@@ -350,6 +350,9 @@ def test_stage_split_balances_parameters_and_takes_given_points():
     assert balanced_split([10, 10, 10, 10], 2) == [2]
     assert balanced_split([10, 10, 10, 10], 2, first_extra=25) == [1]  # the embedding weighs on the first stage
     assert balanced_split([10, 10, 10, 10], 4) == [1, 2, 3]
+    assert balanced_split([10] * 80, 8) == list(range(10, 80, 10))  # (a 70B model's 80 blocks: a search took ~37 s)
+    assert balanced_split([10, 1, 1, 10, 1, 1], 3) == [2, 4]  # 11, 11, 2: the least largest stage
+    assert balanced_split([5, 1, 5], 2) == [1]  # 5 + 6 or 6 + 5: of equal splits, the earliest cut
     with pytest.raises(ConfigError, match="4 blocks cannot fill 5 pipeline stages"):
         balanced_split([10, 10, 10, 10], 5)
     gpt = GPT(load_config(None, ["model.n_layer=4", "model.d_model=32", "model.n_head=2"]).model)
