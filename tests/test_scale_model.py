@@ -445,7 +445,7 @@ def test_a_tensor_split_runs_the_strategy_over_its_groups_on_a_share_of_the_mode
     """tensor = 2 on 64 GPUs: the strategy runs over 32 ranks two apart, each with half of every unit: as 32 ranks of
     half the model where a node holds 4 of them (its network shared by the 2 groups a node holds)."""
     work = sm.Workload(LLAMA, 1.0, 8192, "bf16-mixed", log_every=0)
-    for strategy in ("ddp", "zero1", "fsdp"):
+    for strategy in ("ddp", "fsdp"):
         split = sm.step_time(strategy, 64, replace(work, tensor=2), NET)
         alone = sm.step_time(strategy, 32, replace(work, model=sm.split_shape(LLAMA, 2)),
                              ic.with_gpus_per_node(NET, 4))
@@ -462,7 +462,7 @@ def test_a_tensor_split_s_collectives_hold_up_the_compute():
     collectives the longer compute now hides."""
     calls = (("forward", "all_reduce", 64e6, "bfloat16"), ("backward", "all_gather", 32e6, "float32"),
              ("backward", "reduce_scatter", 32e6, "float32"), ("step", "all_reduce", 1e3, "float32"))
-    work = sm.Workload(LLAMA, 0.5, 1024, "bf16-mixed", micro_steps=2, log_every=0, tensor=8, tp_calls=calls)
+    work = sm.Workload(LLAMA, 0.5, 1024, "bf16-mixed", micro_steps=2, log_every=0, tensor=8, tensor_calls=calls)
     group = sm.step_time("fsdp", 8, work, NET)
 
     def seconds(part):
@@ -472,7 +472,7 @@ def test_a_tensor_split_s_collectives_hold_up_the_compute():
     assert group.step_s == pytest.approx(0.5 + tensor, rel=1e-12) and group.comm_s == pytest.approx(tensor)
     assert group.wire_bytes == pytest.approx(2 * (64e6 * 2 * 7 / 8 + 64e6 * 7 / 8) + 1e3 * 2 * 7 / 8, rel=1e-12)
     for strategy in ("ddp", "fsdp"):
-        quiet = sm.step_time(strategy, 64, replace(work, tp_calls=()), NET)
+        quiet = sm.step_time(strategy, 64, replace(work, tensor_calls=()), NET)
         loud = sm.step_time(strategy, 64, work, NET)
         assert quiet.step_s < loud.step_s <= quiet.step_s + tensor + 1e-12
         assert loud.comm_s == pytest.approx(quiet.comm_s + tensor, rel=1e-12)
@@ -488,7 +488,7 @@ def test_the_step_s_tensor_split_calls_go_out_together_and_pay_one_call_s_cost()
     work = sm.Workload(gpt_shape(2, 64, 32, 256), 0.1, 1, "fp32", log_every=0, tensor=2, cpu_cores=2)
 
     def step(*calls):
-        return sm.step_time("ddp", 2, replace(work, tp_calls=calls), net).step_s
+        return sm.step_time("ddp", 2, replace(work, tensor_calls=calls), net).step_s
 
     run = [("step", "all_reduce", 1e4, "float32")] * 3
     assert step(*run) - step() == pytest.approx(1e-3 + 3 * 1e-9 * 1e4, rel=1e-9)
@@ -496,16 +496,25 @@ def test_the_step_s_tensor_split_calls_go_out_together_and_pay_one_call_s_cost()
     assert step(*apart) - step() == pytest.approx(3 * (1e-3 + 1e-9 * 1e4), rel=1e-9)
 
 
-@pytest.mark.parametrize("change, gpus, says", [
-    (dict(tensor=3), [8], "parallel.tensor = 3 does not divide 8 GPUs"),
-    (dict(tensor=16), [16], "parallel.tensor = 16: its groups would span nodes of 8 devices"),
-    (dict(tensor=2, grad_compression="powersgd"), [8], "parallel.grad_compression = 'powersgd' with parallel.tensor"),
+@pytest.mark.parametrize("strategy, change, gpus, says", [
+    ("ddp", dict(tensor=3), [8], "--gpus 8: a group of parallel.tensor x parallel.pipeline = 3 GPUs"),
+    ("ddp", dict(tensor=3), [24], "parallel.tensor = 3: its groups would straddle nodes of 8 devices"),
+    ("ddp", dict(tensor=16), [16], "parallel.tensor = 16: its groups would straddle nodes of 8 devices"),
+    ("ddp", dict(tensor=2, grad_compression="powersgd"), [8], "parallel.grad_compression = 'powersgd' with "
+     "parallel.tensor = 2 does not run in disttrain"),
+    ("hsdp", dict(tensor=2), [16], "hsdp with parallel.tensor = 2 is not modelled"),
+    ("zero1", dict(tensor=2), [16], "zero1 with parallel.tensor = 2 does not run in disttrain"),
 ])
-def test_what_a_tensor_split_does_not_price_is_refused(change, gpus, says):
+def test_what_a_tensor_split_does_not_price_is_refused(strategy, change, gpus, says):
     with pytest.raises(ConfigError, match=says):
-        sm.predict("ddp", gpus, replace(sm.Workload(LLAMA, 1.0, 8192), **change), NET)
-    with pytest.raises(ConfigError, match="hsdp with parallel.tensor = 2 is not modelled"):
-        sm.predict("hsdp", [16], replace(sm.Workload(LLAMA, 1.0, 8192), tensor=2), NET)
+        sm.predict(strategy, gpus, replace(sm.Workload(LLAMA, 1.0, 8192), **change), NET)
+
+
+def test_a_tensor_split_s_logged_line_gathers_over_every_gpu():
+    """The figures' all-gather on a logged line spans all 64 GPUs on the links as they are (not a data group's)."""
+    work = sm.Workload(LLAMA, 1.0, 8192, "bf16-mixed", tensor=2)
+    every, none = (sm.step_time("fsdp", 64, replace(work, log_every=k), NET) for k in (1, 0))
+    assert every.step_s - none.step_s == pytest.approx(ic.collective_time("all_gather", 40 * 64, 64, NET), rel=1e-9)
 
 
 def _stage(flops: float, params: float = 1e6) -> ModelShape:

@@ -254,10 +254,10 @@ def test_forecast_of_a_tensor_split_prices_its_recorded_calls_and_a_share_of_the
     assert cli(["bench", "predict", *TINY, "--set", "parallel.tensor=2", "--set", "dist.nproc=2", "--strategy",
                 "ddp,fsdp", "--gpus", "2,8", "--out", str(tmp_path / "gpt")]) == 0
     cfg = load_config(None, [*TINY[1::2], "parallel.tensor=2", "dist.nproc=2"])
-    calls = predict_job.split_calls(cfg, SHAPE, "fp32", 8)
+    calls = predict_job.tensor_calls_of(cfg, SHAPE, "fp32", 8)
     assert len(calls) > 0 and {c[0] for c in calls} == {"forward", "backward", "step"}
     compute = sm.compute_seconds(SHAPE, 32 * 32 / 2, sm.H100_FP32_TFLOPS, 0.35)
-    work = sm.Workload(SHAPE, compute, 32 * 32 / 2, "fp32", 4, tensor=2, tp_calls=calls)
+    work = sm.Workload(SHAPE, compute, 32 * 32 / 2, "fp32", 4, tensor=2, tensor_calls=calls)
     rows = list(csv.DictReader(open(tmp_path / "gpt" / "predict.csv")))
     for row in rows:
         expected = sm.step_time(row["strategy"], int(row["gpus"]), work, ic.PRESETS["h100-nvlink+ib-ndr"])
@@ -302,12 +302,12 @@ def test_a_sitting_of_a_tensor_split_times_one_rank_s_compute_alone(tmp_path):
     assert [(r["world_size"], r["tensor"], r["global_batch"]) for r in rows] == [("1", "2", "4"), ("2", "2", "4")]
     fit = json.loads((tmp_path / "s" / "comm" / "comm_fit.json").read_text())
     cfg = load_config(None, [*TINY[1::2], "parallel.tensor=2"])
-    calls = predict_job.split_calls(cfg, SHAPE, "fp32", 4)
+    calls = predict_job.tensor_calls_of(cfg, SHAPE, "fp32", 4)
     micro = sum(1 for c in calls if c[0] != "step")  # each call after a phase of compute as long as the step's gaps
     assert fit["compute_ms"] == pytest.approx(1e3 * float(rows[0]["step_time_s"]) / micro, abs=0.006)
     checked = [r for r in csv.DictReader(open(tmp_path / "s" / "predict.csv")) if r["check"] == "measured"]
     work = sm.Workload(SHAPE, float(rows[0]["step_time_s"]), 1.0, "fp32", cpu_cores=2, log_every=0, tensor=2,
-                       tp_calls=calls)
+                       tensor_calls=calls)
     expected = sm.step_time("ddp", 2, work, ic.interconnect_from_fit(fit))
     assert float(checked[1]["predicted"]) == pytest.approx(expected.step_s, rel=1e-9)
 
@@ -413,9 +413,25 @@ def test_a_sitting_measures_the_links_of_each_element_type_the_job_sends(precisi
     (["--model", "resnet50", "--set", "parallel.tensor=2", "--compute-s", "1"], "parallel.tensor = 2: resnet50 has "
      "no tensor-parallel plan"),
     (["--model", "llama3-8b", "--set", "parallel.tensor=16", "--gpus", "16"], "parallel.tensor = 16: its groups "
-     "would span nodes of 8 devices"),
-    (["--model", "llama3-8b", "--set", "parallel.tensor=2", "--gpus", "8,9"], "parallel.tensor = 2 does not divide "
-     "9 GPUs; give GPU counts that are multiples of it"),
+     "would straddle nodes of 8 devices"),
+    (["--model", "llama3-8b", "--set", "parallel.tensor=2", "--gpus", "1,8"], "--gpus 1: a group of "
+     "parallel.tensor x parallel.pipeline = 2 GPUs reads one batch; give multiples of 2"),
+    (["--model", "llama3-8b", "--set", "parallel.tensor=3", "--gpus", "24"], "parallel.tensor = 3: its groups would "
+     "straddle nodes of 8 devices"),
+    (["--model", "llama3-8b", "--strategy", "zero1", "--set", "parallel.tensor=2", "--gpus", "16"], "zero1 with "
+     "parallel.tensor = 2 does not run in disttrain (zero1 has no data axes)"),
+    (["--model", "llama3-8b", "--strategy", "ddp", "--set", "parallel.tensor=2", "--set",
+      "parallel.grad_compression=powersgd", "--gpus", "16"], "parallel.grad_compression = 'powersgd' with "
+     "parallel.tensor = 2 does not run in disttrain"),
+    (["--model", "llama3-8b", "--set", "parallel.tensor=2", "--set", "parallel.loss_parallel=false"],
+     "parallel.loss_parallel = 'false': llama3-8b's tensor-split calls are written for loss parallel"),
+    (["--measure", "--set", "parallel.tensor=2", "--set", "model.n_head=2"], "--world-sizes 1,2,3: 3 ranks do not "
+     "hold whole groups of parallel.tensor x parallel.pipeline = 2; give 1 and multiples of 2"),
+    (["--validate", "--measured", "tp0.csv", "--interconnect", "measured:fit.json"], "--measured tp0.csv, line 2: "
+     "expected a world_size >= 1"),
+    (["--validate", "--measured", "tp2.csv", "--interconnect", "measured:fit.json"], "--measured tp2.csv was "
+     "measured with parallel.tensor = 2, the job given here has 1: pass the same CONFIG / --set as the measurement "
+     "(--set parallel.tensor=2)"),
     (["--model", "llama3-8b", "--strategy", "hsdp", "--set", "parallel.tensor=2", "--gpus", "16"], "hsdp with "
      "parallel.tensor = 2 is not modelled"),
     (["--set", "parallel.strategy=hsdp", "--set", "parallel.hsdp_shard_size=2", "--set",
@@ -487,6 +503,8 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path, monke
     (tmp_path / "text.csv").write_text("strategy,world_size,step_time_s\nddp,1,fast\n")
     (tmp_path / "tp.csv").write_text("strategy,world_size,step_time_s\ntp,1,0.1\n")
     (tmp_path / "two.csv").write_text("strategy,world_size,step_time_s\nddp,2,0.1\n")
+    (tmp_path / "tp0.csv").write_text("strategy,world_size,step_time_s,tensor\nddp,1,0.1,0\n")
+    (tmp_path / "tp2.csv").write_text("strategy,world_size,step_time_s,tensor\nddp,1,0.1,2\nddp,2,0.1,2\n")
     (tmp_path / "list.json").write_text(json.dumps({**FIT, "collectives": []}))
     (tmp_path / "one.json").write_text(json.dumps({**FIT, "world_size": 1}))
     assert cli(["bench", "predict", *args, "--out", str(tmp_path / "out")]) == 2

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from disttrain.bench.interconnect import ITEMSIZE
+
 
 @dataclass(frozen=True)
 class UnitShape:
@@ -108,24 +110,20 @@ def tensor_calls(model: ModelShape, stored: str, compute: str, sequence_parallel
     weight gradient, left partial by backward, is summed where read: by the clip and by the optimizer."""
     size, layers = model.seq_len * model.d_model, model.n_layer
     loss = (("forward", "all_reduce", model.seq_len * 4, "float32"),) * 3
-    step = (("step", "all_reduce", (model.columns * layers + 1) * _bytes(stored), stored),
-            ("step", "all_reduce", 4 * _bytes(stored), stored)) if clip else ()  # (the norms in the gradients' dtype)
+    step = (("step", "all_reduce", (model.columns * layers + 1) * ITEMSIZE[stored], stored),
+            ("step", "all_reduce", 4 * ITEMSIZE[stored], stored)) if clip else ()  # (the norms in the gradients' dtype)
     if sequence_parallel:
-        step += (("step", "all_reduce", model.d_model * _bytes(stored), stored),) * (2 * layers + 1) * (1 + clip)
+        step += (("step", "all_reduce", model.d_model * ITEMSIZE[stored], stored),) * (2 * layers + 1) * (1 + clip)
     if not sequence_parallel:
-        return step + loss + ((("forward", "all_reduce", size * _bytes(stored), stored),)
-                + (("forward", "all_reduce", size * _bytes(compute), compute),) * 2 * layers
-                + (("backward", "all_reduce", size * _bytes(stored), stored),) * (model.columns * layers + 1))
-    return step + loss + ((("forward", "all_reduce", size * _bytes(stored), stored),)
-            + (("forward", "all_gather", size * _bytes(stored), stored),) * (2 * layers + 1)
-            + (("forward", "reduce_scatter", size * _bytes(compute), compute),) * 2 * layers
-            + (("backward", "reduce_scatter", size * _bytes(stored), stored),) * (2 * layers + 1)
-            + (("backward", "all_gather", size * _bytes(compute), compute),) * 2 * layers
-            + (("backward", "all_gather", size * _bytes(stored), stored),))
-
-
-def _bytes(dtype: str) -> int:
-    return 4 if dtype == "float32" else 2
+        return step + loss + ((("forward", "all_reduce", size * ITEMSIZE[stored], stored),)
+                + (("forward", "all_reduce", size * ITEMSIZE[compute], compute),) * 2 * layers
+                + (("backward", "all_reduce", size * ITEMSIZE[stored], stored),) * (model.columns * layers + 1))
+    return step + loss + ((("forward", "all_reduce", size * ITEMSIZE[stored], stored),)
+            + (("forward", "all_gather", size * ITEMSIZE[stored], stored),) * (2 * layers + 1)
+            + (("forward", "reduce_scatter", size * ITEMSIZE[compute], compute),) * 2 * layers
+            + (("backward", "reduce_scatter", size * ITEMSIZE[stored], stored),) * (2 * layers + 1)
+            + (("backward", "all_gather", size * ITEMSIZE[compute], compute),) * 2 * layers
+            + (("backward", "all_gather", size * ITEMSIZE[stored], stored),))
 
 
 MODELS: dict[str, ModelShape] = {

@@ -1,5 +1,6 @@
-"""Benchmark: predicted step time, tokens/s per GPU and scaling efficiency of a data-parallel strategy at GPU counts
-this machine does not have, from one device's compute time and an alpha-beta model of the interconnect.
+"""Benchmark: predicted step time, tokens/s per GPU and scaling efficiency of a data-parallel strategy (with a
+tensor split or a pipeline where the job has one) at GPU counts this machine does not have, from one device's compute
+time and an alpha-beta model of the interconnect.
 
     disttrain bench predict [CONFIG] [--set ...] [--model llama3-8b] [--strategy ddp,fsdp] [--gpus 8,64,512,1024]
         [--interconnect h100-nvlink+ib-ndr | measured:DIR/comm_fit.json] [--compute-s S | --tflops T --mfu M]
@@ -17,11 +18,13 @@ out); plus each strategy's collectives (ring / hierarchical alpha-beta times) ov
 hide behind. Without `--model` the job of CONFIG / `--set` is modelled (predict_job.py): its model counted from its
 module tree built on the meta device (`model.freeze` included); the strategy it runs on several ranks, unless
 `--strategy` names others; its batch per GPU, `data.global_batch_size` over `dist.nproc` x `--nodes` (dist.nproc
-is one node's ranks; the nodes are a launch's), accumulated in micro-batches of `data.micro_batch_size` (`--local-batch`
-and `--micro-batch` override both); its gradient compression, DDP buckets and logged lines. With `--model`, the
-preset with the config's settings. `--sweep KEY=V1,V2` forecasts each value of a setting that changes only the
-collectives (`FORECAST_SWEEPS`: gradient compression, PowerSGD's rank, DDP's buckets, the logged lines) in one
-table. Writes `<out>/predict.md` and `predict.csv`.
+is one node's ranks; the nodes are a launch's; under `parallel.tensor` / `parallel.pipeline`, per group of tensor x
+pipeline GPUs, which read one batch), accumulated in micro-batches of `data.micro_batch_size` (`--local-batch` and
+`--micro-batch` override both); its gradient compression, DDP buckets, logged lines, tensor split (its collectives
+recorded from disttrain's plan: tensor_calls.py) and pipeline (disttrain's stage split and schedule). With
+`--model`, the preset with the config's settings. `--sweep KEY=V1,V2` forecasts each value of a setting that changes
+only the collectives (`FORECAST_SWEEPS`: gradient compression, PowerSGD's rank, DDP's buckets, the logged lines)
+in one table (predict_forecast.py). Writes `<out>/predict.md` and `predict.csv`.
 
 `--validate` checks the model (predict_validate.py): (i) with `--measured` (the CSV of `disttrain bench scaling`, or
 of `--measure`, or a minimal one with the columns strategy, world_size, step_time_s; its `params` and

@@ -14,7 +14,7 @@ from disttrain.bench.predict_job import (
     config_strategy,
     pipeline_stages,
     settings,
-    split_calls,
+    tensor_calls_of,
 )
 from disttrain.bench.scale_model import (
     BYTES,
@@ -60,12 +60,12 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
     tensor, pipeline = settings(cfg)["tensor"], settings(cfg)["pipeline"]
     tokens = local * max(shape.seq_len, 1) / tensor / pipeline  # (a group's ranks share a batch)
     compute, source = _compute(args, shape, tokens, precision, fit, local, micro)
-    calls = split_calls(cfg, shape, precision, micro)
+    calls = tensor_calls_of(cfg, shape, precision, micro)
     stages, send = pipeline_stages(cfg, shape, precision)
     rows, failed = [], {}
     for setting, swept in jobs:
         work = Workload(shape, compute, tokens, precision, local // micro, cpu_cores=cpu_cores(args, fit),
-                        **settings(swept), tp_calls=calls, stages=stages, send_bytes=send * micro)
+                        **settings(swept), tensor_calls=calls, stages=stages, send_bytes=send * micro)
         for strategy in strategies or ["fsdp" if args.model else config_strategy(swept)]:
             try:
                 predicted = predict(strategy, gpus, work, net)
@@ -115,6 +115,7 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
 
 
 def _split_line(cfg: Config, calls: tuple, tensor: int, local: int) -> str:
+    """The report's line on a tensor split: its degree, the batch its ranks share, the calls and bytes it sends."""
     sent = {part: sum(1 for c in calls if c[0] == part) for part in ("forward", "backward", "step")}
     size = sum(c[2] for c in calls if c[0] != "step") / 2**20
     return (f"- tensor split over {tensor} GPUs of a node (parallel.tensor; sequence parallel "
@@ -165,7 +166,8 @@ def _forecast_batch(args: argparse.Namespace, cfg: Config) -> tuple[int, int, st
              + (f" / parallel.tensor {cfg.parallel.tensor}" if cfg.parallel.tensor > 1 else "")
              + (f" x {args.nodes} nodes" if args.nodes > 1 else ", one node's ranks"))
     if local % micro:
-        raise ConfigError(f"--micro-batch {micro}: the batch per GPU, {local} ({given}), is not a multiple of it; "
+        raise ConfigError(f"--micro-batch {micro}: the batch per GPU (a group's under a split), {local} ({given}), is "
+                          "not a multiple of it; "
                           "give a divisor of it, or --local-batch")
     return local, micro, given
 

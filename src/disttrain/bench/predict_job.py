@@ -157,9 +157,9 @@ def settings(cfg: Config) -> dict:
             "pipeline": max(1, p.pipeline), "schedule": p.pipeline_schedule}
 
 
-def split_calls(cfg: Config, shape: ModelShape, precision: str, sequences: float
+def tensor_calls_of(cfg: Config, shape: ModelShape, precision: str, sequences: float
                 ) -> tuple[tuple[str, str, float, str], ...]:
-    """The tensor split's collectives of a step in micro-batches of `sequences` sequences (`Workload.tp_calls`):
+    """The tensor split's collectives of a step in micro-batches of `sequences` sequences (`Workload.tensor_calls`):
     recorded from the config's model under disttrain's plan (`tensor_calls.count`), or in closed form for a preset;
     () where `parallel.tensor` is 1. A forward's and a backward's sizes are one sequence's times `sequences`; the
     step's (part "step") are the parameters'."""
@@ -170,12 +170,24 @@ def split_calls(cfg: Config, shape: ModelShape, precision: str, sequences: float
     if shape.counted:
         calls = [(c.part, c.collective, c.nbytes, c.dtype) for c in tensor_calls.count(cfg, precision)]
     elif shape.columns:
+        if cfg.parallel.loss_parallel == "false" or cfg.parallel.activation_checkpointing:
+            what = ("parallel.loss_parallel = 'false'" if cfg.parallel.loss_parallel == "false"
+                    else "parallel.activation_checkpointing = true")
+            raise ConfigError(f"{what}: {shape.name}'s tensor-split calls are written for loss parallel without "
+                              "activation checkpointing; model a config of the model (its calls are recorded) or "
+                              "leave the setting out")
         stored, compute, _ = WIRE_DTYPES[precision]
         calls = model_shapes.tensor_calls(shape, stored, compute, cfg.parallel.sequence_parallel,
                                           cfg.optim.grad_clip > 0)
     else:
         raise ConfigError(f"parallel.tensor = {cfg.parallel.tensor}: {shape.name} has no tensor-parallel plan; "
                           "predict it with parallel.tensor = 1")
+    return scaled_calls(tuple(calls), sequences)
+
+
+def scaled_calls(calls: tuple, sequences: float) -> tuple:
+    """A tensor split's calls of one sequence (`tensor_calls_of(..., 1)`) in a micro-batch of `sequences`: the
+    forward's and backward's sizes times it, the step's (the parameters') as they are."""
     return tuple((part, collective, nbytes * (1 if part == "step" else sequences), dtype)
                  for part, collective, nbytes, dtype in calls)
 

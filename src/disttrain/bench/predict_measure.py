@@ -75,6 +75,11 @@ def check(args: argparse.Namespace) -> None:
     args.strategies = ",".join(dict.fromkeys(names))  # (the ranks run the names the scale model reads back)
     split = load_config(args.config, args.overrides).parallel
     tensor, group = split.tensor, split.tensor * split.pipeline
+    odd = [w for w in args.world_sizes if w > 1 and w % group]
+    if odd:
+        raise ConfigError(f"--world-sizes {','.join(map(str, args.world_sizes))}: {odd[0]} ranks do not hold whole "
+                          f"groups of parallel.tensor x parallel.pipeline = {group}; give 1 and multiples of {group}, "
+                          f"e.g. --world-sizes 1,{group}")
     for name in dict.fromkeys(names):  # each strategy's run at each world size, as its ranks will check it
         for world in args.world_sizes:
             try:  # (1 rank of a tensor split: the whole group's job, on a fake group: `main`)

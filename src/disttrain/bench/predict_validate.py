@@ -11,7 +11,7 @@ from pathlib import Path
 
 from disttrain.bench.interconnect import Interconnect, with_gpus_per_node
 from disttrain.bench.model_shapes import ModelShape
-from disttrain.bench.predict_job import pipeline_stages, series_settings, split_calls
+from disttrain.bench.predict_job import pipeline_stages, scaled_calls, series_settings, tensor_calls_of
 from disttrain.bench.published_scaling import PUBLISHED
 from disttrain.bench.scale_model import STRATEGIES, Workload, step_time
 from disttrain.config import Config
@@ -25,9 +25,11 @@ Measured = dict[str, tuple[str, dict[int, dict], str]]
 """label -> (strategy, world size -> figures, the series' swept setting as `section.key=value` or '')."""
 
 
-def read_measured(path: Path, shape: ModelShape, max_other_cpu: float) -> tuple[Measured, int]:
+def read_measured(path: Path, shape: ModelShape, max_other_cpu: float, split: tuple[int, int] = (1, 1)
+                  ) -> tuple[Measured, int]:
     """(label -> (strategy, world size -> {step_time_s, local: samples per data replica per step (a rank's, or a
-    tensor group's where the CSV's `tensor` column splits the model; 0 if unknown),
+    group's where the CSV's `tensor` and `pipeline` columns split the model, which must be `split`: the config's;
+    0 if unknown),
     micro_steps, log_every: 1 where the row's median step gathered the ranks' figures}, swept setting) for every
     series of a modelled strategy, rows left out). A row whose `other_cpu` (where the CSV has one) is above
     `max_other_cpu` measured its neighbours too and is left out. A CSV whose `params` or `trained_params` (where it
@@ -52,6 +54,12 @@ def read_measured(path: Path, shape: ModelShape, max_other_cpu: float) -> tuple[
         if wrong:
             raise ConfigError(f"--measured {path} was measured on a model of {', '.join(sorted(wrong))} {what}, the "
                               f"model given here has {own:.0f}: pass the same CONFIG / --set as the measurement")
+    for key, own in zip(("tensor", "pipeline"), split, strict=True):
+        other = {int(r[key]) for r in table if r.get(key)} - {own}
+        if other:
+            raise ConfigError(f"--measured {path} was measured with parallel.{key} = {min(other)}, the job given here "
+                              f"has {own}: pass the same CONFIG / --set as the measurement (--set parallel.{key}="
+                              f"{min(other)})")
     noisy = [r for r in table if float(r.get("other_cpu") or 0.0) > max_other_cpu]
     if table and len(noisy) == len(table):
         raise ConfigError(f"--measured {path}: every row was measured while other processes kept more than "
@@ -97,13 +105,15 @@ def _check_row(path: Path, line: int, row: dict) -> None:
     try:
         world, step = int(row["world_size"]), float(row["step_time_s"])
         numbers = [float(row[k]) for k in ("global_batch", "micro_batch", "log_every", "params", "trained_params",
-                                           "other_cpu", "tensor") if row.get(k)]
+                                           "other_cpu") if row.get(k)]
+        degrees = [int(row[k]) for k in ("tensor", "pipeline") if row.get(k)]
     except (TypeError, ValueError):
-        world, step, numbers = 0, 0.0, []
-    if world < 1 or not 0 < step < math.inf or not all(math.isfinite(x) and x >= 0 for x in numbers):
-        raise ConfigError(f"--measured {path}, line {line}: expected a world_size >= 1, a step_time_s > 0 (seconds) "
-                          "and numbers >= 0 in global_batch, micro_batch, log_every, params, trained_params, "
-                          "other_cpu and tensor; got "
+        world, step, numbers, degrees = 0, 0.0, [], []
+    if world < 1 or not 0 < step < math.inf or not all(math.isfinite(x) and x >= 0 for x in numbers) or \
+            not all(d >= 1 for d in degrees):
+        raise ConfigError(f"--measured {path}, line {line}: expected a world_size >= 1, a step_time_s > 0 (seconds), "
+                          "numbers >= 0 in global_batch, micro_batch, log_every, params, trained_params and "
+                          "other_cpu, and whole numbers >= 1 in tensor and pipeline; got "
                           + ", ".join(f"{k} {v!r}" for k, v in row.items() if k != "strategy"))
 
 
@@ -112,7 +122,8 @@ def measured_checks(args, shape: ModelShape, precision: str, net: Interconnect, 
     """(i): the report's lines and rows of every measured series of `args.measured` (those with a 1-rank row and a
     modelled sweep), each N-rank step predicted from the series' 1-rank step on `net`'s measured links."""
     rows = []
-    measured, dropped = read_measured(Path(args.measured), shape, args.max_other_cpu)
+    measured, dropped = read_measured(Path(args.measured), shape, args.max_other_cpu,
+                                      (cfg.parallel.tensor, cfg.parallel.pipeline))
     worlds = [w for _, by_world, _ in measured.values() for w in by_world]
     net = with_gpus_per_node(net, args.gpus_per_node or max(worlds))  # every rank on this one machine
     lines = [f"## (i) Measured on this machine: {args.measured}", "",
@@ -121,7 +132,7 @@ def measured_checks(args, shape: ModelShape, precision: str, net: Interconnect, 
              "from the 1-rank step. Target: |error| <= 10%.", "",
              "| series | ranks | measured (s) | predicted (s) | error | collectives (s) |",
              "|---|---|---|---|---|---|"]
-    per_sequence = split_calls(cfg, shape, precision, 1.0)  # (a tensor split's collectives: none without one)
+    per_sequence = tensor_calls_of(cfg, shape, precision, 1.0)  # (a tensor split's collectives: none without one)
     stages, send = pipeline_stages(cfg, shape, precision)
     skipped = [label for label, (_, by_world, _) in measured.items() if 1 not in by_world]
     refused = []
@@ -137,10 +148,9 @@ def measured_checks(args, shape: ModelShape, precision: str, net: Interconnect, 
         for world, m in sorted(by_world.items()):
             scale = m["local"] / base["local"] if base["local"] else 1.0
             sequences = m["local"] / m["micro_steps"]
-            calls = tuple((part, kind, nbytes * (1 if part == "step" else sequences), dtype)
-                          for part, kind, nbytes, dtype in per_sequence)
+            calls = scaled_calls(per_sequence, sequences)
             work = Workload(shape, base["step_time_s"] * scale / job["pipeline"], 1.0, precision, m["micro_steps"],
-                            cpu_cores=cores, **{**job, "log_every": m["log_every"]}, tp_calls=calls, stages=stages,
+                            cpu_cores=cores, **{**job, "log_every": m["log_every"]}, tensor_calls=calls, stages=stages,
                             send_bytes=send * sequences)  # (log_every: the gathers a median pays)
             s = step_time(strategy, world, work, net)
             error = s.step_s / m["step_time_s"] - 1

@@ -1,6 +1,7 @@
-"""The cost of scale as arithmetic: the step time of each data-parallel strategy from one device's compute time
-and its collectives, timed on an interconnect's alpha-beta links (interconnect.py). Pure Python (no torch), so
-`disttrain bench predict` and the tests share one formula for everything.
+"""The cost of scale as arithmetic: the step time of each data-parallel strategy, with a tensor split or a pipeline
+around it, from one device's compute time and its collectives, timed on an interconnect's alpha-beta links
+(interconnect.py). Pure Python (no torch), so `disttrain bench predict` and the tests share one formula for
+everything.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from disttrain.bench.buckets import bucket_calls, bucket_units, waits_behind_backward
-from disttrain.bench.interconnect import Interconnect, bus_factor, collective_time
+from disttrain.bench.interconnect import ITEMSIZE, Interconnect, bus_factor, collective_time
 from disttrain.bench.model_shapes import ModelShape, UnitShape
 from disttrain.bench.timeline import Step, Unit, run_pass
 from disttrain.errors import ConfigError
@@ -22,8 +23,6 @@ WIRE_DTYPES: dict[str, tuple[str, str, str]] = {  # (stored parameters and DDP g
 fp32; DDP and ZeRO-1 move the stored parameters' dtype). `Workload.grad_compression` fp16 / bf16 makes the
 reductions 2 bytes (DDP's hook, FSDP's reduce dtype): `reduced_dtype`. Each collective's bytes are priced with the
 links of its element type where the interconnect has them (`Interconnect.for_dtype`)."""
-
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 BYTES: dict[str, tuple[int, ...]] = {name: tuple(ITEMSIZE[d] for d in dtypes) for name, dtypes in WIRE_DTYPES.items()}
 """Bytes per element of `WIRE_DTYPES`."""
@@ -85,7 +84,7 @@ class Workload:
     send_bytes: float = 0.0
     """Under a pipeline, bytes of one micro-batch's activations crossing a stage boundary (their gradients come back
     as many)."""
-    tp_calls: tuple[tuple[str, str, float, str], ...] = ()
+    tensor_calls: tuple[tuple[str, str, float, str], ...] = ()
     """(part, collective, bytes, dtype) of each collective the tensor split sends in one micro-batch's forward or
     backward, or once in the step after them (part "step": the clip's norm, partial gradients summed)
     (`bench/tensor_calls.count`, or `model_shapes.tensor_calls` for a preset); each holds up the compute."""
@@ -232,29 +231,38 @@ def split_shape(model: ModelShape, tensor: int) -> ModelShape:
 
 
 def _check_tensor(strategy: str, n: int, work: Workload, net: Interconnect) -> None:
-    """What the model does not price of a tensor split: a count it does not divide, a group wider than a node, hsdp
-    or PowerSGD with it (disttrain refuses powersgd under a model split)."""
+    """What the model does not price of a tensor split: a count it does not divide, a group not within a node, hsdp
+    with it; and what disttrain does not run: zero1 (no data axes) or powersgd under a model split."""
     t = work.tensor
     if t == 1:
         return
     if n % t:
         raise ConfigError(f"parallel.tensor = {t} does not divide {n} GPUs; give GPU counts that are multiples of it")
-    if t > net.gpus_per_node:
-        raise ConfigError(f"parallel.tensor = {t}: its groups would span nodes of {net.gpus_per_node} devices, which "
-                          f"the model does not price (each block's collectives hold up its compute); give at most "
-                          f"{net.gpus_per_node}")
-    if strategy == "hsdp" or work.grad_compression == "powersgd":
-        what = "hsdp" if strategy == "hsdp" else "parallel.grad_compression = 'powersgd'"
-        raise ConfigError(f"{what} with parallel.tensor = {t} is not modelled; predict fsdp or ddp with it")
+    if net.gpus_per_node % t:
+        raise ConfigError(f"parallel.tensor = {t}: its groups would straddle nodes of {net.gpus_per_node} devices, "
+                          "which the model does not price (each block's collectives hold up its compute); give a "
+                          f"divisor of {net.gpus_per_node}")
+    _check_model_split(strategy, work, f"parallel.tensor = {t}")
+
+
+def _check_model_split(strategy: str, work: Workload, split: str) -> None:
+    if strategy in ("hsdp", "zero1"):
+        why = "is not modelled" if strategy == "hsdp" else "does not run in disttrain (zero1 has no data axes)"
+        raise ConfigError(f"{strategy} with {split} {why}; predict ddp or fsdp with it")
+    if work.grad_compression == "powersgd":
+        raise ConfigError(f"parallel.grad_compression = 'powersgd' with {split} does not run in disttrain (a DDP "
+                          "hook over every rank); predict it with none, fp16 or bf16")
 
 
 def _tensor_seconds(work: Workload, net: Interconnect) -> tuple[tuple[float, float, float], tuple[float, float]]:
     """((forward, backward) seconds of one micro-batch's tensor-split collectives and the step's, (bytes each rank
     sends in a micro-batch, in the step)). The step's are issued together (DTensor's functional collectives return
-    at once; the clip's norm and the optimizer wait once all are out) and cost as one call: the first's price, the
-    others' bytes. (Measured here: the clip's 20 of a sequence-parallel step's 38 changed its time by nothing.)"""
+    at once; the clip's norm and the optimizer wait once all are out): on links with a cost per call (a CPU host's
+    fit, `Link.call_s`) the run pays it once, the others only their bytes (measured here: the clip's 20 of a
+    sequence-parallel step's 38 calls changed its time by nothing); on an accelerator's links each call still pays
+    its ring's latency."""
     seconds, sent = {"forward": 0.0, "backward": 0.0, "step": 0.0}, {"forward": 0.0, "backward": 0.0, "step": 0.0}
-    for part, collective, nbytes, dtype in work.tp_calls:
+    for part, collective, nbytes, dtype in work.tensor_calls:
         links = net.for_dtype(dtype, collective)
         call = collective_time(collective, nbytes, work.tensor, links)
         if part == "step" and sent["step"]:  # (issued together with the first: its cost per call paid once)
@@ -285,6 +293,7 @@ def _pipeline_step(strategy: str, n: int, work: Workload, net: Interconnect) -> 
         raise ConfigError(f"parallel.pipeline = {p} does not divide {n} GPUs; give multiples of it" if n % p else
                           f"parallel.pipeline = {p} with parallel.tensor = {work.tensor} is not modelled; predict "
                           "either split alone")
+    _check_model_split(strategy, work, f"parallel.pipeline = {p}")
     links = net if n // p < net.gpus_per_node else replace(net, gpus_per_node=1)  # (neighbours on other nodes)
     send = collective_time("all_gather", 2 * work.send_bytes, 2, links)  # (a 2-rank gather: each sends its half)
     total = work.model.flops_per_token()
@@ -312,6 +321,11 @@ class Prediction:
 
 
 def predict(strategy: str, counts: list[int], work: Workload, net: Interconnect) -> list[Prediction]:
+    group = work.tensor * work.pipeline
+    odd = [n for n in counts if n % group]
+    if odd:
+        raise ConfigError(f"--gpus {odd[0]}: a group of parallel.tensor x parallel.pipeline = {group} GPUs reads one "
+                          f"batch; give multiples of {group}")
     per_node = net.gpus_per_node
     partial_nodes = [n for n in counts if n > per_node and n % per_node]
     if strategy == "hsdp" and not work.hsdp_shard and partial_nodes:  # (its replicas are whole nodes)

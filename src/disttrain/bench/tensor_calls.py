@@ -3,7 +3,7 @@
 tensor degree, and one sequence's forward and backward run under the precision's autocast (and activation
 checkpointing, where set), then the clip's norm and the optimizer's update, each collective DTensor issues
 recorded with its size and element type. The scale model
-prices them (`Workload.tp_calls`); `fake_group` also lets `bench predict --measure` time one tensor rank's compute
+prices them (`Workload.tensor_calls`); `fake_group` also lets `bench predict --measure` time one tensor rank's compute
 alone.
 
 Recorded rather than written down because torch's plan decides them: each column-wise linear all-reduces its own
