@@ -161,13 +161,14 @@ def _forecast_batch(args: argparse.Namespace, cfg: Config) -> tuple[int, int, st
     """(sequences per GPU per step, per forward pass, where they come from), checked."""
     local, micro = (args.local_batch, args.local_batch) if args.local_batch else default_batch(args, cfg)
     micro = args.micro_batch or micro  # (--local-batch alone: no accumulation)
+    group = cfg.parallel.tensor * cfg.parallel.pipeline
     given = ("--local-batch" if args.local_batch else "the preset's" if args.model else
              f"the config's: data.global_batch_size {cfg.data.global_batch_size} over dist.nproc {cfg.dist.nproc}"
-             + (f" / parallel.tensor {cfg.parallel.tensor}" if cfg.parallel.tensor > 1 else "")
+             + (f" / {group} (parallel.tensor x parallel.pipeline)" if group > 1 else "")
              + (f" x {args.nodes} nodes" if args.nodes > 1 else ", one node's ranks"))
     if local % micro:
-        raise ConfigError(f"--micro-batch {micro}: the batch per GPU (a group's under a split), {local} ({given}), is "
-                          "not a multiple of it; "
+        per = "group" if group > 1 else "GPU"
+        raise ConfigError(f"--micro-batch {micro}: the batch per {per}, {local} ({given}), is not a multiple of it; "
                           "give a divisor of it, or --local-batch")
     return local, micro, given
 
