@@ -4,7 +4,9 @@ checkpoint saved under one layout resumes under another. One launch per world si
 (start-up is shared); the layouts are checked as arithmetic, in one line, before anything starts."""
 
 import glob
+import itertools
 import json
+import random
 import subprocess
 import sys
 
@@ -343,6 +345,11 @@ def test_a_stage_without_gradients_still_joins_the_norm():
     assert squared_norm([torch.full((4,), 2.0), torch.ones(2)], None).item() == pytest.approx(18.0)
 
 
+def _largest_stage(sizes: list[int], cuts: list[int], stages: int, first: int, last: int) -> int:
+    bounds = list(zip([0, *cuts], [*cuts, len(sizes)], strict=True))
+    return max(sum(sizes[a:b]) + first * (i == 0) + last * (i == stages - 1) for i, (a, b) in enumerate(bounds))
+
+
 def test_stage_split_balances_parameters_and_takes_given_points():
     from disttrain.models.gpt import GPT
     from disttrain.parallel.stages import balanced_split, split_points
@@ -353,6 +360,13 @@ def test_stage_split_balances_parameters_and_takes_given_points():
     assert balanced_split([10] * 80, 8) == list(range(10, 80, 10))  # (a 70B model's 80 blocks: a search took ~37 s)
     assert balanced_split([10, 1, 1, 10, 1, 1], 3) == [2, 4]  # 11, 11, 2: the least largest stage
     assert balanced_split([5, 1, 5], 2) == [1]  # 5 + 6 or 6 + 5: of equal splits, the earliest cut
+    rng = random.Random(0)  # against every split: the least largest stage, and of those the earliest cuts
+    for _ in range(300):
+        sizes = [rng.choice([1, 2, 3, 5, 10]) for _ in range(rng.randint(1, 9))]
+        stages, first, last = rng.randint(1, len(sizes)), rng.choice([0, 3, 7]), rng.choice([0, 4, 10])
+        every = [list(c) for c in itertools.combinations(range(1, len(sizes)), stages - 1)]
+        assert balanced_split(sizes, stages, first, last) == min(
+            every, key=lambda c, s=sizes, k=stages, f=first, e=last: (_largest_stage(s, c, k, f, e), c))
     with pytest.raises(ConfigError, match="4 blocks cannot fill 5 pipeline stages"):
         balanced_split([10, 10, 10, 10], 5)
     gpt = GPT(load_config(None, ["model.n_layer=4", "model.d_model=32", "model.n_head=2"]).model)

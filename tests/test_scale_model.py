@@ -524,7 +524,8 @@ def _stage(flops: float, params: float = 1e6) -> ModelShape:
 
 def test_a_pipeline_pays_its_bubble_and_the_sends_that_fill_and_drain_it():
     """p = 4 equal stages, m = 8 micro-batches, one GPU each: (m + p - 1) micro-batches of a stage, and 2 (p - 1)
-    sends on the path; two stages a rank (interleaved) halve the bubble; the slowest stage sets the steady state."""
+    sends on the path; two stages a rank (interleaved) halve the bubble and cross 2 (2p - 1) boundaries; the slowest
+    stage sets the steady state."""
     model = gpt_shape(8, 64, 32, 256)
     stages = tuple(_stage(1.0) for _ in range(4))
     whole = sum(s.flops_per_token() for s in stages)
@@ -534,7 +535,7 @@ def test_a_pipeline_pays_its_bubble_and_the_sends_that_fill_and_drain_it():
     micro = 0.8 / 8  # (compute_s: a GPU's share of equal stages)
     assert sm.step_time("ddp", 4, work, NET).step_s == pytest.approx((8 + 3) * micro + 2 * 3 * send, rel=1e-9)
     interleaved = sm.step_time("ddp", 4, replace(work, schedule="interleaved-1f1b"), NET).step_s
-    assert interleaved == pytest.approx((8 + 3 / 2) * micro + 2 * 3 * 2 * send, rel=1e-9)
+    assert interleaved == pytest.approx((8 + 3 / 2) * micro + 2 * (4 * 2 - 1) * send, rel=1e-9)  # (8 stages)
     slow = replace(work, stages=(_stage(2.0), *stages[1:]))
     total = 5.0 / 4.0  # the first stage does 2 of 5 shares: 1.6 x a GPU's equal share
     assert sm.step_time("ddp", 4, replace(slow, model=replace(model, counted=(model.counted[0], UnitShape(
@@ -557,14 +558,46 @@ def test_a_pipeline_s_stages_run_their_strategy_over_the_gpus_of_a_stage():
         assert step.wire_bytes == pytest.approx(max(a.wire_bytes for a in alone), rel=1e-9)
 
 
-@pytest.mark.parametrize("change, says", [
-    (dict(schedule="zbv"), "parallel.pipeline_schedule = 'zbv' is not modelled"),
-    (dict(tensor=2), "parallel.pipeline = 2 with parallel.tensor = 2 is not modelled"),
+def test_a_pipeline_s_sends_cross_nodes_once_the_job_does_and_its_tied_weight_is_summed():
+    """The sends between stages inside a node at 8 GPUs, over the network at 16 (a boundary between nodes); a tied
+    embedding and head summed between the first and last stage after the last backward; on a CPU host every send a
+    call on each rank's timeline, 2 v a micro-batch."""
+    stages = (_stage(1.0), _stage(1.0))
+    model = ModelShape("m", 2e6, counted=(UnitShape(0.0, 0.0, 0.0, 0.0), UnitShape(2e6, 2e6, 2 / 3, 4 / 3)))
+    work = sm.Workload(model, 1.0, 1, "fp32", micro_steps=4, log_every=0, pipeline=2, stages=stages, send_bytes=1e7)
+    quiet = replace(work, send_bytes=0.0)
+    inside, across = ic.collective_time("all_gather", 2e7, 2, NET), ic.collective_time(
+        "all_gather", 2e7, 2, replace(NET, gpus_per_node=1))
+    assert across > inside
+    for n, send in ((8, inside), (16, across)):
+        assert sm.step_time("ddp", n, work, NET).step_s - sm.step_time("ddp", n, quiet, NET).step_s == \
+            pytest.approx(2 * send, rel=1e-9)  # (fill and drain: 2 (p - 1))
+    tied = sm.step_time("ddp", 2, replace(quiet, tied_bytes=4e6), NET)
+    assert tied.step_s - sm.step_time("ddp", 2, quiet, NET).step_s == pytest.approx(
+        ic.collective_time("all_reduce", 4e6, 2, NET), rel=1e-9) and tied.wire_bytes == 4e6
+    fit = {"world_size": 2, "backend": "gloo", "device": "cpu", "collectives": {
+        c: {"alpha_s": 1e-3, "beta_s_per_byte": 1e-9} for c in ("all_reduce", "all_gather", "reduce_scatter")}}
+    cpu = ic.interconnect_from_fit(fit)
+    call = ic.collective_time("all_gather", 2e7, 2, cpu)
+    on_cpu = replace(work, cpu_cores=2)
+    assert sm.step_time("ddp", 2, on_cpu, cpu).step_s == pytest.approx(1.0 + 2 * 4 * call + (1.0 + 2 * 4 * call) / 4,
+                                                                       rel=1e-9)  # each rank: 4 micro-batches
+
+
+@pytest.mark.parametrize("strategy, change, n, says", [
+    ("fsdp", dict(schedule="zbv"), 8, "parallel.pipeline_schedule = 'zbv' is not modelled"),
+    ("fsdp", dict(schedule="dualpipev"), 8, "parallel.pipeline_schedule = 'dualpipev' is not modelled"),
+    ("fsdp", dict(tensor=2), 8, "parallel.pipeline = 2 with parallel.tensor = 2 is not modelled"),
+    ("hsdp", {}, 16, "hsdp with parallel.pipeline = 2 is not modelled"),
+    ("zero1", {}, 8, "zero1 with parallel.pipeline = 2 does not run in disttrain"),
+    ("fsdp", dict(cpu_cores=2), 4, "parallel.pipeline = 2 with data parallelism on a CPU host"),
+    ("fsdp", dict(schedule="interleaved-1f1b", micro_steps=3), 8, "runs micro-batches in multiples of "
+     "parallel.pipeline = 2, not 3"),
 ])
-def test_what_a_pipeline_does_not_price_is_refused(change, says):
+def test_what_a_pipeline_does_not_price_is_refused(strategy, change, n, says):
     work = sm.Workload(LLAMA, 1.0, 1, pipeline=2, stages=(LLAMA, LLAMA), **change)
     with pytest.raises(ConfigError, match=says):
-        sm.step_time("fsdp", 8, work, NET)
+        sm.step_time(strategy, n, work, NET)
 
 
 def test_the_model_imports_no_torch():

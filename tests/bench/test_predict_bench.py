@@ -278,8 +278,8 @@ def test_forecast_of_a_pipeline_splits_a_preset_as_disttrain_would(tmp_path):
                 "parallel.pipeline_schedule=interleaved-1f1b", "--local-batch", "16", "--micro-batch", "1", "--gpus",
                 "32,64", "--out", str(tmp_path)]) == 0
     cfg = load_config(None, ["parallel.pipeline=4", "parallel.pipeline_schedule=interleaved-1f1b"])
-    stages, send = predict_job.pipeline_stages(cfg, MODELS["llama3-70b"], "bf16-mixed")
-    assert [s.n_layer for s in stages] == [16, 22, 22, 20] and send == 8192 * 8192 * 2
+    stages, send, tied = predict_job.pipeline_stages(cfg, MODELS["llama3-70b"], "bf16-mixed")
+    assert [s.n_layer for s in stages] == [16, 22, 22, 20] and send == 8192 * 8192 * 2 and tied == 0
     tokens = 16 * 8192 / 4
     work = sm.Workload(MODELS["llama3-70b"], sm.compute_seconds(MODELS["llama3-70b"], tokens, 989, 0.35), tokens,
                        "bf16-mixed", 16, pipeline=4, schedule="interleaved-1f1b", stages=stages, send_bytes=send)
@@ -326,11 +326,12 @@ def test_a_sitting_of_a_pipeline_predicts_its_stages_from_the_whole_model_on_one
     fit = json.loads((tmp_path / "s" / "comm" / "comm_fit.json").read_text())
     assert fit["compute_ms"] == pytest.approx(1e3 * float(rows[0]["step_time_s"]) / (2 * 2 * 2), abs=0.006)
     cfg = load_config(None, [*TINY[1::2], "parallel.pipeline=2", "dist.nproc=2"])
-    stages, send = predict_job.pipeline_stages(cfg, SHAPE, "fp32")
+    stages, send, tied = predict_job.pipeline_stages(cfg, SHAPE, "fp32")
+    assert tied == 256 * 64 * 4  # (the tied embedding and head: their gradients summed between the ends)
     assert sum(s.params for s in stages) == SHAPE.params + 256 * 64  # (the tied head: the last stage holds it too)
     assert sum(s.flops_per_token() for s in stages) == pytest.approx(SHAPE.flops_per_token(), rel=1e-12)
     work = sm.Workload(SHAPE, float(rows[0]["step_time_s"]) / 2, 1.0, "fp32", 2, cpu_cores=2, log_every=0,
-                       pipeline=2, stages=stages, send_bytes=send * 2)
+                       pipeline=2, stages=stages, send_bytes=send * 2, tied_bytes=tied)
     checked = [r for r in csv.DictReader(open(tmp_path / "s" / "predict.csv")) if r["check"] == "measured"]
     expected = sm.step_time("ddp", 2, work, ic.interconnect_from_fit(fit))
     assert float(checked[1]["predicted"]) == pytest.approx(expected.step_s, rel=1e-9)
@@ -427,6 +428,14 @@ def test_a_sitting_measures_the_links_of_each_element_type_the_job_sends(precisi
      "parallel.loss_parallel = 'false': llama3-8b's tensor-split calls are written for loss parallel"),
     (["--measure", "--set", "parallel.tensor=2", "--set", "model.n_head=2"], "--world-sizes 1,2,3: 3 ranks do not "
      "hold whole groups of parallel.tensor x parallel.pipeline = 2; give 1 and multiples of 2"),
+    (["--measure", "--set", "parallel.pipeline=2"], "--world-sizes 1,2,3: 3 ranks do not hold whole groups of "
+     "parallel.tensor x parallel.pipeline = 2"),
+    (["--model", "llama3-8b", "--set", "parallel.pipeline=2", "--set", "parallel.pipeline_split=layers.4"],
+     "parallel.pipeline_split = 'layers.4': llama3-8b has no module names to split at"),
+    (["--model", "resnet50", "--set", "parallel.pipeline=2", "--compute-s", "1"], "0 blocks cannot fill 2 pipeline "
+     "stages"),
+    (["--validate", "--measured", "pp2.csv", "--interconnect", "measured:fit.json"], "--measured pp2.csv was "
+     "measured with parallel.pipeline = 2, the job given here has 1"),
     (["--validate", "--measured", "tp0.csv", "--interconnect", "measured:fit.json"], "--measured tp0.csv, line 2: "
      "expected a world_size >= 1"),
     (["--validate", "--measured", "tp2.csv", "--interconnect", "measured:fit.json"], "--measured tp2.csv was "
@@ -503,6 +512,7 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path, monke
     (tmp_path / "text.csv").write_text("strategy,world_size,step_time_s\nddp,1,fast\n")
     (tmp_path / "tp.csv").write_text("strategy,world_size,step_time_s\ntp,1,0.1\n")
     (tmp_path / "two.csv").write_text("strategy,world_size,step_time_s\nddp,2,0.1\n")
+    (tmp_path / "pp2.csv").write_text("strategy,world_size,step_time_s,pipeline\nddp,1,0.1,2\nddp,2,0.1,2\n")
     (tmp_path / "tp0.csv").write_text("strategy,world_size,step_time_s,tensor\nddp,1,0.1,0\n")
     (tmp_path / "tp2.csv").write_text("strategy,world_size,step_time_s,tensor\nddp,1,0.1,2\nddp,2,0.1,2\n")
     (tmp_path / "list.json").write_text(json.dumps({**FIT, "collectives": []}))

@@ -21,10 +21,10 @@ from disttrain.errors import ConfigError
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 
 DTYPES = ("float32", "bfloat16", "float16")
+"""Element types `disttrain bench comm --dtype` measures and the scale model prices bytes of."""
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Bytes per element of each of `DTYPES`."""
-"""Element types `disttrain bench comm --dtype` measures and the scale model prices bytes of."""
 
 
 def bus_factor(collective: str, n: int) -> float:

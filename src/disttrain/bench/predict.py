@@ -84,7 +84,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    help=", ".join(PRESETS) + ", or measured:PATH (comm_fit.json of `disttrain bench comm`); default "
                    f"{DEFAULT_NET} (a sitting, --measure --validate, measures its own)")
     p.add_argument("--gpus-per-node", type=int, default=0, help="override the interconnect's devices per node")
-    p.add_argument("--compute-s", type=float, default=0.0, help="seconds of one step's compute on one device")
+    p.add_argument("--compute-s", type=float, default=0.0, help="seconds of one step's compute on one device (under "
+                   "a pipeline the whole model's; under a tensor split one rank's: what --measure --world-sizes 1 "
+                   "times)")
     p.add_argument("--tflops", type=float, default=0.0, help="peak TFLOP/s (default: the H100 SXM's dense peak in "
                    "the precision's matmul dtype: 989 in bf16 / fp16, 67 in fp32)")
     p.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilisation of one device")

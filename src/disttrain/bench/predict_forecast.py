@@ -59,13 +59,14 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
     local, micro, given = _forecast_batch(args, cfg)
     tensor, pipeline = settings(cfg)["tensor"], settings(cfg)["pipeline"]
     tokens = local * max(shape.seq_len, 1) / tensor / pipeline  # (a group's ranks share a batch)
-    compute, source = _compute(args, shape, tokens, precision, fit, local, micro)
+    compute, source = _compute(args, shape, tokens, precision, fit, local, micro, pipeline)
     calls = tensor_calls_of(cfg, shape, precision, micro)
-    stages, send = pipeline_stages(cfg, shape, precision)
+    split = pipeline_stages(cfg, shape, precision)
     rows, failed = [], {}
     for setting, swept in jobs:
         work = Workload(shape, compute, tokens, precision, local // micro, cpu_cores=cpu_cores(args, fit),
-                        **settings(swept), tensor_calls=calls, stages=stages, send_bytes=send * micro)
+                        **settings(swept), tensor_calls=calls, stages=split.stages,
+                        send_bytes=split.send_bytes * micro, tied_bytes=split.tied_bytes)
         for strategy in strategies or ["fsdp" if args.model else config_strategy(swept)]:
             try:
                 predicted = predict(strategy, gpus, work, net)
@@ -98,7 +99,7 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
              + (f"{local // micro} micro-batches of {micro}: gradients reduced on the last)" if local > micro
                 else "no accumulation)"),
              *([_split_line(cfg, calls, tensor, local)] if tensor > 1 else []),
-             *([_pipeline_line(cfg, stages, send * micro, local // micro)] if pipeline > 1 else []),
+             *([_pipeline_line(cfg, split.stages, split.send_bytes * micro, local // micro)] if pipeline > 1 else []),
              f"- compute of one step on one device: {compute:.4g} s, {source}",
              f"- precision {precision}, gradient compression {job['grad_compression']}: bytes per element stored / "
              f"gathered / reduced {' / '.join(map(str, BYTES[precision][:2]))} / "
@@ -173,11 +174,15 @@ def _forecast_batch(args: argparse.Namespace, cfg: Config) -> tuple[int, int, st
     return local, micro, given
 
 
-def _compute(args, shape: ModelShape, tokens: int, precision: str, fit: dict | None, local: int, micro: int
-             ) -> tuple[float, str]:
+def _compute(args, shape: ModelShape, tokens: float, precision: str, fit: dict | None, local: int, micro: int,
+             pipeline: int = 1) -> tuple[float, str]:
     """(seconds of one step's compute on one device, where they come from): given, or from FLOPs; a measured
-    interconnect needs it given."""
+    interconnect needs it given. Under a pipeline `--compute-s` is the whole model's step on one device (as
+    `--measure --world-sizes 1` times it), a GPU's share 1/p of it; under a tensor split one rank's (as it times it
+    too, on a fake group)."""
     if args.compute_s:
+        if pipeline > 1:
+            return args.compute_s / pipeline, f"given (--compute-s {args.compute_s:g}, the whole model's, / {pipeline})"
         return args.compute_s, "given (--compute-s)"
     if fit is not None:
         how = ("" if args.model else f": the 1-rank step_time_s of `disttrain bench predict [CONFIG] --measure "

@@ -6,6 +6,7 @@ the config with its swept setting (`series_settings`)."""
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from disttrain.bench.model_shapes import ModelShape, UnitShape
 from disttrain.bench.scale_model import COMPRESSED, ITEMSIZE, STRATEGIES, WIRE_DTYPES
@@ -205,9 +206,18 @@ def series_settings(config: str | None, overrides: list[str], cfg: Config, swept
     return settings(load_config(config, [*overrides, swept]))
 
 
-def pipeline_stages(cfg: Config, shape: ModelShape, precision: str) -> tuple[tuple[ModelShape, ...], float]:
-    """(what each pipeline rank holds, bytes a sequence's activations carry across a stage boundary) under
-    `parallel.pipeline` (`Workload.stages`, `send_bytes`); ((), 0) without one. disttrain's own split
+class PipelineSplit(NamedTuple):
+    stages: tuple[ModelShape, ...]
+    """What each pipeline rank holds (`Workload.stages`)."""
+    send_bytes: float
+    """Bytes a sequence's activations carry across a stage boundary (x the micro-batch: `Workload.send_bytes`)."""
+    tied_bytes: float
+    """Bytes of the weights the first and last stage both hold, whose gradients they sum (`Workload.tied_bytes`)."""
+
+
+def pipeline_stages(cfg: Config, shape: ModelShape, precision: str) -> PipelineSplit:
+    """What each pipeline rank holds, the bytes a sequence's activations carry across a stage boundary and those of
+    a tied embedding and head, under `parallel.pipeline`; ((), 0, 0) without one. disttrain's own split
     (parallel/stages.py): stages of consecutive blocks balanced by parameters, the embeddings on the first stage and
     the head on the last (`parallel.pipeline_split` where given), two stages a rank under interleaved-1f1b, each on
     rank stage mod p. A rank's units: its stages' blocks, after a unit of its embedding (the first) or head (the
@@ -217,9 +227,9 @@ def pipeline_stages(cfg: Config, shape: ModelShape, precision: str) -> tuple[tup
 
     p = cfg.parallel.pipeline
     if p <= 1:
-        return (), 0.0
+        return PipelineSplit((), 0.0, 0.0)
     count = pipe.stage_count(cfg.parallel, p)
-    units, stream = shape.units(), ITEMSIZE[WIRE_DTYPES[precision][1]]
+    units, stream, tied = shape.units(), ITEMSIZE[WIRE_DTYPES[precision][1]], 0.0
     if shape.counted:
         from disttrain.memory import meta_model
 
@@ -234,7 +244,13 @@ def pipeline_stages(cfg: Config, shape: ModelShape, precision: str) -> tuple[tup
                 UnitShape(size(family.head), size(family.head, True), units[0].forward_flops, units[0].backward_flops))
         hidden = model.get_input_embeddings().embedding_dim if hasattr(model, "get_input_embeddings") else \
             model.tok_emb.embedding_dim
+        first = {id(q) for n in family.embeddings for q in model.get_submodule(n).parameters()}
+        tied = sum(q.numel() for n in family.head for q in model.get_submodule(n).parameters()
+                   if id(q) in first and q.requires_grad) * ITEMSIZE[WIRE_DTYPES[precision][0]]
     else:
+        if cfg.parallel.pipeline_split.strip():
+            raise ConfigError(f"parallel.pipeline_split = {cfg.parallel.pipeline_split!r}: {shape.name} has no "
+                              "module names to split at; model a config of the model, or leave the split to balance")
         half = units[0].params / 2
         cuts = pipe.balanced_split([u.params for u in units[1:]], count, half, half)
         bounds = list(zip([0, *cuts], [*cuts, len(units) - 1], strict=True))
@@ -249,4 +265,4 @@ def pipeline_stages(cfg: Config, shape: ModelShape, precision: str) -> tuple[tup
                          sum(u.forward_flops for u in root), sum(u.backward_flops for u in root)), *blocks)
         ranks.append(ModelShape(f"{shape.name}, pipeline rank {rank}", sum(u.params for u in own),
                                 blocks[0].params if blocks else 0.0, len(blocks), seq_len=shape.seq_len, counted=own))
-    return tuple(ranks), shape.seq_len * hidden * stream
+    return PipelineSplit(tuple(ranks), shape.seq_len * hidden * stream, tied)

@@ -40,7 +40,7 @@ COLUMNS = ["strategy", "mode", "world_size", "tensor", "pipeline", "global_batch
 def _overrides(args: argparse.Namespace, world: int, group: int) -> list[str]:
     """The job at `world` ranks: `--local-batch` per data replica (a rank, or a group of `group` ranks that a tensor
     split or a pipeline makes); at 1 rank a pipeline's whole model, its micro-batches accumulated."""
-    return [*args.overrides, *(["parallel.pipeline=1"] if world == 1 else []),
+    return [*args.overrides, *(["parallel.pipeline=1", "parallel.pipeline_split="] if world == 1 else []),
             f"data.micro_batch_size={args.micro_batch}",
             f"data.global_batch_size={args.local_batch * max(1, world // group)}", "dist.threads_per_rank=1",
             "log.progress=false", "train.steps=100000", f"run.out_dir={args.out}", "run.name=predict_measure_run"]

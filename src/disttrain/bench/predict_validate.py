@@ -47,19 +47,7 @@ def read_measured(path: Path, shape: ModelShape, max_other_cpu: float, split: tu
                           "step_time_s)")
     for line, row in enumerate(table, start=2):
         _check_row(path, line, row)
-    for column, own, what in (("params", shape.params, "parameters"), ("trained_params", shape.trained_params,
-                                                                         "trained parameters (model.freeze)")):
-        wrong = {r[column] for r in table if r.get(column) and abs(float(r[column]) - own) > 0.5
-                 and not (r.get("sweep_key") or "").startswith("model.")}  # (swept over the model: not predicted)
-        if wrong:
-            raise ConfigError(f"--measured {path} was measured on a model of {', '.join(sorted(wrong))} {what}, the "
-                              f"model given here has {own:.0f}: pass the same CONFIG / --set as the measurement")
-    for key, own in zip(("tensor", "pipeline"), split, strict=True):
-        other = {int(r[key]) for r in table if r.get(key)} - {own}
-        if other:
-            raise ConfigError(f"--measured {path} was measured with parallel.{key} = {min(other)}, the job given here "
-                              f"has {own}: pass the same CONFIG / --set as the measurement (--set parallel.{key}="
-                              f"{min(other)})")
+    _check_job(path, table, shape, split)
     noisy = [r for r in table if float(r.get("other_cpu") or 0.0) > max_other_cpu]
     if table and len(noisy) == len(table):
         raise ConfigError(f"--measured {path}: every row was measured while other processes kept more than "
@@ -88,6 +76,24 @@ def read_measured(path: Path, shape: ModelShape, max_other_cpu: float, split: tu
         swept = f"{first['sweep_key']}={first['sweep_value']}" if first.get("sweep_key") else ""
         result[label] = (strategy, by_world, swept)
     return result, len(noisy)
+
+
+def _check_job(path: Path, table: list[dict], shape: ModelShape, split: tuple[int, int]) -> None:
+    """The CSV was measured on the job given: its model's parameters (but for a series swept over the model) and its
+    tensor and pipeline degrees, where it has the columns; one line otherwise."""
+    for column, own, what in (("params", shape.params, "parameters"), ("trained_params", shape.trained_params,
+                                                                         "trained parameters (model.freeze)")):
+        wrong = {r[column] for r in table if r.get(column) and abs(float(r[column]) - own) > 0.5
+                 and not (r.get("sweep_key") or "").startswith("model.")}  # (swept over the model: not predicted)
+        if wrong:
+            raise ConfigError(f"--measured {path} was measured on a model of {', '.join(sorted(wrong))} {what}, the "
+                              f"model given here has {own:.0f}: pass the same CONFIG / --set as the measurement")
+    for key, own in zip(("tensor", "pipeline"), split, strict=True):
+        other = {int(r[key]) for r in table if r.get(key)} - {own}
+        if other:
+            raise ConfigError(f"--measured {path} was measured with parallel.{key} = {min(other)}, the job given here "
+                              f"has {own}: pass the same CONFIG / --set as the measurement (--set parallel.{key}="
+                              f"{min(other)})")
 
 
 def _log_every(row: dict) -> int:
@@ -133,7 +139,7 @@ def measured_checks(args, shape: ModelShape, precision: str, net: Interconnect, 
              "| series | ranks | measured (s) | predicted (s) | error | collectives (s) |",
              "|---|---|---|---|---|---|"]
     per_sequence = tensor_calls_of(cfg, shape, precision, 1.0)  # (a tensor split's collectives: none without one)
-    stages, send = pipeline_stages(cfg, shape, precision)
+    split = pipeline_stages(cfg, shape, precision)
     skipped = [label for label, (_, by_world, _) in measured.items() if 1 not in by_world]
     refused = []
     for label, (strategy, by_world, swept) in measured.items():
@@ -150,8 +156,9 @@ def measured_checks(args, shape: ModelShape, precision: str, net: Interconnect, 
             sequences = m["local"] / m["micro_steps"]
             calls = scaled_calls(per_sequence, sequences)
             work = Workload(shape, base["step_time_s"] * scale / job["pipeline"], 1.0, precision, m["micro_steps"],
-                            cpu_cores=cores, **{**job, "log_every": m["log_every"]}, tensor_calls=calls, stages=stages,
-                            send_bytes=send * sequences)  # (log_every: the gathers a median pays)
+                            cpu_cores=cores, **{**job, "log_every": m["log_every"]}, tensor_calls=calls,
+                            stages=split.stages, send_bytes=split.send_bytes * sequences,
+                            tied_bytes=split.tied_bytes)  # (log_every: the gathers a median pays)
             s = step_time(strategy, world, work, net)
             error = s.step_s / m["step_time_s"] - 1
             rows.append({"check": "measured", "case": label, "gpus": world, "reference": m["step_time_s"],

@@ -84,6 +84,9 @@ class Workload:
     send_bytes: float = 0.0
     """Under a pipeline, bytes of one micro-batch's activations crossing a stage boundary (their gradients come back
     as many)."""
+    tied_bytes: float = 0.0
+    """Under a pipeline, bytes of a weight the first and last stage both hold (a tied embedding and head), whose
+    gradients they sum every step."""
     tensor_calls: tuple[tuple[str, str, float, str], ...] = ()
     """(part, collective, bytes, dtype) of each collective the tensor split sends in one micro-batch's forward or
     backward, or once in the step after them (part "step": the clip's norm, partial gradients summed)
@@ -282,33 +285,50 @@ def _pipeline_step(strategy: str, n: int, work: Workload, net: Interconnect) -> 
     tensor-parallel collectives (`step_time` on its share), then the schedule's bubble, in which ranks wait for the
     micro-batches to fill and drain the pipeline: with one stage per rank (gpipe, 1f1b) the step is m x the slowest
     rank's micro-batch + the others' one micro-batch each ((m + p - 1) micro-batches where the stages are equal),
-    with v stages per rank (interleaved) the others' share over v; plus the sends that fill and drain it, 2 (p - 1) v
-    one-way sends of `send_bytes` (the steady state's overlap the compute), each between ranks n / p apart. On a CPU
-    host every send is a call on its rank's timeline: 2 a micro-batch."""
-    p, m, v = work.pipeline, work.micro_steps, VIRTUAL.get(work.schedule, 0)
-    if not v:
-        raise ConfigError(f"parallel.pipeline_schedule = {work.schedule!r} is not modelled; predict "
-                          f"{', '.join(VIRTUAL)} (zero-bubble schedules split the backward)")
-    if n % p or len(work.stages) != p or work.tensor > 1:
-        raise ConfigError(f"parallel.pipeline = {p} does not divide {n} GPUs; give multiples of it" if n % p else
-                          f"parallel.pipeline = {p} with parallel.tensor = {work.tensor} is not modelled; predict "
-                          "either split alone")
-    _check_model_split(strategy, work, f"parallel.pipeline = {p}")
-    links = net if n // p < net.gpus_per_node else replace(net, gpus_per_node=1)  # (neighbours on other nodes)
+    with v stages per rank (interleaved) the others' share over v; plus the sends that fill and drain it, 2 (p v - 1)
+    one-way sends of `send_bytes` (the steady state's overlap the compute), across nodes once the job spans several;
+    and the sum of a tied embedding and head's gradients between the first and last stage (`tied_bytes`), after the
+    last backward. On a CPU host every send is a call on its rank's timeline: 2 v a micro-batch."""
+    p, m, v = work.pipeline, work.micro_steps, _check_pipeline(strategy, n, work)
+    links = net if n <= net.gpus_per_node else replace(net, gpus_per_node=1)  # (a stage boundary on other nodes)
     send = collective_time("all_gather", 2 * work.send_bytes, 2, links)  # (a 2-rank gather: each sends its half)
+    tied = collective_time("all_reduce", work.tied_bytes, 2, links)
     total = work.model.flops_per_token()
     steps, micro = [], []
     for shape in work.stages:
         compute = work.compute_s * p * shape.flops_per_token() / total  # (compute_s: a GPU's share of equal stages)
         if work.cpu_cores:
-            compute += 2 * m * send
+            compute += 2 * m * v * send
         steps.append(step_time(strategy, n // p, replace(work, model=shape, compute_s=compute, pipeline=1,
                                                          stages=()), net))
         micro.append(compute / m)
-    bubble = (sum(micro) - max(micro)) / v + (0.0 if work.cpu_cores else 2 * (p - 1) * v * send)
-    slowest = max(steps, key=lambda s: s.step_s)
-    sends = 2 * m * work.send_bytes * v
-    return Step(slowest.step_s + bubble, work.compute_s, slowest.comm_s + 2 * m * v * send, slowest.wire_bytes + sends)
+    slowest = max(range(p), key=lambda r: steps[r].step_s)
+    bubble = (sum(micro) - micro[slowest]) / v + (0.0 if work.cpu_cores else 2 * (p * v - 1) * send)
+    sent = 2 * m * v * work.send_bytes + work.tied_bytes
+    return Step(steps[slowest].step_s + bubble + tied, work.compute_s, steps[slowest].comm_s + 2 * m * v * send + tied,
+                steps[slowest].wire_bytes + sent)
+
+
+def _check_pipeline(strategy: str, n: int, work: Workload) -> int:
+    """A pipeline's stages per rank (v), or one line for what the model does not price or disttrain does not run."""
+    p, v = work.pipeline, VIRTUAL.get(work.schedule, 0)
+    if not v:
+        raise ConfigError(f"parallel.pipeline_schedule = {work.schedule!r} is not modelled; predict "
+                          f"{', '.join(VIRTUAL)} (zero-bubble schedules split the backward)")
+    if n % p:
+        raise ConfigError(f"parallel.pipeline = {p} does not divide {n} GPUs; give multiples of it")
+    if work.tensor > 1:
+        raise ConfigError(f"parallel.pipeline = {p} with parallel.tensor = {work.tensor} is not modelled; predict "
+                          "either split alone")
+    if work.cpu_cores and n > p:
+        raise ConfigError(f"parallel.pipeline = {p} with data parallelism on a CPU host ({n} ranks) is not modelled "
+                          "(its ranks share the cores); predict the pipeline alone here")
+    if v > 1 and work.micro_steps % p:
+        raise ConfigError(f"parallel.pipeline_schedule = {work.schedule!r} runs micro-batches in multiples of "
+                          f"parallel.pipeline = {p}, not {work.micro_steps}; give a batch of such micro-batches")
+    assert len(work.stages) == p, "a pipeline's Workload holds each rank's stages"
+    _check_model_split(strategy, work, f"parallel.pipeline = {p}")
+    return v
 
 
 @dataclass
