@@ -443,17 +443,28 @@ def test_deeper_prefetch_issues_a_later_unit_s_gather_behind_a_long_compute():
 
 def test_a_tensor_split_runs_the_strategy_over_its_groups_on_a_share_of_the_model():
     """tensor = 2 on 64 GPUs: the strategy runs over 32 ranks two apart, each with half of every unit: as 32 ranks of
-    half the model where a node holds 4 of them (its network shared by the 2 groups a node holds)."""
+    half the model where a node holds 4 of them (its network shared by the 2 groups a node holds); ddp's data axis
+    as FSDP2's replicate (each unit's gradients all-reduced, no buckets: DDP cannot hold DTensors)."""
     work = sm.Workload(LLAMA, 1.0, 8192, "bf16-mixed", log_every=0)
     for strategy in ("ddp", "fsdp"):
         split = sm.step_time(strategy, 64, replace(work, tensor=2), NET)
-        alone = sm.step_time(strategy, 32, replace(work, model=sm.split_shape(LLAMA, 2)),
+        alone = sm.step_time(strategy, 32, replace(work, model=sm.split_shape(LLAMA, 2), replicated=strategy == "ddp"),
                              ic.with_gpus_per_node(NET, 4))
         assert (split.step_s, split.comm_s, split.wire_bytes) == pytest.approx(
             (alone.step_s, alone.comm_s, alone.wire_bytes), rel=1e-12)
     half = sm.split_shape(LLAMA, 2)
     assert (half.params, half.trained_params) == pytest.approx((LLAMA.params / 2, LLAMA.trained_params / 2))
     assert [u.forward_flops for u in half.units()] == [u.forward_flops for u in LLAMA.units()]  # (the shares kept)
+
+
+def test_ddp_under_a_model_split_all_reduces_each_unit_as_fsdp2_s_replicate_does():
+    """Each unit's trained gradients all-reduced in FSDP's reduce dtype (fp32 under bf16-mixed), nothing gathered:
+    the bytes of a plain all-reduce of the gradients, in one call per unit rather than per 25 MiB bucket."""
+    work = sm.Workload(LLAMA, 1.0, 8192, "bf16-mixed", log_every=0)
+    replicate = sm.step_time("ddp", 64, replace(work, replicated=True), NET)
+    assert replicate.wire_bytes == pytest.approx(LLAMA.trained_params * 4 * ic.bus_factor("all_reduce", 64), rel=1e-9)
+    units = sm._units("ddp", replace(work, replicated=True), 64, NET)[0]
+    assert len(units) == 1 + LLAMA.n_layer and all(u.gather_fwd == u.gather_bwd == 0 for u in units)
 
 
 def test_a_tensor_split_s_collectives_hold_up_the_compute():
@@ -545,14 +556,14 @@ def test_a_pipeline_pays_its_bubble_and_the_sends_that_fill_and_drain_it():
 
 
 def test_a_pipeline_s_stages_run_their_strategy_over_the_gpus_of_a_stage():
-    """64 GPUs, p = 4: each stage's data-parallel collectives over 16 GPUs on its own parameters, as that stage
-    alone; the step adds the bubble to the slowest stage's."""
+    """64 GPUs, p = 2: each stage's data-parallel collectives over 32 GPUs on its own parameters, as that stage
+    alone (ddp's as FSDP2's replicate); the step adds the bubble to the slowest stage's."""
     stages = (_stage(1.0, 2e9), _stage(1.0, 1e9))
     model = ModelShape("m", 3e9, counted=(UnitShape(0.0, 0.0, 0.0, 0.0), UnitShape(3e9, 3e9, 2 / 3, 4 / 3)))
     work = sm.Workload(model, 1.0, 1, "bf16-mixed", micro_steps=4, log_every=0, pipeline=2, stages=stages)
     for strategy in ("ddp", "fsdp"):
-        alone = [sm.step_time(strategy, 32, replace(work, model=st, compute_s=1.0, pipeline=1, stages=()), NET)
-                 for st in stages]
+        alone = [sm.step_time(strategy, 32, replace(work, model=st, compute_s=1.0, pipeline=1, stages=(),
+                                                    replicated=strategy == "ddp"), NET) for st in stages]
         step = sm.step_time(strategy, 64, work, NET)
         assert step.step_s == pytest.approx(max(a.step_s for a in alone) + 1.0 / 4, rel=1e-9)
         assert step.wire_bytes == pytest.approx(max(a.wire_bytes for a in alone), rel=1e-9)

@@ -84,6 +84,9 @@ class Workload:
     send_bytes: float = 0.0
     """Under a pipeline, bytes of one micro-batch's activations crossing a stage boundary (their gradients come back
     as many)."""
+    replicated: bool = False
+    """ddp's data axis under a model split (set by `step_time`): FSDP2's replicate, not DDP (which cannot hold a tensor
+    split's DTensors): each unit's gradients all-reduced when its backward ends, in FSDP's reduce dtype, no buckets."""
     tied_bytes: float = 0.0
     """Under a pipeline, bytes of a weight the first and last stage both hold (a tied embedding and head), whose
     gradients they sum every step."""
@@ -133,12 +136,12 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect, spread: int
         return collective_time(collective, nbytes, ranks, links)
 
     sent = 0.0
-    sharded = strategy not in ("ddp", "zero1")
+    sharded = strategy not in ("ddp", "zero1") or work.replicated
     if sharded and work.grad_compression == "powersgd":
         raise ConfigError(f"parallel.grad_compression = 'powersgd' is a DDP communication hook: {strategy} does not "
                           "run it; predict ddp or zero1 with it, or the others with none, fp16 or bf16")
     g = net.gpus_per_node
-    shard = (work.hsdp_shard or min(n, g)) if strategy == "hsdp" else n
+    shard = 1 if work.replicated else (work.hsdp_shard or min(n, g)) if strategy == "hsdp" else n
     if n % shard:
         raise ConfigError(f"parallel.hsdp_shard_size = {shard}: it does not divide {n} GPUs into sharding groups; "
                           f"give GPU counts that are multiples of it")
@@ -178,7 +181,8 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect, spread: int
                       dtype=gathered_dtype)
         reduce = wire("reduce_scatter", u.trained * reduced, shard, dtype=reduced_type)
         if replicas > 1:  # hsdp: the shard's gradient is all-reduced across the replicas
-            reduce += wire("all_reduce", u.trained * reduced / shard, replicas, dtype=reduced_type, groups=shard)
+            reduce += wire("all_reduce", u.trained * reduced / shard, replicas, dtype=reduced_type,
+                           groups=shard * spread)
         units.append(Unit(u.forward_flops / flops, u.backward_flops / flops, gather, gather if again else 0.0, reduce))
     return units, after, sent
 
@@ -194,6 +198,8 @@ def step_time(strategy: str, n: int, work: Workload, net: Interconnect) -> Step:
     if work.pipeline > 1:
         return _pipeline_step(strategy, n, work, net)
     _check_tensor(strategy, n, work, net)
+    if strategy == "ddp" and work.tensor > 1:
+        work = replace(work, replicated=True)
     units, after, sent = _units(strategy, replace(work, model=split_shape(work.model, work.tensor)),
                                 n // work.tensor, net, work.tensor)
     (split_fwd, split_bwd, split_step), (sent_micro, sent_step) = _tensor_seconds(work, net)
@@ -299,8 +305,8 @@ def _pipeline_step(strategy: str, n: int, work: Workload, net: Interconnect) -> 
         compute = work.compute_s * p * shape.flops_per_token() / total  # (compute_s: a GPU's share of equal stages)
         if work.cpu_cores:
             compute += 2 * m * v * send
-        steps.append(step_time(strategy, n // p, replace(work, model=shape, compute_s=compute, pipeline=1,
-                                                         stages=()), net))
+        steps.append(step_time(strategy, n // p, replace(work, model=shape, compute_s=compute, pipeline=1, stages=(),
+                                                         replicated=strategy == "ddp"), net))
         micro.append(compute / m)
     slowest = max(range(p), key=lambda r: steps[r].step_s)
     bubble = (sum(micro) - micro[slowest]) / v + (0.0 if work.cpu_cores else 2 * (p * v - 1) * send)
