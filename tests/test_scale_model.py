@@ -448,8 +448,8 @@ def test_a_tensor_split_runs_the_strategy_over_its_groups_on_a_share_of_the_mode
     work = sm.Workload(LLAMA, 1.0, 8192, "bf16-mixed", log_every=0)
     for strategy in ("ddp", "fsdp"):
         split = sm.step_time(strategy, 64, replace(work, tensor=2), NET)
-        alone = sm.step_time(strategy, 32, replace(work, model=sm.split_shape(LLAMA, 2), replicated=strategy == "ddp"),
-                             ic.with_gpus_per_node(NET, 4))
+        alone = sm.step_time(strategy, 32, replace(work, model=sm.split_shape(LLAMA, 2)), ic.with_gpus_per_node(NET, 4),
+                             model_split=True)
         assert (split.step_s, split.comm_s, split.wire_bytes) == pytest.approx(
             (alone.step_s, alone.comm_s, alone.wire_bytes), rel=1e-12)
     half = sm.split_shape(LLAMA, 2)
@@ -461,9 +461,9 @@ def test_ddp_under_a_model_split_all_reduces_each_unit_as_fsdp2_s_replicate_does
     """Each unit's trained gradients all-reduced in FSDP's reduce dtype (fp32 under bf16-mixed), nothing gathered:
     the bytes of a plain all-reduce of the gradients, in one call per unit rather than per 25 MiB bucket."""
     work = sm.Workload(LLAMA, 1.0, 8192, "bf16-mixed", log_every=0)
-    replicate = sm.step_time("ddp", 64, replace(work, replicated=True), NET)
+    replicate = sm.step_time("ddp", 64, work, NET, model_split=True)
     assert replicate.wire_bytes == pytest.approx(LLAMA.trained_params * 4 * ic.bus_factor("all_reduce", 64), rel=1e-9)
-    units = sm._units("ddp", replace(work, replicated=True), 64, NET)[0]
+    units = sm._units("ddp", work, 64, NET, replicated=True)[0]
     assert len(units) == 1 + LLAMA.n_layer and all(u.gather_fwd == u.gather_bwd == 0 for u in units)
 
 
@@ -562,8 +562,8 @@ def test_a_pipeline_s_stages_run_their_strategy_over_the_gpus_of_a_stage():
     model = ModelShape("m", 3e9, counted=(UnitShape(0.0, 0.0, 0.0, 0.0), UnitShape(3e9, 3e9, 2 / 3, 4 / 3)))
     work = sm.Workload(model, 1.0, 1, "bf16-mixed", micro_steps=4, log_every=0, pipeline=2, stages=stages)
     for strategy in ("ddp", "fsdp"):
-        alone = [sm.step_time(strategy, 32, replace(work, model=st, compute_s=1.0, pipeline=1, stages=(),
-                                                    replicated=strategy == "ddp"), NET) for st in stages]
+        alone = [sm.step_time(strategy, 32, replace(work, model=st, compute_s=1.0, pipeline=1, stages=()), NET,
+                              model_split=True) for st in stages]
         step = sm.step_time(strategy, 64, work, NET)
         assert step.step_s == pytest.approx(max(a.step_s for a in alone) + 1.0 / 4, rel=1e-9)
         assert step.wire_bytes == pytest.approx(max(a.wire_bytes for a in alone), rel=1e-9)
@@ -601,7 +601,8 @@ def test_a_pipeline_s_sends_cross_nodes_once_the_job_does_and_its_tied_weight_is
     ("fsdp", dict(tensor=2), 8, "parallel.pipeline = 2 with parallel.tensor = 2 is not modelled"),
     ("hsdp", {}, 16, "hsdp with parallel.pipeline = 2 is not modelled"),
     ("zero1", {}, 8, "zero1 with parallel.pipeline = 2 does not run in disttrain"),
-    ("fsdp", dict(cpu_cores=2), 4, "parallel.pipeline = 2 with data parallelism on a CPU host"),
+    ("fsdp", dict(cpu_cores=2), 4, "parallel.pipeline = 2 on 4 ranks of a CPU host with 2 cores is not modelled"),
+    ("fsdp", dict(cpu_cores=1), 2, "parallel.pipeline = 2 on 2 ranks of a CPU host with 1 cores is not modelled"),
     ("fsdp", dict(schedule="interleaved-1f1b", micro_steps=3), 8, "runs micro-batches in multiples of "
      "parallel.pipeline = 2, not 3"),
 ])

@@ -264,7 +264,7 @@ def test_forecast_of_a_tensor_split_prices_its_recorded_calls_and_a_share_of_the
         assert float(row["step_s"]) == pytest.approx(expected.step_s, rel=1e-9)
     assert float(rows[0]["step_s"]) == pytest.approx(float(rows[2]["step_s"]), rel=1e-12)  # (one group, no data)
     text = (tmp_path / "gpt" / "predict.md").read_text()
-    assert "32 x 32 tokens per tensor group per step" in text and "- tensor split over 2 GPUs of a node" in text
+    assert "32 x 32 tokens per group per step" in text and "- tensor split over 2 GPUs of a node" in text
     assert cli(["bench", "predict", "--model", "llama3-70b", "--set", "parallel.tensor=8", "--set",
                 "parallel.sequence_parallel=true", "--gpus", "8,64", "--out", str(tmp_path / "llama")]) == 0
     assert "each micro-batch sends 325 collectives in forward and 322 in backward" in \

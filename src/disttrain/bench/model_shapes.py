@@ -109,17 +109,15 @@ def tensor_calls(model: ModelShape, stored: str, compute: str, sequence_parallel
     (`clip`) all-reduces the column-wise shards' norms and the total, and under sequence parallelism each norm's
     weight gradient, left partial by backward, is summed where read: by the clip and by the optimizer."""
     size, layers = model.seq_len * model.d_model, model.n_layer
-    loss = (("forward", "all_reduce", model.seq_len * 4, "float32"),) * 3
     step = (("step", "all_reduce", (model.columns * layers + 1) * ITEMSIZE[stored], stored),
             ("step", "all_reduce", 4 * ITEMSIZE[stored], stored)) if clip else ()  # (the norms in the gradients' dtype)
-    if sequence_parallel:
-        step += (("step", "all_reduce", model.d_model * ITEMSIZE[stored], stored),) * (2 * layers + 1) * (1 + clip)
+    first = (*(("forward", "all_reduce", model.seq_len * 4, "float32"),) * 3,  # (the loss's)
+             ("forward", "all_reduce", size * ITEMSIZE[stored], stored))  # (the embedding's output)
     if not sequence_parallel:
-        return step + loss + ((("forward", "all_reduce", size * ITEMSIZE[stored], stored),)
-                + (("forward", "all_reduce", size * ITEMSIZE[compute], compute),) * 2 * layers
+        return (step + first + (("forward", "all_reduce", size * ITEMSIZE[compute], compute),) * 2 * layers
                 + (("backward", "all_reduce", size * ITEMSIZE[stored], stored),) * (model.columns * layers + 1))
-    return step + loss + ((("forward", "all_reduce", size * ITEMSIZE[stored], stored),)
-            + (("forward", "all_gather", size * ITEMSIZE[stored], stored),) * (2 * layers + 1)
+    step += (("step", "all_reduce", model.d_model * ITEMSIZE[stored], stored),) * (2 * layers + 1) * (1 + clip)
+    return (step + first + (("forward", "all_gather", size * ITEMSIZE[stored], stored),) * (2 * layers + 1)
             + (("forward", "reduce_scatter", size * ITEMSIZE[compute], compute),) * 2 * layers
             + (("backward", "reduce_scatter", size * ITEMSIZE[stored], stored),) * (2 * layers + 1)
             + (("backward", "all_gather", size * ITEMSIZE[compute], compute),) * 2 * layers

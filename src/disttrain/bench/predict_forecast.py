@@ -57,7 +57,8 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
     jobs = sweep_jobs(args, cfg, strategies)
     picked = not strategies and not args.model
     local, micro, given = _forecast_batch(args, cfg)
-    tensor, pipeline = settings(cfg)["tensor"], settings(cfg)["pipeline"]
+    job = settings(cfg)
+    tensor, pipeline = job["tensor"], job["pipeline"]
     tokens = local * max(shape.seq_len, 1) / tensor / pipeline  # (a group's ranks share a batch)
     compute, source = _compute(args, shape, tokens, precision, fit, local, micro, pipeline)
     calls = tensor_calls_of(cfg, shape, precision, micro)
@@ -87,7 +88,6 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
     if not rows:
         raise ConfigError(f"--sweep {args.sweep}: no strategy runs any of its values: {'; '.join(skipped)}")
     strategies = list(dict.fromkeys(r["strategy"] for r in rows))
-    job = settings(cfg)
     factors = (f" (DDP's buckets as rank-{job['powersgd_rank']} factors)" if job["grad_compression"] == "powersgd"
                else "")
     lines = [f"# Predicted scaling: {shape.name}, {', '.join(strategies)} ({report_date()})", "",
@@ -95,7 +95,7 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
                 f"{', '.join(strategies)}"] if picked else []),
              f"- model: {shape.params / 1e6:,.1f} M parameters, {shape.n_layer} blocks of "
              f"{shape.layer_params / 1e6:,.2f} M{_frozen(shape)}; {local} x {max(shape.seq_len, 1)} tokens per "
-             f"{'tensor group' if tensor > 1 else 'GPU'} per step ({given}; "
+             f"{'group' if tensor * pipeline > 1 else 'GPU'} per step ({given}; "
              + (f"{local // micro} micro-batches of {micro}: gradients reduced on the last)" if local > micro
                 else "no accumulation)"),
              *([_split_line(cfg, calls, tensor, local)] if tensor > 1 else []),

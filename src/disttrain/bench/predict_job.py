@@ -1,15 +1,17 @@
 """What `disttrain bench predict` models of a config's job: its model counted from the module tree (`counted_shape`),
-its batch per GPU and accumulation (`config_batch`), the strategy the job runs on several ranks (`config_strategy`)
-and the settings that change a step's collectives (`settings`); for a measured series of `bench scaling --sweep`,
-the config with its swept setting (`series_settings`)."""
+its batch per GPU and accumulation (`config_batch`), the strategy the job runs on several ranks (`config_strategy`),
+the settings that change a step's collectives (`settings`), a tensor split's collectives (`tensor_calls_of`) and
+what each pipeline rank holds (`pipeline_stages`); for a measured series of `bench scaling --sweep`, the config with
+its swept setting (`series_settings`)."""
 
 from __future__ import annotations
 
 import math
 from typing import NamedTuple
 
+from disttrain.bench.interconnect import ITEMSIZE
 from disttrain.bench.model_shapes import ModelShape, UnitShape
-from disttrain.bench.scale_model import COMPRESSED, ITEMSIZE, STRATEGIES, WIRE_DTYPES
+from disttrain.bench.scale_model import COMPRESSED, STRATEGIES, WIRE_DTYPES
 from disttrain.config import Config, ModelConfig
 from disttrain.errors import ConfigError
 
@@ -26,18 +28,12 @@ def counted_shape(model_cfg: ModelConfig) -> ModelShape:
     memory): its units (what lies outside the transformer blocks, then each block), their parameters, those that
     train (model.freeze), their forward and backward FLOPs per token (`perf.flops_by_unit`), and the trained
     tensors' sizes (DDP's buckets hold whole tensors)."""
-    from disttrain.memory import meta_model
+    from disttrain.bench.tensor_calls import meta_built
     from disttrain.parallel.activation_checkpoint import transformer_blocks
     from disttrain.perf import flops_by_unit
 
-    try:
-        model = meta_model(model_cfg)
-    except ConfigError:
-        raise
-    except Exception as exc:
-        raise ConfigError(f"model.name = {model_cfg.name!r}: the model cannot be built on the meta device to count "
-                          f"it ({type(exc).__name__}: {exc}); use --model PRESET, or --compute-s with a preset of the "
-                          "same size") from None
+    model = meta_built(model_cfg, f"model.name = {model_cfg.name!r}", "it",
+                       "use --model PRESET, or --compute-s with a preset of the same size")
     blocks = transformer_blocks(model)
     inside = {id(p) for block in blocks for p in block.parameters()}
     groups = [[p for p in model.parameters() if id(p) not in inside]] + [list(b.parameters()) for b in blocks]
@@ -143,6 +139,9 @@ def settings(cfg: Config) -> dict:
     if p.context > 1:
         raise ConfigError(f"parallel.context = {p.context}: the scale model has data, tensor and pipeline parallelism "
                           "(no context split); predict the job without it, e.g. --set parallel.context=1")
+    if p.tensor > 1 and p.pipeline > 1:
+        raise ConfigError(f"parallel.pipeline = {p.pipeline} with parallel.tensor = {p.tensor} is not modelled; "
+                          "predict either split alone")
     if p.grad_compression not in choices:
         raise ConfigError(f"parallel.grad_compression = {p.grad_compression!r}: choose from {', '.join(choices)}")
     if not (p.bucket_cap_mb > 0 and math.isfinite(p.bucket_cap_mb)):
@@ -224,6 +223,7 @@ def pipeline_stages(cfg: Config, shape: ModelShape, precision: str) -> PipelineS
     last: the root's FLOPs, the head's matmul). The stream between stages is counted in the compute dtype (bf16 under
     bf16-mixed: what crosses under a data-parallel wrapper). A preset's root is split half and half."""
     from disttrain.parallel import stages as pipe
+    from disttrain.parallel.state import tie_groups
 
     p = cfg.parallel.pipeline
     if p <= 1:
@@ -244,9 +244,10 @@ def pipeline_stages(cfg: Config, shape: ModelShape, precision: str) -> PipelineS
                 UnitShape(size(family.head), size(family.head, True), units[0].forward_flops, units[0].backward_flops))
         hidden = model.get_input_embeddings().embedding_dim if hasattr(model, "get_input_embeddings") else \
             model.tok_emb.embedding_dim
-        first = {id(q) for n in family.embeddings for q in model.get_submodule(n).parameters()}
-        tied = sum(q.numel() for n in family.head for q in model.get_submodule(n).parameters()
-                   if id(q) in first and q.requires_grad) * ITEMSIZE[WIRE_DTYPES[precision][0]]
+        owners = [{n.rpartition(".")[0] for n in names} for names in tie_groups(model)]  # (modules sharing one)
+        tied = sum(model.get_parameter(names[0]).numel() for names, held in zip(tie_groups(model), owners, strict=True)
+                   if model.get_parameter(names[0]).requires_grad and held & set(family.embeddings)
+                   and held & set(family.head)) * ITEMSIZE[WIRE_DTYPES[precision][0]]
     else:
         if cfg.parallel.pipeline_split.strip():
             raise ConfigError(f"parallel.pipeline_split = {cfg.parallel.pipeline_split!r}: {shape.name} has no "
@@ -258,7 +259,7 @@ def pipeline_stages(cfg: Config, shape: ModelShape, precision: str) -> PipelineS
         hidden = shape.d_model
     ranks = []
     for rank in range(p):
-        held = [s for s in range(count) if pipe.holder(s, p, cfg.parallel.pipeline_schedule) == rank]
+        held = pipe.stages_of(rank, p, count, cfg.parallel.pipeline_schedule)
         root = [ends[0]] * (0 in held) + [ends[1]] * (count - 1 in held) or [UnitShape(0.0, 0.0, 0.0, 0.0)]
         blocks = [units[1 + i] for s in held for i in range(*bounds[s])]
         own = (UnitShape(sum(u.params for u in root), sum(u.trained for u in root),

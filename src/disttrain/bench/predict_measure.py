@@ -58,8 +58,8 @@ def check(args: argparse.Namespace) -> None:
     if args.local_batch % args.micro_batch:
         raise ConfigError(f"--local-batch {args.local_batch}: --measure accumulates it in micro-batches of "
                           f"--micro-batch {args.micro_batch}; give a multiple of it")
-    gpus = torch.cuda.device_count()
-    limit, what = rank_limit(gpus if uses_cuda(load_config(args.config, args.overrides), gpus) else 0)
+    gpus, job = torch.cuda.device_count(), load_config(args.config, args.overrides)
+    limit, what = rank_limit(gpus if uses_cuda(job, gpus) else 0)
     if args.validate and args.world_sizes[-1] < 2:
         raise ConfigError(f"--world-sizes {','.join(map(str, args.world_sizes))}: --validate predicts steps on 2 ranks "
                           "or more from the 1-rank step; add one, e.g. --world-sizes 1,2")
@@ -73,8 +73,7 @@ def check(args: argparse.Namespace) -> None:
     if not names:
         raise ConfigError(f"--strategies {args.strategies!r} names no strategy; e.g. --strategies ddp,fsdp")
     args.strategies = ",".join(dict.fromkeys(names))  # (the ranks run the names the scale model reads back)
-    split = load_config(args.config, args.overrides).parallel
-    tensor, group = split.tensor, split.tensor * split.pipeline
+    tensor, group = job.parallel.tensor, job.parallel.tensor * job.parallel.pipeline
     odd = [w for w in args.world_sizes if w > 1 and w % group]
     if odd:
         raise ConfigError(f"--world-sizes {','.join(map(str, args.world_sizes))}: {odd[0]} ranks do not hold whole "

@@ -65,7 +65,8 @@ def read_measured(path: Path, shape: ModelShape, max_other_cpu: float, split: tu
     for label, (strategy, worlds) in series.items():
         by_world = {}
         for world, rows in worlds.items():
-            group = int(rows[0].get("tensor") or 1) * int(rows[0].get("pipeline") or 1)  # (a group reads one batch)
+            # a group reads one batch (a CSV without the columns, of `bench scaling`, measured the job as configured)
+            group = int(rows[0].get("tensor") or split[0]) * int(rows[0].get("pipeline") or split[1])
             replicas = max(1, world // group)
             local = float(rows[0]["global_batch"]) / replicas if rows[0].get("global_batch") else 0.0
             micro = float(rows[0]["micro_batch"]) if rows[0].get("micro_batch") else local

@@ -84,9 +84,6 @@ class Workload:
     send_bytes: float = 0.0
     """Under a pipeline, bytes of one micro-batch's activations crossing a stage boundary (their gradients come back
     as many)."""
-    replicated: bool = False
-    """ddp's data axis under a model split (set by `step_time`): FSDP2's replicate, not DDP (which cannot hold a tensor
-    split's DTensors): each unit's gradients all-reduced when its backward ends, in FSDP's reduce dtype, no buckets."""
     tied_bytes: float = 0.0
     """Under a pipeline, bytes of a weight the first and last stage both hold (a tied embedding and head), whose
     gradients they sum every step."""
@@ -111,11 +108,13 @@ def canonical_strategy(name: str) -> str:
 # --- one step under each strategy ----------------------------------------------------------------------------
 
 
-def _units(strategy: str, work: Workload, n: int, net: Interconnect, spread: int = 1
+def _units(strategy: str, work: Workload, n: int, net: Interconnect, spread: int = 1, replicated: bool = False
            ) -> tuple[list[Unit], float, float]:
     """(units in forward order, seconds of collectives after backward, wire bytes per step) of the strategy over `n`
     ranks, each `spread` ranks apart (a tensor split's neighbours hold the other shares: `work.model` is one
-    rank's)."""
+    rank's). `replicated`: ddp's data axis under a model split, FSDP2's replicate as disttrain runs it (DDP cannot hold
+    a tensor split's DTensors): each unit's gradients all-reduced when its backward ends, in FSDP's reduce dtype, no
+    buckets."""
     model, (stored, gathered, _) = work.model, BYTES[work.precision]
     stored_dtype, gathered_dtype, _ = WIRE_DTYPES[work.precision]
     reduced_type = reduced_dtype(work.precision, work.grad_compression)
@@ -136,12 +135,12 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect, spread: int
         return collective_time(collective, nbytes, ranks, links)
 
     sent = 0.0
-    sharded = strategy not in ("ddp", "zero1") or work.replicated
+    sharded = strategy not in ("ddp", "zero1") or replicated
     if sharded and work.grad_compression == "powersgd":
         raise ConfigError(f"parallel.grad_compression = 'powersgd' is a DDP communication hook: {strategy} does not "
                           "run it; predict ddp or zero1 with it, or the others with none, fp16 or bf16")
     g = net.gpus_per_node
-    shard = 1 if work.replicated else (work.hsdp_shard or min(n, g)) if strategy == "hsdp" else n
+    shard = 1 if replicated else (work.hsdp_shard or min(n, g)) if strategy == "hsdp" else n
     if n % shard:
         raise ConfigError(f"parallel.hsdp_shard_size = {shard}: it does not divide {n} GPUs into sharding groups; "
                           f"give GPU counts that are multiples of it")
@@ -187,8 +186,10 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect, spread: int
     return units, after, sent
 
 
-def step_time(strategy: str, n: int, work: Workload, net: Interconnect) -> Step:
-    """One optimizer step on `n` devices (weak scaling: `work` is one device's share at every `n`)."""
+def step_time(strategy: str, n: int, work: Workload, net: Interconnect, model_split: bool = False) -> Step:
+    """One optimizer step on `n` devices (weak scaling: `work` is one device's share at every `n`); `model_split`: the
+    data axis of a pipeline's stage (a tensor split is one by itself), where ddp runs as FSDP2's replicate
+    (`_units`)."""
     strategy = canonical_strategy(strategy)
     local = min(n, net.gpus_per_node)
     slowdown = max(1.0, local / work.cpu_cores) if work.cpu_cores else 1.0
@@ -198,10 +199,9 @@ def step_time(strategy: str, n: int, work: Workload, net: Interconnect) -> Step:
     if work.pipeline > 1:
         return _pipeline_step(strategy, n, work, net)
     _check_tensor(strategy, n, work, net)
-    if strategy == "ddp" and work.tensor > 1:
-        work = replace(work, replicated=True)
     units, after, sent = _units(strategy, replace(work, model=split_shape(work.model, work.tensor)),
-                                n // work.tensor, net, work.tensor)
+                                n // work.tensor, net, work.tensor,
+                                strategy == "ddp" and (model_split or work.tensor > 1))
     (split_fwd, split_bwd, split_step), (sent_micro, sent_step) = _tensor_seconds(work, net)
     split = (split_fwd + split_bwd) * work.micro_steps
     sent += sent_micro * work.micro_steps + sent_step
@@ -296,17 +296,23 @@ def _pipeline_step(strategy: str, n: int, work: Workload, net: Interconnect) -> 
     and the sum of a tied embedding and head's gradients between the first and last stage (`tied_bytes`), after the
     last backward. On a CPU host every send is a call on its rank's timeline: 2 v a micro-batch."""
     p, m, v = work.pipeline, work.micro_steps, _check_pipeline(strategy, n, work)
-    links = net if n <= net.gpus_per_node else replace(net, gpus_per_node=1)  # (a stage boundary on other nodes)
-    send = collective_time("all_gather", 2 * work.send_bytes, 2, links)  # (a 2-rank gather: each sends its half)
-    tied = collective_time("all_reduce", work.tied_bytes, 2, links)
+    apart = n > net.gpus_per_node  # (a stage boundary on other nodes)
+
+    def link(dtype: str, collective: str) -> Interconnect:
+        links = net.for_dtype(dtype, collective)
+        return replace(links, gpus_per_node=1) if apart else replace(links, gpus_per_node=2)
+
+    stored, stream, _ = WIRE_DTYPES[work.precision]
+    send = collective_time("all_gather", 2 * work.send_bytes, 2, link(stream, "all_gather"))  # (each sends its half)
+    tied = collective_time("all_reduce", work.tied_bytes, 2, link(stored, "all_reduce"))
     total = work.model.flops_per_token()
     steps, micro = [], []
     for shape in work.stages:
         compute = work.compute_s * p * shape.flops_per_token() / total  # (compute_s: a GPU's share of equal stages)
         if work.cpu_cores:
             compute += 2 * m * v * send
-        steps.append(step_time(strategy, n // p, replace(work, model=shape, compute_s=compute, pipeline=1, stages=(),
-                                                         replicated=strategy == "ddp"), net))
+        steps.append(step_time(strategy, n // p, replace(work, model=shape, compute_s=compute, pipeline=1, stages=()),
+                               net, model_split=True))
         micro.append(compute / m)
     slowest = max(range(p), key=lambda r: steps[r].step_s)
     bubble = (sum(micro) - micro[slowest]) / v + (0.0 if work.cpu_cores else 2 * (p * v - 1) * send)
@@ -326,9 +332,10 @@ def _check_pipeline(strategy: str, n: int, work: Workload) -> int:
     if work.tensor > 1:
         raise ConfigError(f"parallel.pipeline = {p} with parallel.tensor = {work.tensor} is not modelled; predict "
                           "either split alone")
-    if work.cpu_cores and n > p:
-        raise ConfigError(f"parallel.pipeline = {p} with data parallelism on a CPU host ({n} ranks) is not modelled "
-                          "(its ranks share the cores); predict the pipeline alone here")
+    if work.cpu_cores and (n > p or p > work.cpu_cores):
+        raise ConfigError(f"parallel.pipeline = {p} on {n} ranks of a CPU host with {work.cpu_cores} cores is not "
+                          "modelled (data parallelism beside it, or more stages than cores: ranks sharing the cores); "
+                          "predict the pipeline alone, on as many ranks as cores")
     if v > 1 and work.micro_steps % p:
         raise ConfigError(f"parallel.pipeline_schedule = {work.schedule!r} runs micro-batches in multiples of "
                           f"parallel.pipeline = {p}, not {work.micro_steps}; give a batch of such micro-batches")

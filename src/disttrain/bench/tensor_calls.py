@@ -70,17 +70,29 @@ def count(cfg: Config, precision: str = "") -> tuple[TensorCall, ...]:
     degree = cfg.parallel.tensor
     if degree <= 1:
         return ()
+    key = repr((cfg.model, cfg.parallel, cfg.optim, precision))  # (a sitting's measuring and checking ask alike)
+    if key not in _COUNTED:
+        model = meta_built(cfg.model, f"parallel.tensor = {degree}", "its collectives", "use --model PRESET")
+        with fake_group(degree):
+            _COUNTED[key] = _record(model, cfg, degree, precision or cfg.parallel.precision)
+    return _COUNTED[key]
+
+
+_COUNTED: dict[str, tuple[TensorCall, ...]] = {}
+
+
+def meta_built(model_cfg, setting: str, counted: str, hint: str):
+    """The config's model built on the meta device (no memory) to count `counted`, or one line naming `setting`
+    where it cannot be (a factory of the user's that reads values), with `hint`."""
     from disttrain.memory import meta_model
 
     try:
-        model = meta_model(cfg.model)
+        return meta_model(model_cfg)
     except ConfigError:
         raise
     except Exception as exc:
-        raise ConfigError(f"parallel.tensor = {degree}: the model cannot be built on the meta device to count its "
-                          f"collectives ({type(exc).__name__}: {exc}); use --model PRESET") from None
-    with fake_group(degree):
-        return _record(model, cfg, degree, precision or cfg.parallel.precision)
+        raise ConfigError(f"{setting}: the model cannot be built on the meta device to count {counted} "
+                          f"({type(exc).__name__}: {exc}); {hint}") from None
 
 
 def _record(model, cfg: Config, degree: int, precision_name: str) -> tuple[TensorCall, ...]:

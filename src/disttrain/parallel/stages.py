@@ -9,7 +9,6 @@ the same split.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -87,12 +86,12 @@ def balanced_split(block_sizes: list[int], stages: int, first_extra: int = 0, la
                 + (last_extra if stage == stages - 1 else 0))
 
     @functools.cache
-    def least(start: int, stage: int) -> float:
+    def least(start: int, stage: int) -> int:
         """The least largest stage of blocks[start:] over stages stage..stages-1."""
         if stage == stages - 1:
             return load(start, n, stage)
-        return min((max(load(start, end, stage), least(end, stage + 1))
-                    for end in range(start + 1, n - (stages - 1 - stage) + 1)), default=math.inf)
+        return min(max(load(start, end, stage), least(end, stage + 1))
+                   for end in range(start + 1, n - (stages - 1 - stage) + 1))
 
     best, cuts, start = least(0, 0), [], 0
     for stage in range(stages - 1):
