@@ -271,6 +271,20 @@ def test_forecast_of_a_tensor_split_prices_its_recorded_calls_and_a_share_of_the
         (tmp_path / "llama" / "predict.md").read_text()  # 3 (the loss's) + 1 + 161 + 160; 161 + 160 + 1 (80 blocks)
 
 
+def test_a_sweep_of_the_splits_forecasts_each_degree_as_on_its_own(tmp_path):
+    """--sweep parallel.tensor=1,2 (and pipeline): one table, each value's rows those of a forecast with --set; a
+    group's batch kept, each GPU's compute its share of the FLOPs."""
+    for key, values in (("parallel.tensor", "1,2"), ("parallel.pipeline", "1,2")):
+        assert cli(["bench", "predict", "--model", "llama3-8b", "--sweep", f"{key}={values}", "--local-batch", "4",
+                    "--micro-batch", "1", "--gpus", "8,64", "--out", str(tmp_path / key)]) == 0
+        swept = [r for r in csv.DictReader(open(tmp_path / key / "predict.csv")) if r["setting"] == f"{key}=2"]
+        assert cli(["bench", "predict", "--model", "llama3-8b", "--set", f"{key}=2", "--local-batch", "4",
+                    "--micro-batch", "1", "--gpus", "8,64", "--out", str(tmp_path / f"{key}-alone")]) == 0
+        alone = list(csv.DictReader(open(tmp_path / f"{key}-alone" / "predict.csv")))
+        assert [(r["gpus"], r["step_s"], r["tokens_per_s_per_gpu"]) for r in swept] == [
+            (r["gpus"], r["step_s"], r["tokens_per_s_per_gpu"]) for r in alone]
+
+
 def test_forecast_of_a_pipeline_splits_a_preset_as_disttrain_would(tmp_path):
     """Llama 3 70B over 4 pipeline ranks (interleaved: 8 stages) in 16 micro-batches of one sequence: a GPU computes
     a quarter of the group's batch; the stages are disttrain's balanced split of the 80 blocks."""
@@ -430,6 +444,8 @@ def test_a_sitting_measures_the_links_of_each_element_type_the_job_sends(precisi
      "hold whole groups of parallel.tensor x parallel.pipeline = 2; give 1 and multiples of 2"),
     (["--measure", "--set", "parallel.pipeline=2"], "--world-sizes 1,2,3: 3 ranks do not hold whole groups of "
      "parallel.tensor x parallel.pipeline = 2"),
+    (["--model", "llama3-8b", "--sweep", "parallel.tensor=1,2", "--compute-s", "3"], "--sweep parallel.tensor: each "
+     "value's compute is a GPU's share of the FLOPs, which a given --compute-s (one split's) does not say"),
     (["--model", "llama3-8b", "--set", "parallel.pipeline=2", "--set", "parallel.pipeline_split=layers.4"],
      "parallel.pipeline_split = 'layers.4': llama3-8b has no module names to split at"),
     (["--model", "resnet50", "--set", "parallel.pipeline=2", "--compute-s", "1"], "0 blocks cannot fill 2 pipeline "

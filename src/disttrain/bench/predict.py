@@ -23,7 +23,8 @@ pipeline GPUs, which read one batch), accumulated in micro-batches of `data.micr
 `--micro-batch` override both); its gradient compression, DDP buckets, logged lines, tensor split (its collectives
 recorded from disttrain's plan: tensor_calls.py) and pipeline (disttrain's stage split and schedule). With
 `--model`, the preset with the config's settings. `--sweep KEY=V1,V2` forecasts each value of a setting that changes
-only the collectives (`FORECAST_SWEEPS`: gradient compression, PowerSGD's rank, DDP's buckets, the logged lines)
+the collectives or the splits (`FORECAST_SWEEPS`: gradient compression, PowerSGD's rank, DDP's buckets, the logged
+lines, the tensor and pipeline degrees and schedules)
 in one table (predict_forecast.py). Writes `<out>/predict.md` and `predict.csv`.
 
 `--validate` checks the model (predict_validate.py): (i) with `--measured` (the CSV of `disttrain bench scaling`, or

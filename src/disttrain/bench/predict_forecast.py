@@ -29,8 +29,13 @@ from disttrain.config import Config
 from disttrain.errors import ConfigError
 
 FORECAST_SWEEPS = ("parallel.grad_compression", "parallel.powersgd_rank", "parallel.bucket_cap_mb",
-                   "parallel.hsdp_shard_size", "parallel.fsdp_prefetch", "train.log_every")
-"""Settings `--sweep` forecasts: those that change only a step's collectives, not its compute."""
+                   "parallel.hsdp_shard_size", "parallel.fsdp_prefetch", "train.log_every", "parallel.tensor",
+                   "parallel.sequence_parallel", "parallel.pipeline", "parallel.pipeline_schedule")
+"""Settings `--sweep` forecasts: those that change a step's collectives, and the model's splits, whose compute a GPU's
+share of the FLOPs gives (a group's batch kept: the config's)."""
+
+SPLITS = ("parallel.tensor", "parallel.pipeline")
+"""Swept settings that change a GPU's compute: forecast from FLOPs only (not a given or measured one)."""
 
 LOCAL_BATCH = {"llama3-8b": 2, "llama3-70b": 1, "resnet50": 32, "bert-large": 32}
 """Sequences (images) per GPU per step of each preset model: torchtitan's Llama runs, the DDP paper's batch."""
@@ -59,17 +64,15 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
     local, micro, given = _forecast_batch(args, cfg)
     job = settings(cfg)
     tensor, pipeline = job["tensor"], job["pipeline"]
-    tokens = local * max(shape.seq_len, 1) / tensor / pipeline  # (a group's ranks share a batch)
-    compute, source = _compute(args, shape, tokens, precision, fit, local, micro, pipeline)
+    compute, source = _compute(args, shape, local * max(shape.seq_len, 1) / tensor / pipeline, precision, fit, local,
+                               micro, pipeline)
     calls = tensor_calls_of(cfg, shape, precision, micro)
     split = pipeline_stages(cfg, shape, precision)
     rows, failed = [], {}
     for setting, swept in jobs:
-        work = Workload(shape, compute, tokens, precision, local // micro, cpu_cores=cpu_cores(args, fit),
-                        **settings(swept), tensor_calls=calls, stages=split.stages,
-                        send_bytes=split.send_bytes * micro, tied_bytes=split.tied_bytes)
         for strategy in strategies or ["fsdp" if args.model else config_strategy(swept)]:
             try:
+                work = _workload(args, shape, precision, swept, local, micro, fit)
                 predicted = predict(strategy, gpus, work, net)
             except ConfigError as exc:
                 if not setting:
@@ -126,9 +129,22 @@ def _split_line(cfg: Config, calls: tuple, tensor: int, local: int) -> str:
             f"the compute; the strategy runs over GPUs / {tensor} ranks, each with 1/{tensor} of the parameters")
 
 
+def _workload(args, shape: ModelShape, precision: str, cfg: Config, local: int, micro: int, fit: dict | None
+              ) -> Workload:
+    """One forecast's workload of `cfg` (the config, or one swept value of it): a group of tensor x pipeline GPUs
+    reading `local` sequences in micro-batches of `micro`, each GPU computing its share, and the splits' calls."""
+    job = settings(cfg)
+    tokens = local * max(shape.seq_len, 1) / job["tensor"] / job["pipeline"]  # (a group's ranks share a batch)
+    compute, _ = _compute(args, shape, tokens, precision, fit, local, micro, job["pipeline"])
+    split = pipeline_stages(cfg, shape, precision)
+    return Workload(shape, compute, tokens, precision, local // micro, cpu_cores=cpu_cores(args, fit), **job,
+                    tensor_calls=tensor_calls_of(cfg, shape, precision, micro), stages=split.stages,
+                    send_bytes=split.send_bytes * micro, tied_bytes=split.tied_bytes)
+
+
 def _pipeline_line(cfg: Config, stages: tuple[ModelShape, ...], send: float, micro_batches: int) -> str:
     """The report's line on a pipeline: its ranks, schedule, what each holds, the micro-batches and sends."""
-    held = ", ".join(f"{s.n_layer} blocks ({s.params / 1e6:,.1f} M)" for s in stages)
+    held = ", ".join(f"{s.n_layer} block{'s' * (s.n_layer != 1)} ({s.params / 1e6:,.1f} M)" for s in stages)
     p = cfg.parallel.pipeline
     return (f"- pipeline of {p} ranks (parallel.pipeline, {cfg.parallel.pipeline_schedule}): a group's ranks share "
             f"its batch (tokens per GPU: 1/{p} of them), in {micro_batches} micro-batches; the ranks hold {held} "
@@ -149,6 +165,9 @@ def sweep_jobs(args: argparse.Namespace, cfg: Config, strategies: list[str]) -> 
     if key not in FORECAST_SWEEPS:
         raise ConfigError(f"--sweep {key}: a forecast sweeps a setting that changes only a step's collectives "
                           f"({', '.join(FORECAST_SWEEPS)}); forecast each value of {key} on its own (--set {key}=...)")
+    if key in SPLITS and (args.compute_s or args.interconnect.startswith("measured:")):
+        raise ConfigError(f"--sweep {key}: each value's compute is a GPU's share of the FLOPs, which a given "
+                          "--compute-s (one split's) does not say; leave --compute-s and a measured interconnect out")
     key, values = parse_sweep(args.sweep)
     jobs = [(f"{key}={value}", load_config(args.config, [*args.overrides, f"{key}={value}"])) for value in values]
     names = strategies or list(dict.fromkeys("fsdp" if args.model else config_strategy(c) for _, c in jobs))
