@@ -64,15 +64,20 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
     local, micro, given = _forecast_batch(args, cfg)
     job = settings(cfg)
     tensor, pipeline = job["tensor"], job["pipeline"]
-    compute, source = _compute(args, shape, local * max(shape.seq_len, 1) / tensor / pipeline, precision, fit, local,
-                               micro, pipeline)
-    calls = tensor_calls_of(cfg, shape, precision, micro)
-    split = pipeline_stages(cfg, shape, precision)
+    base, source = _workload(args, shape, precision, cfg, local, micro, fit)  # (the config's: the header's too)
     rows, failed = [], {}
     for setting, swept in jobs:
-        for strategy in strategies or ["fsdp" if args.model else config_strategy(swept)]:
+        names = strategies or ["fsdp" if args.model else config_strategy(swept)]
+        try:
+            work = base if swept is cfg else _workload(args, shape, precision, swept, local, micro, fit)[0]
+        except ConfigError as exc:  # (a value the model does not price, e.g. a tensor degree straddling nodes)
+            if not setting:
+                raise
+            for strategy in names:
+                failed.setdefault(strategy, []).append((setting, str(exc)))
+            continue
+        for strategy in names:
             try:
-                work = _workload(args, shape, precision, swept, local, micro, fit)
                 predicted = predict(strategy, gpus, work, net)
             except ConfigError as exc:
                 if not setting:
@@ -101,9 +106,9 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
              f"{'group' if tensor * pipeline > 1 else 'GPU'} per step ({given}; "
              + (f"{local // micro} micro-batches of {micro}: gradients reduced on the last)" if local > micro
                 else "no accumulation)"),
-             *([_split_line(cfg, calls, tensor, local)] if tensor > 1 else []),
-             *([_pipeline_line(cfg, split.stages, split.send_bytes * micro, local // micro)] if pipeline > 1 else []),
-             f"- compute of one step on one device: {compute:.4g} s, {source}",
+             *([_split_line(cfg, base.tensor_calls, tensor, local)] if tensor > 1 else []),
+             *([_pipeline_line(cfg, base.stages, base.send_bytes, local // micro)] if pipeline > 1 else []),
+             f"- compute of one step on one device: {base.compute_s:.4g} s, {source}",
              f"- precision {precision}, gradient compression {job['grad_compression']}: bytes per element stored / "
              f"gathered / reduced {' / '.join(map(str, BYTES[precision][:2]))} / "
              f"{reduced_bytes(precision, job['grad_compression'])}{factors}; DDP buckets of "
@@ -130,16 +135,17 @@ def _split_line(cfg: Config, calls: tuple, tensor: int, local: int) -> str:
 
 
 def _workload(args, shape: ModelShape, precision: str, cfg: Config, local: int, micro: int, fit: dict | None
-              ) -> Workload:
-    """One forecast's workload of `cfg` (the config, or one swept value of it): a group of tensor x pipeline GPUs
-    reading `local` sequences in micro-batches of `micro`, each GPU computing its share, and the splits' calls."""
+              ) -> tuple[Workload, str]:
+    """(one forecast's workload of `cfg`, the config or one swept value of it, where its compute comes from): a group
+    of tensor x pipeline GPUs reading `local` sequences in micro-batches of `micro`, each GPU computing its share, and
+    the splits' calls."""
     job = settings(cfg)
     tokens = local * max(shape.seq_len, 1) / job["tensor"] / job["pipeline"]  # (a group's ranks share a batch)
-    compute, _ = _compute(args, shape, tokens, precision, fit, local, micro, job["pipeline"])
+    compute, source = _compute(args, shape, tokens, precision, fit, local, micro, job["pipeline"])
     split = pipeline_stages(cfg, shape, precision)
     return Workload(shape, compute, tokens, precision, local // micro, cpu_cores=cpu_cores(args, fit), **job,
                     tensor_calls=tensor_calls_of(cfg, shape, precision, micro), stages=split.stages,
-                    send_bytes=split.send_bytes * micro, tied_bytes=split.tied_bytes)
+                    send_bytes=split.send_bytes * micro, tied_bytes=split.tied_bytes), source
 
 
 def _pipeline_line(cfg: Config, stages: tuple[ModelShape, ...], send: float, micro_batches: int) -> str:
@@ -164,7 +170,8 @@ def sweep_jobs(args: argparse.Namespace, cfg: Config, strategies: list[str]) -> 
     key = args.sweep.partition("=")[0]
     if key not in FORECAST_SWEEPS:
         raise ConfigError(f"--sweep {key}: a forecast sweeps a setting that changes only a step's collectives "
-                          f"({', '.join(FORECAST_SWEEPS)}); forecast each value of {key} on its own (--set {key}=...)")
+                          f"({', '.join(FORECAST_SWEEPS)}: the last four the model's splits); forecast each value of "
+                          f"{key} on its own (--set {key}=...)")
     if key in SPLITS and (args.compute_s or args.interconnect.startswith("measured:")):
         raise ConfigError(f"--sweep {key}: each value's compute is a GPU's share of the FLOPs, which a given "
                           "--compute-s (one split's) does not say; leave --compute-s and a measured interconnect out")
