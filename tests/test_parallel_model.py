@@ -34,9 +34,11 @@ TWO = ["ddp+tp2", "ddp+tp2+sp", "ddp+tp2+lp", "fsdp+tp2", "ddp+pp2+gpipe", "ddp+
        "zero2+freeze"]
 # bf16-mixed: against one process in bf16-mixed, to bf16's rounding
 MIXED = ["ddp+tp2+bf16+lp", "ddp+pp2+bf16", "ddp+cp2+bf16"]
-# 4 ranks: tp2 x fsdp2, tp2 (sequence parallel) x replicate2, hsdp 2 x 2, pp2 x replicate2, pp2 x fsdp2, pp2 x tp2,
-# pp2 x fsdp2 under zero-bubble, pp2 x replicate2 under zbv and pp2 x fsdp2 under dualpipev, fsdp2 x cp2
-FOUR = ["fsdp+tp2+lp", "ddp+tp2+sp", "hsdp:2", "ddp+pp2", "fsdp+pp2", "ddp+pp2+tp2", "fsdp+pp2+zb+layers4",
+# 4 ranks: tp2 x fsdp2, tp2 (sequence parallel) x replicate2, hsdp 2 x 2, pp2 x replicate2, pp2 x fsdp2, pp2 x tp2
+# (and with sequence parallelism: each stage sends its share of the sequence), pp2 x fsdp2 under zero-bubble,
+# pp2 x replicate2 under zbv and pp2 x fsdp2 under dualpipev, fsdp2 x cp2
+FOUR = ["fsdp+tp2+lp", "ddp+tp2+sp", "hsdp:2", "ddp+pp2", "fsdp+pp2", "ddp+pp2+tp2", "ddp+pp2+tp2+sp",
+        "fsdp+pp2+zb+layers4",
         "ddp+pp2+zbv+layers4", "fsdp+pp2+dualpipev+layers4+mb2", "fsdp+cp2",
         "fsdp+pp2+freeze"]  # (a first stage with nothing to train, its data axis sharded over 2 ranks)
 # checkpoints across layouts: A>B trains A to step 6, saves, and B resumes it to step 12

@@ -569,6 +569,26 @@ def test_a_pipeline_s_stages_run_their_strategy_over_the_gpus_of_a_stage():
         assert step.wire_bytes == pytest.approx(max(a.wire_bytes for a in alone), rel=1e-9)
 
 
+def test_a_pipeline_s_tensor_split_runs_each_rank_s_own_calls_and_the_bubble_waits_for_them():
+    """p = 2 stages, each split over t = 4 GPUs of a node, 32 GPUs: each rank's step is its stage's under the tensor
+    split, with its own calls (the last stage's more: the logits gathered); the bubble is the other rank's
+    micro-batch, its compute and its split's calls."""
+    stages = (_stage(1.0, 2e9), _stage(1.0, 2e9))
+    model = ModelShape("m", 4e9, counted=(UnitShape(0.0, 0.0, 0.0, 0.0), UnitShape(4e9, 4e9, 2 / 3, 4 / 3)))
+    light = (("forward", "all_reduce", 4e6, "bfloat16"), ("backward", "all_reduce", 4e6, "bfloat16"))
+    heavy = (*light, ("forward", "all_gather", 6e8, "bfloat16"))
+    work = sm.Workload(model, 1.0, 1, "bf16-mixed", micro_steps=4, log_every=0, pipeline=2, stages=stages, tensor=4,
+                       stage_calls=(light, heavy))
+    own = [replace(work, model=st, compute_s=1.0, pipeline=1, stages=(), stage_calls=(), tensor_calls=calls)
+           for st, calls in zip(stages, (light, heavy), strict=True)]
+    alone = [sm.step_time("fsdp", 16, w, NET, model_split=True) for w in own]
+    split = [sum(ic.collective_time(c, b, 4, NET.for_dtype(d, c)) for _, c, b, d in calls) for calls in (light, heavy)]
+    step = sm.step_time("fsdp", 32, work, NET)
+    assert alone[1].step_s > alone[0].step_s  # (the gathered logits hold up the last stage)
+    assert step.step_s == pytest.approx(alone[1].step_s + 1.0 / 4 + split[0], rel=1e-9)
+    assert sm.step_time("fsdp", 32, replace(work, stage_calls=((), ())), NET).step_s < step.step_s - 4 * split[1]
+
+
 def test_a_pipeline_s_sends_cross_nodes_once_the_job_does_and_its_tied_weight_is_summed():
     """The sends between stages inside a node at 8 GPUs, over the network at 16 (a boundary between nodes); a tied
     embedding and head summed between the first and last stage after the last backward; on a CPU host every send a
@@ -598,7 +618,7 @@ def test_a_pipeline_s_sends_cross_nodes_once_the_job_does_and_its_tied_weight_is
 @pytest.mark.parametrize("strategy, change, n, says", [
     ("fsdp", dict(schedule="zbv"), 8, "parallel.pipeline_schedule = 'zbv' is not modelled"),
     ("fsdp", dict(schedule="dualpipev"), 8, "parallel.pipeline_schedule = 'dualpipev' is not modelled"),
-    ("fsdp", dict(tensor=2), 8, "parallel.pipeline = 2 with parallel.tensor = 2 is not modelled"),
+    ("fsdp", dict(tensor=2, cpu_cores=2, stage_calls=((), ())), 4, "a tensor split or data parallelism beside it"),
     ("hsdp", {}, 16, "hsdp with parallel.pipeline = 2 is not modelled"),
     ("zero1", {}, 8, "zero1 with parallel.pipeline = 2 does not run in disttrain"),
     ("fsdp", dict(cpu_cores=2), 4, "parallel.pipeline = 2 on 4 ranks of a CPU host with 2 cores is not modelled"),

@@ -304,6 +304,33 @@ def test_forecast_of_a_pipeline_splits_a_preset_as_disttrain_would(tmp_path):
     assert "- pipeline of 4 ranks (parallel.pipeline, interleaved-1f1b)" in (tmp_path / "predict.md").read_text()
 
 
+def test_forecast_of_a_pipeline_of_tensor_splits_prices_each_rank_s_stages_calls(tmp_path):
+    """Llama 3 405B as Meta trained it (tensor 8 within a node, 16 pipeline ranks, interleaved; 32 micro-batches of
+    one sequence a group): each pipeline rank's calls are those of its stages in closed form beside a data axis;
+    and a config's GPT over 2 x 2 (its stages' calls recorded) forecasts too."""
+    settings = ["parallel.tensor=8", "parallel.pipeline=16", "parallel.pipeline_schedule=interleaved-1f1b",
+                "parallel.sequence_parallel=true"]
+    assert cli(["bench", "predict", "--model", "llama3-405b", *(a for s in settings for a in ("--set", s)),
+                "--local-batch", "32", "--micro-batch", "1", "--gpus", "8192", "--out", str(tmp_path)]) == 0
+    model, cfg = MODELS["llama3-405b"], load_config(None, settings)
+    split = predict_job.pipeline_stages(cfg, model, "bf16-mixed")
+    calls = predict_job.stage_calls_of(cfg, model, "bf16-mixed", 1, True)
+    assert split.send_bytes == 8192 * 16384 * 2 / 8  # (a tensor rank's share of the sequence)
+    assert sum(c[1] == "all_gather" and c[2] == 8192 * 128256 * 2 for c in calls[-1]) == 1  # (the logits, whole)
+    assert all(c[3] == "bfloat16" for rank in calls for c in rank if c[0] != "step" and c[2] > 8192 * 4)
+    tokens = 32 * 8192 / 128
+    work = sm.Workload(model, sm.compute_seconds(model, tokens, 989, 0.35), tokens, "bf16-mixed", 32, tensor=8,
+                       pipeline=16, schedule="interleaved-1f1b", stages=split.stages, send_bytes=split.send_bytes,
+                       stage_calls=calls)
+    row = next(csv.DictReader(open(tmp_path / "predict.csv")))
+    assert float(row["step_s"]) == pytest.approx(sm.step_time("fsdp", 8192, work, ic.PRESETS[
+        "h100-nvlink+ib-ndr"]).step_s, rel=1e-9)
+    assert cli(["bench", "predict", "--set", "parallel.pipeline=2", "--set", "parallel.tensor=2", "--set",
+                "dist.nproc=4", "--set", "model.n_head=2", "--gpus", "8,16", "--out", str(tmp_path / "gpt")]) == 0
+    report = (tmp_path / "gpt" / "predict.md").read_text()
+    assert "- tensor split over 2 GPUs" in report and "- pipeline of 2 ranks" in report
+
+
 def test_a_sitting_of_a_tensor_split_times_one_rank_s_compute_alone(tmp_path):
     """--measure at 1 rank of a split of 2: the whole group's job on a fake group of 2, whose collectives return at
     once (the base the model predicts the 2-rank step from); --local-batch is the group's at every world size."""
@@ -421,8 +448,6 @@ def test_a_sitting_measures_the_links_of_each_element_type_the_job_sends(precisi
     (["--set", "parallel.pipeline=2"], "parallel.tensor x parallel.pipeline = 2 does not divide dist.nproc = 1"),
     (["--set", "parallel.pipeline=2", "--set", "dist.nproc=2", "--set", "parallel.pipeline_schedule=zbv"],
      "parallel.pipeline_schedule = 'zbv' is not modelled; predict gpipe, 1f1b, interleaved-1f1b"),
-    (["--set", "parallel.pipeline=2", "--set", "parallel.tensor=2", "--set", "dist.nproc=4", "--set",
-      "model.n_head=2"], "parallel.pipeline = 2 with parallel.tensor = 2 is not modelled"),
     (["--set", "parallel.tensor=3", "--set", "dist.nproc=3"], "parallel.tensor = 3 does not divide the model's "
      "attention heads (4)"),
     (["--model", "resnet50", "--set", "parallel.tensor=2", "--compute-s", "1"], "parallel.tensor = 2: resnet50 has "
@@ -438,8 +463,6 @@ def test_a_sitting_measures_the_links_of_each_element_type_the_job_sends(precisi
     (["--model", "llama3-8b", "--strategy", "ddp", "--set", "parallel.tensor=2", "--set",
       "parallel.grad_compression=powersgd", "--gpus", "16"], "parallel.grad_compression = 'powersgd' with "
      "parallel.tensor = 2 does not run in disttrain"),
-    (["--model", "llama3-8b", "--set", "parallel.tensor=2", "--set", "parallel.loss_parallel=false"],
-     "parallel.loss_parallel = 'false': llama3-8b's tensor-split calls are written for loss parallel"),
     (["--measure", "--set", "parallel.tensor=2", "--set", "model.n_head=2"], "--world-sizes 1,2,3: 3 ranks do not "
      "hold whole groups of parallel.tensor x parallel.pipeline = 2; give 1 and multiples of 2"),
     (["--measure", "--set", "parallel.pipeline=2"], "--world-sizes 1,2,3: 3 ranks do not hold whole groups of "

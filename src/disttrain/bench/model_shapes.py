@@ -46,6 +46,8 @@ class ModelShape:
     grad_rows: tuple[int, ...] = ()
     """Rows of each of those gradients as PowerSGD views it (its first dimension; 0 for a vector, which it sends
     whole). Empty: PowerSGD's factors cannot be counted."""
+    vocab: int = 0
+    """Vocabulary size (a preset's logits, gathered whole by a tensor split under a pipeline)."""
     columns: int = 0
     """Column-wise split linears of a block under disttrain's tensor plan (a Llama's q, k, v, gate and up: 5), for
     `tensor_calls`; 0: no plan (a counted model's collectives are recorded instead)."""
@@ -90,43 +92,65 @@ def gpt_shape(n_layer: int, d_model: int, seq_len: int, vocab_size: int) -> Mode
                       n_layer * 12 * d_model**2 + vocab_size * d_model)
 
 
-def _llama(name, layers, d, ffn, kv_heads, heads, vocab, seq):
+def llama_shape(name, layers, d, ffn, kv_heads, heads, vocab, seq):
     layer = 2 * d * d + 2 * d * (d * kv_heads // heads) + 3 * d * ffn + 2 * d
     matmul = layers * (layer - 2 * d) + vocab * d  # the output head multiplies; the input embedding is a lookup
-    return ModelShape(name, layers * layer + 2 * vocab * d + d, layer, layers, d, seq, matmul, columns=5)
+    return ModelShape(name, layers * layer + 2 * vocab * d + d, layer, layers, d, seq, matmul, vocab=vocab,
+                      columns=5)
 
 
-def tensor_calls(model: ModelShape, stored: str, compute: str, sequence_parallel: bool, clip: bool = True
-                 ) -> tuple[tuple[str, str, float, str], ...]:
+def tensor_calls(model: ModelShape, stored: str, compute: str, sequence_parallel: bool, clip: bool = True, *,
+                 stream: str = "", blocks: int | None = None, first: bool = True, last: bool = True,
+                 split_logits: bool = True, recompute: bool = False) -> tuple[tuple[str, str, float, str], ...]:
     """(part, collective, bytes, dtype) of one sequence's tensor-split collectives for a preset, in closed form: what
-    `bench/tensor_calls.count` records of a Llama under disttrain's plan with its logits split (loss parallel: three
-    all-reduces of a float32 a token in forward), the others of seq x d_model elements. The embedding's output is
-    all-reduced in the `stored` dtype; a block's row-wise outputs arrive in the `compute` dtype (autocast), the
-    gradients of its column-wise inputs in the stored one (the norms' outputs are float32). Without sequence
-    parallelism: forward one all-reduce per row-wise linear, backward one per column-wise linear (and the head's
-    input); with it, each all-reduce is an all-gather and a reduce-scatter, and the backward gathers once per
-    attention and MLP input. Once a step (part "step", its sizes not a sequence's): the norm of the clipped gradients
-    (`clip`) all-reduces the column-wise shards' norms and the total, and under sequence parallelism each norm's
-    weight gradient, left partial by backward, is summed where read: by the clip and by the optimizer."""
-    size, layers = model.seq_len * model.d_model, model.n_layer
-    step = (("step", "all_reduce", (model.columns * layers + 1) * ITEMSIZE[stored], stored),
-            ("step", "all_reduce", 4 * ITEMSIZE[stored], stored)) if clip else ()  # (the norms in the gradients' dtype)
-    first = (*(("forward", "all_reduce", model.seq_len * 4, "float32"),) * 3,  # (the loss's)
-             ("forward", "all_reduce", size * ITEMSIZE[stored], stored))  # (the embedding's output)
+    `bench/tensor_calls.count` records of a Llama under disttrain's plan, the calls of seq x d_model elements.
+
+    The residual stream's calls travel in `stream` (default `stored`: the parameters' dtype, which FSDP2's gathered
+    copies make the compute dtype): the embedding's output all-reduced, the gradients of the column-wise inputs; a
+    block's row-wise outputs in the `compute` dtype (autocast). Without sequence parallelism: forward one
+    all-reduce per row-wise linear, backward one per column-wise linear (and the head's input); with it, each
+    all-reduce is an all-gather and a reduce-scatter, and the backward gathers once per attention and MLP input.
+    The logits: split by vocabulary (`split_logits`, loss parallel: three all-reduces of a float32 a token in
+    forward), else gathered whole in the compute dtype. Once a step (part "step", its sizes not a sequence's, in
+    `stored`): the norm of the clipped gradients (`clip`) all-reduces the column-wise shards' norms and the
+    row-wise ones', and under sequence parallelism each norm's weight gradient, left partial by backward, is summed
+    where read: by the clip and by the optimizer.
+
+    A pipeline stage's (`blocks` of the model's blocks, the embedding where `first`, the final norm and head where
+    `last`): the whole model's by default. `recompute` (activation checkpointing): each block's forward calls are
+    sent again in backward, but its last."""
+    b, f, z = model.n_layer if blocks is None else blocks, int(first), int(last)
+    size, stream = model.seq_len * model.d_model, stream or stored
+    s, c, r = ITEMSIZE[stored], ITEMSIZE[compute], ITEMSIZE[stream]
+    step = (("step", "all_reduce", (model.columns * b + z) * s, stored),
+            ("step", "all_reduce", 2 * b * s, stored)) if clip else ()
+    logits = ((("forward", "all_reduce", model.seq_len * 4, "float32"),) * 3 if split_logits  # (the loss's)
+              else (("forward", "all_gather", model.seq_len * model.vocab * c, compute),)) * z
+    ends = logits + (("forward", "all_reduce", size * r, stream),) * f  # (the embedding's output)
     if not sequence_parallel:
-        return (step + first + (("forward", "all_reduce", size * ITEMSIZE[compute], compute),) * 2 * layers
-                + (("backward", "all_reduce", size * ITEMSIZE[stored], stored),) * (model.columns * layers + 1))
-    step += (("step", "all_reduce", model.d_model * ITEMSIZE[stored], stored),) * (2 * layers + 1) * (1 + clip)
-    return (step + first + (("forward", "all_gather", size * ITEMSIZE[stored], stored),) * (2 * layers + 1)
-            + (("forward", "reduce_scatter", size * ITEMSIZE[compute], compute),) * 2 * layers
-            + (("backward", "reduce_scatter", size * ITEMSIZE[stored], stored),) * (2 * layers + 1)
-            + (("backward", "all_gather", size * ITEMSIZE[compute], compute),) * 2 * layers
-            + (("backward", "all_gather", size * ITEMSIZE[stored], stored),))
+        block = (("all_reduce", size * c, compute),) * 2
+        return (step + ends + _blocks(block, b, recompute)
+                + (("backward", "all_reduce", size * r, stream),) * (model.columns * b + z))
+    step += (("step", "all_reduce", model.d_model * s, stored),) * (2 * b + z) * (1 + clip)
+    block = (("all_gather", size * r, stream), ("reduce_scatter", size * c, compute)) * 2
+    return (step + ends + _blocks(block, b, recompute) + (("forward", "all_gather", size * r, stream),) * z
+            + (("backward", "reduce_scatter", size * r, stream),) * (2 * b + z)
+            + (("backward", "all_gather", size * c, compute),) * 2 * b
+            + (("backward", "all_gather", size * r, stream),) * f)
+
+
+def _blocks(block: tuple, blocks: int, recompute: bool) -> tuple:
+    """`blocks` blocks' forward calls (each `block`'s: collective, bytes, dtype, in order), and where recomputed in
+    backward again but the block's last: torch's checkpoint stops recomputing once it has what backward saved, and
+    the block's output is not among it."""
+    again = (("backward", *call) for call in block[:-1]) if recompute else ()
+    return (tuple(("forward", *call) for call in block) + tuple(again)) * blocks
 
 
 MODELS: dict[str, ModelShape] = {
-    "llama3-8b": _llama("llama3-8b", 32, 4096, 14336, 8, 32, 128256, 8192),
-    "llama3-70b": _llama("llama3-70b", 80, 8192, 28672, 8, 64, 128256, 8192),
+    "llama3-8b": llama_shape("llama3-8b", 32, 4096, 14336, 8, 32, 128256, 8192),
+    "llama3-70b": llama_shape("llama3-70b", 80, 8192, 28672, 8, 64, 128256, 8192),
+    "llama3-405b": llama_shape("llama3-405b", 126, 16384, 53248, 8, 128, 128256, 8192),
     "resnet50": ModelShape("resnet50", 25.6e6),
     "bert-large": ModelShape("bert-large", 340e6, 12.6e6, 24, 1024, 128, 24 * 12.6e6),
 }

@@ -14,6 +14,7 @@ from disttrain.bench.predict_job import (
     config_strategy,
     pipeline_stages,
     settings,
+    stage_calls_of,
     tensor_calls_of,
 )
 from disttrain.bench.scale_model import (
@@ -64,12 +65,14 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
     local, micro, given = _forecast_batch(args, cfg)
     job = settings(cfg)
     tensor, pipeline = job["tensor"], job["pipeline"]
-    base, source = _workload(args, shape, precision, cfg, local, micro, fit)  # (the config's: the header's too)
+    data_axis = max(gpus) > tensor * pipeline  # (the calls priced as beside a data axis: FSDP2's gathered copies)
+    base, source = _workload(args, shape, precision, cfg, local, micro, fit, data_axis)  # (the header's too)
     rows, failed = [], {}
     for setting, swept in jobs:
         names = strategies or ["fsdp" if args.model else config_strategy(swept)]
         try:
-            work = base if swept is cfg else _workload(args, shape, precision, swept, local, micro, fit)[0]
+            work = base if swept is cfg else _workload(args, shape, precision, swept, local, micro, fit,
+                                                       max(gpus) > swept.parallel.tensor * swept.parallel.pipeline)[0]
         except ConfigError as exc:  # (a value the model does not price, e.g. a tensor degree straddling nodes)
             if not setting:
                 raise
@@ -106,7 +109,8 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
              f"{'group' if tensor * pipeline > 1 else 'GPU'} per step ({given}; "
              + (f"{local // micro} micro-batches of {micro}: gradients reduced on the last)" if local > micro
                 else "no accumulation)"),
-             *([_split_line(cfg, base.tensor_calls, tensor, local)] if tensor > 1 else []),
+             *([_split_line(cfg, base.tensor_calls or max(base.stage_calls, key=len), tensor, local)]
+               if tensor > 1 else []),
              *([_pipeline_line(cfg, base.stages, base.send_bytes, local // micro)] if pipeline > 1 else []),
              f"- compute of one step on one device: {base.compute_s:.4g} s, {source}",
              f"- precision {precision}, gradient compression {job['grad_compression']}: bytes per element stored / "
@@ -134,17 +138,19 @@ def _split_line(cfg: Config, calls: tuple, tensor: int, local: int) -> str:
             f"the compute; the strategy runs over GPUs / {tensor} ranks, each with 1/{tensor} of the parameters")
 
 
-def _workload(args, shape: ModelShape, precision: str, cfg: Config, local: int, micro: int, fit: dict | None
-              ) -> tuple[Workload, str]:
+def _workload(args, shape: ModelShape, precision: str, cfg: Config, local: int, micro: int, fit: dict | None,
+              data_axis: bool) -> tuple[Workload, str]:
     """(one forecast's workload of `cfg`, the config or one swept value of it, where its compute comes from): a group
     of tensor x pipeline GPUs reading `local` sequences in micro-batches of `micro`, each GPU computing its share, and
-    the splits' calls."""
+    the splits' calls (`data_axis`: as beside data-parallel ranks, where a mixed precision's stream is gathered in
+    the compute dtype; at a count of one group it is not, and the stream's calls are twice the bytes)."""
     job = settings(cfg)
     tokens = local * max(shape.seq_len, 1) / job["tensor"] / job["pipeline"]  # (a group's ranks share a batch)
     compute, source = _compute(args, shape, tokens, precision, fit, local, micro, job["pipeline"])
     split = pipeline_stages(cfg, shape, precision)
     return Workload(shape, compute, tokens, precision, local // micro, cpu_cores=cpu_cores(args, fit), **job,
-                    tensor_calls=tensor_calls_of(cfg, shape, precision, micro), stages=split.stages,
+                    tensor_calls=tensor_calls_of(cfg, shape, precision, micro, data_axis), stages=split.stages,
+                    stage_calls=stage_calls_of(cfg, shape, precision, micro, data_axis),
                     send_bytes=split.send_bytes * micro, tied_bytes=split.tied_bytes), source
 
 

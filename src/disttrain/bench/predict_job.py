@@ -131,17 +131,14 @@ def settings(cfg: Config) -> dict:
     """What a config sets of a step's collectives that the scale model takes, as `Workload`'s fields: the steps per
     logged line (each gathers the ranks' figures), DDP's bucket size, the gradients' compression (powersgd with its
     rank), hsdp's shard size, FSDP's prefetch depth, the tensor split's degree and the pipeline's degree and
-    schedule; one line for a context split, which the model does not have. (Not taken: `parallel.cpu_offload`, whose
-    copies are in the compute time given or measured.)"""
+    schedule (the two together: each stage split); one line for a context split, which the model does not have.
+    (Not taken: `parallel.cpu_offload`, whose copies are in the compute time given or measured.)"""
     from disttrain.config import CHOICES
 
     p, choices = cfg.parallel, CHOICES["parallel.grad_compression"]
     if p.context > 1:
         raise ConfigError(f"parallel.context = {p.context}: the scale model has data, tensor and pipeline parallelism "
                           "(no context split); predict the job without it, e.g. --set parallel.context=1")
-    if p.tensor > 1 and p.pipeline > 1:
-        raise ConfigError(f"parallel.pipeline = {p.pipeline} with parallel.tensor = {p.tensor} is not modelled; "
-                          "predict either split alone")
     if p.grad_compression not in choices:
         raise ConfigError(f"parallel.grad_compression = {p.grad_compression!r}: choose from {', '.join(choices)}")
     if not (p.bucket_cap_mb > 0 and math.isfinite(p.bucket_cap_mb)):
@@ -157,32 +154,70 @@ def settings(cfg: Config) -> dict:
             "pipeline": max(1, p.pipeline), "schedule": p.pipeline_schedule}
 
 
-def tensor_calls_of(cfg: Config, shape: ModelShape, precision: str, sequences: float
-                ) -> tuple[tuple[str, str, float, str], ...]:
+def tensor_calls_of(cfg: Config, shape: ModelShape, precision: str, sequences: float, data_axis: bool = False
+                    ) -> tuple[tuple[str, str, float, str], ...]:
     """The tensor split's collectives of a step in micro-batches of `sequences` sequences (`Workload.tensor_calls`):
     recorded from the config's model under disttrain's plan (`tensor_calls.count`), or in closed form for a preset;
-    () where `parallel.tensor` is 1. A forward's and a backward's sizes are one sequence's times `sequences`; the
-    step's (part "step") are the parameters'."""
-    from disttrain.bench import model_shapes, tensor_calls
+    () where `parallel.tensor` is 1 or a pipeline splits the model too (`stage_calls_of`). A forward's and a
+    backward's sizes are one sequence's times `sequences`; the step's (part "step") are the parameters'.
+    `data_axis`: data-parallel ranks beside the split (FSDP2: under a mixed precision the stream's calls in the
+    compute dtype, `tensor_calls.count`)."""
+    from disttrain.bench import tensor_calls
 
-    if cfg.parallel.tensor <= 1:
+    if cfg.parallel.tensor <= 1 or cfg.parallel.pipeline > 1:
         return ()
     if shape.counted:
-        calls = [(c.part, c.collective, c.nbytes, c.dtype) for c in tensor_calls.count(cfg, precision)]
-    elif shape.columns:
-        if cfg.parallel.loss_parallel == "false" or cfg.parallel.activation_checkpointing:
-            what = ("parallel.loss_parallel = 'false'" if cfg.parallel.loss_parallel == "false"
-                    else "parallel.activation_checkpointing = true")
-            raise ConfigError(f"{what}: {shape.name}'s tensor-split calls are written for loss parallel without "
-                              "activation checkpointing; model a config of the model (its calls are recorded) or "
-                              "leave the setting out")
-        stored, compute, _ = WIRE_DTYPES[precision]
-        calls = model_shapes.tensor_calls(shape, stored, compute, cfg.parallel.sequence_parallel,
-                                          cfg.optim.grad_clip > 0)
+        calls = _plain(tensor_calls.count(cfg, precision, data_axis))
     else:
+        calls = _preset_calls(cfg, shape, precision, data_axis)
+    return scaled_calls(tuple(calls), sequences)
+
+
+def stage_calls_of(cfg: Config, shape: ModelShape, precision: str, sequences: float, data_axis: bool = False
+                   ) -> tuple[tuple[tuple[str, str, float, str], ...], ...]:
+    """Under a pipeline with a tensor split, `tensor_calls_of`'s calls of each pipeline rank (`Workload.stage_calls`):
+    those of the stages it runs (`tensor_calls.count_stages`, or each stage's blocks and ends in closed form for a
+    preset); () otherwise."""
+    from disttrain.bench import tensor_calls
+    from disttrain.parallel import stages as pipe
+
+    p = cfg.parallel.pipeline
+    if cfg.parallel.tensor <= 1 or p <= 1:
+        return ()
+    if shape.counted:
+        per_stage = [_plain(calls) for calls in tensor_calls.count_stages(cfg, precision, data_axis)]
+    else:
+        bounds = _preset_bounds(cfg, shape)
+        per_stage = [_preset_calls(cfg, shape, precision, data_axis, hi - lo, s == 0, s == len(bounds) - 1)
+                     for s, (lo, hi) in enumerate(bounds)]
+    count = pipe.stage_count(cfg.parallel, p)
+    return tuple(scaled_calls(tuple(c for s in pipe.stages_of(rank, p, count, cfg.parallel.pipeline_schedule)
+                                    for c in per_stage[s]), sequences) for rank in range(p))
+
+
+def _plain(calls) -> list[tuple[str, str, float, str]]:
+    return [(c.part, c.collective, c.nbytes, c.dtype) for c in calls]
+
+
+def _preset_calls(cfg: Config, shape: ModelShape, precision: str, data_axis: bool, blocks: int | None = None,
+                  first: bool = True, last: bool = True) -> tuple[tuple[str, str, float, str], ...]:
+    """A preset's calls of one sequence in closed form (`model_shapes.tensor_calls`), as disttrain's plan runs the
+    config: its logits split where loss parallel is (`parallel/tensor.splits_logits`), its blocks recomputed under
+    activation checkpointing, the stream in FSDP2's gathered dtype beside a data axis."""
+    from types import SimpleNamespace
+
+    from disttrain.bench import model_shapes
+    from disttrain.parallel.tensor import splits_logits
+
+    if not shape.columns:
         raise ConfigError(f"parallel.tensor = {cfg.parallel.tensor}: {shape.name} has no tensor-parallel plan; "
                           "predict it with parallel.tensor = 1")
-    return scaled_calls(tuple(calls), sequences)
+    p = cfg.parallel
+    stored, gathered, _ = WIRE_DTYPES[precision]
+    split = splits_logits(p, SimpleNamespace(tensor=p.tensor, pipeline=p.pipeline), shape.vocab)
+    return model_shapes.tensor_calls(shape, stored, gathered, p.sequence_parallel, cfg.optim.grad_clip > 0,
+                                     stream=gathered if data_axis else stored, blocks=blocks, first=first,
+                                     last=last, split_logits=split, recompute=p.activation_checkpointing)
 
 
 def scaled_calls(calls: tuple, sequences: float) -> tuple:
@@ -221,7 +256,9 @@ def pipeline_stages(cfg: Config, shape: ModelShape, precision: str) -> PipelineS
     the head on the last (`parallel.pipeline_split` where given), two stages a rank under interleaved-1f1b, each on
     rank stage mod p. A rank's units: its stages' blocks, after a unit of its embedding (the first) or head (the
     last: the root's FLOPs, the head's matmul). The stream between stages is counted in the compute dtype (bf16 under
-    bf16-mixed: what crosses under a data-parallel wrapper). A preset's root is split half and half."""
+    bf16-mixed: what crosses under a data-parallel wrapper), a tensor rank's share of it under sequence parallelism
+    (the stream is split along the sequence), and a tied weight's rows too (split by vocabulary). A preset's root is
+    split half and half."""
     from disttrain.parallel import stages as pipe
     from disttrain.parallel.state import tie_groups
 
@@ -249,12 +286,8 @@ def pipeline_stages(cfg: Config, shape: ModelShape, precision: str) -> PipelineS
                    if model.get_parameter(names[0]).requires_grad and held & set(family.embeddings)
                    and held & set(family.head)) * ITEMSIZE[WIRE_DTYPES[precision][0]]
     else:
-        if cfg.parallel.pipeline_split.strip():
-            raise ConfigError(f"parallel.pipeline_split = {cfg.parallel.pipeline_split!r}: {shape.name} has no "
-                              "module names to split at; model a config of the model, or leave the split to balance")
         half = units[0].params / 2
-        cuts = pipe.balanced_split([u.params for u in units[1:]], count, half, half)
-        bounds = list(zip([0, *cuts], [*cuts, len(units) - 1], strict=True))
+        bounds = _preset_bounds(cfg, shape)
         ends = (UnitShape(half, half, 0.0, 0.0), UnitShape(half, half, units[0].forward_flops, units[0].backward_flops))
         hidden = shape.d_model
     ranks = []
@@ -266,4 +299,21 @@ def pipeline_stages(cfg: Config, shape: ModelShape, precision: str) -> PipelineS
                          sum(u.forward_flops for u in root), sum(u.backward_flops for u in root)), *blocks)
         ranks.append(ModelShape(f"{shape.name}, pipeline rank {rank}", sum(u.params for u in own),
                                 blocks[0].params if blocks else 0.0, len(blocks), seq_len=shape.seq_len, counted=own))
-    return PipelineSplit(tuple(ranks), shape.seq_len * hidden * stream, tied)
+    t = max(1, cfg.parallel.tensor)  # (each tensor rank sends its share of a sequence-split stream, sums its rows)
+    return PipelineSplit(tuple(ranks), shape.seq_len * hidden * stream / (t if cfg.parallel.sequence_parallel else 1),
+                         tied / t)
+
+
+def _preset_bounds(cfg: Config, shape: ModelShape) -> list[tuple[int, int]]:
+    """[first block, end) of each pipeline stage of a preset: disttrain's balanced split, its root's parameters half
+    on the first stage and half on the last."""
+    from disttrain.parallel import stages as pipe
+
+    if cfg.parallel.pipeline_split.strip():
+        raise ConfigError(f"parallel.pipeline_split = {cfg.parallel.pipeline_split!r}: {shape.name} has no "
+                          "module names to split at; model a config of the model, or leave the split to balance")
+    units = shape.units()
+    half = units[0].params / 2
+    cuts = pipe.balanced_split([u.params for u in units[1:]], pipe.stage_count(cfg.parallel, cfg.parallel.pipeline),
+                               half, half)
+    return list(zip([0, *cuts], [*cuts, len(units) - 1], strict=True))

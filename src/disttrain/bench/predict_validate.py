@@ -11,7 +11,7 @@ from pathlib import Path
 
 from disttrain.bench.interconnect import Interconnect, with_gpus_per_node
 from disttrain.bench.model_shapes import ModelShape
-from disttrain.bench.predict_job import pipeline_stages, scaled_calls, series_settings, tensor_calls_of
+from disttrain.bench.predict_job import pipeline_stages, scaled_calls, series_settings, stage_calls_of, tensor_calls_of
 from disttrain.bench.published_scaling import PUBLISHED
 from disttrain.bench.scale_model import STRATEGIES, Workload, step_time
 from disttrain.config import Config
@@ -139,8 +139,8 @@ def measured_checks(args, shape: ModelShape, precision: str, net: Interconnect, 
              "from the 1-rank step. Target: |error| <= 10%.", "",
              "| series | ranks | measured (s) | predicted (s) | error | collectives (s) |",
              "|---|---|---|---|---|---|"]
-    per_sequence = tensor_calls_of(cfg, shape, precision, 1.0)  # (a tensor split's collectives: none without one)
     split = pipeline_stages(cfg, shape, precision)
+    group = cfg.parallel.tensor * cfg.parallel.pipeline
     skipped = [label for label, (_, by_world, _) in measured.items() if 1 not in by_world]
     refused = []
     for label, (strategy, by_world, swept) in measured.items():
@@ -155,9 +155,11 @@ def measured_checks(args, shape: ModelShape, precision: str, net: Interconnect, 
         for world, m in sorted(by_world.items()):
             scale = m["local"] / base["local"] if base["local"] else 1.0
             sequences = m["local"] / m["micro_steps"]
-            calls = scaled_calls(per_sequence, sequences)
+            beside = world > group  # (a data axis: a mixed precision's stream in the compute dtype)
+            calls = scaled_calls(tensor_calls_of(cfg, shape, precision, 1.0, beside), sequences)
             work = Workload(shape, base["step_time_s"] * scale / job["pipeline"], 1.0, precision, m["micro_steps"],
                             cpu_cores=cores, **{**job, "log_every": m["log_every"]}, tensor_calls=calls,
+                            stage_calls=stage_calls_of(cfg, shape, precision, sequences, beside),
                             stages=split.stages, send_bytes=split.send_bytes * sequences,
                             tied_bytes=split.tied_bytes)  # (log_every: the gathers a median pays)
             s = step_time(strategy, world, work, net)

@@ -91,6 +91,9 @@ class Workload:
     """(part, collective, bytes, dtype) of each collective the tensor split sends in one micro-batch's forward or
     backward, or once in the step after them (part "step": the clip's norm, partial gradients summed)
     (`bench/tensor_calls.count`, or `model_shapes.tensor_calls` for a preset); each holds up the compute."""
+    stage_calls: tuple[tuple[tuple[str, str, float, str], ...], ...] = ()
+    """Under a pipeline with a tensor split, each pipeline rank's `tensor_calls`: those of the stages it holds
+    (`predict_job.stage_calls_of`)."""
 
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
@@ -294,7 +297,8 @@ def _pipeline_step(strategy: str, n: int, work: Workload, net: Interconnect) -> 
     with v stages per rank (interleaved) the others' share over v; plus the sends that fill and drain it, 2 (p v - 1)
     one-way sends of `send_bytes` (the steady state's overlap the compute), across nodes once the job spans several;
     and the sum of a tied embedding and head's gradients between the first and last stage (`tied_bytes`), after the
-    last backward. On a CPU host every send is a call on its rank's timeline: 2 v a micro-batch."""
+    last backward. On a CPU host every send is a call on its rank's timeline: 2 v a micro-batch. Under a tensor
+    split, a rank's micro-batch holds its stages' calls (`stage_calls`), each tensor rank sending its share."""
     p, m, v = work.pipeline, work.micro_steps, _check_pipeline(strategy, n, work)
     apart = n > net.gpus_per_node  # (a stage boundary on other nodes)
 
@@ -307,13 +311,15 @@ def _pipeline_step(strategy: str, n: int, work: Workload, net: Interconnect) -> 
     tied = collective_time("all_reduce", work.tied_bytes, 2, link(stored, "all_reduce"))
     total = work.model.flops_per_token()
     steps, micro = [], []
-    for shape in work.stages:
+    for rank, shape in enumerate(work.stages):
         compute = work.compute_s * p * shape.flops_per_token() / total  # (compute_s: a GPU's share of equal stages)
         if work.cpu_cores:
             compute += 2 * m * v * send
-        steps.append(step_time(strategy, n // p, replace(work, model=shape, compute_s=compute, pipeline=1, stages=()),
-                               net, model_split=True))
-        micro.append(compute / m)
+        own = replace(work, model=shape, compute_s=compute, pipeline=1, stages=(), stage_calls=(),
+                      tensor_calls=work.stage_calls[rank] if work.tensor > 1 else ())
+        steps.append(step_time(strategy, n // p, own, net, model_split=True))
+        (forward, backward, _), _ = _tensor_seconds(own, net)  # (a micro-batch waits for its split's calls)
+        micro.append(compute / m + forward + backward)
     slowest = max(range(p), key=lambda r: steps[r].step_s)
     bubble = (sum(micro) - micro[slowest]) / v + (0.0 if work.cpu_cores else 2 * (p * v - 1) * send)
     sent = 2 * m * v * work.send_bytes + work.tied_bytes
@@ -329,17 +335,15 @@ def _check_pipeline(strategy: str, n: int, work: Workload) -> int:
                           f"{', '.join(VIRTUAL)} (zero-bubble schedules split the backward)")
     if n % p:
         raise ConfigError(f"parallel.pipeline = {p} does not divide {n} GPUs; give multiples of it")
-    if work.tensor > 1:
-        raise ConfigError(f"parallel.pipeline = {p} with parallel.tensor = {work.tensor} is not modelled; predict "
-                          "either split alone")
     if work.cpu_cores and (n > p or p > work.cpu_cores):
         raise ConfigError(f"parallel.pipeline = {p} on {n} ranks of a CPU host with {work.cpu_cores} cores is not "
-                          "modelled (data parallelism beside it, or more stages than cores: ranks sharing the cores); "
-                          "predict the pipeline alone, on as many ranks as cores")
+                          "modelled (a tensor split or data parallelism beside it, or more stages than cores: ranks "
+                          "sharing the cores); predict the pipeline alone, on as many ranks as cores")
     if v > 1 and work.micro_steps % p:
         raise ConfigError(f"parallel.pipeline_schedule = {work.schedule!r} runs micro-batches in multiples of "
                           f"parallel.pipeline = {p}, not {work.micro_steps}; give a batch of such micro-batches")
     assert len(work.stages) == p, "a pipeline's Workload holds each rank's stages"
+    assert work.tensor == 1 or len(work.stage_calls) == p, "a pipeline's tensor split holds each rank's calls"
     _check_model_split(strategy, work, f"parallel.pipeline = {p}")
     return v
 

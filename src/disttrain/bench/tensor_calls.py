@@ -61,24 +61,62 @@ def form_fake_group(size: int) -> None:
     dist.init_process_group("fake", rank=0, world_size=size, store=dist.HashStore())
 
 
-def count(cfg: Config, precision: str = "") -> tuple[TensorCall, ...]:
+def count(cfg: Config, precision: str = "", data_axis: bool = False) -> tuple[TensorCall, ...]:
     """The collectives of one sequence's forward and backward under the config's tensor split
     (`parallel.tensor`, `parallel.sequence_parallel`, `parallel.loss_parallel`), precision (`precision`, else
     `parallel.precision`) and activation checkpointing, then the step's (part "step": the clip's norm where
     `optim.grad_clip` > 0, and the optimizer's update, which sum the gradients backward left partial); () where the
-    model is not split."""
+    model is not split. Under `parallel.pipeline` > 1 the whole model's (`count_stages` gives each stage's).
+
+    `data_axis`: the job has data-parallel ranks beside the split, which disttrain runs as FSDP2 (ddp as its
+    replicate): under a mixed precision it computes with parameters gathered in the compute dtype, so the stream's
+    calls (the embedding's output, the norms' outputs and their gradients) travel in it, not in float32; the step's
+    stay in the stored dtype."""
+    return _counted(cfg, precision, data_axis, stages=False)[0]
+
+
+def count_stages(cfg: Config, precision: str = "", data_axis: bool = False) -> tuple[tuple[TensorCall, ...], ...]:
+    """Under `parallel.pipeline` > 1 with a tensor split: `count`'s calls of each pipeline stage (stage order, two a
+    rank when interleaved), recorded as the pipeline runs it (`parallel/stages.StagePart`: the embedding on the
+    first, the final norm and head on the last, whose logits are gathered whole: no loss parallel under a
+    pipeline); a later stage's input is what the one before sends, a sequence's stream (under sequence parallelism
+    its share of the sequence). The step's calls are those of the stage's parameters."""
+    return _counted(cfg, precision, data_axis, stages=True)
+
+
+def _counted(cfg: Config, precision: str, data_axis: bool, stages: bool) -> tuple[tuple[TensorCall, ...], ...]:
     degree = cfg.parallel.tensor
     if degree <= 1:
-        return ()
-    key = repr((cfg.model, cfg.parallel, cfg.optim, precision))  # (a sitting's measuring and checking ask alike)
+        return ((),) * (_stage_count(cfg) if stages else 1)
+    precision = precision or cfg.parallel.precision
+    key = repr((cfg.model, cfg.parallel, cfg.optim, precision, data_axis, stages))  # (a sitting measures, checks)
     if key not in _COUNTED:
-        model = meta_built(cfg.model, f"parallel.tensor = {degree}", "its collectives", "use --model PRESET")
-        with fake_group(degree):
-            _COUNTED[key] = _record(model, cfg, degree, precision or cfg.parallel.precision)
+        from disttrain.precision import get_precision
+
+        gathered = data_axis and get_precision(precision).fsdp_policy() is not None
+        stored = _record_all(cfg, degree, precision, stages, gathered=False)
+        if gathered:  # forward and backward on FSDP2's gathered copies, the step on the stored parameters
+            computed = _record_all(cfg, degree, precision, stages, gathered=True)
+            stored = tuple(tuple(c for c in calls if c.part != "step") + tuple(c for c in step if c.part == "step")
+                           for calls, step in zip(computed, stored, strict=True))
+        _COUNTED[key] = stored
     return _COUNTED[key]
 
 
-_COUNTED: dict[str, tuple[TensorCall, ...]] = {}
+def _stage_count(cfg: Config) -> int:
+    from disttrain.parallel.stages import stage_count
+
+    return stage_count(cfg.parallel, cfg.parallel.pipeline)
+
+
+def _record_all(cfg: Config, degree: int, precision: str, stages: bool, gathered: bool
+                ) -> tuple[tuple[TensorCall, ...], ...]:
+    model = meta_built(cfg.model, f"parallel.tensor = {degree}", "its collectives", "use --model PRESET")
+    with fake_group(degree):
+        return _record(model, cfg, degree, precision, stages, gathered)
+
+
+_COUNTED: dict[str, tuple[tuple[TensorCall, ...], ...]] = {}
 
 
 def meta_built(model_cfg, setting: str, counted: str, hint: str):
@@ -95,43 +133,97 @@ def meta_built(model_cfg, setting: str, counted: str, hint: str):
                           f"({type(exc).__name__}: {exc}); {hint}") from None
 
 
-def _record(model, cfg: Config, degree: int, precision_name: str) -> tuple[TensorCall, ...]:
+def _record(model, cfg: Config, degree: int, precision_name: str, stages: bool, gathered: bool
+            ) -> tuple[tuple[TensorCall, ...], ...]:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
 
-    from disttrain.optim import optimizer_factory
     from disttrain.parallel import tensor
     from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
-    from disttrain.parallel.spec import squared_norm
+    from disttrain.parallel.state import tie_groups
     from disttrain.precision import get_precision
 
     mesh = init_device_mesh("cpu", (degree,), mesh_dim_names=("tp",))
     precision = get_precision(precision_name)
-    split = tensor.splits_logits(cfg.parallel, SimpleNamespace(tensor=degree, pipeline=1), tensor.vocabulary(model))
-    if precision.param_dtype is not None:  # (on the meta device: fake tensors cannot be swapped for others)
-        model.to(precision.param_dtype)
+    pipeline = cfg.parallel.pipeline if stages else 1
+    split = tensor.splits_logits(cfg.parallel, SimpleNamespace(tensor=degree, pipeline=pipeline),
+                                 tensor.vocabulary(model))
+    ties = tie_groups(model) if stages else []  # (before the fake tensors, which untie them)
+    dtype = precision.compute_dtype if gathered else precision.param_dtype
+    if dtype is not None:  # (on the meta device: fake tensors cannot be swapped for others)
+        model.to(dtype)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = model.to_empty(device="cpu")
         if cfg.parallel.activation_checkpointing:
             apply_activation_checkpointing(model)
         tensor.parallelize(model, mesh, cfg.parallel.sequence_parallel, split)
         tokens = torch.zeros(1, cfg.model.seq_len, dtype=torch.long)
-        loss_context = tensor.loss_parallel if split else contextlib.nullcontext
-        with recording() as recorder:
-            with precision.autocast("cpu"), loss_context():
-                out = model(tokens)
+        if not stages:
+            return (_run(model, model, tokens, None, cfg, precision, split, ties),)
+        from disttrain.parallel.stages import FAMILIES, StagePart, family_of, stage_bounds
+
+        family, count = FAMILIES[family_of(model)], _stage_count(cfg)
+        width = cfg.model.seq_len // (degree if cfg.parallel.sequence_parallel else 1)
+        stream = torch.zeros(1, width, _hidden(model), dtype=next(model.parameters()).dtype)
+        recorded = []
+        for s, bounds in enumerate(stage_bounds(model, count, cfg.parallel.pipeline_split)):
+            part = StagePart(model, family, bounds, s == 0, s == count - 1)
+            recorded.append(_run(model, part, tokens if s == 0 else stream.clone().requires_grad_(),
+                                 None if s == count - 1 else stream, cfg, precision, split, ties))
+        return tuple(recorded)
+
+
+def _run(model, part, inputs, sent, cfg: Config, precision, split: bool, ties: list[list[str]]
+         ) -> tuple[TensorCall, ...]:
+    """`part`'s calls on `inputs`: forward (to the loss where it ends in logits, else to its output, whose gradient
+    comes back shaped as `sent`), backward, then the clip's norm and the optimizer's update of its parameters.
+    `ties`: the names of weights a pipeline's first and last stage share (none for the whole model)."""
+    import torch
+
+    from disttrain.optim import optimizer_factory
+    from disttrain.parallel import tensor
+    from disttrain.parallel.spec import squared_norm
+
+    for param in model.parameters():
+        param.grad = None
+    loss_context = tensor.loss_parallel if split else contextlib.nullcontext
+    tokens = torch.zeros(1, cfg.model.seq_len, dtype=torch.long)
+    with recording() as recorder:
+        with precision.autocast("cpu"), loss_context():
+            out = part(inputs)
+            if sent is None:
                 logits = out if isinstance(out, torch.Tensor) else out.logits
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
-            recorder.part = "backward"
-            with loss_context():
-                loss.backward()
-            recorder.part = "step"  # the gradients tensor parallelism leaves partial are summed where first read
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            if cfg.optim.grad_clip > 0:
-                squared_norm(grads)
-            optimizer_factory(cfg.optim)(model).step()
+                out = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+        recorder.part = "backward"
+        with loss_context():
+            out.backward(None if sent is None else torch.zeros(out.shape, dtype=out.dtype))
+        recorder.part = "step"  # the gradients tensor parallelism leaves partial are summed where first read
+        _tied_as_held(model, part, ties)  # (a pipeline's tied weights, summed between the ends)
+        skip = {id(model.get_parameter(n)) for names in ties for n in names} if getattr(part, "last", False) and \
+            not part.first else set()  # (the first stage's copy counts in the norm, not the last's)
+        grads = [p.grad for p in part.parameters() if p.grad is not None and id(p) not in skip]
+        if cfg.optim.grad_clip > 0:
+            squared_norm(grads)
+        optimizer_factory(cfg.optim)(part).step()
     return tuple(recorder.calls)
+
+
+def _tied_as_held(model, part, ties: list[list[str]]) -> None:
+    """As the pipeline's step does before it sums a tied weight's gradients between the first and last stage
+    (parallel/pipeline.py): a gradient left in another layout than its weight's (an embedding's, replicated) is
+    laid out as the weight (no communication: each rank keeps its rows), so the clip's norm counts it with them."""
+    held = {id(p) for p in part.parameters()}
+    for param in (model.get_parameter(name) for names in ties for name in names):
+        grad = param.grad
+        if id(param) in held and grad is not None and hasattr(grad, "placements") and \
+                grad.placements != param.placements:
+            param.grad = grad.redistribute(placements=param.placements)
+
+
+def _hidden(model) -> int:
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.tok_emb
+    return embedding.embedding_dim
 
 
 @contextlib.contextmanager

@@ -45,6 +45,7 @@ from disttrain.parallel.stages import (
     stages_of,
 )
 from disttrain.parallel.state import dtensor_targets, full_state_dict_fns, local_tensor, tie_groups
+from disttrain.parallel.tensor import SEQUENCE_SHARDS
 
 KEPT_SCHEDULES = 4
 """Schedules (with their stages' device buffers) kept for the step shapes seen last (`PipelinePrepared._schedule`)."""
@@ -161,6 +162,8 @@ class StageLayout:
     vocab: int
     dtype: Any
     """The residual stream's dtype between stages."""
+    shards: int = 1
+    """Tensor ranks the stream is split over along the sequence (sequence parallelism: each sends its share)."""
 
     def holder(self, stage: int) -> int:
         return holder(stage, self.ranks, self.schedule)
@@ -172,9 +175,10 @@ def build_schedule(prepared: PipelinePrepared, microbatches: int, size: int, wid
     lay = prepared.layout
     stages = []
     for index, part in prepared.parts:
+        stream = (size, width // lay.shards, lay.hidden)  # (the logits are whole: the head gathers the sequence)
         meta = torch.empty((size, width), dtype=torch.long, device="meta") if index == 0 else \
-            torch.empty((size, width, lay.hidden), dtype=lay.dtype, device="meta", requires_grad=True)
-        out = torch.empty((size, width, lay.hidden if index < lay.stages - 1 else lay.vocab), dtype=lay.dtype,
+            torch.empty(stream, dtype=lay.dtype, device="meta", requires_grad=True)
+        out = torch.empty(stream if index < lay.stages - 1 else (size, width, lay.vocab), dtype=lay.dtype,
                           device="meta", requires_grad=True)  # (requires_grad: gradients flow back through it)
         # every shape given: the stages never exchange (pickled) metadata
         stages.append(pipelining.PipelineStage(part, index, lay.stages, device, input_args=(meta,),
@@ -241,7 +245,8 @@ class StageRunner(nn.Module):
         for stage in range(lay.stages):
             holder = lay.holder(stage)
             if stage > 0 and holder == lay.rank and lay.holder(stage - 1) != lay.rank:
-                x = torch.empty((*input_ids.shape, lay.hidden), dtype=lay.dtype, device=input_ids.device)
+                rows, width = input_ids.shape
+                x = torch.empty((rows, width // lay.shards, lay.hidden), dtype=lay.dtype, device=input_ids.device)
                 dist.recv(x, group=lay.group, group_src=lay.holder(stage - 1))
             if holder != lay.rank:
                 continue
@@ -268,7 +273,8 @@ def prepare(model: nn.Module, runtime, parallel, device_mesh, apply_data: Callab
     kept real and reads their weights, once the others are pruned (the tie groups name a tied head's tensor)."""
     pp_mesh = device_mesh["pp"]
     lay = StageLayout(stage_count(parallel, pp_mesh.size()), pp_mesh.size(), pp_mesh.get_local_rank(),
-                      pp_mesh.get_group(), parallel.pipeline_schedule, *_sizes(model), dtype)
+                      pp_mesh.get_group(), parallel.pipeline_schedule, *_sizes(model), dtype,
+                      getattr(model, SEQUENCE_SHARDS, 1))
     fam = FAMILIES[family_of(model)]
     bounds = stage_bounds(model, lay.stages, parallel.pipeline_split)
     mine = stages_of(lay.rank, lay.ranks, lay.stages, lay.schedule)

@@ -18,6 +18,7 @@ from torch import nn
 from disttrain.errors import ConfigError
 from disttrain.parallel.activation_checkpoint import transformer_blocks
 from disttrain.parallel.mesh import V_SCHEDULES, VIRTUAL_SCHEDULES
+from disttrain.parallel.tensor import SEQUENCE_SHARDS
 
 # ----------------------------------------------------------------------------------------------
 # What a stage runs, per model family
@@ -42,7 +43,10 @@ def _gpt_embed(model, ids):
 
 
 def _llama_block(model, block, x):
-    positions = torch.arange(x.shape[1], device=x.device)[None]
+    # under sequence parallelism a block after the first gets its rank's share of the sequence, while its attention
+    # runs on the whole (gathered on entry): the rotary embedding of every position
+    shards = getattr(model, SEQUENCE_SHARDS, 1) if block is not _block_list(model)[0] else 1
+    positions = torch.arange(x.shape[1] * shards, device=x.device)[None]
     rotary = model.model.rotary_emb(x, positions)
     return block(x, attention_mask=None, position_ids=positions, position_embeddings=rotary)
 

@@ -76,6 +76,11 @@ def check_divisible(model: nn.Module, kind: str, degree: int) -> None:
                               f"tensor degree that divides {value}")
 
 
+SEQUENCE_SHARDS = "disttrain_sequence_shards"
+"""Attribute `parallelize` sets on a model whose stream it splits along the sequence (sequence parallelism): the
+ranks sharing it. A pipeline stage's Llama block reads it (parallel/stages.py): every block but the first gets its
+rank's share of the sequence, and its rotary positions are the whole sequence's."""
+
 SPLIT_LOGITS_FROM = 8192
 """`parallel.loss_parallel = auto` splits the logits of vocabularies this large and larger."""
 
@@ -108,6 +113,7 @@ def parallelize(model: nn.Module, tp_mesh, sequence_parallel: bool, split_logits
         block_plan[plan["mlp"]] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
     frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     blocks = transformer_blocks(model)
+    setattr(model, SEQUENCE_SHARDS, tp_mesh.size() if sequence_parallel else 1)
     for block in blocks:
         parallelize_module(block, tp_mesh, block_plan)
     parallelize_module(model, tp_mesh, _outer_plan(model, kind, sequence_parallel, blocks, split_logits))
