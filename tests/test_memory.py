@@ -305,21 +305,22 @@ def test_estimate_matches_measurement_under_every_two_stage_schedule(measured_sc
 
 
 @pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zero-bubble", "zbv", "dualpipev"])
-def test_torch_gives_the_order_of_every_two_stage_schedule(schedule):
+def test_torch_gives_the_order_of_every_multi_stage_schedule(schedule):
     """The estimate reads torch's own per-rank order (a private method): a torch that moves it falls back to an
     approximation with a note, and this test says so."""
     from disttrain.parallel.placement import in_flight, torch_order
 
     odd = 7 if schedule in ("zbv", "dualpipev") else 6  # the looped ones need a multiple of the ranks
-    for ranks, microbatches in ((2, 1), (2, 4), (2, odd), (4, 8)):
+    looped = schedule in ("interleaved-1f1b", "zero-bubble")  # (and take more stages a rank)
+    for ranks, microbatches, v in ((2, 1, 2), (2, 4, 2), (2, odd, 2), (4, 8, 2), *(((2, 4, 3), (4, 8, 4)) * looped)):
         for rank in range(ranks):
-            order = torch_order(schedule, ranks, rank, microbatches)
+            order = torch_order(schedule, ranks, rank, microbatches, v)
             assert order is not None
             forwards = [stage for stage, kind in order if kind == "F"]
-            assert len(forwards) == 2 * microbatches  # every micro-batch through both of its stages
+            assert len(forwards) == v * microbatches  # every micro-batch through each of its stages
             assert [kind for _, kind in order].count("F") == sum(kind in "BW" for _, kind in order)
-            chunks, exact = in_flight(schedule, ranks, rank, microbatches)
-            assert exact and 0 < len(chunks) <= 2 * microbatches
+            chunks, exact = in_flight(schedule, ranks, rank, microbatches, (1.0,) * v)
+            assert exact and 0 < len(chunks) <= v * microbatches and max(chunks) < v
 
 
 def test_ddp_holds_accumulated_gradients_beside_its_buckets_and_the_estimate_counts_them():

@@ -20,10 +20,12 @@ from disttrain.parallel.mesh import MeshLayout, layout_for
 
 # 2 ranks: tensor parallel over both (data degree 1: no data axis); a pipeline of 2 stages under each schedule
 # (interleaved, zero-bubble, zbv and dualpipev put 2 virtual stages on each rank: a 4-block model, `layers4`; the V of
-# zbv and dualpipev puts the first and last stage, and so the tied embedding and head, on rank 0)
+# zbv and dualpipev puts the first and last stage, and so the tied embedding and head, on rank 0; interleaved and
+# zero-bubble with 3 stages a rank, parallel.pipeline_stages_per_rank, on a 6-block model)
 # (+lp: the loss on logits split by vocabulary, loss parallel; +ac: activation checkpointing composes)
 TWO = ["ddp+tp2", "ddp+tp2+sp", "ddp+tp2+lp", "fsdp+tp2", "ddp+pp2+gpipe", "ddp+pp2+1f1b",
-       "ddp+pp2+i1f1b+layers4", "ddp+pp2+zb+layers4", "ddp+pp2+zbv+layers4",
+       "ddp+pp2+i1f1b+layers4", "ddp+pp2+zb+layers4", "ddp+pp2+zbv+layers4", "ddp+pp2+i1f1b+v3+layers6",
+       "ddp+pp2+zb+v3+layers6",
        "ddp+pp2+dualpipev+layers4", "ddp+tp2+ac", "ddp+pp2+ac",
        # context parallelism: each sequence cut in 2 chunks, attention over the gathered keys and values
        "ddp+cp2", "fsdp+cp2+ac",
@@ -82,7 +84,8 @@ def runs(tmp_path_factory):
                 for world, variants in ((2, TWO + MIXED + RESUMES), (4, FOUR + RESUMES_FOUR))]
 
     single, multi = run_alongside([sys.executable, script, str(tmp), *STEPS, "single", "single+layers4",
-                                   "single+bf16", "single+freeze", "single+layers4+freeze"], tmp, launches)
+                                   "single+layers6", "single+bf16", "single+freeze", "single+layers4+freeze"], tmp,
+                                  launches)
     assert single.returncode == 0, single.stderr[-3000:]
     for launched in multi:
         assert launched.returncode == 0, launched.stderr[-3000:]
@@ -148,7 +151,8 @@ def test_mfu_counts_the_whole_model_under_every_layout(runs):
 
 def reference_of(references: dict, variant: str) -> dict:
     then = variant.rpartition(">")[2]
-    return references["single" + "+layers4" * ("layers4" in then) + "+freeze" * ("freeze" in then)]
+    layers = next((f"+{flag}" for flag in then.split("+") if flag.startswith("layers")), "")
+    return references["single" + layers + "+freeze" * ("freeze" in then)]
 
 
 def assert_same_training(got: dict, reference: dict, steps=slice(None)) -> None:
@@ -302,6 +306,14 @@ def test_layout_from_settings(overrides, world, expected):
     (["parallel.pipeline=2", "model.n_layer=1"], 2, "model.n_layer = 1 blocks cannot fill 2 pipeline stages"),
     (["parallel.pipeline=2", "parallel.pipeline_schedule=interleaved-1f1b", "model.n_layer=2"], 2,
      "cannot fill 4 pipeline stages"),
+    (["parallel.pipeline=2", "parallel.pipeline_schedule=interleaved-1f1b", "parallel.pipeline_stages_per_rank=3",
+      "model.n_layer=4"], 2, "cannot fill 6 pipeline stages"),
+    (["parallel.pipeline=2", "parallel.pipeline_stages_per_rank=3"], 2, "pipeline_stages_per_rank = 3: "
+     "parallel.pipeline_schedule = '1f1b' takes 1"),
+    (["parallel.pipeline=2", "parallel.pipeline_schedule=zbv", "parallel.pipeline_stages_per_rank=4"], 2,
+     "'zbv' takes 2"),
+    (["parallel.pipeline=2", "parallel.pipeline_schedule=zero-bubble", "parallel.pipeline_stages_per_rank=1"], 2,
+     "'zero-bubble' takes 2 or more"),
     (["parallel.pipeline=2", "parallel.pipeline_microbatches=3", "data.global_batch_size=16",
       "data.micro_batch_size=4"], 2, r"pipeline_microbatches = 3, but .* = 4 micro-batches per step"),
     (["parallel.pipeline=2", "parallel.pipeline_schedule=zero-bubble", "data.global_batch_size=12",

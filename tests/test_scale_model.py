@@ -547,6 +547,8 @@ def test_a_pipeline_pays_its_bubble_and_the_sends_that_fill_and_drain_it():
     assert sm.step_time("ddp", 4, work, NET).step_s == pytest.approx((8 + 3) * micro + 2 * 3 * send, rel=1e-9)
     interleaved = sm.step_time("ddp", 4, replace(work, schedule="interleaved-1f1b"), NET).step_s
     assert interleaved == pytest.approx((8 + 3 / 2) * micro + 2 * (4 * 2 - 1) * send, rel=1e-9)  # (8 stages)
+    deeper = sm.step_time("ddp", 4, replace(work, schedule="interleaved-1f1b", virtual=4), NET).step_s
+    assert deeper == pytest.approx((8 + 3 / 4) * micro + 2 * (4 * 4 - 1) * send, rel=1e-9)  # (16 stages)
     slow = replace(work, stages=(_stage(2.0), *stages[1:]))
     total = 5.0 / 4.0  # the first stage does 2 of 5 shares: 1.6 x a GPU's equal share
     assert sm.step_time("ddp", 4, replace(slow, model=replace(model, counted=(model.counted[0], UnitShape(

@@ -325,6 +325,12 @@ def test_forecast_of_a_pipeline_of_tensor_splits_prices_each_rank_s_stages_calls
     row = next(csv.DictReader(open(tmp_path / "predict.csv")))
     assert float(row["step_s"]) == pytest.approx(sm.step_time("fsdp", 8192, work, ic.PRESETS[
         "h100-nvlink+ib-ndr"]).step_s, rel=1e-9)
+    deeper = tmp_path / "deeper"  # (Meta's 126 blocks allow up to 7 stages a rank over 16)
+    assert cli(["bench", "predict", "--model", "llama3-405b", *(a for s in settings for a in ("--set", s)),
+                "--sweep", "parallel.pipeline_stages_per_rank=2,7", "--local-batch", "32", "--micro-batch", "1",
+                "--gpus", "8192", "--out", str(deeper)]) == 0
+    two, seven = (float(r["step_s"]) for r in csv.DictReader(open(deeper / "predict.csv")))
+    assert two == pytest.approx(float(row["step_s"]), rel=1e-9) and seven < two  # (a seventh of the bubble)
     assert cli(["bench", "predict", "--set", "parallel.pipeline=2", "--set", "parallel.tensor=2", "--set",
                 "dist.nproc=4", "--set", "model.n_head=2", "--gpus", "8,16", "--out", str(tmp_path / "gpt")]) == 0
     report = (tmp_path / "gpt" / "predict.md").read_text()

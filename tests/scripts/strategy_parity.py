@@ -9,6 +9,7 @@ A variant is `strategy[+flag...][:hsdp_shard_size]`, flags: `ac` (activation che
 `tinybuckets` (parallel.bucket_cap_mb=0.01: many DDP buckets), `tpN` (parallel.tensor=N), `sp` (sequence parallel),
 `lp` (parallel.loss_parallel=true: the loss on logits split by vocabulary),
 `ppN` (parallel.pipeline=N), `gpipe` / `1f1b` / `i1f1b` / `zb` / `zbv` / `dualpipev` (parallel.pipeline_schedule),
+`vN` (parallel.pipeline_stages_per_rank=N),
 `layersN` (model.n_layer=N), `mbN` (data.micro_batch_size=N), `cpN` (parallel.context=N), `freeze` (model.freeze:
 the embeddings and the first block, i.e. the first pipeline stage, do not train), `freezevec` (model.freeze: the
 biases and norms, so that the optimizer's group of them is empty), `freezeboth` (the two; all three `FROZEN`),
@@ -53,6 +54,7 @@ FLAGS = {"ac": "parallel.activation_checkpointing=true", "offload": "parallel.cp
          "gpipe": "parallel.pipeline_schedule=gpipe", "1f1b": "parallel.pipeline_schedule=1f1b",
          "i1f1b": "parallel.pipeline_schedule=interleaved-1f1b", "zb": "parallel.pipeline_schedule=zero-bubble",
          "zbv": "parallel.pipeline_schedule=zbv", "dualpipev": "parallel.pipeline_schedule=dualpipev",
+         "v": "parallel.pipeline_stages_per_rank={}",
          "layers": "model.n_layer={}", "mb": "data.micro_batch_size={}", "cp": "parallel.context={}"}
 FROZEN = {"freeze": {"gpt": "tok_emb.*,pos_emb.*,blocks.0.*", "hf": "model.embed_tokens.*,model.layers.0.*"},
           "freezevec": {"gpt": "*.bias,*ln*", "hf": "*norm*"},

@@ -31,7 +31,8 @@ from disttrain.errors import ConfigError
 
 FORECAST_SWEEPS = ("parallel.grad_compression", "parallel.powersgd_rank", "parallel.bucket_cap_mb",
                    "parallel.hsdp_shard_size", "parallel.fsdp_prefetch", "train.log_every", "parallel.tensor",
-                   "parallel.sequence_parallel", "parallel.pipeline", "parallel.pipeline_schedule")
+                   "parallel.sequence_parallel", "parallel.pipeline", "parallel.pipeline_schedule",
+                   "parallel.pipeline_stages_per_rank")
 """Settings `--sweep` forecasts: those that change a step's collectives, and the model's splits, whose compute a GPU's
 share of the FLOPs gives (a group's batch kept: the config's)."""
 
@@ -176,7 +177,7 @@ def sweep_jobs(args: argparse.Namespace, cfg: Config, strategies: list[str]) -> 
     key = args.sweep.partition("=")[0]
     if key not in FORECAST_SWEEPS:
         raise ConfigError(f"--sweep {key}: a forecast sweeps a setting that changes only a step's collectives "
-                          f"({', '.join(FORECAST_SWEEPS)}: the last four the model's splits); forecast each value of "
+                          f"({', '.join(FORECAST_SWEEPS)}: the last five the model's splits); forecast each value of "
                           f"{key} on its own (--set {key}=...)")
     if key in SPLITS and (args.compute_s or args.interconnect.startswith("measured:")):
         raise ConfigError(f"--sweep {key}: each value's compute is a GPU's share of the FLOPs, which a given "

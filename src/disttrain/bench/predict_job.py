@@ -151,7 +151,7 @@ def settings(cfg: Config) -> dict:
     return {"log_every": cfg.train.log_every, "bucket_bytes": p.bucket_cap_mb * 2**20,
             "grad_compression": p.grad_compression, "powersgd_rank": p.powersgd_rank,
             "hsdp_shard": p.hsdp_shard_size, "prefetch": p.fsdp_prefetch or 1, "tensor": max(1, p.tensor),
-            "pipeline": max(1, p.pipeline), "schedule": p.pipeline_schedule}
+            "pipeline": max(1, p.pipeline), "schedule": p.pipeline_schedule, "virtual": p.pipeline_stages_per_rank}
 
 
 def tensor_calls_of(cfg: Config, shape: ModelShape, precision: str, sequences: float, data_axis: bool = False

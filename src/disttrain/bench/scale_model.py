@@ -77,7 +77,10 @@ class Workload:
     tensor GPUs reads one batch in `micro_steps` micro-batches; `compute_s` and `tokens` stay one GPU's share of
     the whole model's (as if the stages were equal); `stages` says who holds what."""
     schedule: str = "1f1b"
-    """`parallel.pipeline_schedule`: gpipe and 1f1b (one stage per rank), interleaved-1f1b (two per rank)."""
+    """`parallel.pipeline_schedule`: gpipe and 1f1b (one stage per rank), interleaved-1f1b (two per rank, or
+    `virtual`)."""
+    virtual: int = 0
+    """Stages each pipeline rank runs (`parallel.pipeline_stages_per_rank`); 0: the schedule's (`VIRTUAL`)."""
     stages: tuple[ModelShape, ...] = ()
     """Under a pipeline, what each pipeline rank holds (its stages' units; the embedding's parameters on the first,
     the head's and its FLOPs on the last): `predict_job.pipeline_stages`, disttrain's own split."""
@@ -286,7 +289,8 @@ def _tensor_seconds(work: Workload, net: Interconnect) -> tuple[tuple[float, flo
 
 
 VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2}
-"""Stages per pipeline rank of each schedule modelled."""
+"""Stages per pipeline rank of each schedule modelled, unless `Workload.virtual` says (interleaved-1f1b: 2 or
+more)."""
 
 
 def _pipeline_step(strategy: str, n: int, work: Workload, net: Interconnect) -> Step:
@@ -329,7 +333,7 @@ def _pipeline_step(strategy: str, n: int, work: Workload, net: Interconnect) -> 
 
 def _check_pipeline(strategy: str, n: int, work: Workload) -> int:
     """A pipeline's stages per rank (v), or one line for what the model does not price or disttrain does not run."""
-    p, v = work.pipeline, VIRTUAL.get(work.schedule, 0)
+    p, v = work.pipeline, VIRTUAL.get(work.schedule, 0) and (work.virtual or VIRTUAL[work.schedule])
     if not v:
         raise ConfigError(f"parallel.pipeline_schedule = {work.schedule!r} is not modelled; predict "
                           f"{', '.join(VIRTUAL)} (zero-bubble schedules split the backward)")

@@ -207,6 +207,11 @@ class ParallelConfig:
     schedule: rank r runs stages r and 2p - 1 - r, so the first and last stage share rank 0) or `dualpipev` (torch's
     DualPipeV, the same V; at least 2p micro-batches per step). Under the split-backward ones (zero-bubble, zbv,
     dualpipev) FSDP keeps a stage's parameters unsharded from forward to backward (as zero2)."""
+    pipeline_stages_per_rank: int = 0
+    """parallel.pipeline > 1: stages each pipeline rank runs; 0 = the schedule's (1 under gpipe and 1f1b, 2 under
+    the others). interleaved-1f1b and zero-bubble take 2 or more: v stages a rank shrink the bubble v-fold (the
+    ranks idle (p - 1) / (v m) of a step of m micro-batches) for 2 (p v - 1) sends to fill and drain it; the
+    model's blocks must fill p x v stages. (Llama 3 405B: 126 blocks over 16 ranks.)"""
     pipeline_microbatches: int = 0
     """Micro-batches per step through the pipeline; 0 = what the batch settings give (data.global_batch_size /
     (data-parallel degree x data.micro_batch_size)); a value that disagrees with them is an error naming the

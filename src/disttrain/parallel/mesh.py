@@ -160,8 +160,11 @@ def check_model_split(cfg: Config, layout: MeshLayout) -> None:
         raise ConfigError(f"model.seq_len = {m.seq_len} is not divisible by parallel.tensor = {layout.tensor} "
                           "(sequence parallelism splits the sequence); choose a divisor, or "
                           "parallel.sequence_parallel = false")
+    if p.pipeline_stages_per_rank:
+        _check_stages_per_rank(p)
     if layout.pipeline > 1:
-        stages = layout.pipeline * (2 if p.pipeline_schedule in VIRTUAL_SCHEDULES else 1)
+        stages = layout.pipeline * (p.pipeline_stages_per_rank or (2 if p.pipeline_schedule in VIRTUAL_SCHEDULES
+                                                                  else 1))
         if m.name == "gpt" and m.n_layer < stages:
             raise ConfigError(f"model.n_layer = {m.n_layer} blocks cannot fill {stages} pipeline stages "
                               f"(parallel.pipeline = {layout.pipeline}, schedule {p.pipeline_schedule!r}); use "
@@ -183,6 +186,16 @@ def check_model_split(cfg: Config, layout: MeshLayout) -> None:
             raise ConfigError(f"parallel.pipeline_schedule = {p.pipeline_schedule!r} needs the micro-batches per step "
                               f"({micro}) to be a multiple of parallel.pipeline = {layout.pipeline}; change "
                               "data.micro_batch_size or data.global_batch_size")
+
+
+def _check_stages_per_rank(p) -> None:
+    v, schedule = p.pipeline_stages_per_rank, p.pipeline_schedule
+    fixed = 2 if schedule in V_SCHEDULES else 1 if schedule not in VIRTUAL_SCHEDULES else 0
+    if v < 0 or (fixed and v != fixed) or (not fixed and v < 2):
+        takes = (f"takes {fixed}" if fixed else "takes 2 or more")
+        raise ConfigError(f"parallel.pipeline_stages_per_rank = {v}: parallel.pipeline_schedule = {schedule!r} "
+                          f"{takes}; give that, 0 (the schedule's), or an interleaved schedule (interleaved-1f1b, "
+                          "zero-bubble) for more")
 
 
 VIRTUAL_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")

@@ -104,8 +104,9 @@ def local_shapes(model: nn.Module, layout: MeshLayout, parallel: ParallelConfig,
 def in_flight(schedule: str, ranks: int, pipeline_rank: int, microbatches: int,
               sizes: tuple[float, ...] = (1.0, 1.0)) -> tuple[list[int], bool]:
     """The micro-batches whose activations a pipeline rank holds at its peak, as the local stage each belongs to
-    (0: its first stage; 1: its second under the schedules with two stages per rank), in forward order. `sizes`:
-    the bytes one micro-batch of each local stage holds (the peak is the most bytes, not the most micro-batches).
+    (0: its first stage; 1: its second under the schedules with several stages per rank, ...), in forward order.
+    `sizes`: the bytes one micro-batch of each local stage holds, one per stage the rank runs (the peak is the most
+    bytes, not the most micro-batches).
     Also whether the count follows the schedule's own order (False: an approximation, see below).
 
     gpipe           every forward before any backward: all m micro-batches of its stage.
@@ -120,12 +121,13 @@ def in_flight(schedule: str, ranks: int, pipeline_rank: int, microbatches: int,
         return [0] * m, True
     if schedule == "1f1b":
         return [0] * min(p - r, m), True
-    order = torch_order(schedule, p, r, m)
+    v = len(sizes)
+    order = torch_order(schedule, p, r, m, v)
     if order is None:
         per_round = m // max(1, m // p)
-        chunks = min(per_round + 2 * (p - 1 - r) + 1, 2 * m)
-        return [(i // per_round) % 2 for i in range(chunks)], False
-    local = {stage: i for i, stage in enumerate(stages_of(r, p, 2 * p, schedule))}
+        chunks = min(per_round + v * (p - 1 - r) + 1, v * m)
+        return [(i // per_round) % v for i in range(chunks)], False
+    local = {stage: i for i, stage in enumerate(stages_of(r, p, v * p, schedule))}
     held, peak = [], []
     for stage, kind in order:
         if kind == "F":
@@ -137,7 +139,8 @@ def in_flight(schedule: str, ranks: int, pipeline_rank: int, microbatches: int,
     return peak, True
 
 
-def torch_order(schedule: str, ranks: int, rank: int, microbatches: int) -> list[tuple[int, str]] | None:
+def torch_order(schedule: str, ranks: int, rank: int, microbatches: int, stages_per_rank: int = 2
+                ) -> list[tuple[int, str]] | None:
     """[(stage, F | B | I | W)]: the computations pipeline rank `rank` runs in a step, in the order the
     torch.distributed.pipelining class that runs `schedule` (stages.schedule_class) computes for it (forward,
     full backward, input backward, weight backward; an overlapped forward-backward pair as its two parts, in the
@@ -148,8 +151,9 @@ def torch_order(schedule: str, ranks: int, rank: int, microbatches: int) -> list
     from torch.distributed import pipelining
 
     rounds = max(1, microbatches // ranks)
-    state = SimpleNamespace(pp_group_size=ranks, _n_microbatches=microbatches, n_local_stages=2,
-                            _stages=[None, None], num_stages=2 * ranks, _num_stages=2 * ranks, rank=rank,
+    v = stages_per_rank
+    state = SimpleNamespace(pp_group_size=ranks, _n_microbatches=microbatches, n_local_stages=v,
+                            _stages=[None] * v, num_stages=v * ranks, _num_stages=v * ranks, rank=rank,
                             number_of_rounds=rounds, microbatches_per_round=microbatches // rounds)
     try:  # a private method (the order is torch's to keep; a copy of it here would drift from the torch installed)
         cls = getattr(pipelining, schedule_class(schedule, microbatches, ranks))

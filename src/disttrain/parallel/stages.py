@@ -129,8 +129,14 @@ def split_points(model: nn.Module, stages: int, given: str) -> list[int]:
 
 
 def stage_count(parallel, ranks: int) -> int:
-    """Stages over `ranks` pipeline ranks: two (virtual) per rank for the interleaved schedules."""
-    return ranks * (2 if parallel.pipeline_schedule in VIRTUAL_SCHEDULES else 1)
+    """Stages over `ranks` pipeline ranks: `stages_per_rank` each."""
+    return ranks * stages_per_rank(parallel)
+
+
+def stages_per_rank(parallel) -> int:
+    """Stages each pipeline rank runs: `parallel.pipeline_stages_per_rank`, or the schedule's (two, virtual, for
+    the interleaved and V-shaped schedules, else one)."""
+    return parallel.pipeline_stages_per_rank or (2 if parallel.pipeline_schedule in VIRTUAL_SCHEDULES else 1)
 
 
 def holder(stage: int, ranks: int, schedule: str = "1f1b") -> int:
