@@ -323,6 +323,19 @@ def test_torch_gives_the_order_of_every_multi_stage_schedule(schedule):
             assert exact and 0 < len(chunks) <= v * microbatches and max(chunks) < v
 
 
+def test_without_torch_s_order_interleaving_counts_its_warm_up(monkeypatch):
+    """A torch that computes its order elsewhere: interleaved-1f1b's count of micro-batches in flight from its
+    warm-up ((v - 1) rounds and 2 (p - 1 - r) forwards, then one), equal to the played order's at 2-4 stages a rank."""
+    from disttrain.parallel import placement
+
+    exact = {(v, p, m, r): placement.in_flight("interleaved-1f1b", p, r, m, (1.0,) * v)[0]
+             for v in (2, 3, 4) for p, m in ((2, 4), (4, 8), (2, 8)) for r in range(p)}
+    monkeypatch.setattr(placement, "torch_order", lambda *args: None)
+    for (v, p, m, r), chunks in exact.items():
+        approx, played = placement.in_flight("interleaved-1f1b", p, r, m, (1.0,) * v)
+        assert not played and len(approx) == len(chunks), (v, p, m, r)
+
+
 def test_ddp_holds_accumulated_gradients_beside_its_buckets_and_the_estimate_counts_them():
     """Measured on one rank (a gloo group in this process): the micro-batches before the last accumulate into new
     gradient tensors (the step cleared them to None) while DDP's buckets already exist, so a step that accumulates

@@ -309,11 +309,12 @@ def test_layout_from_settings(overrides, world, expected):
     (["parallel.pipeline=2", "parallel.pipeline_schedule=interleaved-1f1b", "parallel.pipeline_stages_per_rank=3",
       "model.n_layer=4"], 2, "cannot fill 6 pipeline stages"),
     (["parallel.pipeline=2", "parallel.pipeline_stages_per_rank=3"], 2, "pipeline_stages_per_rank = 3: "
-     "parallel.pipeline_schedule = '1f1b' takes 1"),
+     "parallel.pipeline_schedule = '1f1b' runs 1 a rank; give 1 or 0"),
+    (["parallel.pipeline_stages_per_rank=2"], 2, "pipeline_stages_per_rank = 2 needs parallel.pipeline > 1"),
     (["parallel.pipeline=2", "parallel.pipeline_schedule=zbv", "parallel.pipeline_stages_per_rank=4"], 2,
-     "'zbv' takes 2"),
+     "'zbv' runs 2 a rank"),
     (["parallel.pipeline=2", "parallel.pipeline_schedule=zero-bubble", "parallel.pipeline_stages_per_rank=1"], 2,
-     "'zero-bubble' takes 2 or more"),
+     "'zero-bubble' runs 2 or more a rank; give 2 or more, or 0"),
     (["parallel.pipeline=2", "parallel.pipeline_microbatches=3", "data.global_batch_size=16",
       "data.micro_batch_size=4"], 2, r"pipeline_microbatches = 3, but .* = 4 micro-batches per step"),
     (["parallel.pipeline=2", "parallel.pipeline_schedule=zero-bubble", "data.global_batch_size=12",
@@ -439,3 +440,17 @@ def test_either_name_of_a_tied_weight_freezes_it(pattern):
     model = build_model(load_config(None, [f"model.freeze={pattern}"]).model)
     assert model.lm_head.weight is model.tok_emb.weight
     assert [n for n, p in model.named_parameters() if not p.requires_grad] == ["tok_emb.weight"]
+
+
+def test_a_sequence_parallel_pipeline_pads_a_step_to_equal_shares():
+    """Batches padded to their longest row (text documents) change width from step to step; under sequence
+    parallelism each tensor rank sends its share of the stream to the next stage, whose shapes the schedule fixes:
+    the step's micro-batches are right-padded to a multiple of the shares (the loss reads each one's own width)."""
+    import torch
+
+    from disttrain.parallel.pipeline import _pad_cat
+
+    ids = [torch.ones(2, 5, dtype=torch.long), torch.ones(2, 7, dtype=torch.long)]
+    assert _pad_cat(ids).shape == (4, 7) and _pad_cat(ids, 4).shape == (4, 8)
+    padded = _pad_cat(ids, 4)
+    assert padded[:2, 5:].eq(0).all() and padded[2:, 7:].eq(0).all() and padded[:2, :5].eq(1).all()

@@ -14,6 +14,7 @@ from disttrain.bench import interconnect as ic
 from disttrain.bench import scale_model as sm
 from disttrain.bench.model_shapes import MODELS, ModelShape, UnitShape, gpt_shape
 from disttrain.bench.published_scaling import PUBLISHED
+from disttrain.bench.tensor_split import split_shape
 from disttrain.errors import ConfigError
 
 NET = ic.PRESETS["h100-nvlink+ib-ndr"]
@@ -448,11 +449,11 @@ def test_a_tensor_split_runs_the_strategy_over_its_groups_on_a_share_of_the_mode
     work = sm.Workload(LLAMA, 1.0, 8192, "bf16-mixed", log_every=0)
     for strategy in ("ddp", "fsdp"):
         split = sm.step_time(strategy, 64, replace(work, tensor=2), NET)
-        alone = sm.step_time(strategy, 32, replace(work, model=sm.split_shape(LLAMA, 2)), ic.with_gpus_per_node(NET, 4),
+        alone = sm.step_time(strategy, 32, replace(work, model=split_shape(LLAMA, 2)), ic.with_gpus_per_node(NET, 4),
                              model_split=True)
         assert (split.step_s, split.comm_s, split.wire_bytes) == pytest.approx(
             (alone.step_s, alone.comm_s, alone.wire_bytes), rel=1e-12)
-    half = sm.split_shape(LLAMA, 2)
+    half = split_shape(LLAMA, 2)
     assert (half.params, half.trained_params) == pytest.approx((LLAMA.params / 2, LLAMA.trained_params / 2))
     assert [u.forward_flops for u in half.units()] == [u.forward_flops for u in LLAMA.units()]  # (the shares kept)
 
@@ -533,28 +534,54 @@ def _stage(flops: float, params: float = 1e6) -> ModelShape:
                                                                                           2 * flops / 3)))
 
 
-def test_a_pipeline_pays_its_bubble_and_the_sends_that_fill_and_drain_it():
-    """p = 4 equal stages, m = 8 micro-batches, one GPU each: (m + p - 1) micro-batches of a stage, and 2 (p - 1)
-    sends on the path; two stages a rank (interleaved) halve the bubble and cross 2 (2p - 1) boundaries; the slowest
-    stage sets the steady state."""
-    model = gpt_shape(8, 64, 32, 256)
-    stages = tuple(_stage(1.0) for _ in range(4))
-    whole = sum(s.flops_per_token() for s in stages)
-    model = replace(model, counted=(UnitShape(0.0, 0.0, 0.0, 0.0), UnitShape(4e6, 4e6, whole / 3, 2 * whole / 3)))
-    work = sm.Workload(model, 0.8, 1, "fp32", micro_steps=8, log_every=0, pipeline=4, stages=stages, send_bytes=1e6)
-    send = ic.collective_time("all_gather", 2e6, 2, NET)
+def _pipeline(stages: int, m: int, flops: float = 1.0, **fields) -> sm.Workload:
+    """A pipeline of 4 ranks over `stages` equal stages, 0.8 s of compute a GPU (its equal share), no data axis."""
+    parts = tuple(_stage(flops) for _ in range(stages))
+    whole = sum(s.flops_per_token() for s in parts)
+    model = ModelShape("m", 4e6, counted=(UnitShape(0.0, 0.0, 0.0, 0.0), UnitShape(4e6, 4e6, whole / 3, 2 * whole / 3)))
+    return sm.Workload(model, 0.8, 1, "fp32", micro_steps=m, log_every=0, pipeline=4, stages=parts, **fields)
+
+
+def _orders(schedule: str, ranks: int, m: int, v: int) -> tuple:
+    from disttrain.parallel.placement import torch_order
+
+    return tuple(tuple(torch_order(schedule, ranks, r, m, v)) for r in range(ranks))
+
+
+def test_a_pipeline_plays_its_schedule_s_bubble():
+    """p = 4 ranks, m = 8 micro-batches, one GPU each, equal stages, sends free: gpipe and 1f1b take (m + p - 1)
+    micro-batches of a stage; v stages a rank interleaved (torch's own order, played) (m + (p - 1) / v); the
+    zero-bubble schedules, whose weight gradients fill the bubble, less; a first stage twice as heavy sets the
+    steady state (and hides most of the others' fill and drain)."""
     micro = 0.8 / 8  # (compute_s: a GPU's share of equal stages)
-    assert sm.step_time("ddp", 4, work, NET).step_s == pytest.approx((8 + 3) * micro + 2 * 3 * send, rel=1e-9)
-    interleaved = sm.step_time("ddp", 4, replace(work, schedule="interleaved-1f1b"), NET).step_s
-    assert interleaved == pytest.approx((8 + 3 / 2) * micro + 2 * (4 * 2 - 1) * send, rel=1e-9)  # (8 stages)
-    deeper = sm.step_time("ddp", 4, replace(work, schedule="interleaved-1f1b", virtual=4), NET).step_s
-    assert deeper == pytest.approx((8 + 3 / 4) * micro + 2 * (4 * 4 - 1) * send, rel=1e-9)  # (16 stages)
-    slow = replace(work, stages=(_stage(2.0), *stages[1:]))
-    total = 5.0 / 4.0  # the first stage does 2 of 5 shares: 1.6 x a GPU's equal share
-    assert sm.step_time("ddp", 4, replace(slow, model=replace(model, counted=(model.counted[0], UnitShape(
-        4e6, 4e6, total * whole / 3, 2 * total * whole / 3)))), NET).step_s == pytest.approx(
-        8 * 0.8 * 4 * 2 / 5 / 8 + 3 * 0.8 * 4 / 5 / 8 + 2 * 3 * send, rel=1e-9)
-    assert sm.step_time("ddp", 1, work, NET).step_s == pytest.approx(4 * 0.8)  # (the stages on one device)
+    for schedule in ("gpipe", "1f1b"):
+        work = _pipeline(4, 8, schedule=schedule)
+        assert sm.step_time("ddp", 4, work, NET).step_s == pytest.approx((8 + 3) * micro, rel=1e-9)
+        assert sm.step_time("ddp", 1, work, NET).step_s == pytest.approx(4 * 0.8)  # (the stages on one device)
+    for v in (2, 4):
+        work = _pipeline(4 * v, 8, schedule="interleaved-1f1b", virtual=v, orders=_orders("interleaved-1f1b", 4, 8, v))
+        assert sm.step_time("ddp", 4, work, NET).step_s == pytest.approx((8 + 3 / v) * micro, rel=1e-9)
+    for schedule in ("zero-bubble", "zbv"):
+        work = _pipeline(8, 8, schedule=schedule, orders=_orders(schedule, 4, 8, 2))
+        assert 8 * micro < sm.step_time("ddp", 4, work, NET).step_s < (8 + 3 / 2) * micro
+    slow = _pipeline(4, 8)
+    slow = replace(slow, stages=(_stage(2.0), *slow.stages[1:]), model=replace(slow.model, counted=(
+        slow.model.counted[0], UnitShape(4e6, 4e6, 5 / 3, 10 / 3))))  # the first stage does 2 of 5 shares
+    heavy, light = 0.8 * 4 * 2 / 5 / 8, 0.8 * 4 / 5 / 8  # (a micro-batch's forward and backward on each)
+    # 1f1b: the first rank's micro-batches back to back, but for the wait of its first backward, which comes back
+    # from the 3 light stages' round trip while it runs its 3 warm-up forwards (a third of a heavy micro-batch each)
+    assert sm.step_time("ddp", 4, slow, NET).step_s == pytest.approx(8 * heavy + 3 * light - 3 * heavy / 3, rel=1e-9)
+
+
+def test_a_pipeline_s_sends_delay_what_waits_for_them():
+    """The sends fill and drain the pipeline: at least 2 (p v - 1) on the path, and the steady state's where a rank
+    waits for one (1f1b's alternation does: a backward waits for the next stage's), at most two a micro-batch."""
+    send = ic.collective_time("all_gather", 2e6, 2, NET)
+    for v, schedule in ((1, "1f1b"), (2, "interleaved-1f1b")):
+        orders = _orders(schedule, 4, 8, v) if v > 1 else ()
+        quiet, sending = (sm.step_time("ddp", 4, _pipeline(4 * v, 8, schedule=schedule, orders=orders,
+                                                           send_bytes=nbytes), NET).step_s for nbytes in (0.0, 1e6))
+        assert 2 * (4 * v - 1) * send <= sending - quiet <= 2 * (4 * v - 1 + 8 * v) * send
 
 
 def test_a_pipeline_s_stages_run_their_strategy_over_the_gpus_of_a_stage():
@@ -580,7 +607,7 @@ def test_a_pipeline_s_tensor_split_runs_each_rank_s_own_calls_and_the_bubble_wai
     light = (("forward", "all_reduce", 4e6, "bfloat16"), ("backward", "all_reduce", 4e6, "bfloat16"))
     heavy = (*light, ("forward", "all_gather", 6e8, "bfloat16"))
     work = sm.Workload(model, 1.0, 1, "bf16-mixed", micro_steps=4, log_every=0, pipeline=2, stages=stages, tensor=4,
-                       stage_calls=(light, heavy))
+                       stage_calls=(light, heavy), step_calls=((), ()))
     own = [replace(work, model=st, compute_s=1.0, pipeline=1, stages=(), stage_calls=(), tensor_calls=calls)
            for st, calls in zip(stages, (light, heavy), strict=True)]
     alone = [sm.step_time("fsdp", 16, w, NET, model_split=True) for w in own]
@@ -602,9 +629,9 @@ def test_a_pipeline_s_sends_cross_nodes_once_the_job_does_and_its_tied_weight_is
     inside, across = ic.collective_time("all_gather", 2e7, 2, NET), ic.collective_time(
         "all_gather", 2e7, 2, replace(NET, gpus_per_node=1))
     assert across > inside
-    for n, send in ((8, inside), (16, across)):
-        assert sm.step_time("ddp", n, work, NET).step_s - sm.step_time("ddp", n, quiet, NET).step_s == \
-            pytest.approx(2 * send, rel=1e-9)  # (fill and drain: 2 (p - 1))
+    added = {n: sm.step_time("ddp", n, work, NET).step_s - sm.step_time("ddp", n, quiet, NET).step_s for n in (8, 16)}
+    assert added[16] / added[8] == pytest.approx(across / inside, rel=1e-9)  # (the same hops on the path, slower)
+    assert added[8] == pytest.approx(4 * inside, rel=1e-9)  # (fill, drain, and 2 round trips in the steady state)
     tied = sm.step_time("ddp", 2, replace(quiet, tied_bytes=4e6), NET)
     assert tied.step_s - sm.step_time("ddp", 2, quiet, NET).step_s == pytest.approx(
         ic.collective_time("all_reduce", 4e6, 2, NET), rel=1e-9) and tied.wire_bytes == 4e6
@@ -618,9 +645,12 @@ def test_a_pipeline_s_sends_cross_nodes_once_the_job_does_and_its_tied_weight_is
 
 
 @pytest.mark.parametrize("strategy, change, n, says", [
-    ("fsdp", dict(schedule="zbv"), 8, "parallel.pipeline_schedule = 'zbv' is not modelled"),
+    ("fsdp", dict(schedule="gpipe", virtual=2), 8, "pipeline_stages_per_rank = 2: parallel.pipeline_schedule = "
+     "'gpipe' runs 1 a rank"),
+    ("fsdp", dict(schedule="interleaved-1f1b", virtual=1), 8, "'interleaved-1f1b' runs 2 or more a rank"),
     ("fsdp", dict(schedule="dualpipev"), 8, "parallel.pipeline_schedule = 'dualpipev' is not modelled"),
-    ("fsdp", dict(tensor=2, cpu_cores=2, stage_calls=((), ())), 4, "a tensor split or data parallelism beside it"),
+    ("fsdp", dict(tensor=2, cpu_cores=2, stage_calls=((), ()), step_calls=((), ())), 4, "a tensor split or data "
+     "parallelism beside it"),
     ("hsdp", {}, 16, "hsdp with parallel.pipeline = 2 is not modelled"),
     ("zero1", {}, 8, "zero1 with parallel.pipeline = 2 does not run in disttrain"),
     ("fsdp", dict(cpu_cores=2), 4, "parallel.pipeline = 2 on 4 ranks of a CPU host with 2 cores is not modelled"),

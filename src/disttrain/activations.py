@@ -13,8 +13,8 @@ from torch import nn
 from disttrain.config import Config, ModelConfig
 from disttrain.parallel import placement, tensor
 from disttrain.parallel.activation_checkpoint import leading_frozen_blocks
-from disttrain.parallel.mesh import MeshLayout
-from disttrain.parallel.stages import FAMILIES, family_of, stage_bounds, stage_count
+from disttrain.parallel.mesh import MeshLayout, stage_count
+from disttrain.parallel.stages import FAMILIES, family_of, stage_bounds
 
 
 class Spared(NamedTuple):

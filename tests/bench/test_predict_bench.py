@@ -292,16 +292,20 @@ def test_forecast_of_a_pipeline_splits_a_preset_as_disttrain_would(tmp_path):
                 "parallel.pipeline_schedule=interleaved-1f1b", "--local-batch", "16", "--micro-batch", "1", "--gpus",
                 "32,64", "--out", str(tmp_path)]) == 0
     cfg = load_config(None, ["parallel.pipeline=4", "parallel.pipeline_schedule=interleaved-1f1b"])
-    stages, send, tied = predict_job.pipeline_stages(cfg, MODELS["llama3-70b"], "bf16-mixed")
-    assert [s.n_layer for s in stages] == [16, 22, 22, 20] and send == 8192 * 8192 * 2 and tied == 0
+    stages, send, tied = predict_job.pipeline_stages(cfg, MODELS["llama3-70b"], "bf16-mixed", data_axis=True)
+    held = [[stages[s].n_layer for s in (r, r + 4)] for r in range(4)]  # (stage s on rank s mod 4)
+    assert [sum(h) for h in held] == [16, 22, 22, 20] and send == 8192 * 8192 * 2 and tied == 0
+    assert predict_job.pipeline_stages(cfg, MODELS["llama3-70b"], "bf16-mixed").send_bytes == 8192 * 8192 * 4
     tokens = 16 * 8192 / 4
     work = sm.Workload(MODELS["llama3-70b"], sm.compute_seconds(MODELS["llama3-70b"], tokens, 989, 0.35), tokens,
-                       "bf16-mixed", 16, pipeline=4, schedule="interleaved-1f1b", stages=stages, send_bytes=send)
+                       "bf16-mixed", 16, pipeline=4, schedule="interleaved-1f1b", stages=stages, send_bytes=send,
+                       orders=predict_job.pipeline_orders(cfg, 16))
     rows = list(csv.DictReader(open(tmp_path / "predict.csv")))
     for row in rows:
         expected = sm.step_time("fsdp", int(row["gpus"]), work, ic.PRESETS["h100-nvlink+ib-ndr"])
         assert float(row["step_s"]) == pytest.approx(expected.step_s, rel=1e-9)
-    assert "- pipeline of 4 ranks (parallel.pipeline, interleaved-1f1b)" in (tmp_path / "predict.md").read_text()
+    report = (tmp_path / "predict.md").read_text()
+    assert "- pipeline of 4 ranks (parallel.pipeline, interleaved-1f1b, 2 stages a rank)" in report
 
 
 def test_forecast_of_a_pipeline_of_tensor_splits_prices_each_rank_s_stages_calls(tmp_path):
@@ -313,15 +317,17 @@ def test_forecast_of_a_pipeline_of_tensor_splits_prices_each_rank_s_stages_calls
     assert cli(["bench", "predict", "--model", "llama3-405b", *(a for s in settings for a in ("--set", s)),
                 "--local-batch", "32", "--micro-batch", "1", "--gpus", "8192", "--out", str(tmp_path)]) == 0
     model, cfg = MODELS["llama3-405b"], load_config(None, settings)
-    split = predict_job.pipeline_stages(cfg, model, "bf16-mixed")
+    split = predict_job.pipeline_stages(cfg, model, "bf16-mixed", data_axis=True)
     calls = predict_job.stage_calls_of(cfg, model, "bf16-mixed", 1, True)
     assert split.send_bytes == 8192 * 16384 * 2 / 8  # (a tensor rank's share of the sequence)
-    assert sum(c[1] == "all_gather" and c[2] == 8192 * 128256 * 2 for c in calls[-1]) == 1  # (the logits, whole)
-    assert all(c[3] == "bfloat16" for rank in calls for c in rank if c[0] != "step" and c[2] > 8192 * 4)
+    assert [sum(c[1] == "all_gather" and c[2] == 8192 * 128256 * 2 for c in stage)
+            for stage in calls.stages] == [0] * 31 + [1]  # (the logits, whole, on the last stage)
+    assert all(c[3] == "bfloat16" for stage in calls.stages for c in stage if c[2] > 8192 * 4)
+    assert len(calls.steps) == 16 and all(c[0] == "step" and c[3] == "float32" for r in calls.steps for c in r)
     tokens = 32 * 8192 / 128
     work = sm.Workload(model, sm.compute_seconds(model, tokens, 989, 0.35), tokens, "bf16-mixed", 32, tensor=8,
                        pipeline=16, schedule="interleaved-1f1b", stages=split.stages, send_bytes=split.send_bytes,
-                       stage_calls=calls)
+                       stage_calls=calls.stages, step_calls=calls.steps, orders=predict_job.pipeline_orders(cfg, 32))
     row = next(csv.DictReader(open(tmp_path / "predict.csv")))
     assert float(row["step_s"]) == pytest.approx(sm.step_time("fsdp", 8192, work, ic.PRESETS[
         "h100-nvlink+ib-ndr"]).step_s, rel=1e-9)
@@ -330,7 +336,7 @@ def test_forecast_of_a_pipeline_of_tensor_splits_prices_each_rank_s_stages_calls
                 "--sweep", "parallel.pipeline_stages_per_rank=2,7", "--local-batch", "32", "--micro-batch", "1",
                 "--gpus", "8192", "--out", str(deeper)]) == 0
     two, seven = (float(r["step_s"]) for r in csv.DictReader(open(deeper / "predict.csv")))
-    assert two == pytest.approx(float(row["step_s"]), rel=1e-9) and seven < two  # (a seventh of the bubble)
+    assert two == pytest.approx(float(row["step_s"]), rel=1e-9) and seven < two  # (the bubble: test_scale_model)
     assert cli(["bench", "predict", "--set", "parallel.pipeline=2", "--set", "parallel.tensor=2", "--set",
                 "dist.nproc=4", "--set", "model.n_head=2", "--gpus", "8,16", "--out", str(tmp_path / "gpt")]) == 0
     report = (tmp_path / "gpt" / "predict.md").read_text()
@@ -452,8 +458,11 @@ def test_a_sitting_measures_the_links_of_each_element_type_the_job_sends(precisi
      "parallelism (no context split)"),
     (["--set", "parallel.tensor=3"], "parallel.tensor x parallel.pipeline = 3 does not divide dist.nproc = 1 ranks"),
     (["--set", "parallel.pipeline=2"], "parallel.tensor x parallel.pipeline = 2 does not divide dist.nproc = 1"),
-    (["--set", "parallel.pipeline=2", "--set", "dist.nproc=2", "--set", "parallel.pipeline_schedule=zbv"],
-     "parallel.pipeline_schedule = 'zbv' is not modelled; predict gpipe, 1f1b, interleaved-1f1b"),
+    (["--set", "parallel.pipeline=2", "--set", "dist.nproc=2", "--set", "parallel.pipeline_schedule=dualpipev",
+      "--set", "data.micro_batch_size=2"], "parallel.pipeline_schedule = 'dualpipev' is not modelled; predict gpipe, "
+     "1f1b, interleaved-1f1b, zero-bubble, zbv"),
+    (["--set", "parallel.pipeline=2", "--set", "dist.nproc=2", "--set", "parallel.pipeline_stages_per_rank=3"],
+     "parallel.pipeline_stages_per_rank = 3: parallel.pipeline_schedule = '1f1b' runs 1 a rank"),
     (["--set", "parallel.tensor=3", "--set", "dist.nproc=3"], "parallel.tensor = 3 does not divide the model's "
      "attention heads (4)"),
     (["--model", "resnet50", "--set", "parallel.tensor=2", "--compute-s", "1"], "parallel.tensor = 2: resnet50 has "
@@ -477,8 +486,8 @@ def test_a_sitting_measures_the_links_of_each_element_type_the_job_sends(precisi
      "value's compute is a GPU's share of the FLOPs, which a given --compute-s (one split's) does not say"),
     (["--model", "llama3-8b", "--set", "parallel.pipeline=2", "--set", "parallel.pipeline_split=layers.4"],
      "parallel.pipeline_split = 'layers.4': llama3-8b has no module names to split at"),
-    (["--model", "resnet50", "--set", "parallel.pipeline=2", "--compute-s", "1"], "0 blocks cannot fill 2 pipeline "
-     "stages"),
+    (["--model", "resnet50", "--set", "parallel.pipeline=2", "--compute-s", "1"], "the model's 0 blocks cannot fill "
+     "2 pipeline stages"),
     (["--validate", "--measured", "pp2.csv", "--interconnect", "measured:fit.json"], "--measured pp2.csv was "
      "measured with parallel.pipeline = 2, the job given here has 1"),
     (["--validate", "--measured", "tp0.csv", "--interconnect", "measured:fit.json"], "--measured tp0.csv, line 2: "

@@ -83,23 +83,24 @@ def test_a_preset_s_closed_form_is_what_a_llama_records(llama_dir, sequence_para
 def test_each_pipeline_rank_s_calls_are_its_stages_recorded(llama4_dir, sequence_parallel, precision, schedule,
                                                            data_axis):
     """A pipeline with a tensor split: each stage recorded as the pipeline runs it (the embedding's calls on the
-    first, the gathered logits on the last, a later stage fed its share of the stream), and each rank's calls in
-    closed form for its stages' blocks and ends, equal to them (4 blocks: a rank's 2, or 2 stages of 1)."""
+    first, the gathered logits on the last, a later stage fed its share of the stream) and each rank's step over its
+    stages together; in closed form for the stages' blocks and ends, and the ranks' steps, equal to them (4 blocks:
+    a rank's 2, or 2 stages of 1)."""
     settings = [f"model.name=hf:{llama4_dir}", "model.seq_len=32", "parallel.tensor=2", "parallel.pipeline=2",
                 f"parallel.pipeline_schedule={schedule}", f"parallel.precision={precision}",
                 f"parallel.sequence_parallel={str(sequence_parallel).lower()}"]
     cfg = load_config(None, settings)
-    from disttrain.parallel import stages as pipe
+    from disttrain.parallel import mesh
 
     recorded = tensor_calls.count_stages(cfg, "", data_axis)
-    count = pipe.stage_count(cfg.parallel, 2)
-    assert len(recorded) == count
+    count = mesh.stage_count(cfg.parallel, 2)
+    assert (len(recorded.stages), len(recorded.steps)) == (count, 2)
     assert any(c.collective == "all_gather" and c.nbytes == 32 * 256 * ITEMSIZE[WIRE_DTYPES[precision][1]]
-               for c in recorded[-1])  # (the logits, gathered whole: no loss parallel under a pipeline)
-    for rank, calls in enumerate(predict_job.stage_calls_of(cfg, LLAMA4, precision, 1.0, data_axis)):
-        held = pipe.stages_of(rank, 2, count, schedule)
-        assert Counter(calls) == Counter((c.part, c.collective, c.nbytes, c.dtype) for s in held
-                                         for c in recorded[s]), rank
+               for c in recorded.stages[-1])  # (the logits, gathered whole: no loss parallel under a pipeline)
+    plain = lambda calls: Counter((c.part, c.collective, c.nbytes, c.dtype) for c in calls)  # noqa: E731
+    closed = predict_job.stage_calls_of(cfg, LLAMA4, precision, 1.0, data_axis)
+    assert [Counter(calls) for calls in closed.stages] == [plain(calls) for calls in recorded.stages]
+    assert [Counter(calls) for calls in closed.steps] == [plain(calls) for calls in recorded.steps]
 
 
 def test_activation_checkpointing_sends_a_recomputed_forward_s_calls_again():
@@ -112,22 +113,36 @@ def test_activation_checkpointing_sends_a_recomputed_forward_s_calls_again():
 
 
 def test_each_stage_s_count_is_what_its_ranks_send_in_the_trainer_s_step(tmp_path, llama4_dir):
-    """Four ranks, a pipeline of 2 stages each split over 2: the GPT, and a Llama under sequence parallelism in
-    bf16-mixed (its stages' blocks take their rank's share of the sequence). Each rank sends its stage's recorded
-    calls: the pipeline's 2 micro-batches of 2 sequences each, the step's once."""
+    """Four ranks. A pipeline of 2 stages each split over 2: the GPT (also interleaved, 2 stages a rank whose step
+    norms them together), and a Llama under sequence parallelism in bf16-mixed (its stages' blocks take their rank's
+    share of the sequence): each rank sends its stages' recorded calls, 2 micro-batches of 2 sequences each, and its
+    step's once. And a tensor split of 2 beside a data axis of 2 in bf16-mixed (FSDP2's replicate): the forward's
+    and backward's calls as recorded with the data axis, one micro-batch of 2 sequences."""
     split = ["parallel.pipeline=2", "parallel.tensor=2"]
     variants = {"gpt": [*SMALL[:-1], *split],
+                "gpt-interleaved": [*SMALL[:-1], *split, "model.n_layer=4",
+                                    "parallel.pipeline_schedule=interleaved-1f1b"],
                 "llama": [f"model.name=hf:{llama4_dir}", "model.seq_len=16", "parallel.sequence_parallel=true",
-                          "parallel.precision=bf16-mixed", *split]}
+                          "parallel.precision=bf16-mixed", *split],
+                "gpt-data": [*SMALL, "parallel.precision=bf16-mixed"]}
     result = run_cli(["launch", "--fork", "--nproc", "4", "--run-dir", str(tmp_path / "launch"),
                       str(SCRIPTS / "stage_calls_job.py"), str(tmp_path),
                       *(f"{name}:{','.join(settings)}" for name, settings in variants.items())], tmp_path, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
+    from disttrain.parallel import mesh
+
     for rank in range(4):
         sent = json.loads((tmp_path / f"calls-{rank}.json").read_text())
         for name, settings in variants.items():
-            counted = Counter()
-            for c in tensor_calls.count_stages(load_config(None, settings))[rank // 2]:  # (tensor innermost)
-                key = (c.collective, c.nbytes * (1 if c.part == "step" else 2), c.dtype)
-                counted[key] += 1 if c.part == "step" else 2
+            cfg, counted = load_config(None, settings), Counter()
+            if name == "gpt-data":
+                got = Counter((k, b, d) for _, k, b, d in sent[name])
+                assert got == Counter((c.collective, c.nbytes * (1 if c.part == "step" else 2), c.dtype)
+                                      for c in tensor_calls.count(cfg, "", True)), (rank, name)
+                continue
+            recorded = tensor_calls.count_stages(cfg)
+            pipeline_rank = rank // 2  # (tensor innermost)
+            for s in mesh.stages_of(pipeline_rank, 2, len(recorded.stages), cfg.parallel.pipeline_schedule):
+                counted.update((c.collective, 2 * c.nbytes, c.dtype) for c in recorded.stages[s] for _ in range(2))
+            counted.update((c.collective, c.nbytes, c.dtype) for c in recorded.steps[pipeline_rank])
             assert Counter((kind, nbytes, dtype) for _, kind, nbytes, dtype in sent[name]) == counted, (rank, name)

@@ -82,6 +82,15 @@ class ModelShape:
                 + [UnitShape(self.layer_params, self.layer_params, block / 3, 2 * block / 3)] * self.n_layer)
 
 
+def joined(name: str, roots: list[UnitShape], blocks: list[UnitShape], seq_len: int) -> ModelShape:
+    """A model of `blocks` after one root unit holding what `roots` hold (a pipeline stage's embedding or head, a
+    rank's stages together; none: an empty root)."""
+    root = UnitShape(sum(u.params for u in roots), sum(u.trained for u in roots), sum(u.forward_flops for u in roots),
+                     sum(u.backward_flops for u in roots))
+    return ModelShape(name, root.params + sum(u.params for u in blocks), blocks[0].params if blocks else 0.0,
+                      len(blocks), seq_len=seq_len, counted=(root, *blocks))
+
+
 def gpt_shape(n_layer: int, d_model: int, seq_len: int, vocab_size: int) -> ModelShape:
     """disttrain's reference GPT (models/gpt.py) in closed form: tied embeddings, learned positions, biased linears.
     (`bench predict` counts a config's model instead, `predict_job.counted_shape`; this form keeps the scale model's

@@ -12,6 +12,7 @@ from disttrain.bench.model_shapes import ModelShape
 from disttrain.bench.predict_job import (
     config_batch,
     config_strategy,
+    pipeline_orders,
     pipeline_stages,
     settings,
     stage_calls_of,
@@ -66,14 +67,14 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
     local, micro, given = _forecast_batch(args, cfg)
     job = settings(cfg)
     tensor, pipeline = job["tensor"], job["pipeline"]
-    data_axis = max(gpus) > tensor * pipeline  # (the calls priced as beside a data axis: FSDP2's gathered copies)
-    base, source = _workload(args, shape, precision, cfg, local, micro, fit, data_axis)  # (the header's too)
+    group = tensor * pipeline
+    base, source = _workload(args, shape, precision, cfg, local, micro, fit, max(gpus) > group)  # (the header's too)
     rows, failed = [], {}
     for setting, swept in jobs:
         names = strategies or ["fsdp" if args.model else config_strategy(swept)]
         try:
-            work = base if swept is cfg else _workload(args, shape, precision, swept, local, micro, fit,
-                                                       max(gpus) > swept.parallel.tensor * swept.parallel.pipeline)[0]
+            work, alone = _workloads(args, shape, precision, swept, (local, micro), fit, gpus,
+                                     base if swept is cfg else None)
         except ConfigError as exc:  # (a value the model does not price, e.g. a tensor degree straddling nodes)
             if not setting:
                 raise
@@ -82,7 +83,7 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
             continue
         for strategy in names:
             try:
-                predicted = predict(strategy, gpus, work, net)
+                predicted = predict(strategy, gpus, work, net, alone)
             except ConfigError as exc:
                 if not setting:
                     raise
@@ -110,8 +111,7 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
              f"{'group' if tensor * pipeline > 1 else 'GPU'} per step ({given}; "
              + (f"{local // micro} micro-batches of {micro}: gradients reduced on the last)" if local > micro
                 else "no accumulation)"),
-             *([_split_line(cfg, base.tensor_calls or max(base.stage_calls, key=len), tensor, local)]
-               if tensor > 1 else []),
+             *([_split_line(cfg, base, local)] if tensor > 1 else []),
              *([_pipeline_line(cfg, base.stages, base.send_bytes, local // micro)] if pipeline > 1 else []),
              f"- compute of one step on one device: {base.compute_s:.4g} s, {source}",
              f"- precision {precision}, gradient compression {job['grad_compression']}: bytes per element stored / "
@@ -128,15 +128,31 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
     return "\n".join(lines) + "\n", rows
 
 
-def _split_line(cfg: Config, calls: tuple, tensor: int, local: int) -> str:
-    """The report's line on a tensor split: its degree, the batch its ranks share, the calls and bytes it sends."""
+def _split_line(cfg: Config, work: Workload, local: int) -> str:
+    """The report's line on a tensor split: its degree, the batch its ranks share, the calls and bytes it sends (a
+    pipeline's busiest stage's and rank's)."""
+    t, p = work.tensor, work.pipeline
+    calls = work.tensor_calls or max(work.stage_calls, key=len) + max(work.step_calls, key=len)
     sent = {part: sum(1 for c in calls if c[0] == part) for part in ("forward", "backward", "step")}
     size = sum(c[2] for c in calls if c[0] != "step") / 2**20
-    return (f"- tensor split over {tensor} GPUs of a node (parallel.tensor; sequence parallel "
+    return (f"- tensor split over {t} GPUs of a node (parallel.tensor; sequence parallel "
             f"{'on' if cfg.parallel.sequence_parallel else 'off'}): a group's ranks share its {local} sequences "
-            f"(tokens per GPU: 1/{tensor} of them); each micro-batch sends {sent['forward']} collectives in forward "
-            f"and {sent['backward']} in backward ({size:,.1f} MiB), the step {sent['step']} more, each holding up "
-            f"the compute; the strategy runs over GPUs / {tensor} ranks, each with 1/{tensor} of the parameters")
+            f"(tokens per GPU: 1/{t * p} of them); each micro-batch sends {sent['forward']} collectives in forward "
+            f"and {sent['backward']} in backward ({size:,.1f} MiB{', the busiest stage' if p > 1 else ''}), the "
+            f"step {sent['step']} more, each holding up the compute; the strategy runs over GPUs / {t * p} ranks, "
+            f"each with 1/{t} of its {'stage' if p > 1 else 'model'}'s parameters")
+
+
+def _workloads(args, shape: ModelShape, precision: str, cfg: Config, batch: tuple[int, int], fit: dict | None,
+               gpus: list[int], base: Workload | None) -> tuple[Workload, Workload | None]:
+    """(the workload of `cfg` at `gpus`, `base` where given; and where the smallest count is one group of a split
+    and others are more, its workload alone: no data axis beside the split, whose calls travel in the parameters'
+    dtype there)."""
+    group = cfg.parallel.tensor * cfg.parallel.pipeline
+    work = base or _workload(args, shape, precision, cfg, *batch, fit, max(gpus) > group)[0]
+    alone = _workload(args, shape, precision, cfg, *batch, fit, False)[0] if 1 < group == min(gpus) < max(gpus) \
+        else None
+    return work, alone
 
 
 def _workload(args, shape: ModelShape, precision: str, cfg: Config, local: int, micro: int, fit: dict | None,
@@ -148,18 +164,24 @@ def _workload(args, shape: ModelShape, precision: str, cfg: Config, local: int, 
     job = settings(cfg)
     tokens = local * max(shape.seq_len, 1) / job["tensor"] / job["pipeline"]  # (a group's ranks share a batch)
     compute, source = _compute(args, shape, tokens, precision, fit, local, micro, job["pipeline"])
-    split = pipeline_stages(cfg, shape, precision)
+    split = pipeline_stages(cfg, shape, precision, data_axis)
+    calls = stage_calls_of(cfg, shape, precision, micro, data_axis)
     return Workload(shape, compute, tokens, precision, local // micro, cpu_cores=cpu_cores(args, fit), **job,
                     tensor_calls=tensor_calls_of(cfg, shape, precision, micro, data_axis), stages=split.stages,
-                    stage_calls=stage_calls_of(cfg, shape, precision, micro, data_axis),
+                    stage_calls=calls.stages, step_calls=calls.steps, orders=pipeline_orders(cfg, local // micro),
                     send_bytes=split.send_bytes * micro, tied_bytes=split.tied_bytes), source
 
 
 def _pipeline_line(cfg: Config, stages: tuple[ModelShape, ...], send: float, micro_batches: int) -> str:
     """The report's line on a pipeline: its ranks, schedule, what each holds, the micro-batches and sends."""
-    held = ", ".join(f"{s.n_layer} block{'s' * (s.n_layer != 1)} ({s.params / 1e6:,.1f} M)" for s in stages)
-    p = cfg.parallel.pipeline
-    return (f"- pipeline of {p} ranks (parallel.pipeline, {cfg.parallel.pipeline_schedule}): a group's ranks share "
+    from disttrain.parallel import mesh
+
+    p, schedule = cfg.parallel.pipeline, cfg.parallel.pipeline_schedule
+    ranks = [[stages[s] for s in mesh.stages_of(rank, p, len(stages), schedule)] for rank in range(p)]
+    held = ", ".join(f"{sum(s.n_layer for s in mine)} block{'s' * (sum(s.n_layer for s in mine) != 1)} "
+                     f"({sum(s.params for s in mine) / 1e6:,.1f} M)" for mine in ranks)
+    return (f"- pipeline of {p} ranks (parallel.pipeline, {schedule}, {len(stages) // p} stage"
+            f"{'s' * (len(stages) > p)} a rank): a group's ranks share "
             f"its batch (tokens per GPU: 1/{p} of them), in {micro_batches} micro-batches; the ranks hold {held} "
             f"(disttrain's split: embeddings on the first, the head on the last); {send / 2**20:,.2f} MiB of "
             f"activations cross a stage boundary each micro-batch, each way; the strategy runs over each stage's "

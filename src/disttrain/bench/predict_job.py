@@ -10,7 +10,7 @@ import math
 from typing import NamedTuple
 
 from disttrain.bench.interconnect import ITEMSIZE
-from disttrain.bench.model_shapes import ModelShape, UnitShape
+from disttrain.bench.model_shapes import ModelShape, UnitShape, joined
 from disttrain.bench.scale_model import COMPRESSED, STRATEGIES, WIRE_DTYPES
 from disttrain.config import Config, ModelConfig
 from disttrain.errors import ConfigError
@@ -134,11 +134,13 @@ def settings(cfg: Config) -> dict:
     schedule (the two together: each stage split); one line for a context split, which the model does not have.
     (Not taken: `parallel.cpu_offload`, whose copies are in the compute time given or measured.)"""
     from disttrain.config import CHOICES
+    from disttrain.parallel import mesh
 
     p, choices = cfg.parallel, CHOICES["parallel.grad_compression"]
     if p.context > 1:
         raise ConfigError(f"parallel.context = {p.context}: the scale model has data, tensor and pipeline parallelism "
                           "(no context split); predict the job without it, e.g. --set parallel.context=1")
+    mesh.check_stages_per_rank(p)
     if p.grad_compression not in choices:
         raise ConfigError(f"parallel.grad_compression = {p.grad_compression!r}: choose from {', '.join(choices)}")
     if not (p.bucket_cap_mb > 0 and math.isfinite(p.bucket_cap_mb)):
@@ -173,26 +175,55 @@ def tensor_calls_of(cfg: Config, shape: ModelShape, precision: str, sequences: f
     return scaled_calls(tuple(calls), sequences)
 
 
+class SplitCalls(NamedTuple):
+    stages: tuple[tuple[tuple[str, str, float, str], ...], ...]
+    """Each pipeline stage's forward and backward calls (`Workload.stage_calls`)."""
+    steps: tuple[tuple[tuple[str, str, float, str], ...], ...]
+    """Each pipeline rank's step calls (`Workload.step_calls`)."""
+
+
 def stage_calls_of(cfg: Config, shape: ModelShape, precision: str, sequences: float, data_axis: bool = False
-                   ) -> tuple[tuple[tuple[str, str, float, str], ...], ...]:
-    """Under a pipeline with a tensor split, `tensor_calls_of`'s calls of each pipeline rank (`Workload.stage_calls`):
-    those of the stages it runs (`tensor_calls.count_stages`, or each stage's blocks and ends in closed form for a
-    preset); () otherwise."""
+                   ) -> SplitCalls:
+    """Under a pipeline with a tensor split, `tensor_calls_of`'s calls of each stage in micro-batches of `sequences`
+    and of each rank's step (`tensor_calls.count_stages`, or each stage's blocks and ends in closed form for a
+    preset, and each rank's step over its stages); ((), ()) otherwise."""
     from disttrain.bench import tensor_calls
-    from disttrain.parallel import stages as pipe
+    from disttrain.parallel import mesh
 
     p = cfg.parallel.pipeline
     if cfg.parallel.tensor <= 1 or p <= 1:
-        return ()
+        return SplitCalls((), ())
+    count = mesh.stage_count(cfg.parallel, p)
+    held = [mesh.stages_of(rank, p, count, cfg.parallel.pipeline_schedule) for rank in range(p)]
     if shape.counted:
-        per_stage = [_plain(calls) for calls in tensor_calls.count_stages(cfg, precision, data_axis)]
+        recorded = tensor_calls.count_stages(cfg, precision, data_axis)
+        stages, steps = ([_plain(calls) for calls in recorded.stages], [_plain(calls) for calls in recorded.steps])
     else:
         bounds = _preset_bounds(cfg, shape)
-        per_stage = [_preset_calls(cfg, shape, precision, data_axis, hi - lo, s == 0, s == len(bounds) - 1)
-                     for s, (lo, hi) in enumerate(bounds)]
-    count = pipe.stage_count(cfg.parallel, p)
-    return tuple(scaled_calls(tuple(c for s in pipe.stages_of(rank, p, count, cfg.parallel.pipeline_schedule)
-                                    for c in per_stage[s]), sequences) for rank in range(p))
+        stages = [[c for c in _preset_calls(cfg, shape, precision, data_axis, hi - lo, s == 0, s == count - 1)
+                   if c[0] != "step"] for s, (lo, hi) in enumerate(bounds)]
+        steps = [[c for c in _preset_calls(cfg, shape, precision, data_axis, sum(bounds[s][1] - bounds[s][0]
+                                                                               for s in mine), 0 in mine,
+                                           count - 1 in mine) if c[0] == "step"] for mine in held]
+    return SplitCalls(tuple(scaled_calls(tuple(calls), sequences) for calls in stages),
+                      tuple(tuple(calls) for calls in steps))
+
+
+def pipeline_orders(cfg: Config, microbatches: int) -> tuple[tuple[tuple[int, str], ...], ...]:
+    """Each pipeline rank's computations in a step of `microbatches`, in the order torch's schedule class runs
+    them (`parallel/placement.torch_order`: (stage, F | B | I | W)), for the schedules of several stages a rank
+    (`Workload.orders`); () for gpipe and 1f1b (the timeline writes theirs), or without a pipeline."""
+    from disttrain.parallel import mesh
+    from disttrain.parallel.placement import torch_order
+
+    p, schedule = cfg.parallel.pipeline, cfg.parallel.pipeline_schedule
+    if p <= 1 or schedule not in mesh.VIRTUAL_SCHEDULES:
+        return ()
+    orders = [torch_order(schedule, p, rank, microbatches, mesh.stages_per_rank(cfg.parallel)) for rank in range(p)]
+    if any(order is None for order in orders):
+        raise ConfigError(f"parallel.pipeline_schedule = {schedule!r}: this torch does not give its schedule's order "
+                          "of computations, which the model plays; predict gpipe or 1f1b")
+    return tuple(tuple(order) for order in orders)
 
 
 def _plain(calls) -> list[tuple[str, str, float, str]]:
@@ -242,31 +273,31 @@ def series_settings(config: str | None, overrides: list[str], cfg: Config, swept
 
 class PipelineSplit(NamedTuple):
     stages: tuple[ModelShape, ...]
-    """What each pipeline rank holds (`Workload.stages`)."""
+    """What each pipeline stage holds, in stage order (`Workload.stages`)."""
     send_bytes: float
     """Bytes a sequence's activations carry across a stage boundary (x the micro-batch: `Workload.send_bytes`)."""
     tied_bytes: float
     """Bytes of the weights the first and last stage both hold, whose gradients they sum (`Workload.tied_bytes`)."""
 
 
-def pipeline_stages(cfg: Config, shape: ModelShape, precision: str) -> PipelineSplit:
-    """What each pipeline rank holds, the bytes a sequence's activations carry across a stage boundary and those of
+def pipeline_stages(cfg: Config, shape: ModelShape, precision: str, data_axis: bool = False) -> PipelineSplit:
+    """What each pipeline stage holds, the bytes a sequence's activations carry across a stage boundary and those of
     a tied embedding and head, under `parallel.pipeline`; ((), 0, 0) without one. disttrain's own split
     (parallel/stages.py): stages of consecutive blocks balanced by parameters, the embeddings on the first stage and
-    the head on the last (`parallel.pipeline_split` where given), two stages a rank under interleaved-1f1b, each on
-    rank stage mod p. A rank's units: its stages' blocks, after a unit of its embedding (the first) or head (the
-    last: the root's FLOPs, the head's matmul). The stream between stages is counted in the compute dtype (bf16 under
-    bf16-mixed: what crosses under a data-parallel wrapper), a tensor rank's share of it under sequence parallelism
-    (the stream is split along the sequence), and a tied weight's rows too (split by vocabulary). A preset's root is
-    split half and half."""
+    the head on the last (`parallel.pipeline_split` where given), p x v of them. A stage's units: its blocks, after
+    a unit of its embedding (the first) or head (the last: the root's FLOPs, the head's matmul). The stream between
+    stages is counted in the parameters' dtype, or beside a data axis (`data_axis`) in FSDP2's compute dtype (bf16
+    under bf16-mixed), a tensor rank's share of it under sequence parallelism (the stream is split along the
+    sequence), and a tied weight's rows too (split by vocabulary). A preset's root is split half and half."""
+    from disttrain.parallel import mesh
     from disttrain.parallel import stages as pipe
     from disttrain.parallel.state import tie_groups
 
     p = cfg.parallel.pipeline
     if p <= 1:
         return PipelineSplit((), 0.0, 0.0)
-    count = pipe.stage_count(cfg.parallel, p)
-    units, stream, tied = shape.units(), ITEMSIZE[WIRE_DTYPES[precision][1]], 0.0
+    count = mesh.stage_count(cfg.parallel, p)
+    units, stream, tied = shape.units(), ITEMSIZE[WIRE_DTYPES[precision][1 if data_axis else 0]], 0.0
     if shape.counted:
         from disttrain.memory import meta_model
 
@@ -290,23 +321,17 @@ def pipeline_stages(cfg: Config, shape: ModelShape, precision: str) -> PipelineS
         bounds = _preset_bounds(cfg, shape)
         ends = (UnitShape(half, half, 0.0, 0.0), UnitShape(half, half, units[0].forward_flops, units[0].backward_flops))
         hidden = shape.d_model
-    ranks = []
-    for rank in range(p):
-        held = pipe.stages_of(rank, p, count, cfg.parallel.pipeline_schedule)
-        root = [ends[0]] * (0 in held) + [ends[1]] * (count - 1 in held) or [UnitShape(0.0, 0.0, 0.0, 0.0)]
-        blocks = [units[1 + i] for s in held for i in range(*bounds[s])]
-        own = (UnitShape(sum(u.params for u in root), sum(u.trained for u in root),
-                         sum(u.forward_flops for u in root), sum(u.backward_flops for u in root)), *blocks)
-        ranks.append(ModelShape(f"{shape.name}, pipeline rank {rank}", sum(u.params for u in own),
-                                blocks[0].params if blocks else 0.0, len(blocks), seq_len=shape.seq_len, counted=own))
+    parts = tuple(joined(f"{shape.name}, stage {s}", [ends[0]] * (s == 0) + [ends[1]] * (s == count - 1),
+                         [units[1 + i] for i in range(*bounds[s])], shape.seq_len) for s in range(count))
     t = max(1, cfg.parallel.tensor)  # (each tensor rank sends its share of a sequence-split stream, sums its rows)
-    return PipelineSplit(tuple(ranks), shape.seq_len * hidden * stream / (t if cfg.parallel.sequence_parallel else 1),
+    return PipelineSplit(parts, shape.seq_len * hidden * stream / (t if cfg.parallel.sequence_parallel else 1),
                          tied / t)
 
 
 def _preset_bounds(cfg: Config, shape: ModelShape) -> list[tuple[int, int]]:
     """[first block, end) of each pipeline stage of a preset: disttrain's balanced split, its root's parameters half
     on the first stage and half on the last."""
+    from disttrain.parallel import mesh
     from disttrain.parallel import stages as pipe
 
     if cfg.parallel.pipeline_split.strip():
@@ -314,6 +339,6 @@ def _preset_bounds(cfg: Config, shape: ModelShape) -> list[tuple[int, int]]:
                           "module names to split at; model a config of the model, or leave the split to balance")
     units = shape.units()
     half = units[0].params / 2
-    cuts = pipe.balanced_split([u.params for u in units[1:]], pipe.stage_count(cfg.parallel, cfg.parallel.pipeline),
+    cuts = pipe.balanced_split([u.params for u in units[1:]], mesh.stage_count(cfg.parallel, cfg.parallel.pipeline),
                                half, half)
     return list(zip([0, *cuts], [*cuts, len(units) - 1], strict=True))

@@ -11,7 +11,14 @@ from pathlib import Path
 
 from disttrain.bench.interconnect import Interconnect, with_gpus_per_node
 from disttrain.bench.model_shapes import ModelShape
-from disttrain.bench.predict_job import pipeline_stages, scaled_calls, series_settings, stage_calls_of, tensor_calls_of
+from disttrain.bench.predict_job import (
+    pipeline_orders,
+    pipeline_stages,
+    scaled_calls,
+    series_settings,
+    stage_calls_of,
+    tensor_calls_of,
+)
 from disttrain.bench.published_scaling import PUBLISHED
 from disttrain.bench.scale_model import STRATEGIES, Workload, step_time
 from disttrain.config import Config
@@ -139,7 +146,6 @@ def measured_checks(args, shape: ModelShape, precision: str, net: Interconnect, 
              "from the 1-rank step. Target: |error| <= 10%.", "",
              "| series | ranks | measured (s) | predicted (s) | error | collectives (s) |",
              "|---|---|---|---|---|---|"]
-    split = pipeline_stages(cfg, shape, precision)
     group = cfg.parallel.tensor * cfg.parallel.pipeline
     skipped = [label for label, (_, by_world, _) in measured.items() if 1 not in by_world]
     refused = []
@@ -157,9 +163,12 @@ def measured_checks(args, shape: ModelShape, precision: str, net: Interconnect, 
             sequences = m["local"] / m["micro_steps"]
             beside = world > group  # (a data axis: a mixed precision's stream in the compute dtype)
             calls = scaled_calls(tensor_calls_of(cfg, shape, precision, 1.0, beside), sequences)
+            split, stage = pipeline_stages(cfg, shape, precision, beside), stage_calls_of(cfg, shape, precision,
+                                                                                           sequences, beside)
             work = Workload(shape, base["step_time_s"] * scale / job["pipeline"], 1.0, precision, m["micro_steps"],
                             cpu_cores=cores, **{**job, "log_every": m["log_every"]}, tensor_calls=calls,
-                            stage_calls=stage_calls_of(cfg, shape, precision, sequences, beside),
+                            stage_calls=stage.stages, step_calls=stage.steps,
+                            orders=pipeline_orders(cfg, m["micro_steps"]),
                             stages=split.stages, send_bytes=split.send_bytes * sequences,
                             tied_bytes=split.tied_bytes)  # (log_every: the gathers a median pays)
             s = step_time(strategy, world, work, net)

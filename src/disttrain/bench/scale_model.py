@@ -6,13 +6,18 @@ everything.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 from disttrain.bench.buckets import bucket_calls, bucket_units, waits_behind_backward
 from disttrain.bench.interconnect import ITEMSIZE, Interconnect, bus_factor, collective_time
-from disttrain.bench.model_shapes import ModelShape, UnitShape
+from disttrain.bench.model_shapes import ModelShape, joined
+from disttrain.bench.pipeline_timeline import StageCost, one_stage_order, play
+from disttrain.bench.tensor_split import check_model_split, check_tensor, split_shape, tensor_seconds
 from disttrain.bench.timeline import Step, Unit, run_pass
 from disttrain.errors import ConfigError
+from disttrain.parallel import mesh
 
 # --- workloads ------------------------------------------------------------------------------------------------
 
@@ -77,13 +82,16 @@ class Workload:
     tensor GPUs reads one batch in `micro_steps` micro-batches; `compute_s` and `tokens` stay one GPU's share of
     the whole model's (as if the stages were equal); `stages` says who holds what."""
     schedule: str = "1f1b"
-    """`parallel.pipeline_schedule`: gpipe and 1f1b (one stage per rank), interleaved-1f1b (two per rank, or
-    `virtual`)."""
+    """`parallel.pipeline_schedule`: gpipe and 1f1b (one stage per rank), interleaved-1f1b and zero-bubble (two
+    per rank, or `virtual`), zbv (two, in a V)."""
     virtual: int = 0
     """Stages each pipeline rank runs (`parallel.pipeline_stages_per_rank`); 0: the schedule's (`VIRTUAL`)."""
     stages: tuple[ModelShape, ...] = ()
-    """Under a pipeline, what each pipeline rank holds (its stages' units; the embedding's parameters on the first,
-    the head's and its FLOPs on the last): `predict_job.pipeline_stages`, disttrain's own split."""
+    """Under a pipeline, what each stage holds, in stage order (its units; the embedding's parameters on the
+    first, the head's and its FLOPs on the last): `predict_job.pipeline_stages`, disttrain's own split."""
+    orders: tuple[tuple[tuple[int, str], ...], ...] = ()
+    """Under a pipeline of several stages a rank, each rank's computations in the order torch's schedule runs
+    them (`pipeline_timeline`; `predict_job.pipeline_orders`); () for gpipe and 1f1b, written by the timeline."""
     send_bytes: float = 0.0
     """Under a pipeline, bytes of one micro-batch's activations crossing a stage boundary (their gradients come back
     as many)."""
@@ -95,8 +103,10 @@ class Workload:
     backward, or once in the step after them (part "step": the clip's norm, partial gradients summed)
     (`bench/tensor_calls.count`, or `model_shapes.tensor_calls` for a preset); each holds up the compute."""
     stage_calls: tuple[tuple[tuple[str, str, float, str], ...], ...] = ()
-    """Under a pipeline with a tensor split, each pipeline rank's `tensor_calls`: those of the stages it holds
+    """Under a pipeline with a tensor split, each stage's forward and backward `tensor_calls`
     (`predict_job.stage_calls_of`)."""
+    step_calls: tuple[tuple[tuple[str, str, float, str], ...], ...] = ()
+    """... and each pipeline rank's step calls, over its stages' gradients together."""
 
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
@@ -204,11 +214,11 @@ def step_time(strategy: str, n: int, work: Workload, net: Interconnect, model_sp
         return Step(compute * work.pipeline, compute * work.pipeline, 0.0, 0.0)
     if work.pipeline > 1:
         return _pipeline_step(strategy, n, work, net)
-    _check_tensor(strategy, n, work, net)
+    check_tensor(strategy, n, work, net)
     units, after, sent = _units(strategy, replace(work, model=split_shape(work.model, work.tensor)),
                                 n // work.tensor, net, work.tensor,
                                 strategy == "ddp" and (model_split or work.tensor > 1))
-    (split_fwd, split_bwd, split_step), (sent_micro, sent_step) = _tensor_seconds(work, net)
+    (split_fwd, split_bwd, split_step), (sent_micro, sent_step) = tensor_seconds(work, net)
     split = (split_fwd + split_bwd) * work.micro_steps
     sent += sent_micro * work.micro_steps + sent_step
     after += split_step  # (after backward, before the optimizer's update)
@@ -233,76 +243,23 @@ def step_time(strategy: str, n: int, work: Workload, net: Interconnect, model_sp
     return Step(max(t, comm) + after, compute, comm_total, sent)
 
 
-def split_shape(model: ModelShape, tensor: int) -> ModelShape:
-    """One rank's share of `model` under a tensor split of `tensor` ranks: every unit's parameters and trained
-    tensors divided by it (its compute shares kept). The norms and positions a split leaves whole are counted split
-    too: a few thousand parameters a block."""
-    if tensor == 1:
-        return model
-    return replace(model, params=model.params / tensor, layer_params=model.layer_params / tensor,
-                   counted=tuple(UnitShape(u.params / tensor, u.trained / tensor, u.forward_flops,
-                                                  u.backward_flops) for u in model.units()),
-                   grad_tensors=tuple(x / tensor for x in model.grad_tensors))
-
-
-def _check_tensor(strategy: str, n: int, work: Workload, net: Interconnect) -> None:
-    """What the model does not price of a tensor split: a count it does not divide, a group not within a node, hsdp
-    with it; and what disttrain does not run: zero1 (no data axes) or powersgd under a model split."""
-    t = work.tensor
-    if t == 1:
-        return
-    if n % t:
-        raise ConfigError(f"parallel.tensor = {t} does not divide {n} GPUs; give GPU counts that are multiples of it")
-    if net.gpus_per_node % t:
-        raise ConfigError(f"parallel.tensor = {t}: its groups would straddle nodes of {net.gpus_per_node} devices, "
-                          "which the model does not price (each block's collectives hold up its compute); give a "
-                          f"divisor of {net.gpus_per_node}")
-    _check_model_split(strategy, work, f"parallel.tensor = {t}")
-
-
-def _check_model_split(strategy: str, work: Workload, split: str) -> None:
-    if strategy in ("hsdp", "zero1"):
-        why = "is not modelled" if strategy == "hsdp" else "does not run in disttrain (zero1 has no data axes)"
-        raise ConfigError(f"{strategy} with {split} {why}; predict ddp or fsdp with it")
-    if work.grad_compression == "powersgd":
-        raise ConfigError(f"parallel.grad_compression = 'powersgd' with {split} does not run in disttrain (a DDP "
-                          "hook over every rank); predict it with none, fp16 or bf16")
-
-
-def _tensor_seconds(work: Workload, net: Interconnect) -> tuple[tuple[float, float, float], tuple[float, float]]:
-    """((forward, backward) seconds of one micro-batch's tensor-split collectives and the step's, (bytes each rank
-    sends in a micro-batch, in the step)). The step's are issued together (DTensor's functional collectives return
-    at once; the clip's norm and the optimizer wait once all are out): on links with a cost per call (a CPU host's
-    fit, `Link.call_s`) the run pays it once, the others only their bytes (measured here: the clip's 20 of a
-    sequence-parallel step's 38 calls changed its time by nothing); on an accelerator's links each call still pays
-    its ring's latency."""
-    seconds, sent = {"forward": 0.0, "backward": 0.0, "step": 0.0}, {"forward": 0.0, "backward": 0.0, "step": 0.0}
-    for part, collective, nbytes, dtype in work.tensor_calls:
-        links = net.for_dtype(dtype, collective)
-        call = collective_time(collective, nbytes, work.tensor, links)
-        if part == "step" and sent["step"]:  # (issued together with the first: its cost per call paid once)
-            call -= links.intra[collective].call_s
-        seconds[part] += call
-        sent[part] += nbytes * bus_factor(collective, work.tensor)
-    return (seconds["forward"], seconds["backward"], seconds["step"]), (sent["forward"] + sent["backward"],
-                                                                        sent["step"])
-
-
-VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2}
-"""Stages per pipeline rank of each schedule modelled, unless `Workload.virtual` says (interleaved-1f1b: 2 or
-more)."""
+VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 2, "zbv": 2}
+"""Stages per pipeline rank of each schedule modelled, unless `Workload.virtual` says (interleaved-1f1b and
+zero-bubble: 2 or more)."""
+SPLIT_BACKWARD = ("zero-bubble", "zbv")
+"""Modelled schedules that split each backward into an input and a weight part, under which FSDP2 keeps a stage's
+parameters gathered from forward to backward (priced as zero2)."""
 
 
 def _pipeline_step(strategy: str, n: int, work: Workload, net: Interconnect) -> Step:
-    """A pipeline of p ranks (n / p GPUs a stage): each rank's step alone, its stages' compute with their data- and
-    tensor-parallel collectives (`step_time` on its share), then the schedule's bubble, in which ranks wait for the
-    micro-batches to fill and drain the pipeline: with one stage per rank (gpipe, 1f1b) the step is m x the slowest
-    rank's micro-batch + the others' one micro-batch each ((m + p - 1) micro-batches where the stages are equal),
-    with v stages per rank (interleaved) the others' share over v; plus the sends that fill and drain it, 2 (p v - 1)
-    one-way sends of `send_bytes` (the steady state's overlap the compute), across nodes once the job spans several;
-    and the sum of a tied embedding and head's gradients between the first and last stage (`tied_bytes`), after the
-    last backward. On a CPU host every send is a call on its rank's timeline: 2 v a micro-batch. Under a tensor
-    split, a rank's micro-batch holds its stages' calls (`stage_calls`), each tensor rank sending its share."""
+    """A pipeline of p ranks (n / p GPUs a stage), v stages a rank: the schedule played through
+    (`pipeline_timeline.play`: each rank runs its computations in the schedule's order, each when its rank is free
+    and its input has come, a forward a third of the stage's micro-batch and its backward two, a split backward
+    half and half), each stage's micro-batch holding its tensor split's calls; then each rank's data-parallel
+    collectives beyond its computations (`step_time` on the rank's stages together), and the sum of a tied
+    embedding and head's gradients between the first and last stage (`tied_bytes`). A send of `send_bytes`
+    between ranks delays the computation waiting for it (across nodes once the job spans several); on a CPU host it
+    is a call on each rank's timeline instead, 2 v a micro-batch."""
     p, m, v = work.pipeline, work.micro_steps, _check_pipeline(strategy, n, work)
     apart = n > net.gpus_per_node  # (a stage boundary on other nodes)
 
@@ -313,22 +270,46 @@ def _pipeline_step(strategy: str, n: int, work: Workload, net: Interconnect) -> 
     stored, stream, _ = WIRE_DTYPES[work.precision]
     send = collective_time("all_gather", 2 * work.send_bytes, 2, link(stream, "all_gather"))  # (each sends its half)
     tied = collective_time("all_reduce", work.tied_bytes, 2, link(stored, "all_reduce"))
-    total = work.model.flops_per_token()
-    steps, micro = [], []
-    for rank, shape in enumerate(work.stages):
-        compute = work.compute_s * p * shape.flops_per_token() / total  # (compute_s: a GPU's share of equal stages)
-        if work.cpu_cores:
-            compute += 2 * m * v * send
-        own = replace(work, model=shape, compute_s=compute, pipeline=1, stages=(), stage_calls=(),
-                      tensor_calls=work.stage_calls[rank] if work.tensor > 1 else ())
-        steps.append(step_time(strategy, n // p, own, net, model_split=True))
-        (forward, backward, _), _ = _tensor_seconds(own, net)  # (a micro-batch waits for its split's calls)
-        micro.append(compute / m + forward + backward)
-    slowest = max(range(p), key=lambda r: steps[r].step_s)
-    bubble = (sum(micro) - micro[slowest]) / v + (0.0 if work.cpu_cores else 2 * (p * v - 1) * send)
+    holder = functools.partial(mesh.holder, ranks=p, schedule=work.schedule)
+    held = [mesh.stages_of(rank, p, p * v, work.schedule) for rank in range(p)]
+    computes, costs = _stage_costs(work, net)
+    if strategy == "fsdp" and work.schedule in SPLIT_BACKWARD:
+        strategy = "zero2"
+    steps, busy = [], []
+    for rank, mine in enumerate(held):
+        shape = joined(f"pipeline rank {rank}", [work.stages[s].units()[0] for s in mine],
+                       [u for s in mine for u in work.stages[s].units()[1:]], work.model.seq_len)
+        calls = tuple(c for s in mine for c in work.stage_calls[s]) + work.step_calls[rank] if work.tensor > 1 else ()
+        compute = sum(computes[s] for s in mine) + (2 * m * v * send if work.cpu_cores else 0.0)
+        steps.append(step_time(strategy, n // p, replace(work, model=shape, compute_s=compute, pipeline=1, stages=(),
+                                                         stage_calls=(), step_calls=(), orders=(), tensor_calls=calls),
+                               net, model_split=True))
+        busy.append(compute + m * sum(costs[s].forward + costs[s].backward - computes[s] / m for s in mine))
+    orders = work.orders or tuple(one_stage_order(work.schedule, p, rank, m) for rank in range(p))
+    finish = play(orders, holder, costs, send, on_host=bool(work.cpu_cores))
+    ends = [finish[r] + steps[r].step_s - busy[r] for r in range(p)]  # (its collectives beyond its computations)
+    last = max(range(p), key=lambda r: ends[r])
     sent = 2 * m * v * work.send_bytes + work.tied_bytes
-    return Step(steps[slowest].step_s + bubble + tied, work.compute_s, steps[slowest].comm_s + 2 * m * v * send + tied,
-                steps[slowest].wire_bytes + sent)
+    return Step(ends[last] + tied, work.compute_s, steps[last].comm_s + 2 * m * v * send + tied,
+                steps[last].wire_bytes + sent)
+
+
+def _stage_costs(work: Workload, net: Interconnect) -> tuple[list[float], tuple[StageCost, ...]]:
+    """(each stage's compute in a step, the seconds of one micro-batch's forward and backward through it): its share
+    of the FLOPs (`compute_s` is a GPU's share of equal stages), forward and backward as its units' FLOPs say, each
+    with its tensor split's calls."""
+    total, p, m = work.model.flops_per_token(), work.pipeline, work.micro_steps
+    computes, costs = [], []
+    for s, stage in enumerate(work.stages):
+        units = stage.units()
+        flops = sum(u.forward_flops + u.backward_flops for u in units)
+        forward = sum(u.forward_flops for u in units) / flops if flops else 1 / 3
+        compute = work.compute_s * p * stage.flops_per_token() / total
+        calls = work.stage_calls[s] if work.tensor > 1 else ()
+        (split_fwd, split_bwd, _), _ = tensor_seconds(replace(work, tensor_calls=calls), net)
+        computes.append(compute)
+        costs.append(StageCost(compute / m * forward + split_fwd, compute / m * (1 - forward) + split_bwd))
+    return computes, tuple(costs)
 
 
 def _check_pipeline(strategy: str, n: int, work: Workload) -> int:
@@ -336,7 +317,9 @@ def _check_pipeline(strategy: str, n: int, work: Workload) -> int:
     p, v = work.pipeline, VIRTUAL.get(work.schedule, 0) and (work.virtual or VIRTUAL[work.schedule])
     if not v:
         raise ConfigError(f"parallel.pipeline_schedule = {work.schedule!r} is not modelled; predict "
-                          f"{', '.join(VIRTUAL)} (zero-bubble schedules split the backward)")
+                          f"{', '.join(VIRTUAL)} (dualpipev's overlapped forward and backward pairs are not played)")
+    mesh.check_stages_per_rank(SimpleNamespace(pipeline=p, pipeline_schedule=work.schedule,
+                                               pipeline_stages_per_rank=work.virtual))
     if n % p:
         raise ConfigError(f"parallel.pipeline = {p} does not divide {n} GPUs; give multiples of it")
     if work.cpu_cores and (n > p or p > work.cpu_cores):
@@ -346,9 +329,10 @@ def _check_pipeline(strategy: str, n: int, work: Workload) -> int:
     if v > 1 and work.micro_steps % p:
         raise ConfigError(f"parallel.pipeline_schedule = {work.schedule!r} runs micro-batches in multiples of "
                           f"parallel.pipeline = {p}, not {work.micro_steps}; give a batch of such micro-batches")
-    assert len(work.stages) == p, "a pipeline's Workload holds each rank's stages"
-    assert work.tensor == 1 or len(work.stage_calls) == p, "a pipeline's tensor split holds each rank's calls"
-    _check_model_split(strategy, work, f"parallel.pipeline = {p}")
+    assert len(work.stages) == p * v, "a pipeline's Workload holds each stage"
+    assert work.tensor == 1 or (len(work.stage_calls), len(work.step_calls)) == (p * v, p), "and a split's calls"
+    assert bool(work.orders) == (v > 1 or work.schedule in SPLIT_BACKWARD), "torch's order of a multi-stage schedule"
+    check_model_split(strategy, work, f"parallel.pipeline = {p}")
     return v
 
 
@@ -361,7 +345,10 @@ class Prediction:
     """Per-GPU throughput relative to the smallest count predicted."""
 
 
-def predict(strategy: str, counts: list[int], work: Workload, net: Interconnect) -> list[Prediction]:
+def predict(strategy: str, counts: list[int], work: Workload, net: Interconnect, alone: Workload | None = None
+            ) -> list[Prediction]:
+    """Each count's step; `alone`: the workload at a count of one group of a split, where it differs (no data axis
+    beside it)."""
     group = work.tensor * work.pipeline
     odd = [n for n in counts if n % group]
     if odd:
@@ -372,7 +359,7 @@ def predict(strategy: str, counts: list[int], work: Workload, net: Interconnect)
     if strategy == "hsdp" and not work.hsdp_shard and partial_nodes:  # (its replicas are whole nodes)
         raise ConfigError(f"--gpus {partial_nodes[0]}: hsdp shards within a node of {per_node} devices and "
                           f"replicates across nodes; give at most {per_node} or a multiple of {per_node}")
-    steps = [(n, step_time(strategy, n, work, net)) for n in sorted(counts)]
+    steps = [(n, step_time(strategy, n, alone if alone and n == group else work, net)) for n in sorted(counts)]
     base = steps[0][1].step_s
     return [Prediction(n, s, work.tokens / s.step_s, base / s.step_s) for n, s in steps]
 

@@ -17,6 +17,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import NamedTuple
 
 from disttrain.config import Config
 from disttrain.errors import ConfigError
@@ -72,22 +73,29 @@ def count(cfg: Config, precision: str = "", data_axis: bool = False) -> tuple[Te
     replicate): under a mixed precision it computes with parameters gathered in the compute dtype, so the stream's
     calls (the embedding's output, the norms' outputs and their gradients) travel in it, not in float32; the step's
     stay in the stored dtype."""
-    return _counted(cfg, precision, data_axis, stages=False)[0]
+    return _counted(cfg, precision, data_axis, stages=False)
 
 
-def count_stages(cfg: Config, precision: str = "", data_axis: bool = False) -> tuple[tuple[TensorCall, ...], ...]:
-    """Under `parallel.pipeline` > 1 with a tensor split: `count`'s calls of each pipeline stage (stage order, two a
-    rank when interleaved), recorded as the pipeline runs it (`parallel/stages.StagePart`: the embedding on the
-    first, the final norm and head on the last, whose logits are gathered whole: no loss parallel under a
-    pipeline); a later stage's input is what the one before sends, a sequence's stream (under sequence parallelism
-    its share of the sequence). The step's calls are those of the stage's parameters."""
+class StageCalls(NamedTuple):
+    stages: tuple[tuple[TensorCall, ...], ...]
+    """Each pipeline stage's forward and backward calls (stage order)."""
+    steps: tuple[tuple[TensorCall, ...], ...]
+    """Each pipeline rank's step calls, once for all its stages (one clip's norm over its gradients)."""
+
+
+def count_stages(cfg: Config, precision: str = "", data_axis: bool = False) -> StageCalls:
+    """Under `parallel.pipeline` > 1 with a tensor split: `count`'s calls of each pipeline stage, recorded as the
+    pipeline runs it (`parallel/stages.StagePart`: the embedding on the first, the final norm and head on the last,
+    whose logits are gathered whole: no loss parallel under a pipeline; a later stage's input is what the one before
+    sends, a sequence's stream, under sequence parallelism its share of the sequence), and each rank's step, as its
+    stages' gradients are normed and updated together."""
     return _counted(cfg, precision, data_axis, stages=True)
 
 
-def _counted(cfg: Config, precision: str, data_axis: bool, stages: bool) -> tuple[tuple[TensorCall, ...], ...]:
+def _counted(cfg: Config, precision: str, data_axis: bool, stages: bool):
     degree = cfg.parallel.tensor
     if degree <= 1:
-        return ((),) * (_stage_count(cfg) if stages else 1)
+        return StageCalls(((),) * _stage_count(cfg), ((),) * cfg.parallel.pipeline) if stages else ()
     precision = precision or cfg.parallel.precision
     key = repr((cfg.model, cfg.parallel, cfg.optim, precision, data_axis, stages))  # (a sitting measures, checks)
     if key not in _COUNTED:
@@ -97,26 +105,25 @@ def _counted(cfg: Config, precision: str, data_axis: bool, stages: bool) -> tupl
         stored = _record_all(cfg, degree, precision, stages, gathered=False)
         if gathered:  # forward and backward on FSDP2's gathered copies, the step on the stored parameters
             computed = _record_all(cfg, degree, precision, stages, gathered=True)
-            stored = tuple(tuple(c for c in calls if c.part != "step") + tuple(c for c in step if c.part == "step")
-                           for calls, step in zip(computed, stored, strict=True))
+            stored = (StageCalls(computed.stages, stored.steps) if stages else
+                      tuple(c for c in computed if c.part != "step") + tuple(c for c in stored if c.part == "step"))
         _COUNTED[key] = stored
     return _COUNTED[key]
 
 
 def _stage_count(cfg: Config) -> int:
-    from disttrain.parallel.stages import stage_count
+    from disttrain.parallel.mesh import stage_count
 
     return stage_count(cfg.parallel, cfg.parallel.pipeline)
 
 
-def _record_all(cfg: Config, degree: int, precision: str, stages: bool, gathered: bool
-                ) -> tuple[tuple[TensorCall, ...], ...]:
+def _record_all(cfg: Config, degree: int, precision: str, stages: bool, gathered: bool):
     model = meta_built(cfg.model, f"parallel.tensor = {degree}", "its collectives", "use --model PRESET")
     with fake_group(degree):
         return _record(model, cfg, degree, precision, stages, gathered)
 
 
-_COUNTED: dict[str, tuple[tuple[TensorCall, ...], ...]] = {}
+_COUNTED: dict[str, tuple[TensorCall, ...] | StageCalls] = {}
 
 
 def meta_built(model_cfg, setting: str, counted: str, hint: str):
@@ -133,9 +140,7 @@ def meta_built(model_cfg, setting: str, counted: str, hint: str):
                           f"({type(exc).__name__}: {exc}); {hint}") from None
 
 
-def _record(model, cfg: Config, degree: int, precision_name: str, stages: bool, gathered: bool
-            ) -> tuple[tuple[TensorCall, ...], ...]:
-    import torch
+def _record(model, cfg: Config, degree: int, precision_name: str, stages: bool, gathered: bool):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -158,62 +163,83 @@ def _record(model, cfg: Config, degree: int, precision_name: str, stages: bool, 
         if cfg.parallel.activation_checkpointing:
             apply_activation_checkpointing(model)
         tensor.parallelize(model, mesh, cfg.parallel.sequence_parallel, split)
-        tokens = torch.zeros(1, cfg.model.seq_len, dtype=torch.long)
+        run = _Run(model, cfg, precision, split, ties)
         if not stages:
-            return (_run(model, model, tokens, None, cfg, precision, split, ties),)
-        from disttrain.parallel.stages import FAMILIES, StagePart, family_of, stage_bounds
-
-        family, count = FAMILIES[family_of(model)], _stage_count(cfg)
-        width = cfg.model.seq_len // (degree if cfg.parallel.sequence_parallel else 1)
-        stream = torch.zeros(1, width, _hidden(model), dtype=next(model.parameters()).dtype)
-        recorded = []
-        for s, bounds in enumerate(stage_bounds(model, count, cfg.parallel.pipeline_split)):
-            part = StagePart(model, family, bounds, s == 0, s == count - 1)
-            recorded.append(_run(model, part, tokens if s == 0 else stream.clone().requires_grad_(),
-                                 None if s == count - 1 else stream, cfg, precision, split, ties))
-        return tuple(recorded)
+            return run.passes(model) + run.step([model], holds_first=True)
+        return _record_stages(model, cfg, degree, run)
 
 
-def _run(model, part, inputs, sent, cfg: Config, precision, split: bool, ties: list[list[str]]
-         ) -> tuple[TensorCall, ...]:
-    """`part`'s calls on `inputs`: forward (to the loss where it ends in logits, else to its output, whose gradient
-    comes back shaped as `sent`), backward, then the clip's norm and the optimizer's update of its parameters.
-    `ties`: the names of weights a pipeline's first and last stage share (none for the whole model)."""
+def _record_stages(model, cfg: Config, degree: int, run: _Run) -> StageCalls:
     import torch
 
-    from disttrain.optim import optimizer_factory
-    from disttrain.parallel import tensor
-    from disttrain.parallel.spec import squared_norm
+    from disttrain.parallel.mesh import stages_of
+    from disttrain.parallel.stages import FAMILIES, StagePart, family_of, stage_bounds
 
-    for param in model.parameters():
-        param.grad = None
-    loss_context = tensor.loss_parallel if split else contextlib.nullcontext
-    tokens = torch.zeros(1, cfg.model.seq_len, dtype=torch.long)
-    with recording() as recorder:
-        with precision.autocast("cpu"), loss_context():
-            out = part(inputs)
-            if sent is None:
-                logits = out if isinstance(out, torch.Tensor) else out.logits
-                out = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
-        recorder.part = "backward"
-        with loss_context():
-            out.backward(None if sent is None else torch.zeros(out.shape, dtype=out.dtype))
-        recorder.part = "step"  # the gradients tensor parallelism leaves partial are summed where first read
-        _tied_as_held(model, part, ties)  # (a pipeline's tied weights, summed between the ends)
-        skip = {id(model.get_parameter(n)) for names in ties for n in names} if getattr(part, "last", False) and \
-            not part.first else set()  # (the first stage's copy counts in the norm, not the last's)
-        grads = [p.grad for p in part.parameters() if p.grad is not None and id(p) not in skip]
-        if cfg.optim.grad_clip > 0:
-            squared_norm(grads)
-        optimizer_factory(cfg.optim)(part).step()
-    return tuple(recorder.calls)
+    family, count, p = FAMILIES[family_of(model)], _stage_count(cfg), cfg.parallel.pipeline
+    width = cfg.model.seq_len // (degree if cfg.parallel.sequence_parallel else 1)
+    stream = torch.zeros(1, width, _hidden(model), dtype=next(model.parameters()).dtype)
+    parts = [StagePart(model, family, bounds, s == 0, s == count - 1)
+             for s, bounds in enumerate(stage_bounds(model, count, cfg.parallel.pipeline_split))]
+    calls, steps = [()] * count, []
+    for rank in range(p):  # (each rank's stages: their gradients accumulate until its step)
+        held = stages_of(rank, p, count, cfg.parallel.pipeline_schedule)
+        for s in held:
+            calls[s] = run.passes(parts[s], None if s == 0 else stream, ends=s == count - 1)
+        steps.append(run.step([parts[s] for s in held], holds_first=0 in held))
+    return StageCalls(tuple(calls), tuple(steps))
 
 
-def _tied_as_held(model, part, ties: list[list[str]]) -> None:
+class _Run:
+    """Runs parts of the split model on fake tensors and records their calls."""
+
+    def __init__(self, model, cfg: Config, precision, split: bool, ties: list[list[str]]):
+        self.model, self.cfg, self.precision, self.split, self.ties = model, cfg, precision, split, ties
+
+    def passes(self, part, stream=None, ends: bool = True) -> tuple[TensorCall, ...]:
+        """One sequence's forward and backward through `part`: from the tokens, or a `stream` as the stage before
+        sends it; to the loss where it `ends` in logits (the whole model, the last stage), else to its output, whose
+        gradient comes back. Its parameters' gradients accumulate, as a rank's stages' do until its step."""
+        import torch
+
+        from disttrain.parallel import tensor
+
+        tokens = torch.zeros(1, self.cfg.model.seq_len, dtype=torch.long)
+        loss_context = tensor.loss_parallel if self.split else contextlib.nullcontext
+        with recording() as recorder:
+            with self.precision.autocast("cpu"), loss_context():
+                out = part(tokens if stream is None else stream.clone().requires_grad_())
+                if ends:
+                    logits = out if isinstance(out, torch.Tensor) else out.logits
+                    out = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+            recorder.part = "backward"
+            with loss_context():
+                out.backward(None if ends else torch.zeros(out.shape, dtype=out.dtype))
+        return tuple(recorder.calls)
+
+    def step(self, parts: list, holds_first: bool) -> tuple[TensorCall, ...]:
+        """The step's calls over the gradients `parts` hold: the clip's norm (`optim.grad_clip` > 0) and the
+        optimizer's update, which sum the gradients backward left partial. A pipeline's tied weight is laid out and
+        counted as its step does: in the first stage's norm only."""
+        from disttrain.optim import optimizer_factory
+        from disttrain.parallel.spec import squared_norm
+
+        params = list(dict.fromkeys(p for part in parts for p in part.parameters()))
+        _tied_as_held(self.model, params, self.ties)
+        counted = {id(self.model.get_parameter(names[0])) for names in self.ties} if holds_first else set()
+        skip = {id(self.model.get_parameter(n)) for names in self.ties for n in names} - counted
+        with recording() as recorder:
+            recorder.part = "step"
+            if self.cfg.optim.grad_clip > 0:
+                squared_norm([p.grad for p in params if p.grad is not None and id(p) not in skip])
+            optimizer_factory(self.cfg.optim)(SimpleNamespace(parameters=lambda: iter(params))).step()
+        return tuple(recorder.calls)
+
+
+def _tied_as_held(model, params: list, ties: list[list[str]]) -> None:
     """As the pipeline's step does before it sums a tied weight's gradients between the first and last stage
     (parallel/pipeline.py): a gradient left in another layout than its weight's (an embedding's, replicated) is
     laid out as the weight (no communication: each rank keeps its rows), so the clip's norm counts it with them."""
-    held = {id(p) for p in part.parameters()}
+    held = {id(p) for p in params}
     for param in (model.get_parameter(name) for names in ties for name in names):
         grad = param.grad
         if id(param) in held and grad is not None and hasattr(grad, "placements") and \

@@ -182,36 +182,32 @@ class ParallelConfig:
     ranks (DTensor `parallelize_module`, column-wise then row-wise, Megatron style); 1 = not split. The world size
     is parallel.pipeline x parallel.tensor x the data-parallel degree (parallel/mesh.py)."""
     context: int = 1
-    """Context-parallel degree: each sequence is cut into this many consecutive chunks, one per rank, and each
-    attention gathers the keys and values of the whole sequence from the others (parallel/context.py); for
-    sequences too long for one device's activations. 1 = not split. The reference GPT and Hugging Face models
-    (through transformers' attention interface), with a data-parallel strategy (the gradients are reduced over
-    data x context ranks); not yet with parallel.pipeline or parallel.tensor. Causal attention without a padding
-    mask: pad on the right."""
+    """Context-parallel degree: each sequence is cut into this many consecutive chunks, one per rank, each attention
+    gathering the whole sequence's keys and values (parallel/context.py); for sequences too long for one device.
+    1 = not split. The reference GPT and Hugging Face models, with a data-parallel strategy (gradients reduced over
+    data x context ranks); not with parallel.pipeline or parallel.tensor. Causal attention: pad on the right."""
     sequence_parallel: bool = False
     """parallel.tensor > 1: also split the layer norms' and dropouts' activations along the sequence across the
     tensor-parallel ranks (less activation memory; the same numbers)."""
     loss_parallel: str = "auto"
-    """parallel.tensor > 1 (without a pipeline): `true` runs disttrain's own cross-entropy on the head's logits as
-    they come, split by vocabulary across the tensor-parallel ranks (torch's `loss_parallel`), so no rank gathers or
-    keeps the micro-batch x seq_len x vocabulary logits for training (a `loss_fn` of your own, evaluation and
-    `forward()` still get them whole); `false` always gathers them; `auto` splits them for vocabularies of 8192
-    tokens and more, where the logits are the largest activation (on a toy vocabulary the split loss's fixed cost
-    per micro-batch is more than the gather it saves). The same numbers either way."""
+    """parallel.tensor > 1 (without a pipeline): `true` runs disttrain's own cross-entropy on the head's logits split
+    by vocabulary across the tensor-parallel ranks (torch's `loss_parallel`): no rank gathers or keeps the whole
+    logits for training (a `loss_fn` of your own, evaluation and `forward()` still get them whole); `false` always
+    gathers them; `auto` splits them for vocabularies of 8192 tokens and more (on a toy vocabulary the split loss's
+    fixed cost per micro-batch is more than the gather it saves). The same numbers either way."""
     pipeline: int = 1
     """Pipeline stages: the model's blocks are split into this many consecutive stages, one per rank of a
     pipeline group (`torch.distributed.pipelining`); 1 = not split."""
     pipeline_schedule: str = "1f1b"
-    """parallel.pipeline > 1: `gpipe`, `1f1b`, `interleaved-1f1b` (two virtual stages per rank), `zero-bubble`
-    (torch's interleaved zero-bubble schedule, two virtual stages per rank) or `zbv` (torch's V-shaped zero-bubble
-    schedule: rank r runs stages r and 2p - 1 - r, so the first and last stage share rank 0) or `dualpipev` (torch's
-    DualPipeV, the same V; at least 2p micro-batches per step). Under the split-backward ones (zero-bubble, zbv,
-    dualpipev) FSDP keeps a stage's parameters unsharded from forward to backward (as zero2)."""
+    """parallel.pipeline > 1: `gpipe`, `1f1b`, `interleaved-1f1b` or `zero-bubble` (torch's interleaved zero-bubble;
+    both loop over virtual stages, 2 per rank unless parallel.pipeline_stages_per_rank says), `zbv` (torch's
+    V-shaped zero-bubble: rank r runs stages r and 2p - 1 - r, the first and last on rank 0) or `dualpipev` (the
+    same V; at least 2p micro-batches per step). Under the split-backward ones (zero-bubble, zbv, dualpipev) FSDP
+    keeps a stage's parameters unsharded from forward to backward (as zero2)."""
     pipeline_stages_per_rank: int = 0
-    """parallel.pipeline > 1: stages each pipeline rank runs; 0 = the schedule's (1 under gpipe and 1f1b, 2 under
-    the others). interleaved-1f1b and zero-bubble take 2 or more: v stages a rank shrink the bubble v-fold (the
-    ranks idle (p - 1) / (v m) of a step of m micro-batches) for 2 (p v - 1) sends to fill and drain it; the
-    model's blocks must fill p x v stages. (Llama 3 405B: 126 blocks over 16 ranks.)"""
+    """parallel.pipeline > 1: stages each pipeline rank runs; 0 = the schedule's (1 for gpipe and 1f1b, else 2).
+    interleaved-1f1b and zero-bubble take 2 or more: v a rank cut the bubble to (p - 1) / (v m) of a step of m
+    micro-batches, for 2 (p v - 1) sends; the blocks must fill p x v stages (126 over 16 ranks: up to 7)."""
     pipeline_microbatches: int = 0
     """Micro-batches per step through the pipeline; 0 = what the batch settings give (data.global_batch_size /
     (data-parallel degree x data.micro_batch_size)); a value that disagrees with them is an error naming the

@@ -160,11 +160,9 @@ def check_model_split(cfg: Config, layout: MeshLayout) -> None:
         raise ConfigError(f"model.seq_len = {m.seq_len} is not divisible by parallel.tensor = {layout.tensor} "
                           "(sequence parallelism splits the sequence); choose a divisor, or "
                           "parallel.sequence_parallel = false")
-    if p.pipeline_stages_per_rank:
-        _check_stages_per_rank(p)
+    check_stages_per_rank(p)
     if layout.pipeline > 1:
-        stages = layout.pipeline * (p.pipeline_stages_per_rank or (2 if p.pipeline_schedule in VIRTUAL_SCHEDULES
-                                                                  else 1))
+        stages = layout.pipeline * stages_per_rank(p)
         if m.name == "gpt" and m.n_layer < stages:
             raise ConfigError(f"model.n_layer = {m.n_layer} blocks cannot fill {stages} pipeline stages "
                               f"(parallel.pipeline = {layout.pipeline}, schedule {p.pipeline_schedule!r}); use "
@@ -188,18 +186,48 @@ def check_model_split(cfg: Config, layout: MeshLayout) -> None:
                               "data.micro_batch_size or data.global_batch_size")
 
 
-def _check_stages_per_rank(p) -> None:
+def stage_count(parallel, ranks: int) -> int:
+    """Stages over `ranks` pipeline ranks: `stages_per_rank` each."""
+    return ranks * stages_per_rank(parallel)
+
+
+def stages_per_rank(parallel) -> int:
+    """Stages each pipeline rank runs: `parallel.pipeline_stages_per_rank`, or the schedule's (two, virtual, for
+    the interleaved and V-shaped schedules, else one)."""
+    return parallel.pipeline_stages_per_rank or (2 if parallel.pipeline_schedule in VIRTUAL_SCHEDULES else 1)
+
+
+def holder(stage: int, ranks: int, schedule: str = "1f1b") -> int:
+    """The pipeline rank that runs `stage`: virtual stages loop (stage s on rank s mod ranks), or under a V-shaped
+    schedule go down and back (s on rank s for s < ranks, else 2 ranks - 1 - s), as torch's schedules place them."""
+    if schedule in V_SCHEDULES and stage >= ranks:
+        return 2 * ranks - 1 - stage
+    return stage % ranks
+
+
+def stages_of(rank: int, ranks: int, stages: int, schedule: str = "1f1b") -> list[int]:
+    """The stages pipeline rank `rank` runs, in stage order."""
+    return [s for s in range(stages) if holder(s, ranks, schedule) == rank]
+
+
+def check_stages_per_rank(p) -> None:
+    """`parallel.pipeline_stages_per_rank` against the schedule: one line naming what it takes."""
     v, schedule = p.pipeline_stages_per_rank, p.pipeline_schedule
+    if v and p.pipeline <= 1:
+        raise ConfigError(f"parallel.pipeline_stages_per_rank = {v} needs parallel.pipeline > 1; set "
+                          "parallel.pipeline or remove parallel.pipeline_stages_per_rank")
     fixed = 2 if schedule in V_SCHEDULES else 1 if schedule not in VIRTUAL_SCHEDULES else 0
-    if v < 0 or (fixed and v != fixed) or (not fixed and v < 2):
-        takes = (f"takes {fixed}" if fixed else "takes 2 or more")
-        raise ConfigError(f"parallel.pipeline_stages_per_rank = {v}: parallel.pipeline_schedule = {schedule!r} "
-                          f"{takes}; give that, 0 (the schedule's), or an interleaved schedule (interleaved-1f1b, "
-                          "zero-bubble) for more")
+    if fixed and v not in (0, fixed):
+        raise ConfigError(f"parallel.pipeline_stages_per_rank = {v}: parallel.pipeline_schedule = {schedule!r} runs "
+                          f"{fixed} a rank; give {fixed} or 0, or choose interleaved-1f1b or zero-bubble for more")
+    if not fixed and (v < 0 or v == 1):
+        raise ConfigError(f"parallel.pipeline_stages_per_rank = {v}: parallel.pipeline_schedule = {schedule!r} runs 2 "
+                          "or more a rank; give 2 or more, or 0 (2)")
 
 
 VIRTUAL_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
-"""Schedules that put two (virtual) stages on each pipeline rank."""
+"""Schedules that put two (virtual) stages on each pipeline rank, or more (`parallel.pipeline_stages_per_rank`) for
+the looped ones."""
 V_SCHEDULES = ("zbv", "dualpipev")
 """Of those, the V-shaped: rank r runs stages r and 2p - 1 - r (the first and the last stage on rank 0), where the
 others loop (stages r and r + p)."""

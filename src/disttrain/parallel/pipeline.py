@@ -30,20 +30,9 @@ import torch.distributed as dist
 from torch import nn
 
 from disttrain.errors import ConfigError
-from disttrain.parallel.mesh import VIRTUAL_SCHEDULES
+from disttrain.parallel.mesh import VIRTUAL_SCHEDULES, holder, stage_count, stages_of
 from disttrain.parallel.spec import Prepared
-from disttrain.parallel.stages import (
-    FAMILIES,
-    Family,
-    StagePart,
-    family_of,
-    holder,
-    prune,
-    schedule_class,
-    stage_bounds,
-    stage_count,
-    stages_of,
-)
+from disttrain.parallel.stages import FAMILIES, Family, StagePart, family_of, prune, schedule_class, stage_bounds
 from disttrain.parallel.state import dtensor_targets, full_state_dict_fns, local_tensor, tie_groups
 from disttrain.parallel.tensor import SEQUENCE_SHARDS
 
@@ -106,7 +95,7 @@ class PipelinePrepared(Prepared):
             totals[1] = totals[1] + count
             return loss_sum * scale if scale != 1.0 else loss_sum
 
-        ids = _pad_cat([p.ids for p in pending])
+        ids = _pad_cat([p.ids for p in pending], self.layout.shards)
         schedule = self._schedule(len(pending), pending[0].ids.shape[0], ids.shape[1], ids.device)
         schedule._loss_fn = loss_fn  # this step's micro-batches (the target is their index)
         target = torch.arange(len(pending))  # on the host: reading a micro-batch's index never waits for the device
@@ -218,10 +207,11 @@ def check_mask(kwargs, setting: str = "parallel.pipeline") -> None:
                           f"row without position_ids, or run without {setting}")
 
 
-def _pad_cat(ids: list[torch.Tensor]) -> torch.Tensor:
-    """Micro-batches of different widths, right-padded to one (causal models: padding never reaches earlier
-    positions, and each micro-batch's loss reads only its own width)."""
-    width = max(t.shape[1] for t in ids)
+def _pad_cat(ids: list[torch.Tensor], multiple: int = 1) -> torch.Tensor:
+    """Micro-batches of different widths, right-padded to one, a `multiple` of tokens (causal models: padding never
+    reaches earlier positions, and each micro-batch's loss reads only its own width; a sequence-parallel stream
+    splits into equal shares, as the schedule's shapes and a stage's rotary positions take them)."""
+    width = -(-max(t.shape[1] for t in ids) // multiple) * multiple
     return torch.cat([nn.functional.pad(t, (0, width - t.shape[1])) for t in ids])
 
 
@@ -241,6 +231,8 @@ class StageRunner(nn.Module):
         check_mask(ignored)
         p = self._prepared[0]
         lay, mine = p.layout, dict(p.parts)
+        width = input_ids.shape[1]
+        input_ids = _pad_cat([input_ids], lay.shards)  # (equal shares of a sequence-parallel stream)
         x, out = input_ids, torch.empty(0)
         for stage in range(lay.stages):
             holder = lay.holder(stage)
@@ -252,7 +244,7 @@ class StageRunner(nn.Module):
                 continue
             x = mine[stage](x)
             if stage == lay.stages - 1:
-                out = x
+                out = x[:, :width]
             elif lay.holder(stage + 1) != lay.rank:
                 dist.send(x.contiguous(), group=lay.group, group_dst=lay.holder(stage + 1))
         return out

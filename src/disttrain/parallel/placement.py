@@ -18,8 +18,8 @@ from torch import nn
 
 from disttrain.parallel import tensor
 from disttrain.parallel.activation_checkpoint import transformer_blocks
-from disttrain.parallel.mesh import VIRTUAL_SCHEDULES, MeshLayout
-from disttrain.parallel.stages import FAMILIES, family_of, schedule_class, stage_bounds, stage_count, stages_of
+from disttrain.parallel.mesh import VIRTUAL_SCHEDULES, MeshLayout, stage_count, stages_of
+from disttrain.parallel.stages import FAMILIES, family_of, schedule_class, stage_bounds
 
 if TYPE_CHECKING:
     from disttrain.config import ParallelConfig
@@ -125,7 +125,7 @@ def in_flight(schedule: str, ranks: int, pipeline_rank: int, microbatches: int,
     order = torch_order(schedule, p, r, m, v)
     if order is None:
         per_round = m // max(1, m // p)
-        chunks = min(per_round + v * (p - 1 - r) + 1, v * m)
+        chunks = min((v - 1) * per_round + 2 * (p - 1 - r) + 1, v * m)  # (torch's warm-up forwards, and one)
         return [(i // per_round) % v for i in range(chunks)], False
     local = {stage: i for i, stage in enumerate(stages_of(r, p, v * p, schedule))}
     held, peak = [], []

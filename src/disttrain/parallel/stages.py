@@ -45,8 +45,7 @@ def _gpt_embed(model, ids):
 def _llama_block(model, block, x):
     # under sequence parallelism a block after the first gets its rank's share of the sequence, while its attention
     # runs on the whole (gathered on entry): the rotary embedding of every position
-    shards = getattr(model, SEQUENCE_SHARDS, 1) if block is not _block_list(model)[0] else 1
-    positions = torch.arange(x.shape[1] * shards, device=x.device)[None]
+    positions = torch.arange(x.shape[1] * getattr(block, SEQUENCE_SHARDS, 1), device=x.device)[None]
     rotary = model.model.rotary_emb(x, positions)
     return block(x, attention_mask=None, position_ids=positions, position_embeddings=rotary)
 
@@ -80,7 +79,8 @@ def balanced_split(block_sizes: list[int], stages: int, first_extra: int = 0, la
     (stages x blocks^2 steps: an 80-block model into 8 stages at once), then each cut is the earliest that keeps it."""
     n = len(block_sizes)
     if n < stages:
-        raise ConfigError(f"{n} blocks cannot fill {stages} pipeline stages; use fewer stages")
+        raise ConfigError(f"the model's {n} blocks cannot fill {stages} pipeline stages (parallel.pipeline x its "
+                          "stages a rank, parallel.pipeline_stages_per_rank or the schedule's); use fewer stages")
     ends = [0]
     for size in block_sizes:
         ends.append(ends[-1] + size)
@@ -126,30 +126,6 @@ def split_points(model: nn.Module, stages: int, given: str) -> list[int]:
     size = lambda names: sum(p.numel() for n in names for p in model.get_submodule(n).parameters())  # noqa: E731
     return balanced_split([sum(p.numel() for p in b.parameters()) for b in blocks], stages, size(fam.embeddings),
                           size(fam.head))
-
-
-def stage_count(parallel, ranks: int) -> int:
-    """Stages over `ranks` pipeline ranks: `stages_per_rank` each."""
-    return ranks * stages_per_rank(parallel)
-
-
-def stages_per_rank(parallel) -> int:
-    """Stages each pipeline rank runs: `parallel.pipeline_stages_per_rank`, or the schedule's (two, virtual, for
-    the interleaved and V-shaped schedules, else one)."""
-    return parallel.pipeline_stages_per_rank or (2 if parallel.pipeline_schedule in VIRTUAL_SCHEDULES else 1)
-
-
-def holder(stage: int, ranks: int, schedule: str = "1f1b") -> int:
-    """The pipeline rank that runs `stage`: virtual stages loop (stage s on rank s mod ranks), or under a V-shaped
-    schedule go down and back (s on rank s for s < ranks, else 2 ranks - 1 - s), as torch's schedules place them."""
-    if schedule in V_SCHEDULES and stage >= ranks:
-        return 2 * ranks - 1 - stage
-    return stage % ranks
-
-
-def stages_of(rank: int, ranks: int, stages: int, schedule: str = "1f1b") -> list[int]:
-    """The stages pipeline rank `rank` runs, in stage order."""
-    return [s for s in range(stages) if holder(s, ranks, schedule) == rank]
 
 
 def stage_bounds(model: nn.Module, stages: int, given: str) -> list[tuple[int, int]]:

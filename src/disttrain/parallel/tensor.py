@@ -77,9 +77,10 @@ def check_divisible(model: nn.Module, kind: str, degree: int) -> None:
 
 
 SEQUENCE_SHARDS = "disttrain_sequence_shards"
-"""Attribute `parallelize` sets on a model whose stream it splits along the sequence (sequence parallelism): the
-ranks sharing it. A pipeline stage's Llama block reads it (parallel/stages.py): every block but the first gets its
-rank's share of the sequence, and its rotary positions are the whole sequence's."""
+"""Attribute `parallelize` sets on the model and each of its blocks: the shares the stream between them comes in
+(the tensor degree under sequence parallelism, else 1; a Llama's first block takes the whole sequence and splits
+it). The pipeline sends a stage's share (parallel/pipeline.py), and a stage's Llama block computes the rotary
+positions of the whole sequence from its share (parallel/stages.py)."""
 
 SPLIT_LOGITS_FROM = 8192
 """`parallel.loss_parallel = auto` splits the logits of vocabularies this large and larger."""
@@ -113,7 +114,10 @@ def parallelize(model: nn.Module, tp_mesh, sequence_parallel: bool, split_logits
         block_plan[plan["mlp"]] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
     frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     blocks = transformer_blocks(model)
-    setattr(model, SEQUENCE_SHARDS, tp_mesh.size() if sequence_parallel else 1)
+    shards = tp_mesh.size() if sequence_parallel else 1
+    setattr(model, SEQUENCE_SHARDS, shards)
+    for i, block in enumerate(blocks):  # (a Llama's stream is split on entering its first block: see _outer_plan)
+        setattr(block, SEQUENCE_SHARDS, 1 if i == 0 and kind == "llama" else shards)
     for block in blocks:
         parallelize_module(block, tp_mesh, block_plan)
     parallelize_module(model, tp_mesh, _outer_plan(model, kind, sequence_parallel, blocks, split_logits))
