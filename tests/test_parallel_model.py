@@ -136,14 +136,15 @@ def test_mfu_counts_the_whole_model_under_every_layout(runs):
     from disttrain.perf import flops_per_token
 
     _, multi, _ = runs
-    for layers, frozen in ((2, False), (4, False), (2, True), (4, True)):
+    for layers, frozen in ((2, False), (4, False), (6, False), (2, True), (4, True)):
         cfg = load_config(None, [f"model.n_layer={layers}", "model.d_model=64", "model.seq_len=32",
                                  "model.freeze=tok_emb.*,pos_emb.*,blocks.0.*" if frozen else "model.freeze="])
         whole = flops_per_token(build_model(cfg.model), 32)
         for world, variants in multi.items():
             for variant, run in variants.items():
-                if ("layers4" in variant.partition(">")[0]) != (layers == 4) or ("freeze" in variant) != frozen \
-                        or all(variant in multi[w] for w in multi):
+                flags = variant.partition(">")[0].split("+")
+                if int(next((f[6:] for f in flags if f.startswith("layers")), 2)) != layers \
+                        or ("freeze" in variant) != frozen or all(variant in multi[w] for w in multi):
                     continue  # (a variant of both launches shares its run folder, and metrics.jsonl, with the other)
                 for m in run["metrics"]:
                     assert m["tflops"] * 1e12 * world / m["tokens_per_s"] == pytest.approx(whole, rel=1e-9), variant

@@ -668,3 +668,18 @@ def test_the_model_imports_no_torch():
     code = ("import sys, disttrain.bench.scale_model, disttrain.bench.published_scaling; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_the_timeline_plays_a_split_backward_and_names_orders_that_wait_for_ever():
+    """A split backward: its input part carries the tensor split's backward calls, its weight part only compute
+    (what fills a zero-bubble schedule's bubble); a full backward counts as both parts of its micro-batch; an order
+    whose computation waits for an input that never comes is one line naming it."""
+    from disttrain.bench.pipeline_timeline import StageCost, play
+
+    cost = StageCost(forward=1.0, backward=2.0, backward_calls=0.5)
+    assert (cost.of("F"), cost.of("B"), cost.of("I"), cost.of("W")) == (1.0, 2.5, 1.5, 1.0)
+    one = (((0, "F"), (0, "I"), (0, "F"), (0, "B"), (0, "W")),)  # (micro-batch 1's full backward, then 0's weights)
+    assert play(one, lambda s: 0, (cost,), 0.0) == [1.0 + 1.5 + 1.0 + 2.5 + 1.0]
+    two = (((0, "F"), (0, "B")), ((1, "B"), (1, "F")))  # (the last stage's backward before its forward)
+    with pytest.raises(ValueError, match=r"\(1, \(1, 'B'\)\)"):
+        play(two, lambda s: s, (cost, cost), 0.0)

@@ -116,8 +116,9 @@ def test_each_stage_s_count_is_what_its_ranks_send_in_the_trainer_s_step(tmp_pat
     """Four ranks. A pipeline of 2 stages each split over 2: the GPT (also interleaved, 2 stages a rank whose step
     norms them together), and a Llama under sequence parallelism in bf16-mixed (its stages' blocks take their rank's
     share of the sequence): each rank sends its stages' recorded calls, 2 micro-batches of 2 sequences each, and its
-    step's once. And a tensor split of 2 beside a data axis of 2 in bf16-mixed (FSDP2's replicate): the forward's
-    and backward's calls as recorded with the data axis, one micro-batch of 2 sequences."""
+    step's once; an evaluation of 15 tokens through the Llama's stages gives the last stage's ranks logits 15 wide.
+    And a tensor split of 2 beside a data axis of 2 in bf16-mixed (FSDP2's replicate): the forward's and backward's
+    calls as recorded with the data axis, one micro-batch of 2 sequences."""
     split = ["parallel.pipeline=2", "parallel.tensor=2"]
     variants = {"gpt": [*SMALL[:-1], *split],
                 "gpt-interleaved": [*SMALL[:-1], *split, "model.n_layer=4",
@@ -132,7 +133,9 @@ def test_each_stage_s_count_is_what_its_ranks_send_in_the_trainer_s_step(tmp_pat
     from disttrain.parallel import mesh
 
     for rank in range(4):
-        sent = json.loads((tmp_path / f"calls-{rank}.json").read_text())
+        sent, widths = json.loads((tmp_path / f"calls-{rank}.json").read_text()).values()
+        # (evaluation through the stages: 15 tokens, padded to equal shares of a sequence-parallel stream and cut back)
+        assert widths["llama"] == ([2, 15, 256] if rank >= 2 else [0]), rank
         for name, settings in variants.items():
             cfg, counted = load_config(None, settings), Counter()
             if name == "gpt-data":

@@ -28,11 +28,16 @@ class StageCost:
     forward: float
     """Seconds of one micro-batch's forward through the stage (its compute and the tensor split's calls in it)."""
     backward: float
-    """Seconds of its full backward; split in two, each part half of it (a matmul's input and weight gradients cost
-    the same FLOPs)."""
+    """Seconds of its full backward's compute; split in two, each part half of it (a matmul's input and weight
+    gradients cost the same FLOPs)."""
+    backward_calls: float = 0.0
+    """Seconds of the tensor split's calls in the backward: the input gradients', all in its input part."""
 
     def of(self, kind: str) -> float:
-        return self.forward if kind == "F" else self.backward if kind == "B" else self.backward / 2
+        if kind == "F":
+            return self.forward
+        return {"B": self.backward + self.backward_calls, "I": self.backward / 2 + self.backward_calls,
+                "W": self.backward / 2}[kind]
 
 
 def one_stage_order(schedule: str, ranks: int, rank: int, microbatches: int) -> Order:
@@ -54,9 +59,10 @@ def play(orders: tuple[Order, ...], holder: Callable[[int], int], costs: tuple[S
     receive is a call on its rank's core (no delay besides): one in each computation but W whose micro-batch
     crosses to or from another rank, 2 v a micro-batch on a rank of v stages."""
     last = len(costs) - 1
-    done: dict[tuple[int, str, int], float] = {}  # (stage, "F" | "I" (any input gradient) | "W", micro-batch)
-    seen: dict[tuple[int, str], int] = {}  # (stage, kind) -> micro-batches run
+    done: dict[tuple[int, str, int], float] = {}  # (stage, "F" | "I" (any input gradient), micro-batch) -> when
+    seen: dict[tuple[int, str], int] = {}  # (stage, "F" | "I") -> micro-batches run
     free, next_up = [0.0] * len(orders), [0] * len(orders)
+    weighted: dict[int, set[int]] = {}  # stage -> micro-batches whose weight gradients are done (a full backward's too)
 
     def crossing(stage: int, other: int) -> bool:
         return 0 <= other <= last and holder(other) != holder(stage)
@@ -73,7 +79,7 @@ def play(orders: tuple[Order, ...], holder: Callable[[int], int], costs: tuple[S
             return 0.0
         if source not in done:
             return None
-        hop = hop_s if source[0] != stage and crossing(stage, source[0]) and not on_host else 0.0
+        hop = hop_s if crossing(stage, source[0]) and not on_host else 0.0
         return done[source] + hop
 
     remaining = sum(len(order) for order in orders)
@@ -82,19 +88,24 @@ def play(orders: tuple[Order, ...], holder: Callable[[int], int], costs: tuple[S
         for rank, order in enumerate(orders):
             while next_up[rank] < len(order):
                 stage, kind = order[next_up[rank]]
-                micro = seen.get((stage, kind), 0)
+                done_w = weighted.setdefault(stage, set())
+                micro = (next((i for i in range(seen.get((stage, "I"), 0)) if i not in done_w), -1) if kind == "W"
+                         else seen.get((stage, "F" if kind == "F" else "I"), 0))  # (W: the oldest still without it)
                 at = ready(stage, kind, micro)
                 if at is None:
                     break
                 calls = on_host and kind != "W" and (crossing(stage, stage - 1) or crossing(stage, stage + 1))
                 free[rank] = max(free[rank], at) + costs[stage].of(kind) + calls * hop_s
-                done[(stage, "I" if kind in "BI" else kind, micro)] = free[rank]
-                if kind == "B":
-                    done[(stage, "W", micro)] = free[rank]
-                seen[(stage, kind)] = micro + 1
+                if kind in "WB":
+                    done_w.add(micro)
+                if kind != "W":
+                    done[(stage, "F" if kind == "F" else "I", micro)] = free[rank]
+                    seen[(stage, "F" if kind == "F" else "I")] = micro + 1
                 next_up[rank] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
-            raise ValueError("the pipeline's orders wait on each other (a computation whose input never comes)")
+            stuck = [(rank, order[next_up[rank]]) for rank, order in enumerate(orders) if next_up[rank] < len(order)]
+            raise ValueError(f"the pipeline's orders wait on each other: each rank's next computation (rank, (stage, "
+                             f"kind)) {stuck} waits for an input that never comes")
     return free

@@ -124,13 +124,14 @@ def canonical_strategy(name: str) -> str:
 # --- one step under each strategy ----------------------------------------------------------------------------
 
 
-def _units(strategy: str, work: Workload, n: int, net: Interconnect, spread: int = 1, replicated: bool = False
-           ) -> tuple[list[Unit], float, float]:
+def _units(strategy: str, work: Workload, n: int, net: Interconnect, spread: int = 1, replicated: bool = False,
+           pipelined: bool = False) -> tuple[list[Unit], float, float]:
     """(units in forward order, seconds of collectives after backward, wire bytes per step) of the strategy over `n`
     ranks, each `spread` ranks apart (a tensor split's neighbours hold the other shares: `work.model` is one
     rank's). `replicated`: ddp's data axis under a model split, FSDP2's replicate as disttrain runs it (DDP cannot hold
     a tensor split's DTensors): each unit's gradients all-reduced when its backward ends, in FSDP's reduce dtype, no
-    buckets."""
+    buckets. `pipelined`: a pipeline stage's data axis, whose parameters are gathered once a step and again for
+    each backward where resharded after forward (`step_time`)."""
     model, (stored, gathered, _) = work.model, BYTES[work.precision]
     stored_dtype, gathered_dtype, _ = WIRE_DTYPES[work.precision]
     reduced_type = reduced_dtype(work.precision, work.grad_compression)
@@ -192,7 +193,8 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect, spread: int
         # stays gathered.
         follows = i + 1 == len(shapes) or any(s.backward_flops > 0 for s in shapes[i + 1:i + 1 + work.prefetch])
         again = strategy in ("fsdp", "hsdp") and i > 0 and (u.backward_flops > 0 or follows)
-        gather = wire("all_gather", u.params * gathered, shard, work.micro_steps * (2 if again else 1),
+        gathers = 1 + work.micro_steps * again if pipelined else work.micro_steps * (2 if again else 1)
+        gather = wire("all_gather", u.params * gathered, shard, gathers,
                       dtype=gathered_dtype)
         reduce = wire("reduce_scatter", u.trained * reduced, shard, dtype=reduced_type)
         if replicas > 1:  # hsdp: the shard's gradient is all-reduced across the replicas
@@ -205,7 +207,9 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect, spread: int
 def step_time(strategy: str, n: int, work: Workload, net: Interconnect, model_split: bool = False) -> Step:
     """One optimizer step on `n` devices (weak scaling: `work` is one device's share at every `n`); `model_split`: the
     data axis of a pipeline's stage (a tensor split is one by itself), where ddp runs as FSDP2's replicate
-    (`_units`)."""
+    (`_units`), and a sharded strategy gathers its parameters once a step and, where it reshards them after
+    forward (fsdp), again for each micro-batch's backward: torch's pipeline stage keeps them gathered after a
+    backward until the step (`set_reshard_after_backward(False)`)."""
     strategy = canonical_strategy(strategy)
     local = min(n, net.gpus_per_node)
     slowdown = max(1.0, local / work.cpu_cores) if work.cpu_cores else 1.0
@@ -217,13 +221,13 @@ def step_time(strategy: str, n: int, work: Workload, net: Interconnect, model_sp
     check_tensor(strategy, n, work, net)
     units, after, sent = _units(strategy, replace(work, model=split_shape(work.model, work.tensor)),
                                 n // work.tensor, net, work.tensor,
-                                strategy == "ddp" and (model_split or work.tensor > 1))
+                                strategy == "ddp" and (model_split or work.tensor > 1), model_split)
     (split_fwd, split_bwd, split_step), (sent_micro, sent_step) = tensor_seconds(work, net)
     split = (split_fwd + split_bwd) * work.micro_steps
     sent += sent_micro * work.micro_steps + sent_step
     after += split_step  # (after backward, before the optimizer's update)
-    comm_total = (sum(u.gather_fwd + u.gather_bwd for u in units) * work.micro_steps
-                  + sum(u.reduce for u in units) + after + split)
+    comm_total = (sum(u.gather_fwd * (1 if model_split else work.micro_steps) + u.gather_bwd * work.micro_steps
+                      for u in units) + sum(u.reduce for u in units) + after + split)
     if work.cpu_cores and local >= work.cpu_cores:  # no free core: gloo's threads take turns with compute
         charged = comm_total - waits_behind_backward(units)
         return Step(compute + charged * slowdown, compute, comm_total * slowdown, sent)
@@ -235,9 +239,10 @@ def step_time(strategy: str, n: int, work: Workload, net: Interconnect, model_sp
                          backward=(u.backward * seconds + split_bwd * u.backward / backward) / busy)
                  for u in units]
         seconds = busy
-    t = comm = 0.0
+    t, comm, kept = 0.0, 0.0, [replace(u, gather_fwd=0.0) for u in units]  # (a pipeline's, after the first)
     for m in range(work.micro_steps):
-        t, comm = run_pass(units, seconds, "forward", "gather_fwd", False, t, comm, work.prefetch)
+        t, comm = run_pass(kept if model_split and m else units, seconds, "forward", "gather_fwd", False, t, comm,
+                           work.prefetch)
         t, comm = run_pass(units[::-1], seconds, "backward", "gather_bwd", m == work.micro_steps - 1, t, comm,
                         work.prefetch)
     return Step(max(t, comm) + after, compute, comm_total, sent)
@@ -254,12 +259,12 @@ parameters gathered from forward to backward (priced as zero2)."""
 def _pipeline_step(strategy: str, n: int, work: Workload, net: Interconnect) -> Step:
     """A pipeline of p ranks (n / p GPUs a stage), v stages a rank: the schedule played through
     (`pipeline_timeline.play`: each rank runs its computations in the schedule's order, each when its rank is free
-    and its input has come, a forward a third of the stage's micro-batch and its backward two, a split backward
+    and its input has come; a stage's forward and backward as its units' FLOPs share its compute, a split backward
     half and half), each stage's micro-batch holding its tensor split's calls; then each rank's data-parallel
     collectives beyond its computations (`step_time` on the rank's stages together), and the sum of a tied
-    embedding and head's gradients between the first and last stage (`tied_bytes`). A send of `send_bytes`
-    between ranks delays the computation waiting for it (across nodes once the job spans several); on a CPU host it
-    is a call on each rank's timeline instead, 2 v a micro-batch."""
+    embedding and head's gradients between the first and last stage where two ranks hold them (`tied_bytes`). A
+    send of `send_bytes` between ranks delays the computation waiting for it (across nodes once the job spans
+    several); on a CPU host it is a call on each rank's timeline instead, 2 v a micro-batch."""
     p, m, v = work.pipeline, work.micro_steps, _check_pipeline(strategy, n, work)
     apart = n > net.gpus_per_node  # (a stage boundary on other nodes)
 
@@ -269,8 +274,9 @@ def _pipeline_step(strategy: str, n: int, work: Workload, net: Interconnect) -> 
 
     stored, stream, _ = WIRE_DTYPES[work.precision]
     send = collective_time("all_gather", 2 * work.send_bytes, 2, link(stream, "all_gather"))  # (each sends its half)
-    tied = collective_time("all_reduce", work.tied_bytes, 2, link(stored, "all_reduce"))
     holder = functools.partial(mesh.holder, ranks=p, schedule=work.schedule)
+    tied_bytes = work.tied_bytes if holder(0) != holder(p * v - 1) else 0.0  # (a V's rank 0 holds both ends)
+    tied = collective_time("all_reduce", tied_bytes, 2, link(stored, "all_reduce"))
     held = [mesh.stages_of(rank, p, p * v, work.schedule) for rank in range(p)]
     computes, costs = _stage_costs(work, net)
     if strategy == "fsdp" and work.schedule in SPLIT_BACKWARD:
@@ -284,12 +290,17 @@ def _pipeline_step(strategy: str, n: int, work: Workload, net: Interconnect) -> 
         steps.append(step_time(strategy, n // p, replace(work, model=shape, compute_s=compute, pipeline=1, stages=(),
                                                          stage_calls=(), step_calls=(), orders=(), tensor_calls=calls),
                                net, model_split=True))
-        busy.append(compute + m * sum(costs[s].forward + costs[s].backward - computes[s] / m for s in mine))
+        busy.append(compute + m * sum(costs[s].forward + costs[s].backward + costs[s].backward_calls - computes[s] / m
+                                      for s in mine))
     orders = work.orders or tuple(one_stage_order(work.schedule, p, rank, m) for rank in range(p))
-    finish = play(orders, holder, costs, send, on_host=bool(work.cpu_cores))
+    try:
+        finish = play(orders, holder, costs, send, on_host=bool(work.cpu_cores))
+    except ValueError as exc:
+        raise ConfigError(f"parallel.pipeline_schedule = {work.schedule!r} is not modelled here ({exc}); predict "
+                          "1f1b or interleaved-1f1b") from None
     ends = [finish[r] + steps[r].step_s - busy[r] for r in range(p)]  # (its collectives beyond its computations)
     last = max(range(p), key=lambda r: ends[r])
-    sent = 2 * m * v * work.send_bytes + work.tied_bytes
+    sent = 2 * m * v * work.send_bytes + tied_bytes
     return Step(ends[last] + tied, work.compute_s, steps[last].comm_s + 2 * m * v * send + tied,
                 steps[last].wire_bytes + sent)
 
@@ -308,7 +319,7 @@ def _stage_costs(work: Workload, net: Interconnect) -> tuple[list[float], tuple[
         calls = work.stage_calls[s] if work.tensor > 1 else ()
         (split_fwd, split_bwd, _), _ = tensor_seconds(replace(work, tensor_calls=calls), net)
         computes.append(compute)
-        costs.append(StageCost(compute / m * forward + split_fwd, compute / m * (1 - forward) + split_bwd))
+        costs.append(StageCost(compute / m * forward + split_fwd, compute / m * (1 - forward), split_bwd))
     return computes, tuple(costs)
 
 
@@ -326,7 +337,7 @@ def _check_pipeline(strategy: str, n: int, work: Workload) -> int:
         raise ConfigError(f"parallel.pipeline = {p} on {n} ranks of a CPU host with {work.cpu_cores} cores is not "
                           "modelled (a tensor split or data parallelism beside it, or more stages than cores: ranks "
                           "sharing the cores); predict the pipeline alone, on as many ranks as cores")
-    if v > 1 and work.micro_steps % p:
+    if v > 1 and work.schedule not in mesh.V_SCHEDULES and work.micro_steps % p:
         raise ConfigError(f"parallel.pipeline_schedule = {work.schedule!r} runs micro-batches in multiples of "
                           f"parallel.pipeline = {p}, not {work.micro_steps}; give a batch of such micro-batches")
     assert len(work.stages) == p * v, "a pipeline's Workload holds each stage"

@@ -237,8 +237,8 @@ class StageRunner(nn.Module):
         for stage in range(lay.stages):
             holder = lay.holder(stage)
             if stage > 0 and holder == lay.rank and lay.holder(stage - 1) != lay.rank:
-                rows, width = input_ids.shape
-                x = torch.empty((rows, width // lay.shards, lay.hidden), dtype=lay.dtype, device=input_ids.device)
+                rows, padded = input_ids.shape
+                x = torch.empty((rows, padded // lay.shards, lay.hidden), dtype=lay.dtype, device=input_ids.device)
                 dist.recv(x, group=lay.group, group_src=lay.holder(stage - 1))
             if holder != lay.rank:
                 continue
