@@ -592,7 +592,7 @@ def test_a_pipeline_s_stages_run_their_strategy_over_the_gpus_of_a_stage():
     work = sm.Workload(model, 1.0, 1, "bf16-mixed", micro_steps=4, log_every=0, pipeline=2, stages=stages)
     for strategy in ("ddp", "fsdp"):
         alone = [sm.step_time(strategy, 32, replace(work, model=st, compute_s=1.0, pipeline=1, stages=()), NET,
-                              model_split=True) for st in stages]
+                              model_split=True, pipelined=True) for st in stages]
         step = sm.step_time(strategy, 64, work, NET)
         assert step.step_s == pytest.approx(max(a.step_s for a in alone) + 1.0 / 4, rel=1e-9)
         assert step.wire_bytes == pytest.approx(max(a.wire_bytes for a in alone), rel=1e-9)
@@ -610,7 +610,7 @@ def test_a_pipeline_s_tensor_split_runs_each_rank_s_own_calls_and_the_bubble_wai
                        stage_calls=(light, heavy), step_calls=((), ()))
     own = [replace(work, model=st, compute_s=1.0, pipeline=1, stages=(), stage_calls=(), tensor_calls=calls)
            for st, calls in zip(stages, (light, heavy), strict=True)]
-    alone = [sm.step_time("fsdp", 16, w, NET, model_split=True) for w in own]
+    alone = [sm.step_time("fsdp", 16, w, NET, model_split=True, pipelined=True) for w in own]
     split = [sum(ic.collective_time(c, b, 4, NET.for_dtype(d, c)) for _, c, b, d in calls) for calls in (light, heavy)]
     step = sm.step_time("fsdp", 32, work, NET)
     assert alone[1].step_s > alone[0].step_s  # (the gathered logits hold up the last stage)
@@ -683,3 +683,27 @@ def test_the_timeline_plays_a_split_backward_and_names_orders_that_wait_for_ever
     two = (((0, "F"), (0, "B")), ((1, "B"), (1, "F")))  # (the last stage's backward before its forward)
     with pytest.raises(ValueError, match=r"\(1, \(1, 'B'\)\)"):
         play(two, lambda s: s, (cost, cost), 0.0)
+
+
+def test_a_pipeline_stage_s_fsdp_gathers_once_a_step_and_again_for_each_backward():
+    """torch's pipeline stage keeps FSDP's parameters gathered after a backward until the step: a stage's zero2
+    gathers each unit once a step; fsdp, which reshards after forward (its root too, under a pipeline), once and
+    again for each of the m micro-batches' backward: m more gathers of every unit, the root included."""
+    model = ModelShape("m", 5e6, counted=(UnitShape(1e6, 1e6, 1 / 3, 2 / 3),) + (UnitShape(1e6, 1e6, 1 / 3, 2 / 3),) * 4)
+    work = sm.Workload(model, 1.0, 1, "fp32", micro_steps=4, log_every=0)
+    sent = {s: sm.step_time(s, 4, work, NET, pipelined=True).wire_bytes for s in ("zero2", "fsdp")}
+    gather = 4 * ic.bus_factor("all_gather", 4)  # (fp32 bytes of one parameter, as each rank sends them)
+    assert sent["fsdp"] - sent["zero2"] == pytest.approx(5e6 * gather * 4, rel=1e-9)
+    alone = {s: sm.step_time(s, 4, work, NET).wire_bytes for s in ("zero2", "fsdp")}  # (no pipeline: every pass)
+    assert alone["zero2"] - sent["zero2"] == pytest.approx(5e6 * gather * 3, rel=1e-9)
+
+
+def test_a_v_shaped_pipeline_holds_both_ends_on_one_rank():
+    """zbv puts the first and the last stage on rank 0: a tied embedding and head are summed there, with no
+    collective; and it takes any count of micro-batches (the looped schedules want multiples of p)."""
+    work = _pipeline(8, 6, schedule="zbv", orders=_orders("zbv", 4, 6, 2))
+    tied = replace(work, tied_bytes=4e6)
+    assert sm.step_time("ddp", 4, tied, NET).step_s == sm.step_time("ddp", 4, work, NET).step_s
+    looped = _pipeline(8, 6, schedule="interleaved-1f1b", orders=_orders("interleaved-1f1b", 4, 8, 2))
+    with pytest.raises(ConfigError, match="runs micro-batches in multiples of parallel.pipeline = 4, not 6"):
+        sm.step_time("ddp", 4, looped, NET)

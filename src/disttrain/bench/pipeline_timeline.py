@@ -4,14 +4,15 @@ Python (the scale model's; no torch): the orders of torch's multi-stage schedule
 (`parallel/placement.torch_order`, read where torch is at hand and handed in), those of gpipe and 1f1b are written
 here.
 
-A computation is (stage, kind) for the next micro-batch of that stage and kind, as torch's schedules run them (each
-stage takes its micro-batches in order):
+A computation is (stage, kind), as torch's schedules run them (each stage takes its micro-batches in order):
 
-    F   forward of one micro-batch through the stage: after the previous stage's F of it, sent over.
-    B   its full backward: after the next stage's B (or I) of it, sent back; on the last stage after its F.
-    I   the input part of a backward split in two (zero-bubble, zbv, dualpipev): as B; what the previous stage waits
-        for.
-    W   the weight part: after the same stage's I of that micro-batch, on the same rank.
+    F   forward of the stage's next micro-batch: after the previous stage's F of it, sent over.
+    B   the next micro-batch's full backward (its input and weight parts at once): after the next stage's B or I of
+        it, sent back; on the last stage after its F.
+    I   the input part of the next micro-batch's backward split in two (zero-bubble, zbv, dualpipev): as B; what the
+        previous stage waits for.
+    W   the weight part of the oldest micro-batch whose input part ran and whose weight part has not: on the same
+        rank, after it.
 """
 
 from __future__ import annotations

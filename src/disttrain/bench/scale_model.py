@@ -190,10 +190,14 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect, spread: int
         # gathered again for backward where the block's backward runs, or one of the next `prefetch` units' does (a
         # unit's pre-backward gathers the unit before it in forward order, run or not, FSDP2's implicit prefetch, or
         # the `parallel.fsdp_prefetch` units before it; the root's, which always runs, the last block); the root
-        # stays gathered.
+        # stays gathered, but for a pipeline stage's, resharded after forward as its blocks are (parallel/fsdp.py).
+        # A pipeline stage keeps what a backward gathered until the step; what resharded after forward without one
+        # is gathered by each forward.
         follows = i + 1 == len(shapes) or any(s.backward_flops > 0 for s in shapes[i + 1:i + 1 + work.prefetch])
-        again = strategy in ("fsdp", "hsdp") and i > 0 and (u.backward_flops > 0 or follows)
-        gathers = 1 + work.micro_steps * again if pipelined else work.micro_steps * (2 if again else 1)
+        reshards = strategy in ("fsdp", "hsdp")
+        again = reshards and (pipelined if i == 0 else u.backward_flops > 0 or follows)
+        gathers = (1 + work.micro_steps * again if again or not reshards else work.micro_steps) if pipelined else \
+            work.micro_steps * (2 if again else 1)
         gather = wire("all_gather", u.params * gathered, shard, gathers,
                       dtype=gathered_dtype)
         reduce = wire("reduce_scatter", u.trained * reduced, shard, dtype=reduced_type)
@@ -204,12 +208,13 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect, spread: int
     return units, after, sent
 
 
-def step_time(strategy: str, n: int, work: Workload, net: Interconnect, model_split: bool = False) -> Step:
+def step_time(strategy: str, n: int, work: Workload, net: Interconnect, model_split: bool = False,
+              pipelined: bool = False) -> Step:
     """One optimizer step on `n` devices (weak scaling: `work` is one device's share at every `n`); `model_split`: the
-    data axis of a pipeline's stage (a tensor split is one by itself), where ddp runs as FSDP2's replicate
-    (`_units`), and a sharded strategy gathers its parameters once a step and, where it reshards them after
-    forward (fsdp), again for each micro-batch's backward: torch's pipeline stage keeps them gathered after a
-    backward until the step (`set_reshard_after_backward(False)`)."""
+    data axis of a model split (a tensor split is one by itself), where ddp runs as FSDP2's replicate (`_units`);
+    `pipelined`: a pipeline stage's, where a sharded strategy gathers its parameters once a step and, where it
+    reshards them after forward (fsdp), again for each micro-batch's backward: torch's pipeline stage keeps them
+    gathered after a backward until the step (`set_reshard_after_backward(False)`)."""
     strategy = canonical_strategy(strategy)
     local = min(n, net.gpus_per_node)
     slowdown = max(1.0, local / work.cpu_cores) if work.cpu_cores else 1.0
@@ -221,13 +226,17 @@ def step_time(strategy: str, n: int, work: Workload, net: Interconnect, model_sp
     check_tensor(strategy, n, work, net)
     units, after, sent = _units(strategy, replace(work, model=split_shape(work.model, work.tensor)),
                                 n // work.tensor, net, work.tensor,
-                                strategy == "ddp" and (model_split or work.tensor > 1), model_split)
+                                strategy == "ddp" and (model_split or work.tensor > 1), pipelined)
     (split_fwd, split_bwd, split_step), (sent_micro, sent_step) = tensor_seconds(work, net)
     split = (split_fwd + split_bwd) * work.micro_steps
     sent += sent_micro * work.micro_steps + sent_step
     after += split_step  # (after backward, before the optimizer's update)
-    comm_total = (sum(u.gather_fwd * (1 if model_split else work.micro_steps) + u.gather_bwd * work.micro_steps
-                      for u in units) + sum(u.reduce for u in units) + after + split)
+    # (a pipeline stage's units stay gathered after their first forward, but those resharded after it and not
+    # gathered for backward: fsdp's frozen ones)
+    kept = [replace(u, gather_fwd=0.0) if u.gather_bwd or strategy not in ("fsdp", "hsdp") else u for u in units]
+    comm_total = (sum(f.gather_fwd * (work.micro_steps - 1) + u.gather_fwd + u.gather_bwd * work.micro_steps
+                      for u, f in zip(units, kept if pipelined else units, strict=True))
+                  + sum(u.reduce for u in units) + after + split)
     if work.cpu_cores and local >= work.cpu_cores:  # no free core: gloo's threads take turns with compute
         charged = comm_total - waits_behind_backward(units)
         return Step(compute + charged * slowdown, compute, comm_total * slowdown, sent)
@@ -239,9 +248,10 @@ def step_time(strategy: str, n: int, work: Workload, net: Interconnect, model_sp
                          backward=(u.backward * seconds + split_bwd * u.backward / backward) / busy)
                  for u in units]
         seconds = busy
-    t, comm, kept = 0.0, 0.0, [replace(u, gather_fwd=0.0) for u in units]  # (a pipeline's, after the first)
+    kept = [replace(u, forward=k.forward, backward=k.backward) for u, k in zip(kept, units, strict=True)]
+    t = comm = 0.0
     for m in range(work.micro_steps):
-        t, comm = run_pass(kept if model_split and m else units, seconds, "forward", "gather_fwd", False, t, comm,
+        t, comm = run_pass(kept if pipelined and m else units, seconds, "forward", "gather_fwd", False, t, comm,
                            work.prefetch)
         t, comm = run_pass(units[::-1], seconds, "backward", "gather_bwd", m == work.micro_steps - 1, t, comm,
                         work.prefetch)
@@ -289,15 +299,15 @@ def _pipeline_step(strategy: str, n: int, work: Workload, net: Interconnect) -> 
         compute = sum(computes[s] for s in mine) + (2 * m * v * send if work.cpu_cores else 0.0)
         steps.append(step_time(strategy, n // p, replace(work, model=shape, compute_s=compute, pipeline=1, stages=(),
                                                          stage_calls=(), step_calls=(), orders=(), tensor_calls=calls),
-                               net, model_split=True))
+                               net, model_split=True, pipelined=True))
         busy.append(compute + m * sum(costs[s].forward + costs[s].backward + costs[s].backward_calls - computes[s] / m
                                       for s in mine))
     orders = work.orders or tuple(one_stage_order(work.schedule, p, rank, m) for rank in range(p))
     try:
         finish = play(orders, holder, costs, send, on_host=bool(work.cpu_cores))
     except ValueError as exc:
-        raise ConfigError(f"parallel.pipeline_schedule = {work.schedule!r} is not modelled here ({exc}); predict "
-                          "1f1b or interleaved-1f1b") from None
+        raise ConfigError(f"parallel.pipeline_schedule = {work.schedule!r}: the order this torch gives it cannot be "
+                          f"played ({exc}); predict gpipe or 1f1b") from None
     ends = [finish[r] + steps[r].step_s - busy[r] for r in range(p)]  # (its collectives beyond its computations)
     last = max(range(p), key=lambda r: ends[r])
     sent = 2 * m * v * work.send_bytes + tied_bytes
