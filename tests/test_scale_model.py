@@ -689,7 +689,7 @@ def test_a_pipeline_stage_s_fsdp_gathers_once_a_step_and_again_for_each_backward
     """torch's pipeline stage keeps FSDP's parameters gathered after a backward until the step: a stage's zero2
     gathers each unit once a step; fsdp, which reshards after forward (its root too, under a pipeline), once and
     again for each of the m micro-batches' backward: m more gathers of every unit, the root included."""
-    model = ModelShape("m", 5e6, counted=(UnitShape(1e6, 1e6, 1 / 3, 2 / 3),) + (UnitShape(1e6, 1e6, 1 / 3, 2 / 3),) * 4)
+    model = ModelShape("m", 5e6, counted=(UnitShape(1e6, 1e6, 1 / 3, 2 / 3),) * 5)  # (the root, then 4 blocks)
     work = sm.Workload(model, 1.0, 1, "fp32", micro_steps=4, log_every=0)
     sent = {s: sm.step_time(s, 4, work, NET, pipelined=True).wire_bytes for s in ("zero2", "fsdp")}
     gather = 4 * ic.bus_factor("all_gather", 4)  # (fp32 bytes of one parameter, as each rank sends them)
