@@ -1,21 +1,24 @@
-"""Benchmark: the pipeline bubble of disttrain's pipeline step, measured against the schedule's theory.
+"""Benchmark: the pipeline bubble of disttrain's pipeline step, measured against the schedule's theory and against
+the schedule played through (the scale model's `pipeline_timeline`).
 
-    disttrain bench pipeline [--nproc 2] [--schedules gpipe,1f1b] [--microbatches 2,4,8] [--micro 16] [--steps 8]
+    disttrain bench pipeline [--nproc 2] [--schedules gpipe,1f1b,...] [--microbatches 2,4,8] [--micro 16] [--steps 8]
 
-One launch; the model is split into --nproc stages (parallel.pipeline = --nproc, no data axis). For each schedule
-and number of micro-batches m (the global batch is m x --micro, so a micro-batch costs the same for every m), every
-timed step gives:
+One launch; the model (2 blocks a rank, at least 4) is split over --nproc ranks (parallel.pipeline = --nproc, no
+data axis), one stage a rank or, under interleaved-1f1b, zero-bubble and zbv, two. For each schedule and number of
+micro-batches m (the global batch is m x --micro, so a micro-batch costs the same for every m), every timed step
+gives:
 
 - W, the schedule's wall time in disttrain's step (the step's last `forward_backward`, which runs the schedule over
-  the step's m micro-batches; the optimizer step aside) until its slowest stage ends;
-- T per stage, the stage's forward and backward of one micro-batch run alone right after the step, outside the
-  schedule (the last stage with the loss), so that W and T see the same machine.
+  the step's m micro-batches; the optimizer step aside) until its slowest rank ends;
+- T per rank, its stages' forward and backward of one micro-batch run alone right after the step, outside the
+  schedule (the last stage with the loss), so that W and T see the same machine (forward and backward timed apart).
 
-A stage computes m x T in a step of W, so its idle share is 1 - m T / W (medians of W and T over the steps); the
-measured bubble is that share averaged over the stages. GPipe and 1F1B have the same theoretical bubble,
-(p - 1) / (m + p - 1) for p equal stages whose sends cost nothing; the measured one also holds the point-to-point
-transfers, the schedule's own work and any imbalance between the stages. Output: `<out>/pipeline.{json,csv,md}`
-and, with matplotlib, `<out>/bubble.png`.
+A rank computes m x T in a step of W, so its idle share is 1 - m T / W (medians of W and T over the steps); the
+measured bubble is that share averaged over the ranks. Two predictions: the formula GPipe and 1F1B share,
+(p - 1) / (m + p - 1) for p equal stages whose sends cost nothing; and the schedule played (`pipeline_timeline.play`
+in torch's own order of computations, each stage's forward and backward as measured alone, sends free), for every
+schedule, the stages' imbalance included. The measured bubble also holds the point-to-point transfers and the
+schedule's own work. Output: `<out>/pipeline.{json,csv,md}` and, with matplotlib, `<out>/bubble.png`.
 """
 
 from __future__ import annotations
@@ -35,14 +38,15 @@ import torch.nn.functional as F
 from disttrain.bench import check_numbers, integers
 from disttrain.errors import ArgumentParser, ConfigError, make_folder
 
-SCHEDULES = ("gpipe", "1f1b")
-"""Schedules with one stage per rank, whose bubble is (p - 1) / (m + p - 1)."""
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
+"""Schedules measured: the first two with one stage per rank, whose bubble is (p - 1) / (m + p - 1), the others with
+two (dualpipev's overlapped pairs are not played)."""
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = ArgumentParser(prog="disttrain bench pipeline", description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=2, help="ranks = pipeline stages")
-    p.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated: gpipe, 1f1b")
+    p.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated: " + ", ".join(SCHEDULES))
     p.add_argument("--microbatches", default="2,4,8", help="micro-batches per step, comma-separated")
     p.add_argument("--micro", type=int, default=16, help="micro-batch size (sequences)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per row (and repeats of the stage alone)")
@@ -58,8 +62,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, int]]:
     schedules = [s for s in args.schedules.split(",") if s]
     for s in schedules:
         if s not in SCHEDULES:
-            raise ConfigError(f"--schedules {s}: use {' or '.join(SCHEDULES)} (one stage per rank; their bubble is "
-                              "(p - 1) / (m + p - 1))")
+            raise ConfigError(f"--schedules {s}: use {', '.join(SCHEDULES)}")
     if not schedules:
         raise ConfigError("--schedules names none: give one or more, e.g. gpipe,1f1b")
     check_numbers(("--nproc", args.nproc, 2), ("--micro", args.micro, 1), ("--steps", args.steps, 1))
@@ -77,6 +80,24 @@ def plan(args: argparse.Namespace) -> list[tuple[str, int]]:
 def theoretical(stages: int, microbatches: int) -> float:
     """GPipe's and 1F1B's bubble: the share of a step a stage is idle, for equal stages and free sends."""
     return (stages - 1) / (microbatches + stages - 1)
+
+
+def played(schedule: str, ranks: int, microbatches: int, costs: list[list[tuple[float, float]]]) -> float:
+    """The bubble of `schedule` played through (`pipeline_timeline.play`, torch's own order, sends free), each
+    stage's forward and backward as `costs[rank][local stage]` says: 1 - m T / W averaged over the ranks."""
+    from disttrain.bench.pipeline_timeline import StageCost, one_stage_order, play
+    from disttrain.parallel.mesh import VIRTUAL_SCHEDULES, holder, stages_of
+    from disttrain.parallel.placement import torch_order
+
+    v = len(costs[0])
+    stages = [StageCost(0.0, 0.0)] * (ranks * v)
+    for rank in range(ranks):
+        for local, stage in enumerate(stages_of(rank, ranks, ranks * v, schedule)):
+            stages[stage] = StageCost(*costs[rank][local])
+    orders = tuple(tuple(torch_order(schedule, ranks, r, microbatches, v) if schedule in VIRTUAL_SCHEDULES
+                         else one_stage_order(schedule, ranks, r, microbatches)) for r in range(ranks))
+    wall = max(play(orders, lambda s: holder(s, ranks, schedule), tuple(stages), 0.0))
+    return statistics.fmean(1 - microbatches * sum(f + b for f, b in mine) / wall for mine in costs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,6 +118,7 @@ def _config(args: argparse.Namespace, schedule: str, microbatches: int):
     from disttrain.config import load_config
 
     return load_config(None, [f"data.global_batch_size={microbatches * args.micro}",
+                              f"model.n_layer={max(4, 2 * args.nproc)}",
                               f"data.micro_batch_size={args.micro}", "dist.threads_per_rank=1", "log.progress=false",
                               "train.steps=100000", f"dist.nproc={args.nproc}", f"run.out_dir={args.out}",
                               "run.name=pipeline_run", "parallel.strategy=ddp", f"parallel.pipeline={args.nproc}",
@@ -104,14 +126,15 @@ def _config(args: argparse.Namespace, schedule: str, microbatches: int):
 
 
 def _measure(args, cfg, runtime, train, sampler) -> torch.Tensor:
-    """(2, steps) on this rank: per timed step, its schedule's wall time in disttrain's step, then its stage's forward
-    and backward of one micro-batch alone (right after, so that both see the same machine)."""
+    """(1 + 2 v, steps) on this rank of v stages: per timed step, its schedule's wall time in disttrain's step, then
+    each of its stages' forward and backward of one micro-batch alone (right after, so that both see the same
+    machine)."""
     import torch.distributed as dist
 
     from disttrain.bench.loops import disttrain_setup
 
     _, backend, _, batches, micro = disttrain_setup(cfg, runtime, train, sampler)
-    times = torch.zeros(2, args.steps + 2, dtype=torch.float64)  # two warm-up steps first
+    times = torch.zeros(1 + 2 * len(backend.prepared.parts), args.steps + 2, dtype=torch.float64)  # 2 warm-up steps
     for k in range(args.steps + 2):
         dist.barrier()
         for i in range(micro):
@@ -121,27 +144,27 @@ def _measure(args, cfg, runtime, train, sampler) -> torch.Tensor:
         times[0, k] = time.perf_counter() - start
         backend.optim_step()
         dist.barrier()
-        times[1, k] = _stage_alone(backend.prepared, batch)
+        for j, (index, part) in enumerate(backend.prepared.parts):
+            times[1 + 2 * j:3 + 2 * j, k] = torch.tensor(_stage_alone(backend.prepared.layout, index, part, batch))
     return times[:, 2:]
 
 
-def _stage_alone(prepared, batch: dict) -> float:
-    """This rank's stage forward and backward on one micro-batch outside the schedule: token ids into the first
-    stage, a random stream into the others; the last stage ends in the token-sum loss. Gradients are dropped after."""
-    (index, part), = prepared.parts
-    lay = prepared.layout
+def _stage_alone(lay, index: int, part, batch: dict) -> tuple[float, float]:
+    """(forward, backward) seconds of one of this rank's stages on one micro-batch outside the schedule: token ids
+    into the first stage, a random stream into the others; the last stage ends in the token-sum loss. Gradients are
+    dropped after."""
     ids, labels = batch["input_ids"], batch["labels"]
     x = ids if index == 0 else torch.randn((*ids.shape, lay.hidden), dtype=lay.dtype, requires_grad=True)
     grad = None if index == lay.stages - 1 else torch.randn((*ids.shape, lay.hidden), dtype=lay.dtype)
     start = time.perf_counter()
     out = part(x)
     if grad is None:
-        F.cross_entropy(out.flatten(0, 1), labels.flatten(), reduction="sum").backward()
-    else:
-        out.backward(grad)
-    elapsed = time.perf_counter() - start
+        out = F.cross_entropy(out.flatten(0, 1), labels.flatten(), reduction="sum")
+    forward = time.perf_counter()
+    out.backward(grad)
+    end = time.perf_counter()
     part.zero_grad(set_to_none=True)
-    return elapsed
+    return forward - start, end - forward
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -173,13 +196,16 @@ def _report(args, cfg, measured: list) -> None:
     p = args.nproc
     rows = []
     for schedule, m, times in measured:
-        wall = float(times[:, 0].max(dim=0).values.median())  # a step's schedule lasts until its slowest stage ends
-        alone = [float(t) for t in times[:, 1].median(dim=1).values]
+        wall = float(times[:, 0].max(dim=0).values.median())  # a step's schedule lasts until its slowest rank ends
+        parts = times[:, 1:].median(dim=2).values  # (rank, forward / backward of each of its stages)
+        costs = [[(float(r[2 * j]), float(r[2 * j + 1])) for j in range(len(r) // 2)] for r in parts]
+        alone = [sum(f + b for f, b in mine) for mine in costs]
         idle = [1 - m * a / wall for a in alone]
         rows.append({"schedule": schedule, "stages": p, "microbatches": m, "micro_batch": args.micro,
                      "schedule_s": wall, "schedule_s_per_stage": [float(t) for t in times[:, 0].median(dim=1).values],
-                     "stage_micro_s": alone, "bubble_per_stage": idle, "bubble": statistics.fmean(idle),
-                     "theoretical": theoretical(p, m)})
+                     "stage_micro_s": alone, "stage_costs_s": costs, "bubble_per_stage": idle,
+                     "bubble": statistics.fmean(idle), "theoretical": theoretical(p, m),
+                     "played": played(schedule, p, m, costs)})
     result = {"rows": rows, "nproc": p, "steps": args.steps, "model": vars(cfg.model), "threads_per_rank": 1,
               "torch": torch.__version__, "disttrain": __version__, "python": platform.python_version(),
               "machine": f"{platform.machine()}, {os.cpu_count()} cores",
@@ -189,30 +215,31 @@ def _report(args, cfg, measured: list) -> None:
     with open(out / "pipeline.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["schedule", "stages", "microbatches", "micro_batch", "schedule_s", "stage_micro_s_max",
-                         "bubble", "theoretical"])
+                         "bubble", "theoretical", "played"])
         for r in rows:
             writer.writerow([r["schedule"], p, r["microbatches"], args.micro, r["schedule_s"],
-                             max(r["stage_micro_s"]), r["bubble"], r["theoretical"]])
+                             max(r["stage_micro_s"]), r["bubble"], r["theoretical"], r["played"]])
     (out / "pipeline.md").write_text(_markdown(args, cfg, result) + _plot(rows, out))
 
 
 def _markdown(args, cfg, result: dict) -> str:
     m = cfg.model
-    lines = [f"# Pipeline bubble: measured vs (p - 1) / (m + p - 1) ({result['date']})", "",
+    lines = [f"# Pipeline bubble: measured vs (p - 1) / (m + p - 1) and vs the schedule played ({result['date']})", "",
              "| schedule | stages p | micro-batches m | schedule wall W (ms) | one micro-batch alone T "
-             "(ms, per stage) | idle 1 - mT/W (per stage) | **measured** | theoretical |",
-             "|---|---|---|---|---|---|---|---|"]
+             "(ms, per rank) | idle 1 - mT/W (per rank) | **measured** | theoretical | played |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         per = lambda values, scale=1e3, f=".1f": " / ".join(f"{v * scale:{f}}" for v in values)  # noqa: E731
         lines.append(f"| {r['schedule']} | {r['stages']} | {r['microbatches']} | {r['schedule_s'] * 1e3:.1f} | "
                      f"{per(r['stage_micro_s'])} | {per(r['bubble_per_stage'], 1, '.3f')} | **{r['bubble']:.3f}** | "
-                     f"{r['theoretical']:.3f} |")
+                     f"{r['theoretical']:.3f} | {r['played']:.3f} |")
     return "\n".join(lines) + (
         "\n\nW: the step's schedule (all m micro-batches, forward and backward) in disttrain's step, until its slowest "
-        "stage ends, median of the timed steps; T: a stage's forward and backward of one micro-batch run alone right "
-        "after each step, median; the measured bubble is 1 - mT/W averaged over the stages. The theory assumes equal "
-        "stages and free sends; the measurement also holds the point-to-point transfers, the schedule's own work and "
-        "the stages' imbalance.\n\n"
+        "rank ends, median of the timed steps; T: a rank's stages' forward and backward of one micro-batch run alone "
+        "right after each step, median; the measured bubble is 1 - mT/W averaged over the ranks. The theory "
+        "((p - 1) / (m + p - 1): gpipe's and 1f1b's) assumes equal stages and free sends; the schedule played "
+        "(`pipeline_timeline.play`, torch's own order) takes each stage's forward and backward as measured alone, "
+        "sends free; the measurement also holds the point-to-point transfers and the schedule's own work.\n\n"
         f"{args.nproc} ranks x 1 thread, gloo; GPT {m.n_layer} layers, d_model {m.d_model}, seq_len {m.seq_len}, "
         f"vocab {m.vocab_size}; micro-batch {args.micro} sequences; {args.steps} timed steps per row; machine "
         f"{result['machine']}; torch {result['torch']}, disttrain {result['disttrain']}, Python {result['python']}.\n")
@@ -232,7 +259,10 @@ def _plot(rows: list[dict], out: Path) -> str:
     ax.plot(counts, [theoretical(rows[0]["stages"], m) for m in counts], "k--", label="(p-1)/(m+p-1)")
     for schedule in dict.fromkeys(r["schedule"] for r in rows):
         points = [r for r in rows if r["schedule"] == schedule]
-        ax.plot([r["microbatches"] for r in points], [r["bubble"] for r in points], "o-", label=f"{schedule} measured")
+        line, = ax.plot([r["microbatches"] for r in points], [r["bubble"] for r in points], "o-",
+                        label=f"{schedule} measured")
+        ax.plot([r["microbatches"] for r in points], [r["played"] for r in points], "x:", color=line.get_color(),
+                label=f"{schedule} played")
     ax.set_xlabel("micro-batches per step (m)")
     ax.set_ylabel("bubble fraction")
     ax.set_xscale("log", base=2)
