@@ -13,8 +13,8 @@ from disttrain.cli.main import main
 
 def test_bubble_rows_for_each_schedule_and_micro_batch_count(tmp_path):
     """gpipe and 1f1b (a stage a rank) and zero-bubble (two a rank, its backward split): each row's measured bubble
-    from its own wall and stage times, the formula, and the schedule played with the measured stages (sends free);
-    at equal stages the played gpipe's is the formula's."""
+    from its own wall and stage times, the formula, and the schedule played with the measured stages (sends free,
+    and each transfer a call as measured); at equal stages the played gpipe's is the formula's."""
     from disttrain.bench.pipeline import played
 
     out = tmp_path / "b"
@@ -33,9 +33,13 @@ def test_bubble_rows_for_each_schedule_and_micro_batch_count(tmp_path):
         assert r["bubble_per_stage"] == pytest.approx([1 - m * t / wall for t in r["stage_micro_s"]])
         assert r["bubble"] == pytest.approx(statistics.fmean(r["bubble_per_stage"])) and r["bubble"] < 1
         assert r["played"] == pytest.approx(played(r["schedule"], 2, m, r["stage_costs_s"])) and 0 < r["played"] < 1
+        assert r["transfer_s"] > 0 and r["played_with_transfers"] == pytest.approx(
+            played(r["schedule"], 2, m, r["stage_costs_s"], r["transfer_s"])) and r["played_with_transfers"] < 1
     even = [[(1.0, 2.0)], [(1.0, 2.0)]]
     assert played("gpipe", 2, 4, even) == pytest.approx(1 / 5) and played("1f1b", 2, 4, even) == pytest.approx(1 / 5)
     assert played("zero-bubble", 2, 4, [[(0.5, 1.0)] * 2] * 2) < 1 / 5  # (its weight parts fill the bubble)
+    # a transfer a call on each computation that crosses ranks: 1f1b's 2 a micro-batch, on each rank's core
+    assert played("1f1b", 2, 4, even, 0.5) == pytest.approx(1 - 4 * 3 / (5 * 3 + 5 * 2 * 0.5))
     with open(out / "pipeline.csv") as f:
         table = list(csv.DictReader(f))
     assert [float(t["bubble"]) for t in table] == pytest.approx([r["bubble"] for r in rows])

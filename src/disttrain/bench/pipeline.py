@@ -82,9 +82,11 @@ def theoretical(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-def played(schedule: str, ranks: int, microbatches: int, costs: list[list[tuple[float, float]]]) -> float:
-    """The bubble of `schedule` played through (`pipeline_timeline.play`, torch's own order, sends free), each
-    stage's forward and backward as `costs[rank][local stage]` says: 1 - m T / W averaged over the ranks."""
+def played(schedule: str, ranks: int, microbatches: int, costs: list[list[tuple[float, float]]],
+           transfer: float = 0.0) -> float:
+    """The bubble of `schedule` played through (`pipeline_timeline.play`, torch's own order), each stage's forward
+    and backward as `costs[rank][local stage]` says, each transfer a call of `transfer` seconds on its rank's core
+    (as the scale model prices a CPU host's; 0: free): 1 - m T / W averaged over the ranks."""
     from disttrain.bench.pipeline_timeline import StageCost, one_stage_order, play
     from disttrain.parallel.mesh import VIRTUAL_SCHEDULES, holder, stages_of
     from disttrain.parallel.placement import torch_order
@@ -96,7 +98,7 @@ def played(schedule: str, ranks: int, microbatches: int, costs: list[list[tuple[
             stages[stage] = StageCost(*costs[rank][local])
     orders = tuple(tuple(torch_order(schedule, ranks, r, microbatches, v) if schedule in VIRTUAL_SCHEDULES
                          else one_stage_order(schedule, ranks, r, microbatches)) for r in range(ranks))
-    wall = max(play(orders, lambda s: holder(s, ranks, schedule), tuple(stages), 0.0))
+    wall = max(play(orders, lambda s: holder(s, ranks, schedule), tuple(stages), transfer, on_host=True))
     return statistics.fmean(1 - microbatches * sum(f + b for f, b in mine) / wall for mine in costs)
 
 
@@ -126,15 +128,15 @@ def _config(args: argparse.Namespace, schedule: str, microbatches: int):
 
 
 def _measure(args, cfg, runtime, train, sampler) -> torch.Tensor:
-    """(1 + 2 v, steps) on this rank of v stages: per timed step, its schedule's wall time in disttrain's step, then
+    """(2 + 2 v, steps) on this rank of v stages: per timed step, its schedule's wall time in disttrain's step, then
     each of its stages' forward and backward of one micro-batch alone (right after, so that both see the same
-    machine)."""
+    machine), then one transfer of a micro-batch's activations to the next rank."""
     import torch.distributed as dist
 
     from disttrain.bench.loops import disttrain_setup
 
     _, backend, _, batches, micro = disttrain_setup(cfg, runtime, train, sampler)
-    times = torch.zeros(1 + 2 * len(backend.prepared.parts), args.steps + 2, dtype=torch.float64)  # 2 warm-up steps
+    times = torch.zeros(2 + 2 * len(backend.prepared.parts), args.steps + 2, dtype=torch.float64)  # 2 warm-up steps
     for k in range(args.steps + 2):
         dist.barrier()
         for i in range(micro):
@@ -146,7 +148,25 @@ def _measure(args, cfg, runtime, train, sampler) -> torch.Tensor:
         dist.barrier()
         for j, (index, part) in enumerate(backend.prepared.parts):
             times[1 + 2 * j:3 + 2 * j, k] = torch.tensor(_stage_alone(backend.prepared.layout, index, part, batch))
+        times[-1, k] = _transfer(backend.prepared.layout, batch)
     return times[:, 2:]
+
+
+def _transfer(lay, batch: dict) -> float:
+    """Seconds of one micro-batch's activations sent to the next rank while the one before's arrive (every rank at
+    once, as a schedule's steady state sends)."""
+    import torch.distributed as dist
+
+    ids = batch["input_ids"]
+    sent = torch.randn((*ids.shape, lay.hidden), dtype=lay.dtype)
+    received = torch.empty_like(sent)
+    dist.barrier(group=lay.group)
+    start = time.perf_counter()
+    for request in dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, sent, group=lay.group, group_peer=(lay.rank + 1) % lay.ranks),
+            dist.P2POp(dist.irecv, received, group=lay.group, group_peer=(lay.rank - 1) % lay.ranks)]):
+        request.wait()
+    return time.perf_counter() - start
 
 
 def _stage_alone(lay, index: int, part, batch: dict) -> tuple[float, float]:
@@ -197,7 +217,8 @@ def _report(args, cfg, measured: list) -> None:
     rows = []
     for schedule, m, times in measured:
         wall = float(times[:, 0].max(dim=0).values.median())  # a step's schedule lasts until its slowest rank ends
-        parts = times[:, 1:].median(dim=2).values  # (rank, forward / backward of each of its stages)
+        parts = times[:, 1:-1].median(dim=2).values  # (rank, forward / backward of each of its stages)
+        transfer = float(times[:, -1].median())
         costs = [[(float(r[2 * j]), float(r[2 * j + 1])) for j in range(len(r) // 2)] for r in parts]
         alone = [sum(f + b for f, b in mine) for mine in costs]
         idle = [1 - m * a / wall for a in alone]
@@ -205,7 +226,8 @@ def _report(args, cfg, measured: list) -> None:
                      "schedule_s": wall, "schedule_s_per_stage": [float(t) for t in times[:, 0].median(dim=1).values],
                      "stage_micro_s": alone, "stage_costs_s": costs, "bubble_per_stage": idle,
                      "bubble": statistics.fmean(idle), "theoretical": theoretical(p, m),
-                     "played": played(schedule, p, m, costs)})
+                     "played": played(schedule, p, m, costs), "transfer_s": transfer,
+                     "played_with_transfers": played(schedule, p, m, costs, transfer)})
     result = {"rows": rows, "nproc": p, "steps": args.steps, "model": vars(cfg.model), "threads_per_rank": 1,
               "torch": torch.__version__, "disttrain": __version__, "python": platform.python_version(),
               "machine": f"{platform.machine()}, {os.cpu_count()} cores",
@@ -215,10 +237,11 @@ def _report(args, cfg, measured: list) -> None:
     with open(out / "pipeline.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["schedule", "stages", "microbatches", "micro_batch", "schedule_s", "stage_micro_s_max",
-                         "bubble", "theoretical", "played"])
+                         "bubble", "theoretical", "played", "transfer_s", "played_with_transfers"])
         for r in rows:
             writer.writerow([r["schedule"], p, r["microbatches"], args.micro, r["schedule_s"],
-                             max(r["stage_micro_s"]), r["bubble"], r["theoretical"], r["played"]])
+                             max(r["stage_micro_s"]), r["bubble"], r["theoretical"], r["played"], r["transfer_s"],
+                             r["played_with_transfers"]])
     (out / "pipeline.md").write_text(_markdown(args, cfg, result) + _plot(rows, out))
 
 
@@ -226,20 +249,24 @@ def _markdown(args, cfg, result: dict) -> str:
     m = cfg.model
     lines = [f"# Pipeline bubble: measured vs (p - 1) / (m + p - 1) and vs the schedule played ({result['date']})", "",
              "| schedule | stages p | micro-batches m | schedule wall W (ms) | one micro-batch alone T "
-             "(ms, per rank) | idle 1 - mT/W (per rank) | **measured** | theoretical | played |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "(ms, per rank) | idle 1 - mT/W (per rank) | **measured** | theoretical | played | transfer (ms) | "
+             "played, transfers as calls |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         per = lambda values, scale=1e3, f=".1f": " / ".join(f"{v * scale:{f}}" for v in values)  # noqa: E731
         lines.append(f"| {r['schedule']} | {r['stages']} | {r['microbatches']} | {r['schedule_s'] * 1e3:.1f} | "
                      f"{per(r['stage_micro_s'])} | {per(r['bubble_per_stage'], 1, '.3f')} | **{r['bubble']:.3f}** | "
-                     f"{r['theoretical']:.3f} | {r['played']:.3f} |")
+                     f"{r['theoretical']:.3f} | {r['played']:.3f} | {r['transfer_s'] * 1e3:.2f} | "
+                     f"{r['played_with_transfers']:.3f} |")
     return "\n".join(lines) + (
         "\n\nW: the step's schedule (all m micro-batches, forward and backward) in disttrain's step, until its slowest "
         "rank ends, median of the timed steps; T: a rank's stages' forward and backward of one micro-batch run alone "
         "right after each step, median; the measured bubble is 1 - mT/W averaged over the ranks. The theory "
         "((p - 1) / (m + p - 1): gpipe's and 1f1b's) assumes equal stages and free sends; the schedule played "
         "(`pipeline_timeline.play`, torch's own order) takes each stage's forward and backward as measured alone, "
-        "sends free; the measurement also holds the point-to-point transfers and the schedule's own work.\n\n"
+        "sends free, and again with each transfer a call on its rank's core (as the scale model prices a CPU host's: "
+        "one micro-batch's activations to the next rank, timed alone after each step, median); the measurement also "
+        "holds the schedule's own work.\n\n"
         f"{args.nproc} ranks x 1 thread, gloo; GPT {m.n_layer} layers, d_model {m.d_model}, seq_len {m.seq_len}, "
         f"vocab {m.vocab_size}; micro-batch {args.micro} sequences; {args.steps} timed steps per row; machine "
         f"{result['machine']}; torch {result['torch']}, disttrain {result['disttrain']}, Python {result['python']}.\n")
