@@ -14,11 +14,14 @@ gives:
   schedule (the last stage with the loss), so that W and T see the same machine (forward and backward timed apart).
 
 A rank computes m x T in a step of W, so its idle share is 1 - m T / W (medians of W and T over the steps); the
-measured bubble is that share averaged over the ranks. Two predictions: the formula GPipe and 1F1B share,
-(p - 1) / (m + p - 1) for p equal stages whose sends cost nothing; and the schedule played (`pipeline_timeline.play`
-in torch's own order of computations, each stage's forward and backward as measured alone, sends free), for every
-schedule, the stages' imbalance included. The measured bubble also holds the point-to-point transfers and the
-schedule's own work. Output: `<out>/pipeline.{json,csv,md}` and, with matplotlib, `<out>/bubble.png`.
+measured bubble is that share averaged over the ranks (`bubble_per_stage`: per rank). Three predictions: the
+formula GPipe and 1F1B share, (p - 1) / (m + p - 1) for p equal stages whose sends cost nothing; and the schedule
+played (`pipeline_timeline.play` in torch's own order of computations, each stage's forward and backward as measured
+alone), for every schedule, the stages' imbalance included, with sends free and with each transfer a call on its
+rank's core as measured alone (one micro-batch's activations to the next rank; charged once a computation that
+crosses ranks, as the scale model prices a CPU host's: exact at 2 ranks, an undercount for a middle rank at 3 or
+more). The measured bubble also holds the schedule's own work. Output: `<out>/pipeline.{json,csv,md}` and, with
+matplotlib, `<out>/bubble.png`.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ two (dualpipev's overlapped pairs are not played)."""
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = ArgumentParser(prog="disttrain bench pipeline", description=__doc__.split("\n")[0])
-    p.add_argument("--nproc", type=int, default=2, help="ranks = pipeline stages")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (one stage each, two under the looped and V schedules)")
     p.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated: " + ", ".join(SCHEDULES))
     p.add_argument("--microbatches", default="2,4,8", help="micro-batches per step, comma-separated")
     p.add_argument("--micro", type=int, default=16, help="micro-batch size (sequences)")
@@ -58,6 +61,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 def plan(args: argparse.Namespace) -> list[tuple[str, int]]:
     """The rows (schedule, micro-batches), every one checked before any process starts (one line, exit 2)."""
     from disttrain.config import validate
+    from disttrain.parallel.mesh import VIRTUAL_SCHEDULES
+    from disttrain.parallel.placement import torch_order
 
     schedules = [s for s in args.schedules.split(",") if s]
     for s in schedules:
@@ -74,6 +79,9 @@ def plan(args: argparse.Namespace) -> list[tuple[str, int]]:
     rows = [(s, m) for s in schedules for m in counts]
     for s, m in rows:
         validate(_config(args, s, m), 0, args.nproc)
+        if s in VIRTUAL_SCHEDULES and any(torch_order(s, args.nproc, r, m) is None for r in range(args.nproc)):
+            raise ConfigError(f"--schedules {s}: this torch does not give the schedule's order of computations, "
+                              "which the report plays; measure gpipe or 1f1b")
     return rows
 
 
@@ -147,7 +155,8 @@ def _measure(args, cfg, runtime, train, sampler) -> torch.Tensor:
         backend.optim_step()
         dist.barrier()
         for j, (index, part) in enumerate(backend.prepared.parts):
-            times[1 + 2 * j:3 + 2 * j, k] = torch.tensor(_stage_alone(backend.prepared.layout, index, part, batch))
+            times[1 + 2 * j:3 + 2 * j, k] = torch.tensor(_stage_alone(backend.prepared.layout, index, part, batch),
+                                                         dtype=torch.float64)
         times[-1, k] = _transfer(backend.prepared.layout, batch)
     return times[:, 2:]
 
@@ -202,7 +211,7 @@ def _worker(args: argparse.Namespace) -> None:
         mine = _measure(args, _config(args, schedule, m), runtime, train, sampler)
         every = [torch.empty_like(mine) for _ in range(runtime.world_size)]
         dist.all_gather(every, mine)
-        measured.append((schedule, m, torch.stack(every)))  # (stage, wall / alone, step)
+        measured.append((schedule, m, torch.stack(every)))  # (rank, wall / its stages' (F, B) / transfer, step)
         gc.collect()
     if runtime.is_main_process():
         _report(args, _config(args, *rows[0]), measured)
@@ -248,7 +257,7 @@ def _report(args, cfg, measured: list) -> None:
 def _markdown(args, cfg, result: dict) -> str:
     m = cfg.model
     lines = [f"# Pipeline bubble: measured vs (p - 1) / (m + p - 1) and vs the schedule played ({result['date']})", "",
-             "| schedule | stages p | micro-batches m | schedule wall W (ms) | one micro-batch alone T "
+             "| schedule | ranks p | micro-batches m | schedule wall W (ms) | one micro-batch alone T "
              "(ms, per rank) | idle 1 - mT/W (per rank) | **measured** | theoretical | played | transfer (ms) | "
              "played, transfers as calls |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
