@@ -29,7 +29,10 @@ def test_bubble_rows_for_each_schedule_and_micro_batch_count(tmp_path):
         m, wall, v = r["microbatches"], r["schedule_s"], 2 if r["schedule"] == "zero-bubble" else 1
         assert r["stages"] == 2 and r["theoretical"] == pytest.approx(1 / (m + 1))  # (p-1)/(m+p-1), p = 2
         assert wall > 0 and [len(c) for c in r["stage_costs_s"]] == [v, v]
-        assert r["stage_micro_s"] == pytest.approx([sum(f + b for f, b in c) for c in r["stage_costs_s"]])
+        assert r["stage_micro_s"] == pytest.approx([sum(s[0] + s[1] for s in c) for c in r["stage_costs_s"]])
+        sizes = [len(s) for c in r["stage_costs_s"] for s in c]  # (a split backward's parts, but the first stage's)
+        assert sizes == ([2, 4, 4, 4] if v == 2 else [2, 2])
+        assert all(t > 0 for c in r["stage_costs_s"] for s in c for t in s)
         assert r["bubble_per_stage"] == pytest.approx([1 - m * t / wall for t in r["stage_micro_s"]])
         assert r["bubble"] == pytest.approx(statistics.fmean(r["bubble_per_stage"])) and r["bubble"] < 1
         assert r["played"] == pytest.approx(played(r["schedule"], 2, m, r["stage_costs_s"])) and 0 < r["played"] < 1
@@ -38,6 +41,10 @@ def test_bubble_rows_for_each_schedule_and_micro_batch_count(tmp_path):
     even = [[(1.0, 2.0)], [(1.0, 2.0)]]
     assert played("gpipe", 2, 4, even) == pytest.approx(1 / 5) and played("1f1b", 2, 4, even) == pytest.approx(1 / 5)
     assert played("zero-bubble", 2, 4, [[(0.5, 1.0)] * 2] * 2) < 1 / 5  # (its weight parts fill the bubble)
+    assert played("zero-bubble", 2, 4, [[(0.5, 1.0, 0.5, 0.5)] * 2] * 2) == pytest.approx(
+        played("zero-bubble", 2, 4, [[(0.5, 1.0)] * 2] * 2))  # (parts measured as halves: the same)
+    assert played("zero-bubble", 2, 4, [[(0.5, 1.0, 0.7, 0.7)] * 2] * 2) > played(
+        "zero-bubble", 2, 4, [[(0.5, 1.0)] * 2] * 2)  # (parts costing more than the whole: idle for the work done)
     # a transfer a call on each computation that crosses ranks: 1f1b's 2 a micro-batch, on each rank's core
     assert played("1f1b", 2, 4, even, 0.5) == pytest.approx(1 - 4 * 3 / (5 * 3 + 5 * 2 * 0.5))
     with open(out / "pipeline.csv") as f:

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from disttrain.bench import check_numbers, integers
 from disttrain.errors import ArgumentParser, ConfigError, make_folder
+from disttrain.parallel.mesh import SPLIT_BACKWARD_SCHEDULES
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 """Schedules measured: the first two with one stage per rank, whose bubble is (p - 1) / (m + p - 1), the others with
@@ -90,11 +91,12 @@ def theoretical(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-def played(schedule: str, ranks: int, microbatches: int, costs: list[list[tuple[float, float]]],
+def played(schedule: str, ranks: int, microbatches: int, costs: list[list[tuple[float, ...]]],
            transfer: float = 0.0) -> float:
     """The bubble of `schedule` played through (`pipeline_timeline.play`, torch's own order), each stage's forward
-    and backward as `costs[rank][local stage]` says, each transfer a call of `transfer` seconds on its rank's core
-    (as the scale model prices a CPU host's; 0: free): 1 - m T / W averaged over the ranks."""
+    and backward as `costs[rank][local stage]` says ((forward, backward), and the split backward's input and weight
+    parts where measured: else half the backward each), each transfer a call of `transfer` seconds on its rank's
+    core (as the scale model prices a CPU host's; 0: free): 1 - m T / W averaged over the ranks."""
     from disttrain.bench.pipeline_timeline import StageCost, one_stage_order, play
     from disttrain.parallel.mesh import VIRTUAL_SCHEDULES, holder, stages_of
     from disttrain.parallel.placement import torch_order
@@ -103,11 +105,12 @@ def played(schedule: str, ranks: int, microbatches: int, costs: list[list[tuple[
     stages = [StageCost(0.0, 0.0)] * (ranks * v)
     for rank in range(ranks):
         for local, stage in enumerate(stages_of(rank, ranks, ranks * v, schedule)):
-            stages[stage] = StageCost(*costs[rank][local])
+            forward, backward, *split = costs[rank][local]  # (a split backward's parts, where measured apart)
+            stages[stage] = StageCost(forward, backward, split=tuple(split))
     orders = tuple(tuple(torch_order(schedule, ranks, r, microbatches, v) if schedule in VIRTUAL_SCHEDULES
                          else one_stage_order(schedule, ranks, r, microbatches)) for r in range(ranks))
     wall = max(play(orders, lambda s: holder(s, ranks, schedule), tuple(stages), transfer, on_host=True))
-    return statistics.fmean(1 - microbatches * sum(f + b for f, b in mine) / wall for mine in costs)
+    return statistics.fmean(1 - microbatches * sum(c[0] + c[1] for c in mine) / wall for mine in costs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,15 +139,17 @@ def _config(args: argparse.Namespace, schedule: str, microbatches: int):
 
 
 def _measure(args, cfg, runtime, train, sampler) -> torch.Tensor:
-    """(2 + 2 v, steps) on this rank of v stages: per timed step, its schedule's wall time in disttrain's step, then
-    each of its stages' forward and backward of one micro-batch alone (right after, so that both see the same
-    machine), then one transfer of a micro-batch's activations to the next rank."""
+    """(2 + 4 v, steps) on this rank of v stages: per timed step, its schedule's wall time in disttrain's step, then
+    each of its stages' forward, backward and, under a schedule that splits it, the backward's input and weight
+    parts (else 0) of one micro-batch alone (right after, so that both see the same machine), then one transfer of
+    a micro-batch's activations to the next rank."""
     import torch.distributed as dist
 
     from disttrain.bench.loops import disttrain_setup
 
     _, backend, _, batches, micro = disttrain_setup(cfg, runtime, train, sampler)
-    times = torch.zeros(2 + 2 * len(backend.prepared.parts), args.steps + 2, dtype=torch.float64)  # 2 warm-up steps
+    times = torch.zeros(2 + 4 * len(backend.prepared.parts), args.steps + 2, dtype=torch.float64)  # 2 warm-up steps
+    split = cfg.parallel.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
     for k in range(args.steps + 2):
         dist.barrier()
         for i in range(micro):
@@ -155,8 +160,12 @@ def _measure(args, cfg, runtime, train, sampler) -> torch.Tensor:
         backend.optim_step()
         dist.barrier()
         for j, (index, part) in enumerate(backend.prepared.parts):
-            times[1 + 2 * j:3 + 2 * j, k] = torch.tensor(_stage_alone(backend.prepared.layout, index, part, batch),
-                                                         dtype=torch.float64)
+            alone = _stage_alone(backend.prepared.layout, index, part, batch)
+            # (the first stage's input, token ids, has no gradient: torch's input part has nothing to do there, and
+            # its weight part then finds no saved graph to start from; taken as half the backward each)
+            parts = _stage_alone(backend.prepared.layout, index, part, batch, split=True)[1:] if split and index \
+                else (0, 0)
+            times[1 + 4 * j:5 + 4 * j, k] = torch.tensor((*alone, *parts), dtype=torch.float64)
         times[-1, k] = _transfer(backend.prepared.layout, batch)
     return times[:, 2:]
 
@@ -178,10 +187,13 @@ def _transfer(lay, batch: dict) -> float:
     return time.perf_counter() - start
 
 
-def _stage_alone(lay, index: int, part, batch: dict) -> tuple[float, float]:
+def _stage_alone(lay, index: int, part, batch: dict, split: bool = False) -> tuple[float, ...]:
     """(forward, backward) seconds of one of this rank's stages on one micro-batch outside the schedule: token ids
-    into the first stage, a random stream into the others; the last stage ends in the token-sum loss. Gradients are
-    dropped after."""
+    into the first stage, a random stream into the others; the last stage ends in the token-sum loss. `split`:
+    (forward, the backward's input part, its weight part), as torch's split-backward schedules run them
+    (`stage_backward_input`, `stage_backward_weight`). Gradients are dropped after."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
     ids, labels = batch["input_ids"], batch["labels"]
     x = ids if index == 0 else torch.randn((*ids.shape, lay.hidden), dtype=lay.dtype, requires_grad=True)
     grad = None if index == lay.stages - 1 else torch.randn((*ids.shape, lay.hidden), dtype=lay.dtype)
@@ -190,10 +202,16 @@ def _stage_alone(lay, index: int, part, batch: dict) -> tuple[float, float]:
     if grad is None:
         out = F.cross_entropy(out.flatten(0, 1), labels.flatten(), reduction="sum")
     forward = time.perf_counter()
-    out.backward(grad)
-    end = time.perf_counter()
+    if split:
+        _, groups = stage_backward_input([out], None if grad is None else [grad], [x], part.parameters())
+        inputs = time.perf_counter()
+        stage_backward_weight(part.parameters(), groups)
+        times = (forward - start, inputs - forward, time.perf_counter() - inputs)
+    else:
+        out.backward(grad)
+        times = (forward - start, time.perf_counter() - forward)
     part.zero_grad(set_to_none=True)
-    return forward - start, end - forward
+    return times
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -226,10 +244,11 @@ def _report(args, cfg, measured: list) -> None:
     rows = []
     for schedule, m, times in measured:
         wall = float(times[:, 0].max(dim=0).values.median())  # a step's schedule lasts until its slowest rank ends
-        parts = times[:, 1:-1].median(dim=2).values  # (rank, forward / backward of each of its stages)
+        parts = times[:, 1:-1].median(dim=2).values  # (rank, F / B / I / W of each of its stages)
         transfer = float(times[:, -1].median())
-        costs = [[(float(r[2 * j]), float(r[2 * j + 1])) for j in range(len(r) // 2)] for r in parts]
-        alone = [sum(f + b for f, b in mine) for mine in costs]
+        costs = [[tuple(float(t) for t in r[4 * j:4 * j + (4 if r[4 * j + 2] else 2)]) for j in range(len(r) // 4)]
+                 for r in parts]  # ((F, B), and the split backward's (I, W) where measured)
+        alone = [sum(c[0] + c[1] for c in mine) for mine in costs]
         idle = [1 - m * a / wall for a in alone]
         rows.append({"schedule": schedule, "stages": p, "microbatches": m, "micro_batch": args.micro,
                      "schedule_s": wall, "schedule_s_per_stage": [float(t) for t in times[:, 0].median(dim=1).values],

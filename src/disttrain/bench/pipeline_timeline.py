@@ -33,12 +33,15 @@ class StageCost:
     gradients cost the same FLOPs)."""
     backward_calls: float = 0.0
     """Seconds of the tensor split's calls in the backward: the input gradients', all in its input part."""
+    split: tuple[float, float] = ()
+    """Seconds of the split backward's input and weight parts where measured apart (`bench pipeline`); () for half
+    of `backward` each."""
 
     def of(self, kind: str) -> float:
         if kind == "F":
             return self.forward
-        return {"B": self.backward + self.backward_calls, "I": self.backward / 2 + self.backward_calls,
-                "W": self.backward / 2}[kind]
+        inputs, weights = self.split or (self.backward / 2,) * 2
+        return {"B": self.backward + self.backward_calls, "I": inputs + self.backward_calls, "W": weights}[kind]
 
 
 def one_stage_order(schedule: str, ranks: int, rank: int, microbatches: int) -> Order:
