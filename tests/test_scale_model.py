@@ -707,3 +707,14 @@ def test_a_v_shaped_pipeline_holds_both_ends_on_one_rank():
     looped = _pipeline(8, 6, schedule="interleaved-1f1b", orders=_orders("interleaved-1f1b", 4, 8, 2))
     with pytest.raises(ConfigError, match="runs micro-batches in multiples of parallel.pipeline = 4, not 6"):
         sm.step_time("ddp", 4, looped, NET)
+
+
+def test_a_split_backward_s_first_stage_runs_its_whole_backward_as_the_weight_part():
+    """torch's split-backward schedules skip the first stage's input part (its input, token ids, has no gradient)
+    and run its whole backward as the weight part; the other stages split it in halves."""
+    work = _pipeline(8, 8, schedule="zero-bubble", orders=_orders("zero-bubble", 4, 8, 2))
+    _, costs = sm._stage_costs(work, NET)
+    assert costs[0].split == (0.0, costs[0].backward) and costs[0].of("I") == 0.0
+    assert all(c.split == () and c.of("I") == c.of("W") == c.backward / 2 for c in costs[1:])
+    _, looped = sm._stage_costs(replace(work, schedule="interleaved-1f1b"), NET)
+    assert looped[0].split == ()

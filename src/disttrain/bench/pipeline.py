@@ -106,6 +106,8 @@ def played(schedule: str, ranks: int, microbatches: int, costs: list[list[tuple[
     for rank in range(ranks):
         for local, stage in enumerate(stages_of(rank, ranks, ranks * v, schedule)):
             forward, backward, *split = costs[rank][local]  # (a split backward's parts, where measured apart)
+            if stage == 0 and schedule in SPLIT_BACKWARD_SCHEDULES:  # (as torch runs it: the whole backward as W)
+                split = (0.0, backward)
             stages[stage] = StageCost(forward, backward, split=tuple(split))
     orders = tuple(tuple(torch_order(schedule, ranks, r, microbatches, v) if schedule in VIRTUAL_SCHEDULES
                          else one_stage_order(schedule, ranks, r, microbatches)) for r in range(ranks))
@@ -161,8 +163,8 @@ def _measure(args, cfg, runtime, train, sampler) -> torch.Tensor:
         dist.barrier()
         for j, (index, part) in enumerate(backend.prepared.parts):
             alone = _stage_alone(backend.prepared.layout, index, part, batch)
-            # (the first stage's input, token ids, has no gradient: torch's input part has nothing to do there, and
-            # its weight part then finds no saved graph to start from; taken as half the backward each)
+            # (the first stage's input, token ids, has no gradient: torch skips its input part and runs the whole
+            # backward as its weight part, which `played` takes so)
             parts = _stage_alone(backend.prepared.layout, index, part, batch, split=True)[1:] if split and index \
                 else (0, 0)
             times[1 + 4 * j:5 + 4 * j, k] = torch.tensor((*alone, *parts), dtype=torch.float64)
@@ -247,7 +249,7 @@ def _report(args, cfg, measured: list) -> None:
         parts = times[:, 1:-1].median(dim=2).values  # (rank, F / B / I / W of each of its stages)
         transfer = float(times[:, -1].median())
         costs = [[tuple(float(t) for t in r[4 * j:4 * j + (4 if r[4 * j + 2] else 2)]) for j in range(len(r) // 4)]
-                 for r in parts]  # ((F, B), and the split backward's (I, W) where measured)
+                 for r in parts]  # ((F, B), and the split backward's (I, W) where measured: (F, B, I, W))
         alone = [sum(c[0] + c[1] for c in mine) for mine in costs]
         idle = [1 - m * a / wall for a in alone]
         rows.append({"schedule": schedule, "stages": p, "microbatches": m, "micro_batch": args.micro,

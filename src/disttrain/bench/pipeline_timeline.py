@@ -30,12 +30,17 @@ class StageCost:
     """Seconds of one micro-batch's forward through the stage (its compute and the tensor split's calls in it)."""
     backward: float
     """Seconds of its full backward's compute; split in two, each part half of it (a matmul's input and weight
-    gradients cost the same FLOPs)."""
+    gradients cost the same FLOPs), unless `split` says."""
     backward_calls: float = 0.0
     """Seconds of the tensor split's calls in the backward: the input gradients', all in its input part."""
-    split: tuple[float, float] = ()
-    """Seconds of the split backward's input and weight parts where measured apart (`bench pipeline`); () for half
-    of `backward` each."""
+    split: tuple[float, ...] = ()
+    """Seconds of the split backward's input and weight parts where they are not halves: measured apart (`bench
+    pipeline`), or the first stage's (0, the whole backward and its calls): its input has no gradient, and torch runs
+    its whole backward as the weight part."""
+
+    def whole(self) -> float:
+        """Seconds of one micro-batch's forward and backward through the stage, its calls included."""
+        return self.forward + (sum(self.split) if self.split else self.backward + self.backward_calls)
 
     def of(self, kind: str) -> float:
         if kind == "F":

@@ -300,8 +300,7 @@ def _pipeline_step(strategy: str, n: int, work: Workload, net: Interconnect) -> 
         steps.append(step_time(strategy, n // p, replace(work, model=shape, compute_s=compute, pipeline=1, stages=(),
                                                          stage_calls=(), step_calls=(), orders=(), tensor_calls=calls),
                                net, model_split=True, pipelined=True))
-        busy.append(compute + m * sum(costs[s].forward + costs[s].backward + costs[s].backward_calls - computes[s] / m
-                                      for s in mine))
+        busy.append(compute + m * sum(costs[s].whole() - computes[s] / m for s in mine))
     orders = work.orders or tuple(one_stage_order(work.schedule, p, rank, m) for rank in range(p))
     try:
         finish = play(orders, holder, costs, send, on_host=bool(work.cpu_cores))
@@ -329,7 +328,10 @@ def _stage_costs(work: Workload, net: Interconnect) -> tuple[list[float], tuple[
         calls = work.stage_calls[s] if work.tensor > 1 else ()
         (split_fwd, split_bwd, _), _ = tensor_seconds(replace(work, tensor_calls=calls), net)
         computes.append(compute)
-        costs.append(StageCost(compute / m * forward + split_fwd, compute / m * (1 - forward), split_bwd))
+        backward = compute / m * (1 - forward)
+        first = s == 0 and work.schedule in SPLIT_BACKWARD  # (torch runs its whole backward as the weight part)
+        costs.append(StageCost(compute / m * forward + split_fwd, backward, 0.0 if first else split_bwd,
+                               (0.0, backward + split_bwd) if first else ()))
     return computes, tuple(costs)
 
 
