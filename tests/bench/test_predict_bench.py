@@ -336,6 +336,12 @@ def test_forecast_of_a_pipeline_of_tensor_splits_prices_each_rank_s_stages_calls
                 "--sweep", "parallel.pipeline_stages_per_rank=2,7", "--local-batch", "32", "--micro-batch", "1",
                 "--gpus", "8192", "--out", str(deeper)]) == 0
     two, seven = (float(r["step_s"]) for r in csv.DictReader(open(deeper / "predict.csv")))
+    seventh = tmp_path / "seventh"
+    assert cli(["bench", "predict", "--model", "llama3-405b", *(a for s in settings for a in ("--set", s)),
+                "--set", "parallel.pipeline_stages_per_rank=7", "--local-batch", "32", "--micro-batch", "1",
+                "--gpus", "8192", "--out", str(seventh)]) == 0
+    assert "its stages between the ends hold 1 to 2 blocks" in (seventh / "predict.md").read_text()  # (126 in 112)
+    assert "between the ends" not in (tmp_path / "predict.md").read_text()  # (4 blocks each, 32 stages)
     assert two == pytest.approx(float(row["step_s"]), rel=1e-9) and seven < two  # (the bubble: test_scale_model)
     assert cli(["bench", "predict", "--set", "parallel.pipeline=2", "--set", "parallel.tensor=2", "--set",
                 "dist.nproc=4", "--set", "model.n_head=2", "--gpus", "8,16", "--out", str(tmp_path / "gpt")]) == 0

@@ -180,8 +180,11 @@ def _pipeline_line(cfg: Config, stages: tuple[ModelShape, ...], send: float, mic
     ranks = [[stages[s] for s in mesh.stages_of(rank, p, len(stages), schedule)] for rank in range(p)]
     held = ", ".join(f"{sum(s.n_layer for s in mine)} block{'s' * (sum(s.n_layer for s in mine) != 1)} "
                      f"({sum(s.params for s in mine) / 1e6:,.1f} M)" for mine in ranks)
+    inner = [s.n_layer for s in stages[1:-1]]  # (the ends hold the embedding and the head besides)
+    uneven = (f"; its stages between the ends hold {min(inner)} to {max(inner)} blocks, and a round of the schedule "
+              "moves at its heaviest stage's pace" if inner and min(inner) != max(inner) else "")
     return (f"- pipeline of {p} ranks (parallel.pipeline, {schedule}, {len(stages) // p} stage"
-            f"{'s' * (len(stages) > p)} a rank): a group's ranks share "
+            f"{'s' * (len(stages) > p)} a rank{uneven}): a group's ranks share "
             f"its batch (tokens per GPU: 1/{p} of them), in {micro_batches} micro-batches; the ranks hold {held} "
             f"(disttrain's split: embeddings on the first, the head on the last); {send / 2**20:,.2f} MiB of "
             f"activations cross a stage boundary each micro-batch, each way; the strategy runs over each stage's "
