@@ -85,7 +85,8 @@ class Workload:
     """`parallel.pipeline_schedule`: gpipe and 1f1b (one stage per rank), interleaved-1f1b and zero-bubble (two
     per rank, or `virtual`), zbv (two, in a V)."""
     virtual: int = 0
-    """Stages each pipeline rank runs (`parallel.pipeline_stages_per_rank`); 0: the schedule's (`VIRTUAL`)."""
+    """Stages each pipeline rank runs (`parallel.pipeline_stages_per_rank`); 0: the schedule's
+    (`mesh.stages_per_rank`)."""
     stages: tuple[ModelShape, ...] = ()
     """Under a pipeline, what each stage holds, in stage order (its units; the embedding's parameters on the
     first, the head's and its FLOPs on the last): `predict_job.pipeline_stages`, disttrain's own split."""
@@ -233,9 +234,9 @@ def step_time(strategy: str, n: int, work: Workload, net: Interconnect, model_sp
     after += split_step  # (after backward, before the optimizer's update)
     # (a pipeline stage's units stay gathered after their first forward, but those resharded after it and not
     # gathered for backward: fsdp's frozen ones)
-    kept = [replace(u, gather_fwd=0.0) if u.gather_bwd or strategy not in ("fsdp", "hsdp") else u for u in units]
-    comm_total = (sum(f.gather_fwd * (work.micro_steps - 1) + u.gather_fwd + u.gather_bwd * work.micro_steps
-                      for u, f in zip(units, kept if pipelined else units, strict=True))
+    stays = [pipelined and (u.gather_bwd > 0 or strategy not in ("fsdp", "hsdp")) for u in units]
+    comm_total = (sum(u.gather_fwd * (1 if kept else work.micro_steps) + u.gather_bwd * work.micro_steps
+                      for u, kept in zip(units, stays, strict=True))
                   + sum(u.reduce for u in units) + after + split)
     if work.cpu_cores and local >= work.cpu_cores:  # no free core: gloo's threads take turns with compute
         charged = comm_total - waits_behind_backward(units)
@@ -248,22 +249,18 @@ def step_time(strategy: str, n: int, work: Workload, net: Interconnect, model_sp
                          backward=(u.backward * seconds + split_bwd * u.backward / backward) / busy)
                  for u in units]
         seconds = busy
-    kept = [replace(u, forward=k.forward, backward=k.backward) for u, k in zip(kept, units, strict=True)]
+    later = [replace(u, gather_fwd=0.0) if kept else u for u, kept in zip(units, stays, strict=True)]
     t = comm = 0.0
     for m in range(work.micro_steps):
-        t, comm = run_pass(kept if pipelined and m else units, seconds, "forward", "gather_fwd", False, t, comm,
-                           work.prefetch)
+        t, comm = run_pass(later if m else units, seconds, "forward", "gather_fwd", False, t, comm, work.prefetch)
         t, comm = run_pass(units[::-1], seconds, "backward", "gather_bwd", m == work.micro_steps - 1, t, comm,
                         work.prefetch)
     return Step(max(t, comm) + after, compute, comm_total, sent)
 
 
-VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 2, "zbv": 2}
-"""Stages per pipeline rank of each schedule modelled, unless `Workload.virtual` says (interleaved-1f1b and
-zero-bubble: 2 or more)."""
-SPLIT_BACKWARD = ("zero-bubble", "zbv")
-"""Modelled schedules that split each backward into an input and a weight part, under which FSDP2 keeps a stage's
-parameters gathered from forward to backward (priced as zero2)."""
+MODELLED_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
+"""Pipeline schedules the model plays: disttrain's but dualpipev. Their stages per rank and which split the backward
+(FSDP2 then keeps a stage's parameters gathered from forward to backward: priced as zero2) are parallel/mesh.py's."""
 
 
 def _pipeline_step(strategy: str, n: int, work: Workload, net: Interconnect) -> Step:
@@ -289,7 +286,7 @@ def _pipeline_step(strategy: str, n: int, work: Workload, net: Interconnect) -> 
     tied = collective_time("all_reduce", tied_bytes, 2, link(stored, "all_reduce"))
     held = [mesh.stages_of(rank, p, p * v, work.schedule) for rank in range(p)]
     computes, costs = _stage_costs(work, net)
-    if strategy == "fsdp" and work.schedule in SPLIT_BACKWARD:
+    if strategy == "fsdp" and work.schedule in mesh.SPLIT_BACKWARD_SCHEDULES:
         strategy = "zero2"
     steps, busy = [], []
     for rank, mine in enumerate(held):
@@ -329,7 +326,8 @@ def _stage_costs(work: Workload, net: Interconnect) -> tuple[list[float], tuple[
         (split_fwd, split_bwd, _), _ = tensor_seconds(replace(work, tensor_calls=calls), net)
         computes.append(compute)
         backward = compute / m * (1 - forward)
-        first = s == 0 and work.schedule in SPLIT_BACKWARD  # (torch runs its whole backward as the weight part)
+        # (torch runs a split backward's first stage whole, as the weight part: its input has no gradient)
+        first = s == 0 and work.schedule in mesh.SPLIT_BACKWARD_SCHEDULES
         costs.append(StageCost(compute / m * forward + split_fwd, backward, 0.0 if first else split_bwd,
                                (0.0, backward + split_bwd) if first else ()))
     return computes, tuple(costs)
@@ -337,12 +335,14 @@ def _stage_costs(work: Workload, net: Interconnect) -> tuple[list[float], tuple[
 
 def _check_pipeline(strategy: str, n: int, work: Workload) -> int:
     """A pipeline's stages per rank (v), or one line for what the model does not price or disttrain does not run."""
-    p, v = work.pipeline, VIRTUAL.get(work.schedule, 0) and (work.virtual or VIRTUAL[work.schedule])
-    if not v:
+    if work.schedule not in MODELLED_SCHEDULES:
         raise ConfigError(f"parallel.pipeline_schedule = {work.schedule!r} is not modelled; predict "
-                          f"{', '.join(VIRTUAL)} (dualpipev's overlapped forward and backward pairs are not played)")
-    mesh.check_stages_per_rank(SimpleNamespace(pipeline=p, pipeline_schedule=work.schedule,
-                                               pipeline_stages_per_rank=work.virtual))
+                          f"{', '.join(MODELLED_SCHEDULES)} (dualpipev's overlapped forward and backward pairs are not "
+                          "played)")
+    layout = SimpleNamespace(pipeline=work.pipeline, pipeline_schedule=work.schedule,
+                             pipeline_stages_per_rank=work.virtual)
+    mesh.check_stages_per_rank(layout)
+    p, v = work.pipeline, mesh.stages_per_rank(layout)
     if n % p:
         raise ConfigError(f"parallel.pipeline = {p} does not divide {n} GPUs; give multiples of it")
     if work.cpu_cores and (n > p or p > work.cpu_cores):
@@ -354,7 +354,7 @@ def _check_pipeline(strategy: str, n: int, work: Workload) -> int:
                           f"parallel.pipeline = {p}, not {work.micro_steps}; give a batch of such micro-batches")
     assert len(work.stages) == p * v, "a pipeline's Workload holds each stage"
     assert work.tensor == 1 or (len(work.stage_calls), len(work.step_calls)) == (p * v, p), "and a split's calls"
-    assert bool(work.orders) == (v > 1 or work.schedule in SPLIT_BACKWARD), "torch's order of a multi-stage schedule"
+    assert bool(work.orders) == (v > 1), "torch's order of a multi-stage schedule"
     check_model_split(strategy, work, f"parallel.pipeline = {p}")
     return v
 
