@@ -300,6 +300,7 @@ def pipeline_stages(cfg: Config, shape: ModelShape, precision: str, data_axis: b
     units, stream, tied = shape.units(), ITEMSIZE[WIRE_DTYPES[precision][1 if data_axis else 0]], 0.0
     if shape.counted:
         from disttrain.memory import meta_model
+        from disttrain.parallel.tensor import hidden_size
 
         model = meta_model(cfg.model)
         family = pipe.FAMILIES[pipe.family_of(model)]
@@ -310,8 +311,7 @@ def pipeline_stages(cfg: Config, shape: ModelShape, precision: str, data_axis: b
         bounds = pipe.stage_bounds(model, count, cfg.parallel.pipeline_split)
         ends = (UnitShape(size(family.embeddings), size(family.embeddings, True), 0.0, 0.0),
                 UnitShape(size(family.head), size(family.head, True), units[0].forward_flops, units[0].backward_flops))
-        hidden = model.get_input_embeddings().embedding_dim if hasattr(model, "get_input_embeddings") else \
-            model.tok_emb.embedding_dim
+        hidden = hidden_size(model)
         owners = [{n.rpartition(".")[0] for n in names} for names in tie_groups(model)]  # (modules sharing one)
         tied = sum(model.get_parameter(names[0]).numel() for names, held in zip(tie_groups(model), owners, strict=True)
                    if model.get_parameter(names[0]).requires_grad and held & set(family.embeddings)

@@ -172,12 +172,13 @@ def _record(model, cfg: Config, degree: int, precision_name: str, stages: bool, 
 def _record_stages(model, cfg: Config, degree: int, run: _Run) -> StageCalls:
     import torch
 
+    from disttrain.parallel import tensor
     from disttrain.parallel.mesh import stages_of
     from disttrain.parallel.stages import FAMILIES, StagePart, family_of, stage_bounds
 
     family, count, p = FAMILIES[family_of(model)], _stage_count(cfg), cfg.parallel.pipeline
     width = cfg.model.seq_len // (degree if cfg.parallel.sequence_parallel else 1)
-    stream = torch.zeros(1, width, _hidden(model), dtype=next(model.parameters()).dtype)
+    stream = torch.zeros(1, width, tensor.hidden_size(model), dtype=next(model.parameters()).dtype)
     parts = [StagePart(model, family, bounds, s == 0, s == count - 1)
              for s, bounds in enumerate(stage_bounds(model, count, cfg.parallel.pipeline_split))]
     calls, steps = [()] * count, []
@@ -245,11 +246,6 @@ def _tied_as_held(model, params: list, ties: list[list[str]]) -> None:
         if id(param) in held and grad is not None and hasattr(grad, "placements") and \
                 grad.placements != param.placements:
             param.grad = grad.redistribute(placements=param.placements)
-
-
-def _hidden(model) -> int:
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.tok_emb
-    return embedding.embedding_dim
 
 
 @contextlib.contextmanager

@@ -62,8 +62,16 @@ def family(model: nn.Module) -> str:
 
 
 def vocabulary(model: nn.Module) -> int:
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.tok_emb
-    return embedding.num_embeddings
+    return _embedding(model).num_embeddings
+
+
+def hidden_size(model: nn.Module) -> int:
+    """Width of the residual stream (the token embedding's)."""
+    return _embedding(model).embedding_dim
+
+
+def _embedding(model: nn.Module) -> nn.Embedding:
+    return model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.tok_emb
 
 
 def check_divisible(model: nn.Module, kind: str, degree: int) -> None:
