@@ -325,7 +325,7 @@ def test_layout_from_settings(overrides, world, expected):
       "data.micro_batch_size=4"], 2, "'dualpipev' needs at least as many micro-batches per step as stages \\(4\\)"),
     (["parallel.context=2", "parallel.tensor=2"], 4, "parallel.context = 2 does not compose with parallel.pipeline"),
     (["parallel.context=3"], 4, "parallel.context = 3 does not divide the world size 4"),
-    (["parallel.context=3", "model.seq_len=32"], 3, "model.seq_len = 32 is not divisible by parallel.context = 3"),
+    (["parallel.context=3", "model.seq_len=32"], 3, "model.seq_len = 32 is not divisible by 2 x parallel.context = 6"),
     (["parallel.tensor=2", "model.n_head=3", "model.d_model=96"], 2, "model.n_head = 3 is not divisible by "
      "parallel.tensor = 2"),
     (["parallel.tensor=4", "parallel.sequence_parallel=true", "model.seq_len=30"], 4,
@@ -412,25 +412,32 @@ def test_a_pipeline_refuses_left_padding_rather_than_ignoring_the_mask():
         check_mask({"position_ids": torch.tensor([[0, 1, 0, 1]])})
 
 
-def test_context_parallel_cuts_each_sequence_at_the_chunk_and_refuses_a_mask_it_would_ignore():
-    """Rank 1 of 2 takes the second half of every sequence-valued tensor and its positions; a per-sample value stays
-    whole; a left-padded batch is refused in one line naming parallel.context (its chunks attend without a mask);
-    a width that does not cut evenly is right-padded."""
+def test_context_parallel_gives_each_rank_two_balanced_pieces_and_refuses_a_mask_it_would_ignore():
+    """Each sequence in 4 pieces over 2 ranks: rank 1 takes the second and third of every sequence-valued tensor
+    and their positions, rank 0 the first and last (as many causal query-key pairs each); a per-sample value stays
+    whole; a left-padded batch is refused in one line naming parallel.context (its pieces attend without a mask); a
+    width that does not cut evenly is right-padded."""
     from disttrain.parallel.context import ContextParallel
 
     ids = torch.arange(16).reshape(2, 8)
     got = ContextParallel(None, 2, 1).shard({"input_ids": ids, "labels": ids + 1, "weight": torch.ones(2)})
-    assert torch.equal(got["input_ids"], ids[:, 4:]) and torch.equal(got["labels"], ids[:, 4:] + 1)
-    assert torch.equal(got["position_ids"], torch.tensor([[4, 5, 6, 7]] * 2))
+    assert torch.equal(got["input_ids"], ids[:, 2:6]) and torch.equal(got["labels"], ids[:, 2:6] + 1)
+    assert torch.equal(got["position_ids"], torch.tensor([[2, 3, 4, 5]] * 2))
     assert torch.equal(got["weight"], torch.ones(2))
+    first = ContextParallel(None, 2, 0).shard({"input_ids": ids})
+    assert torch.equal(first["position_ids"], torch.tensor([[0, 1, 6, 7]] * 2))
+    pairs = [sum(p + 1 for p in ContextParallel(None, 2, r).pieces(8).tolist()) for r in range(2)]
+    assert pairs[0] == pairs[1] == 36 / 2  # (each query attends to the keys up to its own position)
     left = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1], [1] * 8])
     with pytest.raises(ConfigError, match="parallel.context > 1 attends causally without the attention mask"):
         ContextParallel(None, 2, 0).shard({"input_ids": ids, "attention_mask": left})
-    # a batch padded to its longest sequence (8 tokens) is padded on to 3 equal chunks: labels ignored there
+    # a batch padded to its longest sequence (8 tokens) is padded on to 2 x 3 equal pieces of 2: labels ignored there
     last = ContextParallel(None, 3, 2).shard({"input_ids": ids, "labels": ids})
-    assert torch.equal(last["input_ids"], torch.tensor([[6, 7, 0], [14, 15, 0]]))
-    assert torch.equal(last["labels"][:, 2], torch.tensor([-100, -100]))
-    assert torch.equal(last["position_ids"], torch.tensor([[6, 7, 8]] * 2))
+    assert torch.equal(last["input_ids"], torch.tensor([[4, 5, 6, 7], [12, 13, 14, 15]]))
+    middle = ContextParallel(None, 3, 1).shard({"input_ids": ids, "labels": ids})
+    assert torch.equal(middle["input_ids"], torch.tensor([[2, 3, 0, 0], [10, 11, 0, 0]]))
+    assert torch.equal(middle["labels"][:, 2:], torch.full((2, 2), -100))
+    assert torch.equal(middle["position_ids"], torch.tensor([[2, 3, 8, 9]] * 2))
 
 
 @pytest.mark.parametrize("pattern", ["lm_head.weight", "tok_emb.*"])

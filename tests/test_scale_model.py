@@ -13,8 +13,8 @@ from disttrain.bench import buckets, timeline
 from disttrain.bench import interconnect as ic
 from disttrain.bench import scale_model as sm
 from disttrain.bench.model_shapes import MODELS, ModelShape, UnitShape, gpt_shape
+from disttrain.bench.model_split import split_shape
 from disttrain.bench.published_scaling import PUBLISHED
-from disttrain.bench.tensor_split import split_shape
 from disttrain.errors import ConfigError
 
 NET = ic.PRESETS["h100-nvlink+ib-ndr"]
@@ -509,7 +509,8 @@ def test_the_step_s_tensor_split_calls_go_out_together_and_pay_one_call_s_cost()
 
 
 @pytest.mark.parametrize("strategy, change, gpus, says", [
-    ("ddp", dict(tensor=3), [8], "--gpus 8: a group of parallel.tensor x parallel.pipeline = 3 GPUs"),
+    ("ddp", dict(tensor=3), [8], "--gpus 8: a group of parallel.tensor x parallel.pipeline x parallel.context = 3 "
+     "GPUs"),
     ("ddp", dict(tensor=3), [24], "parallel.tensor = 3: its groups would straddle nodes of 8 devices"),
     ("ddp", dict(tensor=16), [16], "parallel.tensor = 16: its groups would straddle nodes of 8 devices"),
     ("ddp", dict(tensor=2, grad_compression="powersgd"), [8], "parallel.grad_compression = 'powersgd' with "
@@ -718,3 +719,42 @@ def test_a_split_backward_s_first_stage_runs_its_whole_backward_as_the_weight_pa
     assert all(c.split == () and c.of("I") == c.of("W") == c.backward / 2 for c in costs[1:])
     _, looped = sm._stage_costs(replace(work, schedule="interleaved-1f1b"), NET)
     assert looped[0].split == ()
+
+
+def test_a_context_split_runs_the_strategy_over_every_gpu_and_its_calls_hold_up_the_compute():
+    """parallel.context = 2 on 16 GPUs: each rank holds the whole model, and the strategy runs over all 16 (context
+    ranks join the data axis; ddp as FSDP2's replicate); without calls that is a model split's data axis of 16. Its
+    calls (each attention's keys and values, and their gradients) add to the step what they take over the 2 ranks
+    of a group, once each micro-batch."""
+    from disttrain.bench.model_split import context_calls
+
+    calls = context_calls(LLAMA, "bfloat16")
+    assert len(calls) == 4 * LLAMA.n_layer and LLAMA.kv_width == 4096 // 4
+    work = sm.Workload(LLAMA, 1.0, 4096, "bf16-mixed", micro_steps=2, log_every=0, context=2)
+    for strategy in ("ddp", "fsdp"):
+        quiet = sm.step_time(strategy, 16, work, NET)
+        assert (quiet.step_s, quiet.wire_bytes) == pytest.approx(
+            (lambda s: (s.step_s, s.wire_bytes))(sm.step_time(strategy, 16, replace(work, context=1), NET,
+                                                              model_split=True)), rel=1e-12)
+        loud = sm.step_time(strategy, 16, replace(work, context_calls=calls), NET)
+        held = 2 * sum(ic.collective_time(c, b, 2, NET.for_dtype(d, c)) for _, c, b, d in calls)
+        assert loud.comm_s == pytest.approx(quiet.comm_s + held, rel=1e-9)
+        assert quiet.step_s < loud.step_s <= quiet.step_s + held + 1e-12
+    recomputed = context_calls(LLAMA, "bfloat16", recompute=True)  # (activation checkpointing: gathered again)
+    assert len(recomputed) == 6 * LLAMA.n_layer
+    gathered = [c for c in recomputed if c[1] == "all_gather"]
+    assert {c[2] for c in gathered} == {LLAMA.seq_len * 1024 * 2} and len(gathered) == 4 * LLAMA.n_layer
+
+
+@pytest.mark.parametrize("change, gpus, says", [
+    (dict(context=3), [8], "a group of parallel.tensor x parallel.pipeline x parallel.context = 3 GPUs"),
+    (dict(context=16), [16], "parallel.context = 16: its groups would straddle nodes of 8 devices"),
+    (dict(context=2, tensor=2), [8], "parallel.context = 2 does not compose with parallel.tensor"),
+    (dict(context=2, model=MODELS["resnet50"]), [8], "resnet50 has no attention the model knows of"),
+    (dict(context=2, grad_compression="powersgd"), [8], "'powersgd' with parallel.context = 2 does not run"),
+])
+def test_what_a_context_split_does_not_price_is_refused(change, gpus, says):
+    with pytest.raises(ConfigError, match=says):
+        sm.predict("ddp", gpus, replace(sm.Workload(LLAMA, 1.0, 8192), **change), NET)
+    with pytest.raises(ConfigError, match="hsdp with parallel.context = 2 is not modelled"):
+        sm.predict("hsdp", [16], replace(sm.Workload(LLAMA, 1.0, 8192), context=2), NET)

@@ -174,15 +174,15 @@ def activations(cfg: Config, linears: str, model: nn.Module, mesh: MeshLayout | 
 
 
 def _gathered_kv(m: ModelConfig, micro_batch: int, context: int, precision: str) -> int:
-    """What one block's attention keeps beyond its chunk under context parallelism (parallel/context.py): the keys
-    and values of the whole sequence where the chunk's own would be (the attention reads them up to its chunk's end,
-    a view of the whole gather), and the causal mask of the chunk's queries over them (bool; the most loaded rank,
-    the last, attends over all of them; CPU's SDPA materialises it)."""
+    """What one block's attention keeps beyond its share under context parallelism (parallel/context.py): the keys
+    and values of the whole sequence where its own would be (put in the sequence's order; each of its two pieces
+    reads them up to the piece's end, a view), and the causal masks of its two pieces' queries over them (bool, h x
+    (r + 1) h and h x (2c - r) h for pieces of h tokens: the same on every rank; CPU's SDPA materialises them)."""
     if context == 1:
         return 0
-    t, chunk = m.seq_len, m.seq_len // context
+    t, piece = m.seq_len, m.seq_len // (2 * context)
     act = 4 if precision == "fp32" else 2
-    return 2 * act * m.d_model * micro_batch * (t - chunk) + chunk * t
+    return 2 * act * m.d_model * micro_batch * (t - 2 * piece) + piece * piece * (2 * context + 1)
 
 
 def _gpt_split_activations(cfg: Config, linears: str, mesh: MeshLayout, model: nn.Module,
@@ -195,7 +195,7 @@ def _gpt_split_activations(cfg: Config, linears: str, mesh: MeshLayout, model: n
     last = stage_count(p, mesh.pipeline) - 1
     bounds = stage_bounds(model, last + 1, p.pipeline_split)
     microbatches = cfg.data.global_batch_size // (mesh.data * micro) if mesh.pipeline > 1 else 1
-    chunk = dataclasses.replace(m, seq_len=m.seq_len // mesh.context)  # (context parallelism: this rank's chunk)
+    chunk = dataclasses.replace(m, seq_len=m.seq_len // mesh.context)  # (context parallelism: this rank's share)
     spared = spared_by_freeze(model, linears)
     trained = [max(0, high - max(low, spared.blocks)) for low, high in bounds]  # the blocks that keep activations
     out, counts, exact = [], [], True

@@ -98,6 +98,17 @@ def _shape(model: nn.Module) -> tuple[int, int] | None:
     return (int(layers), int(width)) if layers and width else None
 
 
+def key_width(model: nn.Module) -> int:
+    """Width of one layer's keys (and values) of a transformer: its key-value heads x head size (grouped-query
+    attention's fewer heads), from its config as `_shape` reads it; 0 where not known."""
+    shape = _shape(model)
+    cfg = getattr(model, "config", None) or getattr(model, "cfg", None)
+    heads, kv_heads = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
+    if not shape:
+        return 0
+    return shape[1] * kv_heads // heads if heads and kv_heads else shape[1]
+
+
 def flops_per_token(model: nn.Module, seq_len: int) -> int:
     """Training FLOPs per token (forward + backward): 6 x the parameters that multiply activations, plus the
     attention scores and their weighted sum, 12 x layers x attention width x sequence length (PaLM's count, as

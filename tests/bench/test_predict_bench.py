@@ -460,10 +460,18 @@ def test_a_sitting_measures_the_links_of_each_element_type_the_job_sends(precisi
     (["--strategy", "ddp", "--set", "parallel.bucket_cap_mb=0"], "parallel.bucket_cap_mb = 0.0: must be > 0"),
     (["--set", "parallel.strategy=single"], "parallel.strategy = 'single' is not modelled; give --strategy"),
     (["--set", "parallel.strategy=fsdpp"], "parallel.strategy = 'fsdpp' is not known"),
-    (["--set", "parallel.context=2"], "parallel.context = 2: the scale model has data, tensor and pipeline "
-     "parallelism (no context split)"),
-    (["--set", "parallel.tensor=3"], "parallel.tensor x parallel.pipeline = 3 does not divide dist.nproc = 1 ranks"),
-    (["--set", "parallel.pipeline=2"], "parallel.tensor x parallel.pipeline = 2 does not divide dist.nproc = 1"),
+    (["--set", "parallel.context=2"], "parallel.tensor x parallel.pipeline x parallel.context = 2 does not divide "
+     "dist.nproc = 1"),
+    (["--model", "bert-large", "--set", "parallel.context=2", "--gpus", "8"], "parallel.context = 2: bert-large has "
+     "no attention the model knows of"),
+    (["--model", "llama3-8b", "--set", "parallel.context=16", "--gpus", "16"], "parallel.context = 16: its groups "
+     "would straddle nodes of 8 devices"),
+    (["--model", "llama3-8b", "--strategy", "hsdp", "--set", "parallel.context=2", "--gpus", "16"], "hsdp with "
+     "parallel.context = 2 is not modelled"),
+    (["--set", "parallel.tensor=3"], "parallel.tensor x parallel.pipeline x parallel.context = 3 does not divide "
+     "dist.nproc = 1 ranks"),
+    (["--set", "parallel.pipeline=2"], "parallel.tensor x parallel.pipeline x parallel.context = 2 does not divide "
+     "dist.nproc = 1"),
     (["--set", "parallel.pipeline=2", "--set", "dist.nproc=2", "--set", "parallel.pipeline_schedule=dualpipev",
       "--set", "data.micro_batch_size=2"], "parallel.pipeline_schedule = 'dualpipev' is not modelled; predict gpipe, "
      "1f1b, interleaved-1f1b, zero-bubble, zbv"),
@@ -476,7 +484,7 @@ def test_a_sitting_measures_the_links_of_each_element_type_the_job_sends(precisi
     (["--model", "llama3-8b", "--set", "parallel.tensor=16", "--gpus", "16"], "parallel.tensor = 16: its groups "
      "would straddle nodes of 8 devices"),
     (["--model", "llama3-8b", "--set", "parallel.tensor=2", "--gpus", "1,8"], "--gpus 1: a group of "
-     "parallel.tensor x parallel.pipeline = 2 GPUs reads one batch; give multiples of 2"),
+     "parallel.tensor x parallel.pipeline x parallel.context = 2 GPUs reads one batch; give multiples of 2"),
     (["--model", "llama3-8b", "--set", "parallel.tensor=3", "--gpus", "24"], "parallel.tensor = 3: its groups would "
      "straddle nodes of 8 devices"),
     (["--model", "llama3-8b", "--strategy", "zero1", "--set", "parallel.tensor=2", "--gpus", "16"], "zero1 with "
@@ -485,9 +493,9 @@ def test_a_sitting_measures_the_links_of_each_element_type_the_job_sends(precisi
       "parallel.grad_compression=powersgd", "--gpus", "16"], "parallel.grad_compression = 'powersgd' with "
      "parallel.tensor = 2 does not run in disttrain"),
     (["--measure", "--set", "parallel.tensor=2", "--set", "model.n_head=2"], "--world-sizes 1,2,3: 3 ranks do not "
-     "hold whole groups of parallel.tensor x parallel.pipeline = 2; give 1 and multiples of 2"),
+     "hold whole groups of parallel.tensor x parallel.pipeline x parallel.context = 2; give 1 and multiples of 2"),
     (["--measure", "--set", "parallel.pipeline=2"], "--world-sizes 1,2,3: 3 ranks do not hold whole groups of "
-     "parallel.tensor x parallel.pipeline = 2"),
+     "parallel.tensor x parallel.pipeline x parallel.context = 2"),
     (["--model", "llama3-8b", "--sweep", "parallel.tensor=1,2", "--compute-s", "3"], "--sweep parallel.tensor: each "
      "value's compute is a GPU's share of the FLOPs, which a given --compute-s (one split's) does not say"),
     (["--model", "llama3-8b", "--set", "parallel.pipeline=2", "--set", "parallel.pipeline_split=layers.4"],

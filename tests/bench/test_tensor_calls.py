@@ -1,9 +1,11 @@
 """The collectives of a tensor-parallel step as the scale model counts them (bench/tensor_calls.py): recorded on fake
 tensors over a fake group, they are what two real ranks send in the Trainer's step, and a preset's closed form
-(model_shapes.tensor_calls) is what the recording gives for a Llama."""
+(model_shapes.tensor_calls) is what the recording gives for a Llama. A context split's, in closed form
+(bench/model_split.context_calls), are what two real ranks send too."""
 
 import json
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch.distributed as dist
@@ -149,3 +151,29 @@ def test_each_stage_s_count_is_what_its_ranks_send_in_the_trainer_s_step(tmp_pat
                 counted.update((c.collective, 2 * c.nbytes, c.dtype) for c in recorded.stages[s] for _ in range(2))
             counted.update((c.collective, c.nbytes, c.dtype) for c in recorded.steps[pipeline_rank])
             assert Counter((kind, nbytes, dtype) for _, kind, nbytes, dtype in sent[name]) == counted, (rank, name)
+
+
+def test_the_context_split_s_calls_are_what_two_ranks_send_in_the_trainer_s_step(tmp_path, llama_dir):
+    """Two ranks, parallel.context = 2, two micro-batches of two sequences of 16 tokens: the GPT in fp32 under
+    activation checkpointing (each attention's keys and values gathered again in backward), and a Llama of grouped
+    keys (2 key-value heads of 4) in bf16-mixed (keys gathered in bf16, their gradients reduced in float32), each as
+    the closed form of its counted model gives them; the Llama's preset gives the same."""
+    variants = {"gpt-ac": ["model.n_layer=2", "model.d_model=32", "model.n_head=2",
+                           "parallel.activation_checkpointing=true"],
+                "llama-bf16": [f"model.name=hf:{llama_dir}", "parallel.precision=bf16-mixed"]}
+    result = run_cli(["launch", "--fork", "--nproc", "2", "--run-dir", str(tmp_path / "launch"),
+                      str(SCRIPTS / "context_calls_job.py"), str(tmp_path),
+                      *(f"{name}:{','.join(settings)}" for name, settings in variants.items())], tmp_path, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in range(2):
+        sent = json.loads((tmp_path / f"calls-{rank}.json").read_text())
+        for name, settings in variants.items():
+            cfg = load_config(None, ["model.seq_len=16", "parallel.context=2", *settings])
+            shape = predict_job.counted_shape(cfg.model)
+            closed = predict_job.context_calls_of(cfg, shape, cfg.parallel.precision, 2)
+            assert Counter((kind, nbytes, dtype) for _, kind, nbytes, dtype in sent[name]) == Counter(
+                (kind, nbytes, dtype) for _, kind, nbytes, dtype in closed * 2), (rank, name)
+            assert len(closed) == 4 * shape.n_layer + 2 * shape.n_layer * cfg.parallel.activation_checkpointing
+    llama = load_config(None, ["model.seq_len=16", "parallel.context=2", *variants["llama-bf16"]])
+    assert predict_job.context_calls_of(llama, replace(SHAPE, seq_len=16), "bf16-mixed", 2) == \
+        predict_job.context_calls_of(llama, predict_job.counted_shape(llama.model), "bf16-mixed", 2)

@@ -51,6 +51,9 @@ class ModelShape:
     columns: int = 0
     """Column-wise split linears of a block under disttrain's tensor plan (a Llama's q, k, v, gate and up: 5), for
     `tensor_calls`; 0: no plan (a counted model's collectives are recorded instead)."""
+    kv_width: int = 0
+    """Width of one block's keys (and values): heads x head size, the key-value heads' only under grouped-query
+    attention (a Llama 3's 1/8 of d_model); what a context split gathers. 0: not known."""
 
     @property
     def root_params(self) -> float:
@@ -98,14 +101,14 @@ def gpt_shape(n_layer: int, d_model: int, seq_len: int, vocab_size: int) -> Mode
     layer = 12 * d_model**2 + 13 * d_model
     rest = vocab_size * d_model + seq_len * d_model + 2 * d_model
     return ModelShape(f"gpt {n_layer}x{d_model}", n_layer * layer + rest, layer, n_layer, d_model, seq_len,
-                      n_layer * 12 * d_model**2 + vocab_size * d_model)
+                      n_layer * 12 * d_model**2 + vocab_size * d_model, kv_width=d_model)
 
 
 def llama_shape(name, layers, d, ffn, kv_heads, heads, vocab, seq):
     layer = 2 * d * d + 2 * d * (d * kv_heads // heads) + 3 * d * ffn + 2 * d
     matmul = layers * (layer - 2 * d) + vocab * d  # the output head multiplies; the input embedding is a lookup
     return ModelShape(name, layers * layer + 2 * vocab * d + d, layer, layers, d, seq, matmul, vocab=vocab,
-                      columns=5)
+                      columns=5, kv_width=d * kv_heads // heads)
 
 
 def tensor_calls(model: ModelShape, stored: str, compute: str, sequence_parallel: bool, clip: bool = True, *,

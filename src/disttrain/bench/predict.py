@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from disttrain.bench import check_numbers, integers
@@ -86,8 +87,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    f"{DEFAULT_NET} (a sitting, --measure --validate, measures its own)")
     p.add_argument("--gpus-per-node", type=int, default=0, help="override the interconnect's devices per node")
     p.add_argument("--compute-s", type=float, default=0.0, help="seconds of one step's compute on one device (under "
-                   "a pipeline the whole model's; under a tensor split one rank's: what --measure --world-sizes 1 "
-                   "times)")
+                   "a pipeline the whole model's; under a tensor split one rank's, under a context split its last "
+                   "rank's: what --measure --world-sizes 1 times)")
     p.add_argument("--tflops", type=float, default=0.0, help="peak TFLOP/s (default: the H100 SXM's dense peak in "
                    "the precision's matmul dtype: 989 in bf16 / fp16, 67 in fp32)")
     p.add_argument("--mfu", type=float, default=0.35, help="model FLOPs utilisation of one device")
@@ -140,8 +141,9 @@ def interconnect(spec: str) -> tuple[Interconnect, dict | None]:
 
 
 def model_shape(args: argparse.Namespace) -> tuple[ModelShape, str, Config]:
-    """(shape, default precision, the config): of --model, a preset (bf16-mixed) with the config's other settings;
-    else the config's model, counted."""
+    """(shape, default precision, the config): of --model, a preset (bf16-mixed) with the config's other settings
+    (at the sequence length `--set model.seq_len=N` gives, where given: a long context's attention); else the
+    config's model, counted."""
     from disttrain.config import load_config
 
     cfg = load_config(args.config, args.overrides)
@@ -149,7 +151,10 @@ def model_shape(args: argparse.Namespace) -> tuple[ModelShape, str, Config]:
         if args.model not in MODELS:
             raise ConfigError(f"--model {args.model!r} is not a preset; choose from {', '.join(MODELS)}, or leave it "
                               "out to model the model of CONFIG / --set")
-        return MODELS[args.model], "bf16-mixed", cfg
+        preset = MODELS[args.model]
+        if any(o.partition("=")[0].strip() == "model.seq_len" for o in args.overrides) and preset.seq_len:
+            preset = replace(preset, seq_len=cfg.model.seq_len)
+        return preset, "bf16-mixed", cfg
     return counted_shape(cfg.model), cfg.parallel.precision, cfg
 
 

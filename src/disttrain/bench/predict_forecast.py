@@ -12,9 +12,11 @@ from disttrain.bench.model_shapes import ModelShape
 from disttrain.bench.predict_job import (
     config_batch,
     config_strategy,
+    context_calls_of,
     pipeline_orders,
     pipeline_stages,
     settings,
+    split_group,
     stage_calls_of,
     tensor_calls_of,
 )
@@ -22,6 +24,7 @@ from disttrain.bench.scale_model import (
     BYTES,
     H100_BF16_TFLOPS,
     H100_FP32_TFLOPS,
+    SPLIT_NAMES,
     Workload,
     compute_seconds,
     predict,
@@ -33,11 +36,11 @@ from disttrain.errors import ConfigError
 FORECAST_SWEEPS = ("parallel.grad_compression", "parallel.powersgd_rank", "parallel.bucket_cap_mb",
                    "parallel.hsdp_shard_size", "parallel.fsdp_prefetch", "train.log_every", "parallel.tensor",
                    "parallel.sequence_parallel", "parallel.pipeline", "parallel.pipeline_schedule",
-                   "parallel.pipeline_stages_per_rank")
+                   "parallel.pipeline_stages_per_rank", "parallel.context")
 """Settings `--sweep` forecasts: those that change a step's collectives, and the model's splits, whose compute a GPU's
 share of the FLOPs gives (a group's batch kept: the config's)."""
 
-SPLITS = ("parallel.tensor", "parallel.pipeline")
+SPLITS = ("parallel.tensor", "parallel.pipeline", "parallel.context")
 """Swept settings that change a GPU's compute: forecast from FLOPs only (not a given or measured one)."""
 
 LOCAL_BATCH = {"llama3-8b": 2, "llama3-70b": 1, "resnet50": 32, "bert-large": 32}
@@ -66,8 +69,8 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
     picked = not strategies and not args.model
     local, micro, given = _forecast_batch(args, cfg)
     job = settings(cfg)
-    tensor, pipeline = job["tensor"], job["pipeline"]
-    group = tensor * pipeline
+    tensor, pipeline, context = job["tensor"], job["pipeline"], job["context"]
+    group = split_group(cfg)
     base, source = _workload(args, shape, precision, cfg, local, micro, fit, max(gpus) > group)  # (the header's too)
     rows, failed = [], {}
     for setting, swept in jobs:
@@ -108,11 +111,12 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
                 f"{', '.join(strategies)}"] if picked else []),
              f"- model: {shape.params / 1e6:,.1f} M parameters, {shape.n_layer} blocks of "
              f"{shape.layer_params / 1e6:,.2f} M{_frozen(shape)}; {local} x {max(shape.seq_len, 1)} tokens per "
-             f"{'group' if tensor * pipeline > 1 else 'GPU'} per step ({given}; "
+             f"{'group' if group > 1 else 'GPU'} per step ({given}; "
              + (f"{local // micro} micro-batches of {micro}: gradients reduced on the last)" if local > micro
                 else "no accumulation)"),
              *([_split_line(cfg, base, local)] if tensor > 1 else []),
              *([_pipeline_line(cfg, base.stages, base.send_bytes, local // micro)] if pipeline > 1 else []),
+             *([_context_line(base, local)] if context > 1 else []),
              f"- compute of one step on one device: {base.compute_s:.4g} s, {source}",
              f"- precision {precision}, gradient compression {job['grad_compression']}: bytes per element stored / "
              f"gathered / reduced {' / '.join(map(str, BYTES[precision][:2]))} / "
@@ -148,7 +152,7 @@ def _workloads(args, shape: ModelShape, precision: str, cfg: Config, batch: tupl
     """(the workload of `cfg` at `gpus`, `base` where given; and where the smallest count is one group of a split
     and others are more, its workload alone: no data axis beside the split, whose calls travel in the parameters'
     dtype there)."""
-    group = cfg.parallel.tensor * cfg.parallel.pipeline
+    group = split_group(cfg)
     work = base or _workload(args, shape, precision, cfg, *batch, fit, max(gpus) > group)[0]
     alone = _workload(args, shape, precision, cfg, *batch, fit, False)[0] if 1 < group == min(gpus) < max(gpus) \
         else None
@@ -158,18 +162,33 @@ def _workloads(args, shape: ModelShape, precision: str, cfg: Config, batch: tupl
 def _workload(args, shape: ModelShape, precision: str, cfg: Config, local: int, micro: int, fit: dict | None,
               data_axis: bool) -> tuple[Workload, str]:
     """(one forecast's workload of `cfg`, the config or one swept value of it, where its compute comes from): a group
-    of tensor x pipeline GPUs reading `local` sequences in micro-batches of `micro`, each GPU computing its share, and
-    the splits' calls (`data_axis`: as beside data-parallel ranks, where a mixed precision's stream is gathered in
-    the compute dtype; at a count of one group it is not, and the stream's calls are twice the bytes)."""
+    of tensor x pipeline x context GPUs reading `local` sequences in micro-batches of `micro`, each GPU computing its
+    share (a context split's ranks as many tokens and causal query-key pairs each: parallel/context.py balances
+    them), and the splits' calls (`data_axis`: as beside data-parallel ranks, where a mixed precision's stream is
+    gathered in the compute dtype; at a count of one group it is not, and the stream's calls are twice the
+    bytes)."""
     job = settings(cfg)
-    tokens = local * max(shape.seq_len, 1) / job["tensor"] / job["pipeline"]  # (a group's ranks share a batch)
+    tokens = local * max(shape.seq_len, 1) / split_group(cfg)  # (a group's ranks share a batch)
     compute, source = _compute(args, shape, tokens, precision, fit, local, micro, job["pipeline"])
     split = pipeline_stages(cfg, shape, precision, data_axis)
     calls = stage_calls_of(cfg, shape, precision, micro, data_axis)
     return Workload(shape, compute, tokens, precision, local // micro, cpu_cores=cpu_cores(args, fit), **job,
                     tensor_calls=tensor_calls_of(cfg, shape, precision, micro, data_axis), stages=split.stages,
+                    context_calls=context_calls_of(cfg, shape, precision, micro),
                     stage_calls=calls.stages, step_calls=calls.steps, orders=pipeline_orders(cfg, local // micro),
                     send_bytes=split.send_bytes * micro, tied_bytes=split.tied_bytes), source
+
+
+def _context_line(work: Workload, local: int) -> str:
+    """The report's line on a context split: its degree, the batch its ranks share, its calls."""
+    c, calls = work.context, work.context_calls
+    size = sum(call[2] for call in calls) / 2**20
+    sent = {part: sum(1 for call in calls if call[0] == part) for part in ("forward", "backward")}
+    return (f"- context split over {c} GPUs of a node (parallel.context): a group's ranks share its {local} sequences, "
+            f"each computing 2 of {2 * c} pieces of every sequence (tokens per GPU: 1/{c} of them; as many causal "
+            f"query-key pairs each); each micro-batch sends {sent['forward']} collectives in forward and "
+            f"{sent['backward']} in backward ({size:,.1f} MiB: each attention's keys and values, and their "
+            "gradients), each holding up the compute; the strategy runs over every GPU, each with the whole model")
 
 
 def _pipeline_line(cfg: Config, stages: tuple[ModelShape, ...], send: float, micro_batches: int) -> str:
@@ -202,7 +221,7 @@ def sweep_jobs(args: argparse.Namespace, cfg: Config, strategies: list[str]) -> 
     key = args.sweep.partition("=")[0]
     if key not in FORECAST_SWEEPS:
         raise ConfigError(f"--sweep {key}: a forecast sweeps a setting that changes only a step's collectives "
-                          f"({', '.join(FORECAST_SWEEPS)}: the last five the model's splits); forecast each value of "
+                          f"({', '.join(FORECAST_SWEEPS)}: the last six the model's splits); forecast each value of "
                           f"{key} on its own (--set {key}=...)")
     if key in SPLITS and (args.compute_s or args.interconnect.startswith("measured:")):
         raise ConfigError(f"--sweep {key}: each value's compute is a GPU's share of the FLOPs, which a given "
@@ -220,10 +239,10 @@ def _forecast_batch(args: argparse.Namespace, cfg: Config) -> tuple[int, int, st
     """(sequences per GPU per step, per forward pass, where they come from), checked."""
     local, micro = (args.local_batch, args.local_batch) if args.local_batch else default_batch(args, cfg)
     micro = args.micro_batch or micro  # (--local-batch alone: no accumulation)
-    group = cfg.parallel.tensor * cfg.parallel.pipeline
+    group = split_group(cfg)
     given = ("--local-batch" if args.local_batch else "the preset's" if args.model else
              f"the config's: data.global_batch_size {cfg.data.global_batch_size} over dist.nproc {cfg.dist.nproc}"
-             + (f" / {group} (parallel.tensor x parallel.pipeline)" if group > 1 else "")
+             + (f" / {group} ({SPLIT_NAMES})" if group > 1 else "")
              + (f" x {args.nodes} nodes" if args.nodes > 1 else ", one node's ranks"))
     if local % micro:
         per = "group" if group > 1 else "GPU"
@@ -236,8 +255,8 @@ def _compute(args, shape: ModelShape, tokens: float, precision: str, fit: dict |
              pipeline: int = 1) -> tuple[float, str]:
     """(seconds of one step's compute on one device, where they come from): given, or from FLOPs; a measured
     interconnect needs it given. Under a pipeline `--compute-s` is the whole model's step on one device (as
-    `--measure --world-sizes 1` times it), a GPU's share 1/p of it; under a tensor split one rank's (as it times it
-    too, on a fake group)."""
+    `--measure --world-sizes 1` times it), a GPU's share 1/p of it; under a tensor or context split one rank's (as
+    it times them too, on a fake group)."""
     if args.compute_s:
         if pipeline > 1:
             return args.compute_s / pipeline, f"given (--compute-s {args.compute_s:g}, the whole model's, / {pipeline})"

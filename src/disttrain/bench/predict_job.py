@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from disttrain.bench.interconnect import ITEMSIZE
 from disttrain.bench.model_shapes import ModelShape, UnitShape, joined
-from disttrain.bench.scale_model import COMPRESSED, STRATEGIES, WIRE_DTYPES
+from disttrain.bench.scale_model import COMPRESSED, SPLIT_NAMES, STRATEGIES, WIRE_DTYPES
 from disttrain.config import Config, ModelConfig
 from disttrain.errors import ConfigError
 
@@ -30,7 +30,7 @@ def counted_shape(model_cfg: ModelConfig) -> ModelShape:
     tensors' sizes (DDP's buckets hold whole tensors)."""
     from disttrain.bench.tensor_calls import meta_built
     from disttrain.parallel.activation_checkpoint import transformer_blocks
-    from disttrain.perf import flops_by_unit
+    from disttrain.perf import flops_by_unit, key_width
 
     model = meta_built(model_cfg, f"model.name = {model_cfg.name!r}", "it",
                        "use --model PRESET, or --compute-s with a preset of the same size")
@@ -48,7 +48,7 @@ def counted_shape(model_cfg: ModelConfig) -> ModelShape:
     name = (f"gpt {len(blocks)}x{model_cfg.d_model}" if model_cfg.name == "gpt"
             else f"{type(model).__name__} of {len(blocks)} blocks")
     return ModelShape(name, params, (params - units[0].params) / max(1, len(blocks)), len(blocks),
-                      seq_len=model_cfg.seq_len, counted=units,
+                      seq_len=model_cfg.seq_len, counted=units, kv_width=key_width(model),
                       grad_tensors=tuple(p.numel() for p in model.parameters() if p.requires_grad),
                       grad_rows=tuple(p.shape[0] if p.dim() > 1 else 0 for p in model.parameters() if p.requires_grad))
 
@@ -76,19 +76,19 @@ def config_batch(cfg: Config, nodes: int = 1) -> tuple[int, int]:
     """(sequences per GPU per step, sequences per forward pass) of the config's job: `data.global_batch_size` over
     its ranks, `dist.nproc` on each of its `nodes` (a launch's `--nnodes`, which the config does not hold), in
     micro-batches of `data.micro_batch_size` (the Trainer accumulates the rest, and reduces the gradients on the last
-    micro-batch only); under a tensor split or a pipeline, over its groups (`parallel.tensor` x `parallel.pipeline`
-    ranks read one batch), and per group. A forecast keeps this batch per GPU (per group) at every count (weak
+    micro-batch only); under a model split, over its groups (`split_group`: the ranks that read one batch), and
+    per group. A forecast keeps this batch per GPU (per group) at every count (weak
     scaling)."""
     d, world = cfg.data, cfg.dist.nproc * nodes
-    group = max(1, cfg.parallel.tensor) * max(1, cfg.parallel.pipeline)
+    group = split_group(cfg)
     names, values = ("dist.nproc x --nodes", f"{cfg.dist.nproc} x {nodes}") if nodes > 1 else ("dist.nproc", f"{world}")
     if world % group:
-        raise ConfigError(f"parallel.tensor x parallel.pipeline = {group} does not divide {names} = {values} ranks: "
+        raise ConfigError(f"{SPLIT_NAMES} = {group} does not divide {names} = {values} ranks: "
                           "the job's groups are unknown; give degrees that divide its ranks")
     groups = world // group
     if world < 1 or d.micro_batch_size < 1 or d.global_batch_size < 1 or \
             d.global_batch_size % (groups * d.micro_batch_size):
-        over = f" / {group} (tensor x pipeline)" if group > 1 else ""
+        over = f" / {group} (tensor x pipeline x context)" if group > 1 else ""
         raise ConfigError(f"data.global_batch_size = {d.global_batch_size} is not a positive multiple of "
                           f"data.micro_batch_size x {names}{over} = {d.micro_batch_size} x {values}{over}: the job's "
                           "batch per GPU is unknown; fix them, or give --local-batch and --micro-batch")
@@ -130,16 +130,13 @@ def config_strategy(cfg: Config) -> str:
 def settings(cfg: Config) -> dict:
     """What a config sets of a step's collectives that the scale model takes, as `Workload`'s fields: the steps per
     logged line (each gathers the ranks' figures), DDP's bucket size, the gradients' compression (powersgd with its
-    rank), hsdp's shard size, FSDP's prefetch depth, the tensor split's degree and the pipeline's degree and
-    schedule (the two together: each stage split); one line for a context split, which the model does not have.
-    (Not taken: `parallel.cpu_offload`, whose copies are in the compute time given or measured.)"""
+    rank), hsdp's shard size, FSDP's prefetch depth, the tensor split's degree, the pipeline's degree and schedule
+    (the two together: each stage split) and the context split's degree. (Not taken: `parallel.cpu_offload`, whose
+    copies are in the compute time given or measured.)"""
     from disttrain.config import CHOICES
     from disttrain.parallel import mesh
 
     p, choices = cfg.parallel, CHOICES["parallel.grad_compression"]
-    if p.context > 1:
-        raise ConfigError(f"parallel.context = {p.context}: the scale model has data, tensor and pipeline parallelism "
-                          "(no context split); predict the job without it, e.g. --set parallel.context=1")
     mesh.check_stages_per_rank(p)
     if p.grad_compression not in choices:
         raise ConfigError(f"parallel.grad_compression = {p.grad_compression!r}: choose from {', '.join(choices)}")
@@ -153,7 +150,28 @@ def settings(cfg: Config) -> dict:
     return {"log_every": cfg.train.log_every, "bucket_bytes": p.bucket_cap_mb * 2**20,
             "grad_compression": p.grad_compression, "powersgd_rank": p.powersgd_rank,
             "hsdp_shard": p.hsdp_shard_size, "prefetch": p.fsdp_prefetch or 1, "tensor": max(1, p.tensor),
-            "pipeline": max(1, p.pipeline), "schedule": p.pipeline_schedule, "virtual": p.pipeline_stages_per_rank}
+            "pipeline": max(1, p.pipeline), "schedule": p.pipeline_schedule, "virtual": p.pipeline_stages_per_rank,
+            "context": max(1, p.context)}
+
+
+def split_group(cfg: Config) -> int:
+    """GPUs that read one batch together: parallel.tensor x parallel.pipeline x parallel.context."""
+    p = cfg.parallel
+    return max(1, p.tensor) * max(1, p.pipeline) * max(1, p.context)
+
+
+def context_calls_of(cfg: Config, shape: ModelShape, precision: str, sequences: float
+                     ) -> tuple[tuple[str, str, float, str], ...]:
+    """The context split's collectives of a micro-batch of `sequences` sequences (`Workload.context_calls`): each
+    attention's keys and values in the compute dtype of FSDP2's gathered copies (disttrain runs a context split's
+    data axis as FSDP2) and their gradients, gathered again in backward under activation checkpointing
+    (`model_split.context_calls`); () where `parallel.context` is 1."""
+    from disttrain.bench.model_split import context_calls
+
+    if cfg.parallel.context <= 1:
+        return ()
+    calls = context_calls(shape, WIRE_DTYPES[precision][1], cfg.parallel.activation_checkpointing)
+    return scaled_calls(calls, sequences)
 
 
 def tensor_calls_of(cfg: Config, shape: ModelShape, precision: str, sequences: float, data_axis: bool = False

@@ -1,23 +1,22 @@
 """`disttrain bench predict --measure`: weak-scaling step times of the Trainer's own step on this machine, the
 measurements the scale model is checked against.
 
-For each world size (one launch each) and strategy: the Trainer's step (`Trainer._setup` + `_train_step`, as
-`bench overhead` times it) with a fixed batch per rank (`--local-batch`, accumulated in micro-batches of
-`--micro-batch`; by default one micro-batch) and global batch = batch per rank x world size, 1 torch thread per
-rank, `--warmup` untimed steps then `--steps` timed ones; the figure is rank 0's median (every step ends in the
-backend's all-reduce of the loss totals, so rank 0 waits for the slowest).
-Under a tensor split (`parallel.tensor` = T), `--local-batch` is a tensor group's, and the world size 1 is one rank
-of the split on a fake group of T (tensor_calls.fake_group: its collectives return at once): the compute of one
-rank alone, from which the scale model predicts the split's steps. Under a pipeline (`parallel.pipeline` = P),
-`--local-batch` is a pipeline group's, and the world size 1 runs the whole model in one process, its micro-batches
-accumulated: the compute the stages share. The rows' `tensor` and `pipeline` columns say so.
-Writes `<out>/scaling.csv` with the columns `disttrain bench scaling` writes (strategy, mode, world_size,
-global_batch, micro_batch, log_every, params, trained_params, step_time_s, tokens_per_s) plus step_time_std_s (over
-the timed steps), cores, `rank_cpu` (a rank's CPU time, gloo's threads included, over the wall time: 1.0 = a core
-kept busy) and `other_cpu`: the cores other processes kept busy during the timed steps (the machine's busy time
-from /proc/stat less this job's ranks' CPU time, over the wall time). On a shared machine a row with other_cpu well
-above 0 measured the neighbours too.
-"""
+For each world size (one launch each) and strategy: the Trainer's step (`Trainer._setup` + `_train_step`, as `bench
+overhead` times it) with a fixed batch per rank (`--local-batch`, accumulated in micro-batches of `--micro-batch`; by
+default one micro-batch) and global batch = batch per rank x world size, 1 torch thread per rank, `--warmup` untimed
+steps then `--steps` timed ones; the figure is rank 0's median (every step ends in the backend's all-reduce of the
+loss totals, so rank 0 waits for the slowest). Under a tensor split (`parallel.tensor` = T), `--local-batch` is a
+tensor group's, and the world size 1 is one rank of the split on a fake group of T (tensor_calls.fake_group: its
+collectives return at once): the compute of one rank alone, from which the scale model predicts the split's steps.
+Under a context split (`parallel.context` = C) likewise, as its last rank: the last chunk's, which attends to every
+key before it (the slowest). Under a pipeline (`parallel.pipeline` = P), `--local-batch` is a pipeline group's, and
+the world size 1 runs the whole model in one process, its micro-batches accumulated: the compute the stages share.
+The rows' `tensor`, `pipeline` and `context` columns say so. Writes `<out>/scaling.csv` with the columns `disttrain
+bench scaling` writes (strategy, mode, world_size, global_batch, micro_batch, log_every, params, trained_params,
+step_time_s, tokens_per_s) plus step_time_std_s (over the timed steps), cores, `rank_cpu` (a rank's CPU time, gloo's
+threads included, over the wall time: 1.0 = a core kept busy) and `other_cpu`: the cores other processes kept busy
+during the timed steps (the machine's busy time from /proc/stat less this job's ranks' CPU time, over the wall time).
+On a shared machine a row with other_cpu well above 0 measured the neighbours too."""
 
 from __future__ import annotations
 
@@ -32,9 +31,9 @@ from pathlib import Path
 
 from disttrain.errors import ArgumentParser, ConfigError
 
-COLUMNS = ["strategy", "mode", "world_size", "tensor", "pipeline", "global_batch", "micro_batch", "log_every",
-           "step_time_s", "step_time_std_s", "tokens_per_s", "params", "trained_params", "cores", "rank_cpu",
-           "other_cpu"]
+COLUMNS = ["strategy", "mode", "world_size", "tensor", "pipeline", "context", "global_batch", "micro_batch",
+           "log_every", "step_time_s", "step_time_std_s", "tokens_per_s", "params", "trained_params", "cores",
+           "rank_cpu", "other_cpu"]
 
 
 def _overrides(args: argparse.Namespace, world: int, group: int) -> list[str]:
@@ -52,7 +51,8 @@ def check(args: argparse.Namespace) -> None:
     import torch
 
     from disttrain.bench import rank_limit
-    from disttrain.bench.scale_model import canonical_strategy
+    from disttrain.bench.predict_job import split_group
+    from disttrain.bench.scale_model import SPLIT_NAMES, canonical_strategy
     from disttrain.config import load_config, uses_cuda, validate
 
     if args.local_batch % args.micro_batch:
@@ -73,17 +73,17 @@ def check(args: argparse.Namespace) -> None:
     if not names:
         raise ConfigError(f"--strategies {args.strategies!r} names no strategy; e.g. --strategies ddp,fsdp")
     args.strategies = ",".join(dict.fromkeys(names))  # (the ranks run the names the scale model reads back)
-    tensor, group = job.parallel.tensor, job.parallel.tensor * job.parallel.pipeline
+    alone, group = job.parallel.tensor * job.parallel.context, split_group(job)  # (alone: a fake group's ranks)
     odd = [w for w in args.world_sizes if w > 1 and w % group]
     if odd:
         raise ConfigError(f"--world-sizes {','.join(map(str, args.world_sizes))}: {odd[0]} ranks do not hold whole "
-                          f"groups of parallel.tensor x parallel.pipeline = {group}; give 1 and multiples of {group}, "
+                          f"groups of {SPLIT_NAMES} = {group}; give 1 and multiples of {group}, "
                           f"e.g. --world-sizes 1,{group}")
     for name in dict.fromkeys(names):  # each strategy's run at each world size, as its ranks will check it
         for world in args.world_sizes:
-            try:  # (1 rank of a tensor split: the whole group's job, on a fake group: `main`)
+            try:  # (1 rank of a tensor or context split: the whole group's job, on a fake group: `main`)
                 validate(load_config(args.config, [*_overrides(args, world, group), f"parallel.strategy={name}"]),
-                         gpus, tensor if world == 1 else world)
+                         gpus, alone if world == 1 else world)
             except ConfigError as exc:
                 raise ConfigError(f"--strategies {name} at {world} rank{'s' if world > 1 else ''}: {exc} (or leave "
                                   f"{name} out of --strategies)") from None
@@ -135,7 +135,8 @@ def sitting(args: argparse.Namespace, out: Path, dtypes: list[str]) -> tuple[Pat
 
     cfg = load_config(args.config, args.overrides)
     n_layer, split = cfg.model.n_layer, sum(1 for c in count(cfg) if c.part != "step")  # (a micro-batch's)
-    split = split or 2 * cfg.parallel.pipeline * (cfg.parallel.pipeline > 1)  # (a stage's send, each way)
+    split = (split or 4 * n_layer * (cfg.parallel.context > 1)  # (a context split's: keys and values, each way)
+             or 2 * cfg.parallel.pipeline * (cfg.parallel.pipeline > 1))  # (a stage's send, each way)
     # on GPUs the compute runs on the devices: no host phase; and the links are fitted over every rank measured
     # (nccl picks its algorithm by the number of ranks), where on CPU 2 ranks fit what 3 share (the cores)
     cuda = uses_cuda(cfg, torch.cuda.device_count())
@@ -165,8 +166,8 @@ def sitting(args: argparse.Namespace, out: Path, dtypes: list[str]) -> tuple[Pat
 def phase_ms(rows: list[dict], n_layer: int, split: int = 0) -> float:
     """The compute between two of a step's collectives, the comm fit's `--compute-ms`: the 1-rank step (fsdp's,
     where measured) over the passes of its FSDP units (forward and backward of each block and of the root, in each
-    micro-batch), or over `split` collectives a micro-batch (a tensor split's; under a pipeline of P, 2 P: a stage's
-    forward or backward between its sends); 8 ms where no 1-rank step was measured."""
+    micro-batch), or over `split` collectives a micro-batch (a tensor or context split's; under a pipeline of P,
+    2 P: a stage's forward or backward between its sends); 8 ms where no 1-rank step was measured."""
     ones = [r for r in rows if int(r["world_size"]) == 1]
     base = [r for r in ones if r["strategy"] == "fsdp"] or ones
     if not base:
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from disttrain.bench import busy_seconds, other_cpu, own_seconds
     from disttrain.bench.loops import disttrain_loop
-    from disttrain.bench.predict_job import model_sizes
+    from disttrain.bench.predict_job import model_sizes, split_group
     from disttrain.bench.tensor_calls import form_fake_group
     from disttrain.config import load_config
     from disttrain.data import GlobalSampler, build_datasets
@@ -226,14 +227,17 @@ def main(argv: list[str] | None = None) -> None:
     from disttrain.runtime import detect_launch, exit_process, init_runtime, shutdown
 
     args = _worker_args(argv)
-    world = detect_launch(os.environ).world_size
-    split = load_config(args.config, args.overrides).parallel
-    tensor, pipeline = split.tensor, split.pipeline
-    cfg = load_config(args.config, _overrides(args, world, tensor * pipeline))
+    launched = detect_launch(os.environ)
+    world = launched.world_size
+    split = load_config(args.config, args.overrides)
+    tensor, pipeline, context = split.parallel.tensor, split.parallel.pipeline, split.parallel.context
+    cfg = load_config(args.config, _overrides(args, world, split_group(split)))
     environ = os.environ
-    if world == 1 and tensor > 1:  # one rank of the split, its collectives returning at once: its compute alone
-        form_fake_group(tensor)
-        environ = {**os.environ, "WORLD_SIZE": str(tensor), "LOCAL_WORLD_SIZE": str(tensor)}
+    if world == 1 and tensor * context > 1:  # one rank of the split, its collectives returning at once: its compute
+        rank = context - 1  # (a context split's last chunk: the slowest)
+        form_fake_group(tensor * context, rank)
+        environ = {**os.environ, "WORLD_SIZE": str(tensor * context), "LOCAL_WORLD_SIZE": str(tensor * context),
+                   "RANK": str(rank)}
     runtime = init_runtime(cfg.dist, environ, always_form_group=True)
     train, _ = build_datasets(cfg.data, cfg.model.seq_len)
     sampler = GlobalSampler(len(train), cfg.run.seed)
@@ -255,8 +259,9 @@ def main(argv: list[str] | None = None) -> None:
         wall = time.perf_counter() - wall
         others = other_cpu(busy_seconds() - busy, ours.item(), wall)
         median = statistics.median(times[args.warmup:])
-        if runtime.is_main_process():
+        if launched.rank == 0:  # (the launch's rank 0: one rank of a split alone is its last rank)
             row = {"strategy": strategy, "mode": "weak", "world_size": world, "tensor": tensor, "pipeline": pipeline,
+                   "context": context,
                    "global_batch": cfg.data.global_batch_size,
                    "micro_batch": args.micro_batch, "log_every": cfg.train.log_every, "step_time_s": median,
                    "step_time_std_s": statistics.stdev(times[args.warmup:]) if args.steps > 1 else 0.0,

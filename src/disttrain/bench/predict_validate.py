@@ -12,10 +12,12 @@ from pathlib import Path
 from disttrain.bench.interconnect import Interconnect, with_gpus_per_node
 from disttrain.bench.model_shapes import ModelShape
 from disttrain.bench.predict_job import (
+    context_calls_of,
     pipeline_orders,
     pipeline_stages,
     scaled_calls,
     series_settings,
+    split_group,
     stage_calls_of,
     tensor_calls_of,
 )
@@ -32,10 +34,14 @@ Measured = dict[str, tuple[str, dict[int, dict], str]]
 """label -> (strategy, world size -> figures, the series' swept setting as `section.key=value` or '')."""
 
 
-def read_measured(path: Path, shape: ModelShape, max_other_cpu: float, split: tuple[int, int] = (1, 1)
+SPLIT_COLUMNS = ("tensor", "pipeline", "context")
+"""A measured CSV's columns of the model's split degrees (`bench predict --measure` writes them)."""
+
+
+def read_measured(path: Path, shape: ModelShape, max_other_cpu: float, split: tuple[int, ...] = (1, 1, 1)
                   ) -> tuple[Measured, int]:
     """(label -> (strategy, world size -> {step_time_s, local: samples per data replica per step (a rank's, or a
-    group's where the CSV's `tensor` and `pipeline` columns split the model, which must be `split`: the config's;
+    group's where the CSV's `SPLIT_COLUMNS` split the model, which must be `split`: the config's degrees;
     0 if unknown),
     micro_steps, log_every: 1 where the row's median step gathered the ranks' figures}, swept setting) for every
     series of a modelled strategy, rows left out). A row whose `other_cpu` (where the CSV has one) is above
@@ -73,7 +79,7 @@ def read_measured(path: Path, shape: ModelShape, max_other_cpu: float, split: tu
         by_world = {}
         for world, rows in worlds.items():
             # a group reads one batch (a CSV without the columns, of `bench scaling`, measured the job as configured)
-            group = int(rows[0].get("tensor") or split[0]) * int(rows[0].get("pipeline") or split[1])
+            group = math.prod(int(rows[0].get(key) or own) for key, own in zip(SPLIT_COLUMNS, split, strict=True))
             replicas = max(1, world // group)
             local = float(rows[0]["global_batch"]) / replicas if rows[0].get("global_batch") else 0.0
             micro = float(rows[0]["micro_batch"]) if rows[0].get("micro_batch") else local
@@ -86,9 +92,9 @@ def read_measured(path: Path, shape: ModelShape, max_other_cpu: float, split: tu
     return result, len(noisy)
 
 
-def _check_job(path: Path, table: list[dict], shape: ModelShape, split: tuple[int, int]) -> None:
+def _check_job(path: Path, table: list[dict], shape: ModelShape, split: tuple[int, ...]) -> None:
     """The CSV was measured on the job given: its model's parameters (but for a series swept over the model) and its
-    tensor and pipeline degrees, where it has the columns; one line otherwise."""
+    split degrees, where it has the columns; one line otherwise."""
     for column, own, what in (("params", shape.params, "parameters"), ("trained_params", shape.trained_params,
                                                                          "trained parameters (model.freeze)")):
         wrong = {r[column] for r in table if r.get(column) and abs(float(r[column]) - own) > 0.5
@@ -96,7 +102,7 @@ def _check_job(path: Path, table: list[dict], shape: ModelShape, split: tuple[in
         if wrong:
             raise ConfigError(f"--measured {path} was measured on a model of {', '.join(sorted(wrong))} {what}, the "
                               f"model given here has {own:.0f}: pass the same CONFIG / --set as the measurement")
-    for key, own in zip(("tensor", "pipeline"), split, strict=True):
+    for key, own in zip(SPLIT_COLUMNS, split, strict=True):
         other = {int(r[key]) for r in table if r.get(key)} - {own}
         if other:
             raise ConfigError(f"--measured {path} was measured with parallel.{key} = {min(other)}, the job given here "
@@ -120,14 +126,14 @@ def _check_row(path: Path, line: int, row: dict) -> None:
         world, step = int(row["world_size"]), float(row["step_time_s"])
         numbers = [float(row[k]) for k in ("global_batch", "micro_batch", "log_every", "params", "trained_params",
                                            "other_cpu") if row.get(k)]
-        degrees = [int(row[k]) for k in ("tensor", "pipeline") if row.get(k)]
+        degrees = [int(row[k]) for k in SPLIT_COLUMNS if row.get(k)]
     except (TypeError, ValueError):
         world, step, numbers, degrees = 0, 0.0, [], []
     if world < 1 or not 0 < step < math.inf or not all(math.isfinite(x) and x >= 0 for x in numbers) or \
             not all(d >= 1 for d in degrees):
         raise ConfigError(f"--measured {path}, line {line}: expected a world_size >= 1, a step_time_s > 0 (seconds), "
                           "numbers >= 0 in global_batch, micro_batch, log_every, params, trained_params and "
-                          "other_cpu, and whole numbers >= 1 in tensor and pipeline; got "
+                          "other_cpu, and whole numbers >= 1 in tensor, pipeline and context; got "
                           + ", ".join(f"{k} {v!r}" for k, v in row.items() if k != "strategy"))
 
 
@@ -137,7 +143,7 @@ def measured_checks(args, shape: ModelShape, precision: str, net: Interconnect, 
     modelled sweep), each N-rank step predicted from the series' 1-rank step on `net`'s measured links."""
     rows = []
     measured, dropped = read_measured(Path(args.measured), shape, args.max_other_cpu,
-                                      (cfg.parallel.tensor, cfg.parallel.pipeline))
+                                      (cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.context))
     worlds = [w for _, by_world, _ in measured.values() for w in by_world]
     net = with_gpus_per_node(net, args.gpus_per_node or max(worlds))  # every rank on this one machine
     lines = [f"## (i) Measured on this machine: {args.measured}", "",
@@ -146,7 +152,7 @@ def measured_checks(args, shape: ModelShape, precision: str, net: Interconnect, 
              "from the 1-rank step. Target: |error| <= 10%.", "",
              "| series | ranks | measured (s) | predicted (s) | error | collectives (s) |",
              "|---|---|---|---|---|---|"]
-    group = cfg.parallel.tensor * cfg.parallel.pipeline
+    group = split_group(cfg)
     skipped = [label for label, (_, by_world, _) in measured.items() if 1 not in by_world]
     refused = []
     for label, (strategy, by_world, swept) in measured.items():
@@ -167,6 +173,7 @@ def measured_checks(args, shape: ModelShape, precision: str, net: Interconnect, 
                                                                                            sequences, beside)
             work = Workload(shape, base["step_time_s"] * scale / job["pipeline"], 1.0, precision, m["micro_steps"],
                             cpu_cores=cores, **{**job, "log_every": m["log_every"]}, tensor_calls=calls,
+                            context_calls=context_calls_of(cfg, shape, precision, sequences),
                             stage_calls=stage.stages, step_calls=stage.steps,
                             orders=pipeline_orders(cfg, m["micro_steps"]),
                             stages=split.stages, send_bytes=split.send_bytes * sequences,

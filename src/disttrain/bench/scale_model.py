@@ -13,8 +13,8 @@ from types import SimpleNamespace
 from disttrain.bench.buckets import bucket_calls, bucket_units, waits_behind_backward
 from disttrain.bench.interconnect import ITEMSIZE, Interconnect, bus_factor, collective_time
 from disttrain.bench.model_shapes import ModelShape, joined
+from disttrain.bench.model_split import check_context, check_model_split, check_tensor, split_seconds, split_shape
 from disttrain.bench.pipeline_timeline import StageCost, one_stage_order, play
-from disttrain.bench.tensor_split import check_model_split, check_tensor, split_shape, tensor_seconds
 from disttrain.bench.timeline import Step, Unit, run_pass
 from disttrain.errors import ConfigError
 from disttrain.parallel import mesh
@@ -108,6 +108,14 @@ class Workload:
     (`predict_job.stage_calls_of`)."""
     step_calls: tuple[tuple[tuple[str, str, float, str], ...], ...] = ()
     """... and each pipeline rank's step calls, over its stages' gradients together."""
+    context: int = 1
+    """Ranks each sequence is cut over (`parallel.context`), neighbours within a node, each computing its share of
+    the tokens (and of the causal query-key pairs: parallel/context.py balances them): the strategy runs over every
+    GPU (context ranks join the data axis, each holding the whole model), and `compute_s` and `tokens` are a rank's
+    share."""
+    context_calls: tuple[tuple[str, str, float, str], ...] = ()
+    """(part, collective, bytes, dtype) of each collective the context split sends in one micro-batch's forward or
+    backward (`model_split.context_calls`: each attention's keys and values); each holds up the compute."""
 
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
@@ -225,10 +233,11 @@ def step_time(strategy: str, n: int, work: Workload, net: Interconnect, model_sp
     if work.pipeline > 1:
         return _pipeline_step(strategy, n, work, net)
     check_tensor(strategy, n, work, net)
+    check_context(strategy, n, work, net)
     units, after, sent = _units(strategy, replace(work, model=split_shape(work.model, work.tensor)),
                                 n // work.tensor, net, work.tensor,
-                                strategy == "ddp" and (model_split or work.tensor > 1), pipelined)
-    (split_fwd, split_bwd, split_step), (sent_micro, sent_step) = tensor_seconds(work, net)
+                                strategy == "ddp" and (model_split or work.tensor > 1 or work.context > 1), pipelined)
+    (split_fwd, split_bwd, split_step), (sent_micro, sent_step) = split_seconds(work, net)
     split = (split_fwd + split_bwd) * work.micro_steps
     sent += sent_micro * work.micro_steps + sent_step
     after += split_step  # (after backward, before the optimizer's update)
@@ -323,7 +332,7 @@ def _stage_costs(work: Workload, net: Interconnect) -> tuple[list[float], tuple[
         forward = sum(u.forward_flops for u in units) / flops if flops else 1 / 3
         compute = work.compute_s * p * stage.flops_per_token() / total
         calls = work.stage_calls[s] if work.tensor > 1 else ()
-        (split_fwd, split_bwd, _), _ = tensor_seconds(replace(work, tensor_calls=calls), net)
+        (split_fwd, split_bwd, _), _ = split_seconds(replace(work, tensor_calls=calls), net)
         computes.append(compute)
         backward = compute / m * (1 - forward)
         # (torch runs a split backward's first stage whole, as the weight part: its input has no gradient)
@@ -359,6 +368,10 @@ def _check_pipeline(strategy: str, n: int, work: Workload) -> int:
     return v
 
 
+SPLIT_NAMES = "parallel.tensor x parallel.pipeline x parallel.context"
+"""The settings whose product is the GPUs that read one batch together."""
+
+
 @dataclass
 class Prediction:
     gpus: int
@@ -372,11 +385,11 @@ def predict(strategy: str, counts: list[int], work: Workload, net: Interconnect,
             ) -> list[Prediction]:
     """Each count's step; `alone`: the workload at a count of one group of a split, where it differs (no data axis
     beside it)."""
-    group = work.tensor * work.pipeline
+    group = work.tensor * work.pipeline * work.context
     odd = [n for n in counts if n % group]
     if odd:
-        raise ConfigError(f"--gpus {odd[0]}: a group of parallel.tensor x parallel.pipeline = {group} GPUs reads one "
-                          f"batch; give multiples of {group}")
+        raise ConfigError(f"--gpus {odd[0]}: a group of {SPLIT_NAMES} = {group} GPUs reads one batch; give multiples "
+                          f"of {group}")
     per_node = net.gpus_per_node
     partial_nodes = [n for n in counts if n > per_node and n % per_node]
     if strategy == "hsdp" and not work.hsdp_shard and partial_nodes:  # (its replicas are whole nodes)

@@ -52,14 +52,14 @@ def fake_group(size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def form_fake_group(size: int) -> None:
-    """`fake_group`'s group, formed for the rest of the process (its runtime's shutdown destroys it)."""
+def form_fake_group(size: int, rank: int = 0) -> None:
+    """`fake_group`'s group, formed for the rest of the process as `rank` (its runtime's shutdown destroys it)."""
     import torch.distributed as dist
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
 
     if dist.is_initialized():
         raise RuntimeError("a process group is already formed in this process; count in a fresh one")
-    dist.init_process_group("fake", rank=0, world_size=size, store=dist.HashStore())
+    dist.init_process_group("fake", rank=rank, world_size=size, store=dist.HashStore())
 
 
 def count(cfg: Config, precision: str = "", data_axis: bool = False) -> tuple[TensorCall, ...]:
@@ -248,10 +248,16 @@ def _tied_as_held(model, params: list, ties: list[list[str]]) -> None:
             param.grad = grad.redistribute(placements=param.placements)
 
 
+PROCESS_GROUP_CALLS = {"allgather_": "all_gather", "_reduce_scatter_base_": "reduce_scatter"}
+"""torch.distributed's list all-gather and its reduce-scatter of one tensor (a context split's, parallel/context.py:
+FSDP2 gathers through the other all-gather) as the scale model names them."""
+
+
 @contextlib.contextmanager
-def recording() -> Iterator:
+def recording(process_group_calls: bool = False) -> Iterator:
     """Records each functional collective issued inside (DTensor's included: it runs before the recorder) as a
-    `TensorCall` in `.calls`, of the part `.part` names ("forward" until set)."""
+    `TensorCall` in `.calls`, of the part `.part` names ("forward" until set); with `process_group_calls`, also
+    those of `PROCESS_GROUP_CALLS` (a context split's)."""
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -269,6 +275,12 @@ def recording() -> Iterator:
                 whole = args[1] if name == "all_gather_into_tensor" else 1  # (its group size)
                 self.calls.append(TensorCall(self.part, COLLECTIVES[name], first.numel() * first.element_size() * whole,
                                              str(first.dtype).removeprefix("torch.")))
+            elif process_group_calls and getattr(func, "namespace", "") == "c10d" and name in PROCESS_GROUP_CALLS:
+                sent = args[1][0] if name == "allgather_" else args[1]  # (its input: a list of one, or the whole)
+                whole = len(args[0][0]) if name == "allgather_" else 1  # (a list of the group's outputs)
+                self.calls.append(TensorCall(self.part, PROCESS_GROUP_CALLS[name],
+                                             sent.numel() * sent.element_size() * whole,
+                                             str(sent.dtype).removeprefix("torch.")))
             return func(*args, **(kwargs or {}))
 
     with Recorder() as recorder:

@@ -1,22 +1,23 @@
-"""Context parallelism: each sequence is cut into `parallel.context` consecutive chunks, one per rank of the `cp`
-axis, so that a rank holds the activations of its chunk only (for sequences too long for one device).
+"""Context parallelism: each sequence is cut across the `parallel.context` ranks of the `cp` axis, so that a rank
+holds the activations of its share only (for sequences too long for one device). The sequence is cut into 2c equal
+pieces, and rank r takes pieces r and 2c - 1 - r (load balancing, as torchtitan's and Megatron's context parallelism
+do): under causal attention a later piece attends to more keys, and each rank's pair attends to as many
+query-key pairs as any other's, so no rank waits on another for its attention.
 
-Everything but attention is per token and runs on the chunk as it is. Attention needs the keys and values of every
-earlier position: each attention gathers them from the chunk's group (`_Gather`, whose backward sums every rank's
-gradient for a chunk back to its owner) and attends with a causal mask offset by the chunk's start.
+Everything but attention is per token and runs on the rank's pieces as they are. Attention needs the keys and
+values of every earlier position: each attention gathers them from the group (`_Gather`, whose backward sums every
+rank's gradient for a piece back to its owner), puts them in the sequence's order, and attends each of its pieces
+to the keys up to that piece's end, with a causal mask offset by the piece's start.
 The model's attention modules take it as their `attention_fn` (the reference GPT calls torch's
 `scaled_dot_product_attention` through it), and a Hugging Face model's through transformers' attention interface
 (`HF_ATTENTION`), so an activation-checkpointed block's recompute attends the same way.
 (torch's own `context_parallel` swaps SDPA on CUDA; its CPU SDPA has no sharding rule for it, and it fails on gloo.)
-The model's positions (the GPT's position embedding, a Llama's rotary embedding) read the chunk's `position_ids`.
+The model's positions (the GPT's position embedding, a Llama's rotary embedding) read the pieces' `position_ids`.
 Hugging Face's labels (aligned with the inputs, shifted by the loss) are shifted before the cut (the backend).
 
-The rest composes as a data axis does: the ranks of a chunk group read the same samples, each counts the loss of
-its own tokens (the step's totals are summed over every rank, as over data ranks), and the gradients are reduced
-over data x context ranks (parallel/mesh.py folds `cp` into the data axis of the DeviceMesh).
-
-Chunks are consecutive, so rank 0 attends to the fewest keys (no load balancing yet): each rank attends only up to
-the end of its chunk.
+The rest composes as a data axis does: the ranks of a group read the same samples, each counts the loss of its
+own tokens (the step's totals are summed over every rank, as over data ranks), and the gradients are reduced over
+data x context ranks (parallel/mesh.py folds `cp` into the data axis of the DeviceMesh).
 """
 
 from __future__ import annotations
@@ -32,11 +33,25 @@ from disttrain.errors import ConfigError
 
 
 class ContextParallel:
-    """This rank's chunk of every sequence (`shard`), the attention over the whole sequence (`attend`), and the
+    """This rank's pieces of every sequence (`shard`), the attention over the whole sequence (`attend`), and the
     outputs of the whole sequence (`whole`)."""
 
     def __init__(self, group, size: int, rank: int):
         self.group, self.size, self.rank = group, size, rank
+        self._biases: dict[tuple[int, int], Any] = {}
+
+    def pieces(self, width: int) -> torch.Tensor:
+        """The positions of a sequence of `width` tokens (a multiple of 2 x size) that this rank holds: pieces r and
+        2 size - 1 - r of 2 size equal ones."""
+        piece = width // (2 * self.size)
+        return torch.cat([torch.arange(p * piece, (p + 1) * piece) for p in (self.rank, 2 * self.size - 1 - self.rank)])
+
+    def _in_order(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The group's pieces (each rank's two, in rank order, along dim -2) in the sequence's order."""
+        piece = gathered.shape[-2] // (2 * self.size)
+        owner = [(p, 0) if p < self.size else (2 * self.size - 1 - p, 1) for p in range(2 * self.size)]
+        index = torch.cat([torch.arange(piece) + (2 * rank + second) * piece for rank, second in owner])
+        return gathered.index_select(-2, index.to(gathered.device))
 
     def parallelize(self, model: nn.Module) -> None:
         """Give every attention of `model` this rank's: a Hugging Face model's through transformers' attention
@@ -52,7 +67,7 @@ class ContextParallel:
                                   f"{transformers.__version__} lacks; upgrade transformers (tested: 5.24)") from exc
 
             AttentionInterface.register(HF_ATTENTION, _hf_attention)
-            AttentionMaskInterface.register(HF_ATTENTION, _no_mask)  # (the chunk's own causal mask is `attend`'s)
+            AttentionMaskInterface.register(HF_ATTENTION, _no_mask)  # (the pieces' own causal masks are `attend`'s)
             for module in model.modules():
                 module._disttrain_context = self
             model.set_attn_implementation(HF_ATTENTION)
@@ -65,55 +80,64 @@ class ContextParallel:
             module.attention_fn = self.attend
 
     def shard(self, batch: Any) -> Any:
-        """This rank's chunk of every sequence-valued tensor of a dict batch (dim 1, the sequence), with the chunk's
+        """This rank's two pieces of every sequence-valued tensor of a dict batch (dim 1, the sequence), with their
         `position_ids`; other values as they are."""
         if not isinstance(batch, dict) or not isinstance(batch.get("input_ids"), torch.Tensor):
             raise ConfigError("parallel.context > 1 cuts sequences by their 'input_ids': give dict batches with "
                               "'input_ids' (and 'labels')")
         from disttrain.parallel.pipeline import check_mask
 
-        check_mask(batch, "parallel.context")  # (the whole sequence's: its chunks attend without a mask)
-        width = batch["input_ids"].shape[1]
-        if width % self.size:  # (a batch padded to its longest sequence): right-padded on to equal chunks
-            batch = {key: _pad(value, width, -width % self.size, key) for key, value in batch.items()}
-            width += -width % self.size
-        chunk = width // self.size
-        start = self.rank * chunk
-        out = {key: value[:, start:start + chunk] if _is_sequence(value, width) else value
+        check_mask(batch, "parallel.context")  # (the whole sequence's: its pieces attend without a mask)
+        width, pieces = batch["input_ids"].shape[1], 2 * self.size
+        if width % pieces:  # (a batch padded to its longest sequence): right-padded on to equal pieces
+            batch = {key: _pad(value, width, -width % pieces, key) for key, value in batch.items()}
+            width += -width % pieces
+        mine = self.pieces(width).to(batch["input_ids"].device)
+        out = {key: value.index_select(1, mine) if _is_sequence(value, width) else value
                for key, value in batch.items()}
         if "position_ids" not in out:
-            positions = torch.arange(start, start + chunk, device=batch["input_ids"].device)
-            out["position_ids"] = positions.expand(batch["input_ids"].shape[0], chunk)
+            out["position_ids"] = mine.expand(batch["input_ids"].shape[0], len(mine))
         return out
 
     def whole(self, outputs: Any, width: int) -> Any:
-        """The logits of every chunk, joined along the sequence of `width` tokens (what `shard` padded, cut off): a
-        tensor, or the `logits` of a Hugging Face output (in place). For evaluation and `forward()`."""
+        """The logits of every rank's pieces, joined in the sequence's order of `width` tokens (what `shard` padded,
+        cut off): a tensor, or the `logits` of a Hugging Face output (in place). For evaluation and `forward()`."""
         if isinstance(outputs, dict) and isinstance(outputs.get("logits"), torch.Tensor):
             outputs["logits"] = self.whole(outputs["logits"], width)
             return outputs
         if not isinstance(outputs, torch.Tensor):
-            raise ConfigError(f"parallel.context > 1 joins the chunks' logits, and the model returned "
+            raise ConfigError(f"parallel.context > 1 joins the ranks' logits, and the model returned "
                               f"{type(outputs).__name__}; return logits (or an output with a `logits` field)")
         parts = [torch.empty_like(outputs) for _ in range(self.size)]
         dist.all_gather(parts, outputs.contiguous(), group=self.group)
-        return torch.cat(parts, dim=1)[:, :width]
+        return self._in_order(torch.cat(parts, dim=1).movedim(1, -2)).movedim(-2, 1)[:, :width]
 
     def attend(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        """Causal attention of this chunk's queries over the keys and values of the sequence up to the chunk's end
-        (gathered from the group; the chunks after it are never attended), with torch's lower-right causal bias (no
-        mask tensor: SDPA's fused kernels run)."""
+        """Causal attention of this rank's two pieces of queries, each over the keys and values of the sequence up
+        to the piece's end (gathered from the group, in the sequence's order), with torch's lower-right causal bias
+        (no mask tensor: SDPA's fused kernels run)."""
         if attn_mask is not None or not is_causal:
             raise ConfigError("parallel.context > 1 runs causal attention without a mask only (no padding mask, "
                               "no bidirectional attention)")
+        piece = q.shape[-2] // 2
+        keys = self._in_order(_Gather.apply(k, self.group, self.size, self.rank))
+        values = self._in_order(_Gather.apply(v, self.group, self.size, self.rank))
+        out = []
+        for half, p in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
+            seen = (p + 1) * piece
+            out.append(F.scaled_dot_product_attention(
+                q.narrow(-2, half * piece, piece), keys.narrow(-2, 0, seen), values.narrow(-2, 0, seen),
+                attn_mask=self._bias(piece, seen), dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa))
+        return torch.cat(out, dim=-2)
+
+    def _bias(self, queries: int, keys: int):
+        """torch's lower-right causal bias, built once per shape: a tensor subclass without storage, which cannot
+        be built while a TorchDispatchMode runs (FlopCounterMode, bench/tensor_calls.recording)."""
         from torch.nn.attention.bias import causal_lower_right
 
-        chunk = q.shape[-2]
-        seen = (self.rank + 1) * chunk
-        keys = _Gather.apply(k, self.group, self.size, self.rank).narrow(-2, 0, seen)
-        values = _Gather.apply(v, self.group, self.size, self.rank).narrow(-2, 0, seen)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(chunk, seen),
-                                              dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
+        if (queries, keys) not in self._biases:
+            self._biases[queries, keys] = causal_lower_right(queries, keys)
+        return self._biases[queries, keys]
 
 
 HF_ATTENTION = "disttrain_context"
@@ -122,7 +146,7 @@ HF_ATTENTION = "disttrain_context"
 
 def _hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                   **kwargs):
-    """transformers' attention-function signature: (batch, heads, chunk, dim) in, (batch, chunk, heads, dim) out.
+    """transformers' attention-function signature: (batch, heads, tokens, dim) in, (batch, tokens, heads, dim) out.
     Attention variants it cannot run (a sliding window, logit soft-capping, attention sinks) are refused."""
     unsupported = [name for name in ("sliding_window", "softcap", "s_aux") if kwargs.get(name) is not None]
     if unsupported or getattr(module, "is_causal", True) is False:
@@ -138,22 +162,22 @@ def _no_mask(*args, **kwargs) -> None:
 
 
 class _Gather(torch.autograd.Function):
-    """The chunks of the group, joined along the sequence (dim -2); backward: the sum of every rank's gradient for
-    this rank's chunk, by one reduce-scatter (half an all-reduce's traffic). (torch.distributed.nn.functional.
-    all_gather's backward on gloo scatters from group ranks as if they were global ones, which fails on any group but
-    the first.)"""
+    """The ranks' pieces of the group, joined along the sequence (dim -2) in rank order; backward: the sum of every
+    rank's gradient for this rank's pieces, by one reduce-scatter (half an all-reduce's traffic).
+    (torch.distributed.nn.functional.all_gather's backward on gloo scatters from group ranks as if they were global
+    ones, which fails on any group but the first.)"""
 
     @staticmethod
-    def forward(ctx, chunk: torch.Tensor, group, size: int, rank: int) -> torch.Tensor:
-        ctx.group, ctx.rank, ctx.width = group, rank, chunk.shape[-2]
-        parts = [torch.empty_like(chunk, memory_format=torch.contiguous_format) for _ in range(size)]
-        dist.all_gather(parts, chunk.contiguous(), group=group)
+    def forward(ctx, mine: torch.Tensor, group, size: int, rank: int) -> torch.Tensor:
+        ctx.group, ctx.rank, ctx.width = group, rank, mine.shape[-2]
+        parts = [torch.empty_like(mine, memory_format=torch.contiguous_format) for _ in range(size)]
+        dist.all_gather(parts, mine.contiguous(), group=group)
         return torch.cat(parts, dim=-2)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        # the sequence first (the chunks are then consecutive blocks), summed in float32 (16-bit gradients of several
-        # ranks): one copy
+        # the sequence first (each rank's pieces are then consecutive blocks), summed in float32 (16-bit gradients of
+        # several ranks): one copy
         whole = grad.movedim(-2, 0)
         total = torch.empty(whole.shape, dtype=torch.float32, device=grad.device).copy_(whole)
         mine = total.new_empty((ctx.width, *total.shape[1:]))

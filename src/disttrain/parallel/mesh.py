@@ -153,9 +153,10 @@ def check_model_split(cfg: Config, layout: MeshLayout) -> None:
             if value % layout.tensor:
                 raise ConfigError(f"model.{key} = {value} is not divisible by parallel.tensor = {layout.tensor}; "
                                   f"choose a tensor degree that divides it")
-    if layout.context > 1 and m.seq_len % layout.context:
-        raise ConfigError(f"model.seq_len = {m.seq_len} is not divisible by parallel.context = {layout.context} (each "
-                          "rank takes an equal chunk of every sequence); choose a divisor")
+    if layout.context > 1 and m.seq_len % (2 * layout.context):
+        raise ConfigError(f"model.seq_len = {m.seq_len} is not divisible by 2 x parallel.context = "
+                          f"{2 * layout.context} (each rank takes two of as many equal pieces of every sequence); "
+                          "choose a sequence length or degree that divides")
     if p.sequence_parallel and m.seq_len % layout.tensor:
         raise ConfigError(f"model.seq_len = {m.seq_len} is not divisible by parallel.tensor = {layout.tensor} "
                           "(sequence parallelism splits the sequence); choose a divisor, or "

@@ -1,0 +1,106 @@
+"""A model split in the scale model (scale_model.py): a tensor split's rank's share of a model, a context split's
+calls, the splits' own collectives' seconds, and what the model does not price of them. Pure Python, as
+scale_model."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from disttrain.bench.interconnect import ITEMSIZE, Interconnect, bus_factor, collective_time
+from disttrain.bench.model_shapes import ModelShape, UnitShape
+from disttrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from disttrain.bench.scale_model import Workload
+
+
+def split_shape(model: ModelShape, tensor: int) -> ModelShape:
+    """One rank's share of `model` under a tensor split of `tensor` ranks: every unit's parameters and trained
+    tensors divided by it (its compute shares kept). The norms and positions a split leaves whole are counted split
+    too: a few thousand parameters a block."""
+    if tensor == 1:
+        return model
+    return replace(model, params=model.params / tensor, layer_params=model.layer_params / tensor,
+                   counted=tuple(UnitShape(u.params / tensor, u.trained / tensor, u.forward_flops,
+                                                  u.backward_flops) for u in model.units()),
+                   grad_tensors=tuple(x / tensor for x in model.grad_tensors))
+
+
+def check_tensor(strategy: str, n: int, work: Workload, net: Interconnect) -> None:
+    """What the model does not price of a tensor split: a count it does not divide, a group not within a node, hsdp
+    with it; and what disttrain does not run: zero1 (no data axes) or powersgd under a model split."""
+    t = work.tensor
+    if t == 1:
+        return
+    if n % t:
+        raise ConfigError(f"parallel.tensor = {t} does not divide {n} GPUs; give GPU counts that are multiples of it")
+    if net.gpus_per_node % t:
+        raise ConfigError(f"parallel.tensor = {t}: its groups would straddle nodes of {net.gpus_per_node} devices, "
+                          "which the model does not price (each block's collectives hold up its compute); give a "
+                          f"divisor of {net.gpus_per_node}")
+    check_model_split(strategy, work, f"parallel.tensor = {t}")
+
+
+def check_model_split(strategy: str, work: Workload, split: str) -> None:
+    if strategy in ("hsdp", "zero1"):
+        why = "is not modelled" if strategy == "hsdp" else "does not run in disttrain (zero1 has no data axes)"
+        raise ConfigError(f"{strategy} with {split} {why}; predict ddp or fsdp with it")
+    if work.grad_compression == "powersgd":
+        raise ConfigError(f"parallel.grad_compression = 'powersgd' with {split} does not run in disttrain (a DDP "
+                          "hook over every rank); predict it with none, fp16 or bf16")
+
+
+def context_calls(model: ModelShape, compute: str, recompute: bool = False) -> tuple[tuple[str, str, float, str], ...]:
+    """(part, collective, bytes, dtype) of one sequence's context-split collectives, as parallel/context.py sends
+    them: each block's attention gathers its keys and values from the chunks' ranks (two all-gathers in the compute
+    dtype, of the whole sequence's keys: nccl-tests' size), and backward reduce-scatters their gradients summed in
+    float32 (two); `recompute` (activation checkpointing): the gathers again in backward (the block's collectives
+    are not its last computation, so torch's checkpoint recomputes them)."""
+    size = model.seq_len * model.kv_width
+    gather = ("all_gather", size * ITEMSIZE[compute], compute)
+    block = ((("forward", *gather),) * 2 + (("backward", "reduce_scatter", size * 4, "float32"),) * 2
+             + (("backward", *gather),) * 2 * recompute)
+    return block * model.n_layer
+
+
+def check_context(strategy: str, n: int, work: Workload, net: Interconnect) -> None:
+    """What the model does not price of a context split (a count it does not divide, a group not within a node,
+    a model whose keys' width is not known, hsdp) and what disttrain does not run (with a tensor split or a
+    pipeline, zero1, powersgd)."""
+    c = work.context
+    if c == 1:
+        return
+    if work.tensor > 1 or work.pipeline > 1:
+        raise ConfigError(f"parallel.context = {c} does not compose with parallel.tensor or parallel.pipeline in "
+                          "disttrain; predict it with a data-parallel strategy only")
+    if n % c:
+        raise ConfigError(f"parallel.context = {c} does not divide {n} GPUs; give GPU counts that are multiples of it")
+    if net.gpus_per_node % c:
+        raise ConfigError(f"parallel.context = {c}: its groups would straddle nodes of {net.gpus_per_node} devices, "
+                          "which the model does not price (each attention's gathers hold up its compute); give a "
+                          f"divisor of {net.gpus_per_node}")
+    if not work.model.kv_width:
+        raise ConfigError(f"parallel.context = {c}: {work.model.name} has no attention the model knows of (its keys' "
+                          "width); predict a transformer, or parallel.context = 1")
+    check_model_split(strategy, work, f"parallel.context = {c}")
+
+
+def split_seconds(work: Workload, net: Interconnect) -> tuple[tuple[float, float, float], tuple[float, float]]:
+    """((forward, backward) seconds of one micro-batch's collectives of a tensor or context split, and the step's,
+    (bytes each rank sends in a micro-batch, in the step)). The step's are issued together (DTensor's functional
+    collectives return at once; the clip's norm and the optimizer wait once all are out): on links with a cost per
+    call (a CPU host's fit, `Link.call_s`) the run pays it once, the others only their bytes (measured here: the
+    clip's 20 of a sequence-parallel step's 38 calls changed its time by nothing); on an accelerator's links each
+    call still pays its ring's latency."""
+    seconds, sent = {"forward": 0.0, "backward": 0.0, "step": 0.0}, {"forward": 0.0, "backward": 0.0, "step": 0.0}
+    calls = [(call, work.tensor) for call in work.tensor_calls] + [(call, work.context) for call in work.context_calls]
+    for (part, collective, nbytes, dtype), ranks in calls:
+        links = net.for_dtype(dtype, collective)
+        call = collective_time(collective, nbytes, ranks, links)
+        if part == "step" and sent["step"]:  # (issued together with the first: its cost per call paid once)
+            call -= links.intra[collective].call_s
+        seconds[part] += call
+        sent[part] += nbytes * bus_factor(collective, ranks)
+    return (seconds["forward"], seconds["backward"], seconds["step"]), (sent["forward"] + sent["backward"],
+                                                                        sent["step"])
