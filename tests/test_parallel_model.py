@@ -462,3 +462,20 @@ def test_a_sequence_parallel_pipeline_pads_a_step_to_equal_shares():
     assert _pad_cat(ids).shape == (4, 7) and _pad_cat(ids, 4).shape == (4, 8)
     padded = _pad_cat(ids, 4)
     assert padded[:2, 5:].eq(0).all() and padded[2:, 7:].eq(0).all() and padded[:2, :5].eq(1).all()
+
+
+def test_a_context_split_s_gathers_are_metered_as_the_scale_model_counts_them(runs):
+    """cp2 (ddp: FSDP2's replicate): comm_bytes of a step is every fp32 gradient all-reduced once and, for each of
+    its 4 micro-batches, each attention's keys and values gathered and their gradients reduce-scattered (the
+    closed form the scale model prices: bench/model_split.context_calls)."""
+    from disttrain.bench import predict_job
+    from disttrain.config import load_config
+
+    _, multi, _ = runs
+    run = multi[2]["ddp+cp2"]
+    numel = sum(t.numel() for t in run["params"].values()) - run["params"]["tok_emb.weight"].numel()  # tied: once
+    cfg = load_config(None, ["model.n_layer=2", "model.d_model=64", "model.seq_len=32", "parallel.context=2"])
+    shape = predict_job.counted_shape(cfg.model)
+    context = sum(c[2] for c in predict_job.context_calls_of(cfg, shape, "fp32", 4))
+    assert context == 2 * 4 * 4 * (4 * 32 * 64)  # (2 blocks, 4 calls each of 4 sequences' keys, fp32)
+    assert {m["comm_bytes"] for m in run["metrics"]} == {4 * numel + 4 * context}

@@ -271,6 +271,30 @@ def test_forecast_of_a_tensor_split_prices_its_recorded_calls_and_a_share_of_the
         (tmp_path / "llama" / "predict.md").read_text()  # 3 (the loss's) + 1 + 161 + 160; 161 + 160 + 1 (80 blocks)
 
 
+def test_forecast_of_a_context_split_prices_its_calls_and_a_share_of_the_batch(tmp_path):
+    """parallel.context = 2: a group of 2 GPUs reads one batch (32 sequences, micro-batches of 8), each GPU computing
+    half of every sequence with the whole model, and each attention's keys and values (x 8 sequences) hold up the
+    compute; a preset at `--set model.seq_len=N` takes that sequence length."""
+    assert cli(["bench", "predict", *TINY, "--set", "parallel.context=2", "--set", "dist.nproc=2", "--strategy",
+                "ddp,fsdp", "--gpus", "2,8", "--out", str(tmp_path / "gpt")]) == 0
+    cfg = load_config(None, [*TINY[1::2], "parallel.context=2", "dist.nproc=2"])
+    calls = predict_job.context_calls_of(cfg, SHAPE, "fp32", 8)
+    assert len(calls) == 4 * 2 and {c[1] for c in calls} == {"all_gather", "reduce_scatter"}
+    compute = sm.compute_seconds(SHAPE, 32 * 32 / 2, sm.H100_FP32_TFLOPS, 0.35)
+    work = sm.Workload(SHAPE, compute, 32 * 32 / 2, "fp32", 4, context=2, context_calls=calls)
+    rows = list(csv.DictReader(open(tmp_path / "gpt" / "predict.csv")))
+    for row in rows:
+        expected = sm.step_time(row["strategy"], int(row["gpus"]), work, ic.PRESETS["h100-nvlink+ib-ndr"])
+        assert float(row["step_s"]) == pytest.approx(expected.step_s, rel=1e-9)
+    text = (tmp_path / "gpt" / "predict.md").read_text()
+    assert "32 x 32 tokens per group per step" in text and "- context split over 2 GPUs of a node" in text
+    assert cli(["bench", "predict", "--model", "llama3-8b", "--set", "parallel.context=8", "--set",
+                "model.seq_len=65536", "--gpus", "8", "--out", str(tmp_path / "llama")]) == 0
+    text = (tmp_path / "llama" / "predict.md").read_text()
+    assert "2 x 65536 tokens per group" in text and "each computing 2 of 16 pieces" in text
+    assert "64 collectives in forward and 64 in backward (49,152.0 MiB" in text  # (2 x 65536 x 1024 x (2 + 2 + 4 + 4))
+
+
 def test_a_sweep_of_the_splits_forecasts_each_degree_as_on_its_own(tmp_path):
     """--sweep parallel.tensor=1,2 (and pipeline): one table, each value's rows those of a forecast with --set; a
     group's batch kept, each GPU's compute its share of the FLOPs."""
@@ -368,6 +392,26 @@ def test_a_sitting_of_a_tensor_split_times_one_rank_s_compute_alone(tmp_path):
     work = sm.Workload(SHAPE, float(rows[0]["step_time_s"]), 1.0, "fp32", cpu_cores=2, log_every=0, tensor=2,
                        tensor_calls=calls)
     expected = sm.step_time("ddp", 2, work, ic.interconnect_from_fit(fit))
+    assert float(checked[1]["predicted"]) == pytest.approx(expected.step_s, rel=1e-9)
+
+
+def test_a_sitting_of_a_context_split_times_one_rank_s_compute_alone(tmp_path):
+    """--measure at 1 rank of a context split of 2: the group's job on a fake group of 2, as its last rank (whose
+    collectives return at once); the comm fit's compute phase is the step over the split's calls."""
+    result = run_cli(["bench", "predict", "--measure", "--validate", "--rounds", "1", "--world-sizes", "1,2",
+                      "--strategies", "fsdp", "--steps", "2", "--warmup", "1", "--local-batch", "4", *TINY,
+                      "--set", "parallel.context=2", "--max-other-cpu", "4", "--out", str(tmp_path / "s")], tmp_path,
+                     timeout=180)
+    assert result.returncode == 0, result.stderr
+    rows = list(csv.DictReader(open(tmp_path / "s" / "scaling.csv")))
+    assert [(r["world_size"], r["context"], r["global_batch"]) for r in rows] == [("1", "2", "4"), ("2", "2", "4")]
+    fit = json.loads((tmp_path / "s" / "comm" / "comm_fit.json").read_text())
+    assert fit["compute_ms"] == pytest.approx(1e3 * float(rows[0]["step_time_s"]) / (4 * 2), abs=0.006)
+    cfg = load_config(None, [*TINY[1::2], "parallel.context=2"])
+    work = sm.Workload(SHAPE, float(rows[0]["step_time_s"]), 1.0, "fp32", cpu_cores=2, log_every=0, context=2,
+                       context_calls=predict_job.context_calls_of(cfg, SHAPE, "fp32", 4))
+    checked = [r for r in csv.DictReader(open(tmp_path / "s" / "predict.csv")) if r["check"] == "measured"]
+    expected = sm.step_time("fsdp", 2, work, ic.interconnect_from_fit(fit))
     assert float(checked[1]["predicted"]) == pytest.approx(expected.step_s, rel=1e-9)
 
 

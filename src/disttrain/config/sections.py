@@ -182,10 +182,10 @@ class ParallelConfig:
     ranks (DTensor `parallelize_module`, column-wise then row-wise, Megatron style); 1 = not split. The world size
     is parallel.pipeline x parallel.tensor x the data-parallel degree (parallel/mesh.py)."""
     context: int = 1
-    """Context-parallel degree: each sequence is cut into 2 x this many pieces, two per rank (r and 2N - 1 - r: as
-    much causal attention on each), each attention gathering the whole sequence's keys and values
-    (parallel/context.py); for sequences too long for one device. 1 = not split. The reference GPT and Hugging Face models, with a data-parallel strategy (gradients reduced over
-    data x context ranks); not with parallel.pipeline or parallel.tensor. Causal attention: pad on the right."""
+    """Context-parallel degree N: each sequence in 2N pieces, rank r taking r and 2N - 1 - r (balanced causal
+    attention), each attention gathering the whole sequence's keys and values (parallel/context.py); for long
+    sequences. 1 = not split. The reference GPT and Hugging Face models, with a data-parallel strategy (gradients
+    reduced over data x context ranks); not with parallel.pipeline or parallel.tensor. Causal: pad on the right."""
     sequence_parallel: bool = False
     """parallel.tensor > 1: also split the layer norms' and dropouts' activations along the sequence across the
     tensor-parallel ranks (less activation memory; the same numbers)."""

@@ -299,10 +299,11 @@ def single_bucket_mb(model: torch.nn.Module) -> float:
 
 
 # ----------------------------------------------------------------------------------------------
-# Timed collectives: FSDP2's all-gather and reduce-scatter, DeepSpeed's backend
+# Timed collectives: FSDP2's all-gather and reduce-scatter, DeepSpeed's backend (and a context split's gathers,
+# parallel/context.py)
 
 
-def _timed_call(meter: CommMeter, call, nbytes: int):
+def timed_call(meter: CommMeter, call, nbytes: int):
     """Run one collective (`call()`) and hand it to `meter`. What it returned says how it ran: a Work (it is
     asynchronous) is timed by its completion, or by nccl on the device; None (it was synchronous) ended on the host
     when the call returned, and on the device is timed by events around the call (which holds the caller's stream
@@ -330,12 +331,12 @@ def fsdp_comms(meter: CommMeter):
     class TimedAllGather(DefaultAllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             call = functools.partial(super().__call__, output_tensor, input_tensor, group, async_op)
-            return _timed_call(meter, call, _nbytes(output_tensor))
+            return timed_call(meter, call, _nbytes(output_tensor))
 
     class TimedReduceScatter(DefaultReduceScatter):
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             call = functools.partial(super().__call__, output_tensor, input_tensor, group, op, async_op)
-            result = _timed_call(meter, call, _nbytes(input_tensor))
+            result = timed_call(meter, call, _nbytes(input_tensor))
             scattered[0] = _now(meter)
             return result
 
@@ -395,7 +396,7 @@ def _deepspeed_timed(method, counted: tuple[int, str], meter: CommMeter):
     def timed(*args, **kwargs):
         tensors = args[position] if len(args) > position else kwargs[name]
         nbytes = sum(map(_nbytes, tensors)) if isinstance(tensors, list | tuple) else _nbytes(tensors)
-        return _timed_call(meter, functools.partial(method, *args, **kwargs), nbytes)
+        return timed_call(meter, functools.partial(method, *args, **kwargs), nbytes)
 
     return timed
 

@@ -65,6 +65,6 @@ def prepare(spec: StrategySpec, model: nn.Module, runtime, parallel, materialize
         from disttrain.parallel.context import ContextParallel
 
         prepared.context = ContextParallel(layouts.context_groups(layout), layout.context,
-                                           layout.coords(runtime.rank)["cp"])
+                                           layout.coords(runtime.rank)["cp"], prepared.comm)
         prepared.context.parallelize(model)
     return prepared

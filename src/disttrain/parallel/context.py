@@ -22,6 +22,7 @@ data x context ranks (parallel/mesh.py folds `cp` into the data axis of the Devi
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -36,8 +37,11 @@ class ContextParallel:
     """This rank's pieces of every sequence (`shard`), the attention over the whole sequence (`attend`), and the
     outputs of the whole sequence (`whole`)."""
 
-    def __init__(self, group, size: int, rank: int):
+    def __init__(self, group, size: int, rank: int, meter: Any = None):
         self.group, self.size, self.rank = group, size, rank
+        self.meter = meter
+        """The strategy's `CommMeter` (parallel/comm.py), which times the keys' and values' gathers and their
+        gradients' reduce-scatters too (`comm_s`, `comm_bytes`); None: untimed."""
         self._biases: dict[tuple[int, int], Any] = {}
 
     def pieces(self, width: int) -> torch.Tensor:
@@ -120,8 +124,8 @@ class ContextParallel:
             raise ConfigError("parallel.context > 1 runs causal attention without a mask only (no padding mask, "
                               "no bidirectional attention)")
         piece = q.shape[-2] // 2
-        keys = self._in_order(_Gather.apply(k, self.group, self.size, self.rank))
-        values = self._in_order(_Gather.apply(v, self.group, self.size, self.rank))
+        keys = self._in_order(_Gather.apply(k, self))
+        values = self._in_order(_Gather.apply(v, self))
         out = []
         for half, p in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
             seen = (p + 1) * piece
@@ -168,10 +172,11 @@ class _Gather(torch.autograd.Function):
     ones, which fails on any group but the first.)"""
 
     @staticmethod
-    def forward(ctx, mine: torch.Tensor, group, size: int, rank: int) -> torch.Tensor:
-        ctx.group, ctx.rank, ctx.width = group, rank, mine.shape[-2]
-        parts = [torch.empty_like(mine, memory_format=torch.contiguous_format) for _ in range(size)]
-        dist.all_gather(parts, mine.contiguous(), group=group)
+    def forward(ctx, mine: torch.Tensor, split: ContextParallel) -> torch.Tensor:
+        ctx.split, ctx.width = split, mine.shape[-2]
+        parts = [torch.empty_like(mine, memory_format=torch.contiguous_format) for _ in range(split.size)]
+        _metered(split.meter, functools.partial(dist.all_gather, parts, mine.contiguous(), group=split.group),
+                 mine.numel() * mine.element_size() * split.size)
         return torch.cat(parts, dim=-2)
 
     @staticmethod
@@ -181,8 +186,19 @@ class _Gather(torch.autograd.Function):
         whole = grad.movedim(-2, 0)
         total = torch.empty(whole.shape, dtype=torch.float32, device=grad.device).copy_(whole)
         mine = total.new_empty((ctx.width, *total.shape[1:]))
-        dist.reduce_scatter_single(mine, total, group=ctx.group)
-        return mine.movedim(0, -2).to(grad.dtype), None, None, None
+        _metered(ctx.split.meter, functools.partial(dist.reduce_scatter_single, mine, total, group=ctx.split.group),
+                 total.numel() * total.element_size())
+        return mine.movedim(0, -2).to(grad.dtype), None
+
+
+def _metered(meter: Any, call, nbytes: int) -> None:
+    """`call()`, a collective of `nbytes` (nccl-tests' size), timed by `meter` where there is one."""
+    if meter is None:
+        call()
+        return
+    from disttrain.parallel.comm import timed_call
+
+    timed_call(meter, call, nbytes)
 
 
 def _pad(value: Any, width: int, extra: int, key: str) -> Any:
