@@ -102,11 +102,13 @@ class CliServer:
                 return None
             try:
                 code = lines.next(timeout)["code"]
-            except TimeoutError:
+            except BaseException as exc:  # (its own timeout, or pytest-timeout's: no rank outlives the test)
                 os.killpg(answer["pid"], signal.SIGKILL)
                 for pid in processes_mentioning(str(cwd)):  # its workers: forked from the server, in their own group
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
+                if not isinstance(exc, TimeoutError):
+                    raise
                 lines.next(60)
                 tail = err.read_text(errors="replace")[-3000:]
                 raise AssertionError(f"disttrain {' '.join(args)} ran over {timeout}s; stderr tail:\n{tail}") from None

@@ -649,7 +649,10 @@ def test_a_pipeline_s_sends_cross_nodes_once_the_job_does_and_its_tied_weight_is
     ("fsdp", dict(schedule="gpipe", virtual=2), 8, "pipeline_stages_per_rank = 2: parallel.pipeline_schedule = "
      "'gpipe' runs 1 a rank"),
     ("fsdp", dict(schedule="interleaved-1f1b", virtual=1), 8, "'interleaved-1f1b' runs 2 or more a rank"),
-    ("fsdp", dict(schedule="dualpipev"), 8, "parallel.pipeline_schedule = 'dualpipev' is not modelled"),
+    ("fsdp", dict(schedule="dualpipev", micro_steps=3), 8, "'dualpipev' runs at least 2 x parallel.pipeline = 4 "
+     "micro-batches a step, not 3"),
+    ("fsdp", dict(schedule="dualpipe"), 8, "'dualpipe' is not modelled; predict gpipe, 1f1b, interleaved-1f1b, "
+     "zero-bubble, zbv, dualpipev"),
     ("fsdp", dict(tensor=2, cpu_cores=2, stage_calls=((), ()), step_calls=((), ())), 4, "a tensor split or data "
      "parallelism beside it"),
     ("hsdp", {}, 16, "hsdp with parallel.pipeline = 2 is not modelled"),

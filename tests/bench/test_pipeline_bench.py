@@ -41,6 +41,11 @@ def test_bubble_rows_for_each_schedule_and_micro_batch_count(tmp_path):
     even = [[(1.0, 2.0)], [(1.0, 2.0)]]
     assert played("gpipe", 2, 4, even) == pytest.approx(1 / 5) and played("1f1b", 2, 4, even) == pytest.approx(1 / 5)
     assert played("zero-bubble", 2, 4, [[(0.5, 1.0)] * 2] * 2) < 1 / 5  # (its weight parts fill the bubble)
+    # dualpipev: its overlapped forward-backward pairs run one after the other, as torch's runtime runs them; at equal
+    # stages as zbv's V (the same stages on each rank)
+    halves = [[(0.5, 1.0)] * 2] * 2
+    assert played("dualpipev", 2, 4, halves) == pytest.approx(played("zbv", 2, 4, halves))
+    assert played("dualpipev", 2, 8, halves) < played("1f1b", 2, 8, even)
     assert played("zero-bubble", 2, 4, [[(0.5, 1.0, 0.5, 0.5)] * 2] * 2) == pytest.approx(
         played("zero-bubble", 2, 4, [[(0.5, 1.0)] * 2] * 2))  # (parts measured as halves: the same)
     assert played("zero-bubble", 2, 4, [[(0.5, 1.0, 0.7, 0.7)] * 2] * 2) > played(
@@ -56,7 +61,10 @@ def test_bubble_rows_for_each_schedule_and_micro_batch_count(tmp_path):
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--schedules", "dualpipev"], "--schedules dualpipev: use gpipe, 1f1b, interleaved-1f1b, zero-bubble, zbv"),
+    (["--schedules", "dualpipe"], "--schedules dualpipe: use gpipe, 1f1b, interleaved-1f1b, zero-bubble, zbv, "
+     "dualpipev"),
+    (["--schedules", "dualpipev", "--microbatches", "2"], "'dualpipev' needs at least as many micro-batches per step "
+     "as stages (4)"),
     (["--microbatches", "1,4"], "--microbatches 1: fewer micro-batches than the 2 stages"),
     (["--microbatches", "two"], "--microbatches 'two': give counts >= the 2 stages separated by commas"),
     (["--nproc", "1"], "--nproc 1: must be >= 2"),

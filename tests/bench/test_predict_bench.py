@@ -517,8 +517,8 @@ def test_a_sitting_measures_the_links_of_each_element_type_the_job_sends(precisi
     (["--set", "parallel.pipeline=2"], "parallel.tensor x parallel.pipeline x parallel.context = 2 does not divide "
      "dist.nproc = 1"),
     (["--set", "parallel.pipeline=2", "--set", "dist.nproc=2", "--set", "parallel.pipeline_schedule=dualpipev",
-      "--set", "data.micro_batch_size=2"], "parallel.pipeline_schedule = 'dualpipev' is not modelled; predict gpipe, "
-     "1f1b, interleaved-1f1b, zero-bubble, zbv"),
+      "--set", "data.micro_batch_size=16"], "parallel.pipeline_schedule = 'dualpipev' runs at least 2 x "
+     "parallel.pipeline = 4 micro-batches a step, not 2"),
     (["--set", "parallel.pipeline=2", "--set", "dist.nproc=2", "--set", "parallel.pipeline_stages_per_rank=3"],
      "parallel.pipeline_stages_per_rank = 3: parallel.pipeline_schedule = '1f1b' runs 1 a rank"),
     (["--set", "parallel.tensor=3", "--set", "dist.nproc=3"], "parallel.tensor = 3 does not divide the model's "

@@ -4,9 +4,9 @@ the schedule played through (the scale model's `pipeline_timeline`).
     disttrain bench pipeline [--nproc 2] [--schedules gpipe,1f1b,...] [--microbatches 2,4,8] [--micro 16] [--steps 8]
 
 One launch; the model (2 blocks a rank, at least 4) is split over --nproc ranks (parallel.pipeline = --nproc, no
-data axis), one stage a rank or, under interleaved-1f1b, zero-bubble and zbv, two. For each schedule and number of
-micro-batches m (the global batch is m x --micro, so a micro-batch costs the same for every m), every timed step
-gives:
+data axis), one stage a rank or, under interleaved-1f1b, zero-bubble, zbv and dualpipev, two. For each schedule and
+number of micro-batches m (the global batch is m x --micro, so a micro-batch costs the same for every m), every
+timed step gives:
 
 - W, the schedule's wall time in disttrain's step (the step's last `forward_backward`, which runs the schedule over
   the step's m micro-batches; the optimizer step aside) until its slowest rank ends;
@@ -42,9 +42,9 @@ from disttrain.bench import check_numbers, integers
 from disttrain.errors import ArgumentParser, ConfigError, make_folder
 from disttrain.parallel.mesh import SPLIT_BACKWARD_SCHEDULES
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
 """Schedules measured: the first two with one stage per rank, whose bubble is (p - 1) / (m + p - 1), the others with
-two (dualpipev's overlapped pairs are not played)."""
+two (dualpipev's overlapped forward-backward pairs played as torch runs them, one after the other)."""
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:

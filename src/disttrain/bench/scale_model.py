@@ -267,9 +267,10 @@ def step_time(strategy: str, n: int, work: Workload, net: Interconnect, model_sp
     return Step(max(t, comm) + after, compute, comm_total, sent)
 
 
-MODELLED_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
-"""Pipeline schedules the model plays: disttrain's but dualpipev. Their stages per rank and which split the backward
-(FSDP2 then keeps a stage's parameters gathered from forward to backward: priced as zero2) are parallel/mesh.py's."""
+MODELLED_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
+"""Pipeline schedules the model plays: all of disttrain's (dualpipev's overlapped forward-backward pairs as torch's
+runtime runs them: the forward, then the backward). Their stages per rank and which split the backward (FSDP2 then
+keeps a stage's parameters gathered from forward to backward: priced as zero2) are parallel/mesh.py's."""
 
 
 def _pipeline_step(strategy: str, n: int, work: Workload, net: Interconnect) -> Step:
@@ -346,8 +347,10 @@ def _check_pipeline(strategy: str, n: int, work: Workload) -> int:
     """A pipeline's stages per rank (v), or one line for what the model does not price or disttrain does not run."""
     if work.schedule not in MODELLED_SCHEDULES:
         raise ConfigError(f"parallel.pipeline_schedule = {work.schedule!r} is not modelled; predict "
-                          f"{', '.join(MODELLED_SCHEDULES)} (dualpipev's overlapped forward and backward pairs are not "
-                          "played)")
+                          f"{', '.join(MODELLED_SCHEDULES)}")
+    if work.schedule == "dualpipev" and work.micro_steps < 2 * work.pipeline:
+        raise ConfigError(f"parallel.pipeline_schedule = 'dualpipev' runs at least 2 x parallel.pipeline = "
+                          f"{2 * work.pipeline} micro-batches a step, not {work.micro_steps}; give a batch of as many")
     layout = SimpleNamespace(pipeline=work.pipeline, pipeline_schedule=work.schedule,
                              pipeline_stages_per_rank=work.virtual)
     mesh.check_stages_per_rank(layout)
