@@ -394,6 +394,26 @@ def test_stage_split_balances_parameters_and_takes_given_points():
         split_points(gpt, 2, "blocks.1,blocks.2")
 
 
+def test_a_balanced_split_whose_inner_stages_are_uneven_says_so(caplog):
+    """5 GPT blocks in 4 stages: the balanced split leaves the inner stages 1 and 2 blocks long (a round of the
+    schedule moves at the heavier's pace): one warning naming the counts and the fix; none for an even split, for a
+    split given (the user's choice), or where not asked (the rank that does not log)."""
+    from disttrain.models.gpt import GPT
+    from disttrain.parallel.stages import stage_bounds, uneven_stages
+
+    assert uneven_stages([(0, 1), (1, 3), (3, 5), (5, 6)]) == "" and uneven_stages([(0, 2), (2, 4)]) == ""
+    gpt = GPT(load_config(None, ["model.n_layer=5", "model.d_model=32", "model.n_head=2"]).model)
+    with caplog.at_level("WARNING", logger="disttrain.parallel.stages"):
+        assert stage_bounds(gpt, 4, "", warn=True) == [(0, 1), (1, 2), (2, 4), (4, 5)]
+        stage_bounds(gpt, 4, "blocks.1,blocks.2,blocks.4", warn=True)
+        stage_bounds(gpt, 4, "")
+        stage_bounds(gpt, 5, "", warn=True)  # (one block each)
+    [record] = caplog.records
+    assert "the 4 pipeline stages (parallel.pipeline x its stages per rank) hold 5 blocks unevenly: those between " \
+        "the first and the last hold 1 to 2 each" in record.getMessage()
+    assert "parallel.pipeline_split" in record.getMessage()
+
+
 def test_a_pipeline_refuses_left_padding_rather_than_ignoring_the_mask():
     """Only token ids cross the stages (causal attention): a right-padded mask changes nothing and passes; a mask
     that hides tokens before real ones would be ignored, so it stops the step with a line that says what to do."""

@@ -268,7 +268,7 @@ def prepare(model: nn.Module, runtime, parallel, device_mesh, apply_data: Callab
                       pp_mesh.get_group(), parallel.pipeline_schedule, *_sizes(model), dtype,
                       getattr(model, SEQUENCE_SHARDS, 1))
     fam = FAMILIES[family_of(model)]
-    bounds = stage_bounds(model, lay.stages, parallel.pipeline_split)
+    bounds = stage_bounds(model, lay.stages, parallel.pipeline_split, warn=runtime.rank == 0)
     mine = stages_of(lay.rank, lay.ranks, lay.stages, lay.schedule)
     first, last = 0 in mine, lay.stages - 1 in mine
     ties = tie_groups(model)

@@ -9,6 +9,7 @@ the same split.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +20,8 @@ from disttrain.errors import ConfigError
 from disttrain.parallel.activation_checkpoint import transformer_blocks
 from disttrain.parallel.mesh import V_SCHEDULES, VIRTUAL_SCHEDULES
 from disttrain.parallel.tensor import SEQUENCE_SHARDS
+
+log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------------------------
 # What a stage runs, per model family
@@ -128,10 +131,27 @@ def split_points(model: nn.Module, stages: int, given: str) -> list[int]:
                           size(fam.head))
 
 
-def stage_bounds(model: nn.Module, stages: int, given: str) -> list[tuple[int, int]]:
-    """[first block, end) of each stage (`split_points`)."""
+def stage_bounds(model: nn.Module, stages: int, given: str, warn: bool = False) -> list[tuple[int, int]]:
+    """[first block, end) of each stage (`split_points`); `warn`: log `uneven_stages`'s line where the balanced split
+    leaves the inner stages uneven (a split given is the user's choice)."""
     cuts = split_points(model, stages, given) if stages > 1 else []
-    return list(zip([0, *cuts], [*cuts, len(transformer_blocks(model))], strict=True))
+    bounds = list(zip([0, *cuts], [*cuts, len(transformer_blocks(model))], strict=True))
+    if warn and not given.strip() and uneven_stages(bounds):
+        log.warning("%s", uneven_stages(bounds))
+    return bounds
+
+
+def uneven_stages(bounds: list[tuple[int, int]]) -> str:
+    """One line where the stages between the first and the last (which hold the embeddings and the head besides
+    their blocks) hold unequal block counts: each round of the schedule moves at its heaviest stage's pace, so the
+    lighter ones wait (126 blocks in 112 stages leave 14 of them twice as long). '' where they are even."""
+    inner = [high - low for low, high in bounds[1:-1]]
+    if len(set(inner)) < 2:
+        return ""
+    return (f"the {len(bounds)} pipeline stages (parallel.pipeline x its stages per rank) hold {bounds[-1][1]} blocks "
+            f"unevenly: those between the first and the last hold {min(inner)} to {max(inner)} each, and a round of "
+            "the schedule moves at its heaviest stage's pace; choose a stage count that divides the blocks evenly, "
+            "or set parallel.pipeline_split")
 
 
 # ----------------------------------------------------------------------------------------------
