@@ -218,7 +218,7 @@ def test_exit_codes_come_from_one_function():
     )
     from disttrain.config import ConfigError
     from disttrain.errors import exit_code_and_message
-    from disttrain.runtime import Preempted
+    from disttrain.signals import Preempted
 
     assert exit_code_and_message(ConfigError("x = 1; fix")) == (2, "disttrain: error: x = 1; fix")
     assert exit_code_and_message(CheckpointError("bad")) == (1, "disttrain: error: bad")

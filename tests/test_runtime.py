@@ -86,7 +86,7 @@ def test_single_process_runtime_has_no_process_group():
 
 AFTER_A_LATE_SIGNAL = """
 import os, signal, sys, time
-from disttrain.runtime import StopSignals
+from disttrain.signals import StopSignals
 
 StopSignals.LEFT_S = 1.0
 with StopSignals(grace_s=60) as stop:

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from disttrain.config import GPU_BOUND_ENV, Config, ray_resources
 from disttrain.console import DRAWS_ENV, Console
-from disttrain.runtime import install_stop_handler, restore_handlers
 from disttrain.service.ray_launcher import connect, local_ranks, node_order, place
+from disttrain.signals import install_stop_handler, restore_handlers
 
 
 class _TrainActor:

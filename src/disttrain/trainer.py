@@ -37,7 +37,8 @@ from disttrain.monitor import RankStatus, peer_failed
 from disttrain.optim import OptimizerFactory, optimizer_factory, scheduler_factory
 from disttrain.parallel import registry
 from disttrain.perf import StepMeter, StepProfiler, flops_per_token, rank_summary, straggler
-from disttrain.runtime import Preempted, Runtime, StopSignals, check_ranks_agree, detect_launch, init_runtime, shutdown
+from disttrain.runtime import Runtime, check_ranks_agree, detect_launch, init_runtime, shutdown
+from disttrain.signals import Preempted, StopSignals
 
 log = logging.getLogger(__name__)
 
