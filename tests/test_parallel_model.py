@@ -325,7 +325,8 @@ def test_layout_from_settings(overrides, world, expected):
       "data.micro_batch_size=4"], 2, "'dualpipev' needs at least as many micro-batches per step as stages \\(4\\)"),
     (["parallel.context=2", "parallel.tensor=2"], 4, "parallel.context = 2 does not compose with parallel.pipeline"),
     (["parallel.context=3"], 4, "parallel.context = 3 does not divide the world size 4"),
-    (["parallel.context=3", "model.seq_len=32"], 3, "model.seq_len = 32 is not divisible by 2 x parallel.context = 6"),
+    (["parallel.context=3", "model.seq_len=32"], 3, "model.seq_len = 32 is not divisible by 2 x "
+     "parallel.context \\(= 6"),
     (["parallel.tensor=2", "model.n_head=3", "model.d_model=96"], 2, "model.n_head = 3 is not divisible by "
      "parallel.tensor = 2"),
     (["parallel.tensor=4", "parallel.sequence_parallel=true", "model.seq_len=30"], 4,
@@ -448,6 +449,10 @@ def test_context_parallel_gives_each_rank_two_balanced_pieces_and_refuses_a_mask
     assert torch.equal(first["position_ids"], torch.tensor([[0, 1, 6, 7]] * 2))
     pairs = [sum(p + 1 for p in ContextParallel(None, 2, r).pieces(8).tolist()) for r in range(2)]
     assert pairs[0] == pairs[1] == 36 / 2  # (each query attends to the keys up to its own position)
+    for size in (2, 3):  # each rank's pieces, in rank order, put back in the sequence's order (as attend and whole do)
+        held = [ContextParallel(None, size, r).pieces(12 * size) for r in range(size)]
+        ordered = [held[rank][second * 6:(second + 1) * 6] for rank, second in ContextParallel(None, size, 0).owners()]
+        assert torch.equal(torch.cat(ordered), torch.arange(12 * size))
     left = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1], [1] * 8])
     with pytest.raises(ConfigError, match="parallel.context > 1 attends causally without the attention mask"):
         ContextParallel(None, 2, 0).shard({"input_ids": ids, "attention_mask": left})

@@ -755,9 +755,23 @@ def test_a_context_split_runs_the_strategy_over_every_gpu_and_its_calls_hold_up_
     (dict(context=2, tensor=2), [8], "parallel.context = 2 does not compose with parallel.tensor"),
     (dict(context=2, model=MODELS["resnet50"]), [8], "resnet50 has no attention the model knows of"),
     (dict(context=2, grad_compression="powersgd"), [8], "'powersgd' with parallel.context = 2 does not run"),
+    (dict(context=2, pipeline=2, stages=(LLAMA, LLAMA)), [8], "parallel.context = 2 does not compose with "
+     "parallel.tensor or parallel.pipeline"),
 ])
 def test_what_a_context_split_does_not_price_is_refused(change, gpus, says):
     with pytest.raises(ConfigError, match=says):
         sm.predict("ddp", gpus, replace(sm.Workload(LLAMA, 1.0, 8192), **change), NET)
     with pytest.raises(ConfigError, match="hsdp with parallel.context = 2 is not modelled"):
         sm.predict("hsdp", [16], replace(sm.Workload(LLAMA, 1.0, 8192), context=2), NET)
+
+
+def test_the_first_stage_s_full_backward_carries_its_split_calls_under_dualpipev():
+    """dualpipev runs the first stage's backward whole (its overlapped pairs' "B") as well as split (I, W): both carry
+    the tensor split's backward calls, as the weight part does under zbv (the first stage's input has no gradient)."""
+    calls = ((("backward", "all_reduce", 1e6, "float32"),),) * 4
+    work = sm.Workload(LLAMA, 1.0, 1, "fp32", 4, tensor=2, pipeline=2, schedule="dualpipev", stages=(LLAMA,) * 4,
+                       stage_calls=calls, step_calls=((), ()))
+    _, costs = sm._stage_costs(work, NET)
+    first, inner = costs[0], costs[1]
+    assert first.of("B") == pytest.approx(first.of("I") + first.of("W")) == pytest.approx(first.whole() - first.forward)
+    assert first.of("B") - inner.of("B") == pytest.approx(0.0, abs=1e-12)  # (the same stage, calls included)

@@ -175,14 +175,15 @@ def activations(cfg: Config, linears: str, model: nn.Module, mesh: MeshLayout | 
 
 def _gathered_kv(m: ModelConfig, micro_batch: int, context: int, precision: str) -> int:
     """What one block's attention keeps beyond its share under context parallelism (parallel/context.py): the keys
-    and values of the whole sequence where its own would be (put in the sequence's order; each of its two pieces
-    reads them up to the piece's end, a view), and the causal masks of its two pieces' queries over them (bool, h x
-    (r + 1) h and h x (2c - r) h for pieces of h tokens: the same on every rank; CPU's SDPA materialises them)."""
+    and values of the whole sequence where its own would be (gathered in the sequence's order; each of its two
+    pieces reads them up to the piece's end, a view), and the causal masks of its two pieces' queries over them, h x
+    (r + 1) h and h x (2c - r) h for pieces of h tokens (CPU's SDPA materialises each as an additive mask in the
+    activations' dtype): h^2 (2c + 1) on every rank but 0, whose first piece's square needs none."""
     if context == 1:
         return 0
     t, piece = m.seq_len, m.seq_len // (2 * context)
     act = 4 if precision == "fp32" else 2
-    return 2 * act * m.d_model * micro_batch * (t - 2 * piece) + piece * piece * (2 * context + 1)
+    return 2 * act * m.d_model * micro_batch * (t - 2 * piece) + act * piece * piece * (2 * context + 1)
 
 
 def _gpt_split_activations(cfg: Config, linears: str, mesh: MeshLayout, model: nn.Module,

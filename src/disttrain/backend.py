@@ -127,7 +127,7 @@ class TrainingBackend:
             return loss_sum, torch.as_tensor(count, dtype=torch.float64, device=self.runtime.device)
         if self.prepared.context is not None:
             raise ConfigError("parallel.context > 1: the loss function returned a mean, which cannot be weighted over "
-                              "chunks of a sequence; return (summed loss, token count), as disttrain's own losses do")
+                              "pieces of a sequence; return (summed loss, token count), as disttrain's own losses do")
         count = batch_size(batch)  # a mean over the batch: weight it by its size
         return result * count, torch.tensor(float(count), dtype=torch.float64, device=self.runtime.device)
 
@@ -310,7 +310,7 @@ class TrainingBackend:
                 "'bf16-mixed' or 'fp32', or raise train.max_consecutive_skips")
 
     def _chunk(self, batch: Any, loss_fn: LossFn | None) -> tuple[Any, LossFn | None]:
-        """Under context parallelism, this rank's chunk of every sequence, and the loss to take on it (HF's labels
+        """Under context parallelism, this rank's pieces of every sequence, and the loss to take on it (HF's labels
         cross the cut: shifted before it, and taken as pre-shifted); otherwise both as they are."""
         context = self.prepared.context
         if context is None:
@@ -324,7 +324,7 @@ class TrainingBackend:
         """(summed loss, item count) of `batch` without gradients, in eval mode, as `loss_terms` gives them, on a
         rank whose loss counts (`Prepared.counts_loss`), else None after its part of the forward (every rank must
         call it the same number of times under sharded strategies). Under context parallelism each rank takes its
-        chunk's: the whole sequence's logits are never joined."""
+        pieces': the whole sequence's logits are never joined."""
         if self.prepared.context is None:
             outputs = self.forward(batch)
             return self.loss_terms(outputs, batch, loss_fn) if self.prepared.counts_loss else None
@@ -336,7 +336,7 @@ class TrainingBackend:
         """Forward pass without gradients, in eval mode (every rank must call it the same number of times
         under sharded strategies)."""
         batch = to_device(batch, self.runtime.device, self.precision.param_dtype)
-        context = self.prepared.context  # (context parallelism: this rank's chunks, then the whole sequences)
+        context = self.prepared.context  # (context parallelism: this rank's pieces, then the whole sequences)
         outputs = self._eval_call(context.shard(batch) if context is not None else batch)
         outputs = context.whole(outputs, batch["input_ids"].shape[1]) if context is not None else outputs
         split = self.prepared.split_logits  # (loss parallel's logits split by vocabulary: gathered)

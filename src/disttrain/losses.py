@@ -63,7 +63,7 @@ def causal_lm_loss(outputs: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.
 
 def shifted(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`batch` with HF's labels turned into pre-shifted ones (label t is the target of position t; the last
-    position has none), for `lm_loss`: what a sequence cut into chunks needs (context parallelism)."""
+    position has none), for `lm_loss`: what a sequence cut into pieces needs (context parallelism)."""
     labels = batch["labels"]
     return {**batch, "labels": torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)}
 

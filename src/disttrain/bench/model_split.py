@@ -1,15 +1,17 @@
 """A model split in the scale model (scale_model.py): a tensor split's rank's share of a model, a context split's
-calls, the splits' own collectives' seconds, and what the model does not price of them. Pure Python, as
-scale_model."""
+calls, the splits' own collectives' seconds, and what the model does not price of them (a pipeline's too:
+`check_pipeline`). Pure Python, as scale_model."""
 
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from disttrain.bench.interconnect import ITEMSIZE, Interconnect, bus_factor, collective_time
 from disttrain.bench.model_shapes import ModelShape, UnitShape
 from disttrain.errors import ConfigError
+from disttrain.parallel import mesh
 
 if TYPE_CHECKING:
     from disttrain.bench.scale_model import Workload
@@ -53,7 +55,7 @@ def check_model_split(strategy: str, work: Workload, split: str) -> None:
 
 def context_calls(model: ModelShape, compute: str, recompute: bool = False) -> tuple[tuple[str, str, float, str], ...]:
     """(part, collective, bytes, dtype) of one sequence's context-split collectives, as parallel/context.py sends
-    them: each block's attention gathers its keys and values from the chunks' ranks (two all-gathers in the compute
+    them: each block's attention gathers its keys and values from the group's ranks (two all-gathers in the compute
     dtype, of the whole sequence's keys: nccl-tests' size), and backward reduce-scatters their gradients summed in
     float32 (two); `recompute` (activation checkpointing): the gathers again in backward (the block's collectives
     are not its last computation, so torch's checkpoint recomputes them)."""
@@ -104,3 +106,37 @@ def split_seconds(work: Workload, net: Interconnect) -> tuple[tuple[float, float
         sent[part] += nbytes * bus_factor(collective, ranks)
     return (seconds["forward"], seconds["backward"], seconds["step"]), (sent["forward"] + sent["backward"],
                                                                         sent["step"])
+
+
+MODELLED_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
+"""Pipeline schedules the model plays: all of disttrain's (dualpipev's overlapped forward-backward pairs as torch's
+runtime runs them: the forward, then the backward). Their stages per rank and which split the backward (FSDP2 then
+keeps a stage's parameters gathered from forward to backward: priced as zero2) are parallel/mesh.py's."""
+
+
+def check_pipeline(strategy: str, n: int, work: Workload) -> int:
+    """A pipeline's stages per rank (v), or one line for what the model does not price or disttrain does not run."""
+    if work.schedule not in MODELLED_SCHEDULES:
+        raise ConfigError(f"parallel.pipeline_schedule = {work.schedule!r} is not modelled; predict "
+                          f"{', '.join(MODELLED_SCHEDULES)}")
+    if work.schedule == "dualpipev" and work.micro_steps < 2 * work.pipeline:
+        raise ConfigError(f"parallel.pipeline_schedule = 'dualpipev' runs at least 2 x parallel.pipeline = "
+                          f"{2 * work.pipeline} micro-batches a step, not {work.micro_steps}; give a batch of as many")
+    layout = SimpleNamespace(pipeline=work.pipeline, pipeline_schedule=work.schedule,
+                             pipeline_stages_per_rank=work.virtual)
+    mesh.check_stages_per_rank(layout)
+    p, v = work.pipeline, mesh.stages_per_rank(layout)
+    if n % p:
+        raise ConfigError(f"parallel.pipeline = {p} does not divide {n} GPUs; give multiples of it")
+    if work.cpu_cores and (n > p or p > work.cpu_cores):
+        raise ConfigError(f"parallel.pipeline = {p} on {n} ranks of a CPU host with {work.cpu_cores} cores is not "
+                          "modelled (a tensor split or data parallelism beside it, or more stages than cores: ranks "
+                          "sharing the cores); predict the pipeline alone, on as many ranks as cores")
+    if v > 1 and work.schedule not in mesh.V_SCHEDULES and work.micro_steps % p:
+        raise ConfigError(f"parallel.pipeline_schedule = {work.schedule!r} runs micro-batches in multiples of "
+                          f"parallel.pipeline = {p}, not {work.micro_steps}; give a batch of such micro-batches")
+    assert len(work.stages) == p * v, "a pipeline's Workload holds each stage"
+    assert work.tensor == 1 or (len(work.stage_calls), len(work.step_calls)) == (p * v, p), "and a split's calls"
+    assert bool(work.orders) == (v > 1), "torch's order of a multi-stage schedule"
+    check_model_split(strategy, work, f"parallel.pipeline = {p}")
+    return v

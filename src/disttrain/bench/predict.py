@@ -1,6 +1,6 @@
-"""Benchmark: predicted step time, tokens/s per GPU and scaling efficiency of a data-parallel strategy (with a
-tensor split or a pipeline where the job has one) at GPU counts this machine does not have, from one device's compute
-time and an alpha-beta model of the interconnect.
+"""Benchmark: predicted step time, tokens/s per GPU and scaling efficiency of a data-parallel strategy (with a tensor
+split, a pipeline or a context split where the job has one) at GPU counts this machine does not have, from one
+device's compute time and an alpha-beta model of the interconnect.
 
     disttrain bench predict [CONFIG] [--set ...] [--model llama3-8b] [--strategy ddp,fsdp] [--gpus 8,64,512,1024]
         [--interconnect h100-nvlink+ib-ndr | measured:DIR/comm_fit.json] [--compute-s S | --tflops T --mfu M]
@@ -17,27 +17,27 @@ d_model x seq (a config's model: counted from its modules, `perf.flops_by_unit`,
 out); plus each strategy's collectives (ring / hierarchical alpha-beta times) overlapped with the compute they can
 hide behind. Without `--model` the job of CONFIG / `--set` is modelled (predict_job.py): its model counted from its
 module tree built on the meta device (`model.freeze` included); the strategy it runs on several ranks, unless
-`--strategy` names others; its batch per GPU, `data.global_batch_size` over `dist.nproc` x `--nodes` (dist.nproc
-is one node's ranks; the nodes are a launch's; under `parallel.tensor` / `parallel.pipeline`, per group of tensor x
-pipeline GPUs, which read one batch), accumulated in micro-batches of `data.micro_batch_size` (`--local-batch` and
-`--micro-batch` override both); its gradient compression, DDP buckets, logged lines, tensor split (its collectives
-recorded from disttrain's plan: tensor_calls.py) and pipeline (disttrain's stage split and schedule). With
+`--strategy` names others; its batch per GPU, `data.global_batch_size` over `dist.nproc` x `--nodes` (dist.nproc is
+one node's ranks; the nodes are a launch's; under `parallel.tensor` / `parallel.pipeline` / `parallel.context`, per
+group of tensor x pipeline x context GPUs, which read one batch), accumulated in micro-batches of
+`data.micro_batch_size` (`--local-batch` and `--micro-batch` override both); its gradient compression, DDP buckets,
+logged lines, tensor split (its collectives recorded from disttrain's plan: tensor_calls.py), pipeline (disttrain's
+stage split and schedule) and context split (each attention's keys and values: model_split.context_calls). With
 `--model`, the preset with the config's settings. `--sweep KEY=V1,V2` forecasts each value of a setting that changes
 the collectives or the splits (`FORECAST_SWEEPS`: gradient compression, PowerSGD's rank, DDP's buckets, the logged
-lines, the tensor and pipeline degrees and schedules)
-in one table (predict_forecast.py). Writes `<out>/predict.md` and `predict.csv`.
+lines, the tensor, pipeline and context degrees and the schedules) in one table (predict_forecast.py). Writes
+`<out>/predict.md` and `predict.csv`.
 
 `--validate` checks the model (predict_validate.py): (i) with `--measured` (the CSV of `disttrain bench scaling`, or
 of `--measure`, or a minimal one with the columns strategy, world_size, step_time_s; its `params` and
 `trained_params`, where given, must be the model's; a series of `bench scaling --sweep` is predicted with its swept
 setting) and a comm_fit.json from `disttrain bench comm` on the same machine (on a CPU machine whose cores all run
 ranks, `--busy step`: each call timed after a phase of compute, as a step issues it): every N-rank step time
-predicted from the 1-rank one (error %, target <= 10%);
-(ii) published scaling (torchtitan's Llama 3 8B FSDP, the PyTorch DDP paper's weak scaling): predicted vs published
-efficiency. `--measure` writes `<out>/scaling.csv` from this machine (predict_measure.py). `--measure --validate`
-does (i) in one sitting: `--rounds` rounds of the step times and a `bench comm --busy step` fit over the sizes the
-step sends, pooled, then checked (predict_measure.sitting): the way to take figure (i).
-"""
+predicted from the 1-rank one (error %, target <= 10%); (ii) published scaling (torchtitan's Llama 3 8B FSDP, the
+PyTorch DDP paper's weak scaling): predicted vs published efficiency. `--measure` writes `<out>/scaling.csv` from
+this machine (predict_measure.py). `--measure --validate` does (i) in one sitting: `--rounds` rounds of the step
+times and a `bench comm --busy step` fit over the sizes the step sends, pooled, then checked
+(predict_measure.sitting): the way to take figure (i)."""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ steps then `--steps` timed ones; the figure is rank 0's median (every step ends 
 loss totals, so rank 0 waits for the slowest). Under a tensor split (`parallel.tensor` = T), `--local-batch` is a
 tensor group's, and the world size 1 is one rank of the split on a fake group of T (tensor_calls.fake_group: its
 collectives return at once): the compute of one rank alone, from which the scale model predicts the split's steps.
-Under a context split (`parallel.context` = C) likewise, as its last rank: the last chunk's, which attends to every
-key before it (the slowest). Under a pipeline (`parallel.pipeline` = P), `--local-batch` is a pipeline group's, and
+Under a context split (`parallel.context` = C) likewise, as its last rank (every rank computes as much: the split is
+balanced). Under a pipeline (`parallel.pipeline` = P), `--local-batch` is a pipeline group's, and
 the world size 1 runs the whole model in one process, its micro-batches accumulated: the compute the stages share.
 The rows' `tensor`, `pipeline` and `context` columns say so. Writes `<out>/scaling.csv` with the columns `disttrain
 bench scaling` writes (strategy, mode, world_size, global_batch, micro_batch, log_every, params, trained_params,
@@ -135,7 +135,8 @@ def sitting(args: argparse.Namespace, out: Path, dtypes: list[str]) -> tuple[Pat
 
     cfg = load_config(args.config, args.overrides)
     n_layer, split = cfg.model.n_layer, sum(1 for c in count(cfg) if c.part != "step")  # (a micro-batch's)
-    split = (split or 4 * n_layer * (cfg.parallel.context > 1)  # (a context split's: keys and values, each way)
+    recomputed = cfg.parallel.activation_checkpointing  # (a context split's keys and values each way, gathered again)
+    split = (split or (6 if recomputed else 4) * n_layer * (cfg.parallel.context > 1)
              or 2 * cfg.parallel.pipeline * (cfg.parallel.pipeline > 1))  # (a stage's send, each way)
     # on GPUs the compute runs on the devices: no host phase; and the links are fitted over every rank measured
     # (nccl picks its algorithm by the number of ranks), where on CPU 2 ranks fit what 3 share (the cores)
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(args.config, _overrides(args, world, split_group(split)))
     environ = os.environ
     if world == 1 and tensor * context > 1:  # one rank of the split, its collectives returning at once: its compute
-        rank = context - 1  # (a context split's last chunk: the slowest)
+        rank = context - 1  # (a context split's last rank: any would do, the split is balanced)
         form_fake_group(tensor * context, rank)
         environ = {**os.environ, "WORLD_SIZE": str(tensor * context), "LOCAL_WORLD_SIZE": str(tensor * context),
                    "RANK": str(rank)}

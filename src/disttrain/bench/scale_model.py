@@ -1,19 +1,18 @@
-"""The cost of scale as arithmetic: the step time of each data-parallel strategy, with a tensor split or a pipeline
-around it, from one device's compute time and its collectives, timed on an interconnect's alpha-beta links
-(interconnect.py). Pure Python (no torch), so `disttrain bench predict` and the tests share one formula for
-everything.
+"""The cost of scale as arithmetic: the step time of each data-parallel strategy, with a tensor split, a pipeline or
+a context split around it, from one device's compute time and its collectives, timed on an interconnect's
+alpha-beta links (interconnect.py). Pure Python (no torch), so `disttrain bench predict` and the tests share one
+formula for everything.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from types import SimpleNamespace
 
 from disttrain.bench.buckets import bucket_calls, bucket_units, waits_behind_backward
 from disttrain.bench.interconnect import ITEMSIZE, Interconnect, bus_factor, collective_time
 from disttrain.bench.model_shapes import ModelShape, joined
-from disttrain.bench.model_split import check_context, check_model_split, check_tensor, split_seconds, split_shape
+from disttrain.bench.model_split import check_context, check_pipeline, check_tensor, split_seconds, split_shape
 from disttrain.bench.pipeline_timeline import StageCost, one_stage_order, play
 from disttrain.bench.timeline import Step, Unit, run_pass
 from disttrain.errors import ConfigError
@@ -220,7 +219,8 @@ def _units(strategy: str, work: Workload, n: int, net: Interconnect, spread: int
 def step_time(strategy: str, n: int, work: Workload, net: Interconnect, model_split: bool = False,
               pipelined: bool = False) -> Step:
     """One optimizer step on `n` devices (weak scaling: `work` is one device's share at every `n`); `model_split`: the
-    data axis of a model split (a tensor split is one by itself), where ddp runs as FSDP2's replicate (`_units`);
+    data axis of a model split (a tensor or context split is one by itself), where ddp runs as FSDP2's replicate
+    (`_units`);
     `pipelined`: a pipeline stage's, where a sharded strategy gathers its parameters once a step and, where it
     reshards them after forward (fsdp), again for each micro-batch's backward: torch's pipeline stage keeps them
     gathered after a backward until the step (`set_reshard_after_backward(False)`)."""
@@ -230,10 +230,10 @@ def step_time(strategy: str, n: int, work: Workload, net: Interconnect, model_sp
     compute = work.compute_s * slowdown
     if n == 1:  # (under a pipeline, its stages on one device; under a tensor split, one of its ranks alone)
         return Step(compute * work.pipeline, compute * work.pipeline, 0.0, 0.0)
+    check_context(strategy, n, work, net)  # (before a pipeline's: disttrain runs no context split under one)
     if work.pipeline > 1:
         return _pipeline_step(strategy, n, work, net)
     check_tensor(strategy, n, work, net)
-    check_context(strategy, n, work, net)
     units, after, sent = _units(strategy, replace(work, model=split_shape(work.model, work.tensor)),
                                 n // work.tensor, net, work.tensor,
                                 strategy == "ddp" and (model_split or work.tensor > 1 or work.context > 1), pipelined)
@@ -251,7 +251,7 @@ def step_time(strategy: str, n: int, work: Workload, net: Interconnect, model_sp
         charged = comm_total - waits_behind_backward(units)
         return Step(compute + charged * slowdown, compute, comm_total * slowdown, sent)
     seconds = compute / work.micro_steps
-    if split:  # the tensor split's collectives run in line with the compute, spread over the units by their shares
+    if split:  # a tensor or context split's calls run in line with the compute, spread over the units by their shares
         busy = seconds + split_fwd + split_bwd
         forward, backward = sum(u.forward for u in units), sum(u.backward for u in units)
         units = [replace(u, forward=(u.forward * seconds + split_fwd * u.forward / forward) / busy,
@@ -267,12 +267,6 @@ def step_time(strategy: str, n: int, work: Workload, net: Interconnect, model_sp
     return Step(max(t, comm) + after, compute, comm_total, sent)
 
 
-MODELLED_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
-"""Pipeline schedules the model plays: all of disttrain's (dualpipev's overlapped forward-backward pairs as torch's
-runtime runs them: the forward, then the backward). Their stages per rank and which split the backward (FSDP2 then
-keeps a stage's parameters gathered from forward to backward: priced as zero2) are parallel/mesh.py's."""
-
-
 def _pipeline_step(strategy: str, n: int, work: Workload, net: Interconnect) -> Step:
     """A pipeline of p ranks (n / p GPUs a stage), v stages a rank: the schedule played through
     (`pipeline_timeline.play`: each rank runs its computations in the schedule's order, each when its rank is free
@@ -282,7 +276,7 @@ def _pipeline_step(strategy: str, n: int, work: Workload, net: Interconnect) -> 
     embedding and head's gradients between the first and last stage where two ranks hold them (`tied_bytes`). A
     send of `send_bytes` between ranks delays the computation waiting for it (across nodes once the job spans
     several); on a CPU host it is a call on each rank's timeline instead, 2 v a micro-batch."""
-    p, m, v = work.pipeline, work.micro_steps, _check_pipeline(strategy, n, work)
+    p, m, v = work.pipeline, work.micro_steps, check_pipeline(strategy, n, work)
     apart = n > net.gpus_per_node  # (a stage boundary on other nodes)
 
     def link(dtype: str, collective: str) -> Interconnect:
@@ -338,37 +332,9 @@ def _stage_costs(work: Workload, net: Interconnect) -> tuple[list[float], tuple[
         backward = compute / m * (1 - forward)
         # (torch runs a split backward's first stage whole, as the weight part: its input has no gradient)
         first = s == 0 and work.schedule in mesh.SPLIT_BACKWARD_SCHEDULES
-        costs.append(StageCost(compute / m * forward + split_fwd, backward, 0.0 if first else split_bwd,
-                               (0.0, backward + split_bwd) if first else ()))
+        costs.append(StageCost(compute / m * forward + split_fwd, backward + split_bwd if first else backward,
+                               0.0 if first else split_bwd, (0.0, backward + split_bwd) if first else ()))
     return computes, tuple(costs)
-
-
-def _check_pipeline(strategy: str, n: int, work: Workload) -> int:
-    """A pipeline's stages per rank (v), or one line for what the model does not price or disttrain does not run."""
-    if work.schedule not in MODELLED_SCHEDULES:
-        raise ConfigError(f"parallel.pipeline_schedule = {work.schedule!r} is not modelled; predict "
-                          f"{', '.join(MODELLED_SCHEDULES)}")
-    if work.schedule == "dualpipev" and work.micro_steps < 2 * work.pipeline:
-        raise ConfigError(f"parallel.pipeline_schedule = 'dualpipev' runs at least 2 x parallel.pipeline = "
-                          f"{2 * work.pipeline} micro-batches a step, not {work.micro_steps}; give a batch of as many")
-    layout = SimpleNamespace(pipeline=work.pipeline, pipeline_schedule=work.schedule,
-                             pipeline_stages_per_rank=work.virtual)
-    mesh.check_stages_per_rank(layout)
-    p, v = work.pipeline, mesh.stages_per_rank(layout)
-    if n % p:
-        raise ConfigError(f"parallel.pipeline = {p} does not divide {n} GPUs; give multiples of it")
-    if work.cpu_cores and (n > p or p > work.cpu_cores):
-        raise ConfigError(f"parallel.pipeline = {p} on {n} ranks of a CPU host with {work.cpu_cores} cores is not "
-                          "modelled (a tensor split or data parallelism beside it, or more stages than cores: ranks "
-                          "sharing the cores); predict the pipeline alone, on as many ranks as cores")
-    if v > 1 and work.schedule not in mesh.V_SCHEDULES and work.micro_steps % p:
-        raise ConfigError(f"parallel.pipeline_schedule = {work.schedule!r} runs micro-batches in multiples of "
-                          f"parallel.pipeline = {p}, not {work.micro_steps}; give a batch of such micro-batches")
-    assert len(work.stages) == p * v, "a pipeline's Workload holds each stage"
-    assert work.tensor == 1 or (len(work.stage_calls), len(work.step_calls)) == (p * v, p), "and a split's calls"
-    assert bool(work.orders) == (v > 1), "torch's order of a multi-stage schedule"
-    check_model_split(strategy, work, f"parallel.pipeline = {p}")
-    return v
 
 
 SPLIT_NAMES = "parallel.tensor x parallel.pipeline x parallel.context"

@@ -249,8 +249,10 @@ def _tied_as_held(model, params: list, ties: list[list[str]]) -> None:
 
 
 PROCESS_GROUP_CALLS = {"allgather_": "all_gather", "_reduce_scatter_base_": "reduce_scatter"}
-"""torch.distributed's list all-gather and its reduce-scatter of one tensor (a context split's, parallel/context.py:
-FSDP2 gathers through the other all-gather) as the scale model names them."""
+"""torch.distributed's list all-gather and its reduce-scatter of one tensor (a context split's, parallel/context.py)
+as the scale model names them. FSDP2 gathers through the other all-gather, but reduce-scatters through this one:
+record a context split's calls beside a data axis that shards no gradients (ddp, as tests/scripts/
+context_calls_job.py does)."""
 
 
 @contextlib.contextmanager

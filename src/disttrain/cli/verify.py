@@ -7,7 +7,7 @@ under each strategy in turn (one process group, so start-up is paid once). Print
 |loss difference|, the max relative difference of the gradient norm and the max |difference| of the final
 parameters, and exits 1 if any exceeds the tolerance. The default is every registered strategy that runs on a
 process group and can run this config, and the model split over all N ranks (`tpN`: tensor parallel, `ppN`: a
-pipeline of N stages, `cpN`: each sequence in N chunks) where the model allows it; a strategy registered by your
+pipeline of N stages, `cpN`: each sequence over N ranks) where the model allows it; a strategy registered by your
 own module (`disttrain.parallel.register`) is verified too: its module is imported in the workers. Runs go to
 `RUN_DIR/verify/`.
 

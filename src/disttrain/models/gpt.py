@@ -79,7 +79,7 @@ class GPT(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (batch, time) -> logits (batch, time, vocab). `position_ids` (batch, time): each token's position
-        (default 0, 1, 2, ...; a chunk of a longer sequence under context parallelism starts later)."""
+        (default 0, 1, 2, ...; a rank's pieces of a longer sequence under context parallelism: its own)."""
         t = input_ids.shape[1]
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence of {t} tokens exceeds model.seq_len = {self.cfg.seq_len}")

@@ -11,10 +11,10 @@ as torchtitan does:
     data       the strategy over the data axes only (`mesh=`: DDP on the dp_replicate group, FSDP2 on dp_shard
                or dp_replicate x dp_shard); skipped when the data-parallel degree (x context) is 1
     pipeline   parallel/pipeline.py splits the (tensor-parallel) model into stages; the data axis wraps each stage
-    context    parallel/context.py gives each attention the chunk's (`Prepared.context`: the backend cuts batches)
+    context    parallel/context.py gives each attention the rank's share (`Prepared.context`: the backend cuts batches)
 
 The `Prepared` it returns says which share of each batch this rank reads (`data_parallel`) and whether its loss
-counts in the global totals (one rank per data shard and sequence chunk), so the backend and the Trainer stay as
+counts in the global totals (one rank per data shard and share of the sequences), so the backend and the Trainer stay as
 they are.
 """
 

@@ -44,18 +44,16 @@ class ContextParallel:
         gradients' reduce-scatters too (`comm_s`, `comm_bytes`); None: untimed."""
         self._biases: dict[tuple[int, int], Any] = {}
 
-    def pieces(self, width: int) -> torch.Tensor:
+    def pieces(self, width: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """The positions of a sequence of `width` tokens (a multiple of 2 x size) that this rank holds: pieces r and
-        2 size - 1 - r of 2 size equal ones."""
+        2 size - 1 - r of 2 size equal ones (built on `device`: no copy to it, which would wait for the stream)."""
         piece = width // (2 * self.size)
-        return torch.cat([torch.arange(p * piece, (p + 1) * piece) for p in (self.rank, 2 * self.size - 1 - self.rank)])
+        return torch.cat([torch.arange(p * piece, (p + 1) * piece, device=device)
+                          for p in (self.rank, 2 * self.size - 1 - self.rank)])
 
-    def _in_order(self, gathered: torch.Tensor) -> torch.Tensor:
-        """The group's pieces (each rank's two, in rank order, along dim -2) in the sequence's order."""
-        piece = gathered.shape[-2] // (2 * self.size)
-        owner = [(p, 0) if p < self.size else (2 * self.size - 1 - p, 1) for p in range(2 * self.size)]
-        index = torch.cat([torch.arange(piece) + (2 * rank + second) * piece for rank, second in owner])
-        return gathered.index_select(-2, index.to(gathered.device))
+    def owners(self) -> list[tuple[int, int]]:
+        """(rank, its first or second piece) of each of the sequence's 2 x size pieces, in the sequence's order."""
+        return [(p, 0) if p < self.size else (2 * self.size - 1 - p, 1) for p in range(2 * self.size)]
 
     def parallelize(self, model: nn.Module) -> None:
         """Give every attention of `model` this rank's: a Hugging Face model's through transformers' attention
@@ -96,7 +94,7 @@ class ContextParallel:
         if width % pieces:  # (a batch padded to its longest sequence): right-padded on to equal pieces
             batch = {key: _pad(value, width, -width % pieces, key) for key, value in batch.items()}
             width += -width % pieces
-        mine = self.pieces(width).to(batch["input_ids"].device)
+        mine = self.pieces(width, batch["input_ids"].device)
         out = {key: value.index_select(1, mine) if _is_sequence(value, width) else value
                for key, value in batch.items()}
         if "position_ids" not in out:
@@ -114,7 +112,9 @@ class ContextParallel:
                               f"{type(outputs).__name__}; return logits (or an output with a `logits` field)")
         parts = [torch.empty_like(outputs) for _ in range(self.size)]
         dist.all_gather(parts, outputs.contiguous(), group=self.group)
-        return self._in_order(torch.cat(parts, dim=1).movedim(1, -2)).movedim(-2, 1)[:, :width]
+        piece = outputs.shape[1] // 2
+        return torch.cat([parts[rank].narrow(1, second * piece, piece) for rank, second in self.owners()],
+                         dim=1)[:, :width]
 
     def attend(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         """Causal attention of this rank's two pieces of queries, each over the keys and values of the sequence up
@@ -124,8 +124,8 @@ class ContextParallel:
             raise ConfigError("parallel.context > 1 runs causal attention without a mask only (no padding mask, "
                               "no bidirectional attention)")
         piece = q.shape[-2] // 2
-        keys = self._in_order(_Gather.apply(k, self))
-        values = self._in_order(_Gather.apply(v, self))
+        metered = torch.is_grad_enabled()  # (evaluation's and forward()'s gathers are not a step's: not metered)
+        keys, values = _Gather.apply(k, self, metered), _Gather.apply(v, self, metered)
         out = []
         for half, p in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
             seen = (p + 1) * piece
@@ -166,29 +166,35 @@ def _no_mask(*args, **kwargs) -> None:
 
 
 class _Gather(torch.autograd.Function):
-    """The ranks' pieces of the group, joined along the sequence (dim -2) in rank order; backward: the sum of every
-    rank's gradient for this rank's pieces, by one reduce-scatter (half an all-reduce's traffic).
+    """The ranks' pieces of the group, joined along the sequence (dim -2) in the sequence's order; backward: the sum
+    of every rank's gradient for this rank's pieces, by one reduce-scatter (half an all-reduce's traffic), its input
+    each rank's pieces in rank order.
     (torch.distributed.nn.functional.all_gather's backward on gloo scatters from group ranks as if they were global
     ones, which fails on any group but the first.)"""
 
     @staticmethod
-    def forward(ctx, mine: torch.Tensor, split: ContextParallel) -> torch.Tensor:
+    def forward(ctx, mine: torch.Tensor, split: ContextParallel, metered: bool) -> torch.Tensor:
         ctx.split, ctx.width = split, mine.shape[-2]
         parts = [torch.empty_like(mine, memory_format=torch.contiguous_format) for _ in range(split.size)]
-        _metered(split.meter, functools.partial(dist.all_gather, parts, mine.contiguous(), group=split.group),
+        _metered(split.meter if metered else None, functools.partial(dist.all_gather, parts, mine.contiguous(),
+                                                                        group=split.group),
                  mine.numel() * mine.element_size() * split.size)
-        return torch.cat(parts, dim=-2)
+        piece = ctx.width // 2
+        return torch.cat([parts[rank].narrow(-2, second * piece, piece) for rank, second in split.owners()], dim=-2)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        # the sequence first (each rank's pieces are then consecutive blocks), summed in float32 (16-bit gradients of
-        # several ranks): one copy
-        whole = grad.movedim(-2, 0)
-        total = torch.empty(whole.shape, dtype=torch.float32, device=grad.device).copy_(whole)
-        mine = total.new_empty((ctx.width, *total.shape[1:]))
+        # the sequence first, each rank's two pieces put next to each other (rank order: the reduce-scatter's
+        # blocks), summed in float32 (16-bit gradients of several ranks): one copy
+        whole, piece = grad.movedim(-2, 0), ctx.width // 2
+        total = torch.empty(whole.shape, dtype=torch.float32, device=grad.device)
+        for p, (rank, second) in enumerate(ctx.split.owners()):
+            start = (2 * rank + second) * piece
+            total[start:start + piece].copy_(whole[p * piece:(p + 1) * piece])
+        mine = total.new_zeros((ctx.width, *total.shape[1:]))  # (zeros: a fake group's reduce-scatter writes none)
         _metered(ctx.split.meter, functools.partial(dist.reduce_scatter_single, mine, total, group=ctx.split.group),
                  total.numel() * total.element_size())
-        return mine.movedim(0, -2).to(grad.dtype), None
+        return mine.movedim(0, -2).to(grad.dtype), None, None
 
 
 def _metered(meter: Any, call, nbytes: int) -> None:

@@ -9,9 +9,9 @@ builds torch's `DeviceMesh` with those axis names on a running job (parallel/com
 
 The data-parallel degree is what the strategy makes of the ranks left over by `parallel.pipeline`,
 `parallel.context` and `parallel.tensor`: replicated (ddp), sharded (fsdp, zero2), or both (hsdp) - each spec's
-`data_axes` says which. Every rank of one data-parallel coordinate (its pipeline stages, sequence chunks and tensor
+`data_axes` says which. Every rank of one data-parallel coordinate (its pipeline stages, sequence pieces and tensor
 shards) reads the same samples. Context-parallel ranks take part in the gradient reduction as data ranks do
-(their chunks are different tokens): the `DeviceMesh` folds the `cp` axis into the data axis next to it.
+(their pieces are different tokens): the `DeviceMesh` folds the `cp` axis into the data axis next to it.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class MeshLayout:
 
     @property
     def model_parallel(self) -> bool:
-        """Whether the model or its sequences are split (pipeline stages, tensor shards, sequence chunks), not only
+        """Whether the model or its sequences are split (pipeline stages, tensor shards, sequence pieces), not only
         the data."""
         return self.pipeline > 1 or self.tensor > 1 or self.context > 1
 
@@ -86,8 +86,8 @@ class MeshLayout:
         return c["dp_replicate"] * self.shard + c["dp_shard"]
 
     def counts_loss(self, rank: int) -> bool:
-        """Whether this rank's loss joins the global totals: one rank per data shard and sequence chunk (the one of
-        the last pipeline stage, tensor shard 0) - the others compute the same loss, or none."""
+        """Whether this rank's loss joins the global totals: one rank per data shard and share of the sequences (the
+        one of the last pipeline stage, tensor shard 0) - the others compute the same loss, or none."""
         c = self.coords(rank)
         return c["pp"] == (0 if self.v_shaped else self.pipeline - 1) and c["tp"] == 0
 
@@ -154,8 +154,8 @@ def check_model_split(cfg: Config, layout: MeshLayout) -> None:
                 raise ConfigError(f"model.{key} = {value} is not divisible by parallel.tensor = {layout.tensor}; "
                                   f"choose a tensor degree that divides it")
     if layout.context > 1 and m.seq_len % (2 * layout.context):
-        raise ConfigError(f"model.seq_len = {m.seq_len} is not divisible by 2 x parallel.context = "
-                          f"{2 * layout.context} (each rank takes two of as many equal pieces of every sequence); "
+        raise ConfigError(f"model.seq_len = {m.seq_len} is not divisible by 2 x parallel.context "
+                          f"(= {2 * layout.context}: each rank takes two of as many equal pieces of every sequence); "
                           "choose a sequence length or degree that divides")
     if p.sequence_parallel and m.seq_len % layout.tensor:
         raise ConfigError(f"model.seq_len = {m.seq_len} is not divisible by parallel.tensor = {layout.tensor} "
@@ -250,7 +250,7 @@ def device_mesh(layout: MeshLayout, device_type: str):
 
 
 def context_groups(layout: MeshLayout):
-    """This rank's process group of the `cp` axis (the ranks that hold the chunks of the same sequences); every
+    """This rank's process group of the `cp` axis (the ranks that hold the pieces of the same sequences); every
     rank creates every group, in the same order, as torch requires."""
     import itertools
 

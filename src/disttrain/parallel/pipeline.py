@@ -187,7 +187,7 @@ def _ids_of(inputs) -> torch.Tensor:
 
 
 def check_mask(kwargs, setting: str = "parallel.pipeline") -> None:
-    """Under a pipeline only token ids cross the stages, and under context parallelism each chunk attends causally
+    """Under a pipeline only token ids cross the stages, and under context parallelism each piece attends causally
     over the whole sequence: both attend causally from position 0 with no mask. Padding on the right changes nothing
     before it, but an attention mask that hides a token before a real one (left padding) or positions that restart
     inside a row (packed sequences) would be ignored, so such a batch is refused rather than trained on wrongly.

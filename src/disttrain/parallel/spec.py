@@ -124,7 +124,7 @@ class Prepared:
     """Tensor parallelism's loss parallel (parallel/tensor.py): the context in which forward, disttrain's own loss
     and backward run on logits split by vocabulary. None: the model's logits are whole tensors."""
     context: Any = None
-    """Context parallelism (parallel/context.py): cuts each batch to this rank's chunk of every sequence, and is the
+    """Context parallelism (parallel/context.py): cuts each batch to this rank's pieces of every sequence, and is the
     mode under which forward and backward attend over the whole sequence. None: sequences are whole."""
     norm_group: Any = None
     """A process group whose ranks hold different parameters that no DTensor spans (pipeline stages): the squared
