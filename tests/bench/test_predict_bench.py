@@ -373,45 +373,29 @@ def test_forecast_of_a_pipeline_of_tensor_splits_prices_each_rank_s_stages_calls
     assert "- tensor split over 2 GPUs" in report and "- pipeline of 2 ranks" in report
 
 
-def test_a_sitting_of_a_tensor_split_times_one_rank_s_compute_alone(tmp_path):
-    """--measure at 1 rank of a split of 2: the whole group's job on a fake group of 2, whose collectives return at
-    once (the base the model predicts the 2-rank step from); --local-batch is the group's at every world size."""
+@pytest.mark.parametrize("split", ["tensor", "context"])
+def test_a_sitting_of_a_split_times_one_rank_s_compute_alone(tmp_path, split):
+    """--measure at 1 rank of a tensor or context split of 2: the whole group's job on a fake group of 2, whose
+    collectives return at once (the base the model predicts the 2-rank step from; a context split's last rank);
+    --local-batch is the group's at every world size; the comm fit's compute phase is the step over a
+    micro-batch's split calls."""
+    strategy = "ddp" if split == "tensor" else "fsdp"
     result = run_cli(["bench", "predict", "--measure", "--validate", "--rounds", "1", "--world-sizes", "1,2",
-                      "--strategies", "ddp", "--steps", "2", "--warmup", "1", "--local-batch", "4", *TINY,
-                      "--set", "parallel.tensor=2", "--max-other-cpu", "4", "--out", str(tmp_path / "s")], tmp_path,
+                      "--strategies", strategy, "--steps", "2", "--warmup", "1", "--local-batch", "4", *TINY,
+                      "--set", f"parallel.{split}=2", "--max-other-cpu", "4", "--out", str(tmp_path / "s")], tmp_path,
                      timeout=180)
     assert result.returncode == 0, result.stderr
     rows = list(csv.DictReader(open(tmp_path / "s" / "scaling.csv")))
-    assert [(r["world_size"], r["tensor"], r["global_batch"]) for r in rows] == [("1", "2", "4"), ("2", "2", "4")]
+    assert [(r["world_size"], r[split], r["global_batch"]) for r in rows] == [("1", "2", "4"), ("2", "2", "4")]
     fit = json.loads((tmp_path / "s" / "comm" / "comm_fit.json").read_text())
-    cfg = load_config(None, [*TINY[1::2], "parallel.tensor=2"])
-    calls = predict_job.tensor_calls_of(cfg, SHAPE, "fp32", 4)
+    cfg = load_config(None, [*TINY[1::2], f"parallel.{split}=2"])
+    calls = (predict_job.tensor_calls_of if split == "tensor" else predict_job.context_calls_of)(cfg, SHAPE, "fp32", 4)
     micro = sum(1 for c in calls if c[0] != "step")  # each call after a phase of compute as long as the step's gaps
     assert fit["compute_ms"] == pytest.approx(1e3 * float(rows[0]["step_time_s"]) / micro, abs=0.006)
     checked = [r for r in csv.DictReader(open(tmp_path / "s" / "predict.csv")) if r["check"] == "measured"]
-    work = sm.Workload(SHAPE, float(rows[0]["step_time_s"]), 1.0, "fp32", cpu_cores=2, log_every=0, tensor=2,
-                       tensor_calls=calls)
-    expected = sm.step_time("ddp", 2, work, ic.interconnect_from_fit(fit))
-    assert float(checked[1]["predicted"]) == pytest.approx(expected.step_s, rel=1e-9)
-
-
-def test_a_sitting_of_a_context_split_times_one_rank_s_compute_alone(tmp_path):
-    """--measure at 1 rank of a context split of 2: the group's job on a fake group of 2, as its last rank (whose
-    collectives return at once); the comm fit's compute phase is the step over the split's calls."""
-    result = run_cli(["bench", "predict", "--measure", "--validate", "--rounds", "1", "--world-sizes", "1,2",
-                      "--strategies", "fsdp", "--steps", "2", "--warmup", "1", "--local-batch", "4", *TINY,
-                      "--set", "parallel.context=2", "--max-other-cpu", "4", "--out", str(tmp_path / "s")], tmp_path,
-                     timeout=180)
-    assert result.returncode == 0, result.stderr
-    rows = list(csv.DictReader(open(tmp_path / "s" / "scaling.csv")))
-    assert [(r["world_size"], r["context"], r["global_batch"]) for r in rows] == [("1", "2", "4"), ("2", "2", "4")]
-    fit = json.loads((tmp_path / "s" / "comm" / "comm_fit.json").read_text())
-    assert fit["compute_ms"] == pytest.approx(1e3 * float(rows[0]["step_time_s"]) / (4 * 2), abs=0.006)
-    cfg = load_config(None, [*TINY[1::2], "parallel.context=2"])
-    work = sm.Workload(SHAPE, float(rows[0]["step_time_s"]), 1.0, "fp32", cpu_cores=2, log_every=0, context=2,
-                       context_calls=predict_job.context_calls_of(cfg, SHAPE, "fp32", 4))
-    checked = [r for r in csv.DictReader(open(tmp_path / "s" / "predict.csv")) if r["check"] == "measured"]
-    expected = sm.step_time("fsdp", 2, work, ic.interconnect_from_fit(fit))
+    work = sm.Workload(SHAPE, float(rows[0]["step_time_s"]), 1.0, "fp32", cpu_cores=2, log_every=0,
+                       **{split: 2, f"{split}_calls": calls})
+    expected = sm.step_time(strategy, 2, work, ic.interconnect_from_fit(fit))
     assert float(checked[1]["predicted"]) == pytest.approx(expected.step_s, rel=1e-9)
 
 

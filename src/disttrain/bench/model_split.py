@@ -35,13 +35,18 @@ def check_tensor(strategy: str, n: int, work: Workload, net: Interconnect) -> No
     t = work.tensor
     if t == 1:
         return
-    if n % t:
-        raise ConfigError(f"parallel.tensor = {t} does not divide {n} GPUs; give GPU counts that are multiples of it")
-    if net.gpus_per_node % t:
-        raise ConfigError(f"parallel.tensor = {t}: its groups would straddle nodes of {net.gpus_per_node} devices, "
-                          "which the model does not price (each block's collectives hold up its compute); give a "
-                          f"divisor of {net.gpus_per_node}")
+    _check_group("parallel.tensor", t, n, net, "each block's collectives hold up its compute")
     check_model_split(strategy, work, f"parallel.tensor = {t}")
+
+
+def _check_group(setting: str, degree: int, n: int, net: Interconnect, why: str) -> None:
+    """A split's groups of `degree` neighbouring GPUs: whole ones in `n`, each within a node (`why` the model does
+    not price them across nodes)."""
+    if n % degree:
+        raise ConfigError(f"{setting} = {degree} does not divide {n} GPUs; give GPU counts that are multiples of it")
+    if net.gpus_per_node % degree:
+        raise ConfigError(f"{setting} = {degree}: its groups would straddle nodes of {net.gpus_per_node} devices, "
+                          f"which the model does not price ({why}); give a divisor of {net.gpus_per_node}")
 
 
 def check_model_split(strategy: str, work: Workload, split: str) -> None:
@@ -76,12 +81,7 @@ def check_context(strategy: str, n: int, work: Workload, net: Interconnect) -> N
     if work.tensor > 1 or work.pipeline > 1:
         raise ConfigError(f"parallel.context = {c} does not compose with parallel.tensor or parallel.pipeline in "
                           "disttrain; predict it with a data-parallel strategy only")
-    if n % c:
-        raise ConfigError(f"parallel.context = {c} does not divide {n} GPUs; give GPU counts that are multiples of it")
-    if net.gpus_per_node % c:
-        raise ConfigError(f"parallel.context = {c}: its groups would straddle nodes of {net.gpus_per_node} devices, "
-                          "which the model does not price (each attention's gathers hold up its compute); give a "
-                          f"divisor of {net.gpus_per_node}")
+    _check_group("parallel.context", c, n, net, "each attention's gathers hold up its compute")
     if not work.model.kv_width:
         raise ConfigError(f"parallel.context = {c}: {work.model.name} has no attention the model knows of (its keys' "
                           "width); predict a transformer, or parallel.context = 1")
