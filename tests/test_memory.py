@@ -26,11 +26,11 @@ def measured(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def measured_4_ranks(tmp_path_factory):
-    """pp2 x dp2 (ddp: FSDP2 replicate on the data axis) and pp2 x fsdp2 under 1F1B, and pp2 x dp2 under zbv, in
-    one 4-rank launch."""
+    """pp2 x dp2 (ddp: FSDP2 replicate on the data axis) and pp2 x fsdp2 under 1F1B, pp2 x dp2 under zbv, and
+    tp2 x cp2, in one 4-rank launch."""
     out = tmp_path_factory.mktemp("memory4")
     assert memory_bench.main(["--nproc", "4", "--world-sizes", "4", "--n-layer", "4", "--d-model", "96", "--micro",
-                              "4", "--strategies", "none", "--layouts", "pp2-1f1b,pp2-fsdp,pp2-zbv",
+                              "4", "--strategies", "none", "--layouts", "pp2-1f1b,pp2-fsdp,pp2-zbv,tp2-cp2",
                               "--out", str(out)]) == 0
     return json.loads((out / "memory.json").read_text())["rows"]
 
@@ -186,7 +186,7 @@ def test_a_users_model_with_frozen_parameters_is_estimated_without_activations(m
 
 def test_estimate_matches_measurement_for_a_pipeline_with_a_data_axis(measured_4_ranks):
     by = _check_layout_rows(measured_4_ranks, {"pp2-1f1b": "pp2 x dp_replicate2", "pp2-fsdp": "pp2 x dp_shard2",
-                                               "pp2-zbv": "pp2 x dp_replicate2"})
+                                               "pp2-zbv": "pp2 x dp_replicate2", "tp2-cp2": "cp2 x tp2"})
     for rank in range(4):  # FSDP2 on the data axis halves a stage's model states; activations are the same
         assert by["pp2-fsdp", rank]["params"] < 0.52 * by["pp2-1f1b", rank]["params"]
         assert by["pp2-fsdp", rank]["activations"] == by["pp2-1f1b", rank]["activations"]

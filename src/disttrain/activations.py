@@ -173,17 +173,21 @@ def activations(cfg: Config, linears: str, model: nn.Module, mesh: MeshLayout | 
                         "measure your model instead"]
 
 
-def _gathered_kv(m: ModelConfig, micro_batch: int, context: int, precision: str) -> int:
+def _gathered_kv(m: ModelConfig, micro_batch: int, context: int, precision: str, tensor: int = 1) -> int:
     """What one block's attention keeps beyond its share under context parallelism (parallel/context.py): the keys
     and values of the whole sequence where its own would be (gathered in the sequence's order; each of its two
     pieces reads them up to the piece's end, a view), and the causal masks of its two pieces' queries over them, h x
     (r + 1) h and h x (2c - r) h for pieces of h tokens (CPU's SDPA materialises each as an additive mask in the
-    activations' dtype): h^2 (2c + 1) on every rank but 0, whose first piece's square needs none."""
+    activations' dtype): h^2 (2c + 1) on every rank but 0, whose first piece's square needs none; and the attention's
+    output twice (SDPA keeps each piece's for its backward, the projection the two joined). Under a tensor split each
+    rank's keys, values and outputs are its heads': 1/tensor of them."""
     if context == 1:
         return 0
     t, piece = m.seq_len, m.seq_len // (2 * context)
     act = 4 if precision == "fp32" else 2
-    return 2 * act * m.d_model * micro_batch * (t - 2 * piece) + act * piece * piece * (2 * context + 1)
+    width = m.d_model // tensor
+    return (2 * act * width * micro_batch * (t - 2 * piece) + act * piece * piece * (2 * context + 1)
+            + act * width * micro_batch * 2 * piece)
 
 
 def _gpt_split_activations(cfg: Config, linears: str, mesh: MeshLayout, model: nn.Module,
@@ -201,7 +205,7 @@ def _gpt_split_activations(cfg: Config, linears: str, mesh: MeshLayout, model: n
     trained = [max(0, high - max(low, spared.blocks)) for low, high in bounds]  # the blocks that keep activations
     out, counts, exact = [], [], True
     for ac in (False, True):
-        gathered = 0 if ac else _gathered_kv(m, micro, mesh.context, p.precision)
+        gathered = 0 if ac else _gathered_kv(m, micro, mesh.context, p.precision, mesh.tensor)
         sizes = tuple(gathered * trained[stage] +
                       gpt_activation_bytes(chunk, micro, ac, p.precision, linears, tensor=mesh.tensor,
                                            sequence_parallel=p.sequence_parallel,

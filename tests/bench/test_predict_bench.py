@@ -295,6 +295,28 @@ def test_forecast_of_a_context_split_prices_its_calls_and_a_share_of_the_batch(t
     assert "64 collectives in forward and 64 in backward (49,152.0 MiB" in text  # (2 x 65536 x 1024 x (2 + 2 + 4 + 4))
 
 
+def test_forecast_of_a_tensor_and_context_split_prices_both_splits_calls_on_a_share(tmp_path):
+    """parallel.tensor = 2 x parallel.context = 2: a group of 4 GPUs reads one batch; each rank's tensor calls carry
+    its share of a sequence (1/2 the tensor split's alone), its context calls its heads' keys (1/2 the context
+    split's alone)."""
+    settings = ["parallel.tensor=2", "parallel.context=2", "dist.nproc=4"]
+    assert cli(["bench", "predict", *TINY, *(x for o in settings for x in ("--set", o)), "--strategy", "fsdp",
+                "--gpus", "4,16", "--out", str(tmp_path / "gpt")]) == 0
+    cfg = load_config(None, [*TINY[1::2], *settings])
+    alone = [load_config(None, [*TINY[1::2], o, "dist.nproc=2"]) for o in settings[:2]]
+    tensor, context = predict_job.tensor_calls_of(cfg, SHAPE, "fp32", 8), predict_job.context_calls_of(cfg, SHAPE,
+                                                                                                         "fp32", 8)
+    assert [c[2] for c in tensor if c[0] != "step"] == [c[2] / 2 for c in predict_job.tensor_calls_of(
+        alone[0], SHAPE, "fp32", 8) if c[0] != "step"]
+    assert [c[2] for c in context] == [c[2] / 2 for c in predict_job.context_calls_of(alone[1], SHAPE, "fp32", 8)]
+    compute = sm.compute_seconds(SHAPE, 32 * 32 / 4, sm.H100_FP32_TFLOPS, 0.35)
+    work = sm.Workload(SHAPE, compute, 32 * 32 / 4, "fp32", 4, tensor=2, context=2, tensor_calls=tensor,
+                       context_calls=context)
+    for row in csv.DictReader(open(tmp_path / "gpt" / "predict.csv")):
+        expected = sm.step_time("fsdp", int(row["gpus"]), work, ic.PRESETS["h100-nvlink+ib-ndr"])
+        assert float(row["step_s"]) == pytest.approx(expected.step_s, rel=1e-9)
+
+
 def test_a_sweep_of_the_splits_forecasts_each_degree_as_on_its_own(tmp_path):
     """--sweep parallel.tensor=1,2 (and pipeline): one table, each value's rows those of a forecast with --set; a
     group's batch kept, each GPU's compute its share of the FLOPs."""

@@ -43,6 +43,7 @@ LAYOUTS = {
     "pp2-dualpipev": ("parallel.pipeline=2", "parallel.pipeline_schedule=dualpipev"),
     "cp2": ("parallel.context=2",),
     "cp2-fsdp": ("parallel.context=2", "parallel.strategy=fsdp"),
+    "tp2-cp2": ("parallel.tensor=2", "parallel.context=2"),
     "frozen": (f"model.freeze={FROZEN}",),
     "frozen-fsdp": (f"model.freeze={FROZEN}", "parallel.strategy=fsdp"),
     "pp2-frozen": ("parallel.pipeline=2", f"model.freeze={FROZEN}"),

@@ -72,16 +72,17 @@ def context_calls(model: ModelShape, compute: str, recompute: bool = False) -> t
 
 
 def check_context(strategy: str, n: int, work: Workload, net: Interconnect) -> None:
-    """What the model does not price of a context split (a count it does not divide, a group not within a node,
-    a model whose keys' width is not known, hsdp) and what disttrain does not run (with a tensor split or a
-    pipeline, zero1, powersgd)."""
-    c = work.context
+    """What the model does not price of a context split (a count it does not divide, a group not within a node
+    (with a tensor split, both within one), a model whose keys' width is not known, hsdp) and what disttrain does
+    not run (with a pipeline, zero1, powersgd)."""
+    c, t = work.context, work.tensor
     if c == 1:
         return
-    if work.tensor > 1 or work.pipeline > 1:
-        raise ConfigError(f"parallel.context = {c} does not compose with parallel.tensor or parallel.pipeline in "
-                          "disttrain; predict it with a data-parallel strategy only")
-    _check_group("parallel.context", c, n, net, "each attention's gathers hold up its compute")
+    if work.pipeline > 1:
+        raise ConfigError(f"parallel.context = {c} does not compose with parallel.pipeline in disttrain; predict it "
+                          "with a data-parallel strategy (and parallel.tensor)")
+    names = "parallel.context" if t == 1 else "parallel.tensor x parallel.context"
+    _check_group(names, c * t, n, net, "each attention's gathers hold up its compute")
     if not work.model.kv_width:
         raise ConfigError(f"parallel.context = {c}: {work.model.name} has no attention the model knows of (its keys' "
                           "width); predict a transformer, or parallel.context = 1")

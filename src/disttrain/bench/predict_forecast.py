@@ -135,13 +135,13 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
 def _split_line(cfg: Config, work: Workload, local: int) -> str:
     """The report's line on a tensor split: its degree, the batch its ranks share, the calls and bytes it sends (a
     pipeline's busiest stage's and rank's)."""
-    t, p = work.tensor, work.pipeline
+    t, p, c = work.tensor, work.pipeline, work.context
     calls = work.tensor_calls or max(work.stage_calls, key=len) + max(work.step_calls, key=len)
     sent = {part: sum(1 for c in calls if c[0] == part) for part in ("forward", "backward", "step")}
     size = sum(c[2] for c in calls if c[0] != "step") / 2**20
     return (f"- tensor split over {t} GPUs of a node (parallel.tensor; sequence parallel "
             f"{'on' if cfg.parallel.sequence_parallel else 'off'}): a group's ranks share its {local} sequences "
-            f"(tokens per GPU: 1/{t * p} of them); each micro-batch sends {sent['forward']} collectives in forward "
+            f"(tokens per GPU: 1/{t * p * c} of them); each micro-batch sends {sent['forward']} collectives in forward "
             f"and {sent['backward']} in backward ({size:,.1f} MiB{', the busiest stage' if p > 1 else ''}), the "
             f"step {sent['step']} more, each holding up the compute; the strategy runs over GPUs / {t * p} ranks, "
             f"each with 1/{t} of its {'stage' if p > 1 else 'model'}'s parameters")
@@ -188,7 +188,8 @@ def _context_line(work: Workload, local: int) -> str:
             f"each computing 2 of {2 * c} pieces of every sequence (tokens per GPU: 1/{c} of them; as many causal "
             f"query-key pairs each); each micro-batch sends {sent['forward']} collectives in forward and "
             f"{sent['backward']} in backward ({size:,.1f} MiB: each attention's keys and values, and their "
-            "gradients), each holding up the compute; the strategy runs over every GPU, each with the whole model")
+            "gradients), each holding up the compute; the strategy runs over every GPU"
+            + (", each with the whole model" if work.tensor == 1 else f" / {work.tensor} (the tensor split's groups)"))
 
 
 def _pipeline_line(cfg: Config, stages: tuple[ModelShape, ...], send: float, micro_batches: int) -> str:

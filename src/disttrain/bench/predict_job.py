@@ -7,6 +7,7 @@ its swept setting (`series_settings`)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import NamedTuple
 
 from disttrain.bench.interconnect import ITEMSIZE
@@ -165,12 +166,14 @@ def context_calls_of(cfg: Config, shape: ModelShape, precision: str, sequences: 
     """The context split's collectives of a micro-batch of `sequences` sequences (`Workload.context_calls`): each
     attention's keys and values in the compute dtype of FSDP2's gathered copies (disttrain runs a context split's
     data axis as FSDP2) and their gradients, gathered again in backward under activation checkpointing
-    (`model_split.context_calls`); () where `parallel.context` is 1."""
+    (`model_split.context_calls`), a tensor rank's heads' under a tensor split; () where `parallel.context` is 1."""
     from disttrain.bench.model_split import context_calls
 
     if cfg.parallel.context <= 1:
         return ()
-    calls = context_calls(shape, WIRE_DTYPES[precision][1], cfg.parallel.activation_checkpointing)
+    t = max(1, cfg.parallel.tensor)  # (a tensor rank's keys: its heads')
+    calls = context_calls(replace(shape, kv_width=shape.kv_width // t), WIRE_DTYPES[precision][1],
+                          cfg.parallel.activation_checkpointing)
     return scaled_calls(calls, sequences)
 
 
@@ -190,7 +193,7 @@ def tensor_calls_of(cfg: Config, shape: ModelShape, precision: str, sequences: f
         calls = _plain(tensor_calls.count(cfg, precision, data_axis))
     else:
         calls = _preset_calls(cfg, shape, precision, data_axis)
-    return scaled_calls(tuple(calls), sequences)
+    return scaled_calls(tuple(calls), sequences / max(1, cfg.parallel.context))  # (a context split: a rank's share)
 
 
 class SplitCalls(NamedTuple):

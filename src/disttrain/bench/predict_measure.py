@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(args.config, _overrides(args, world, split_group(split)))
     environ = os.environ
     if world == 1 and tensor * context > 1:  # one rank of the split, its collectives returning at once: its compute
-        rank = context - 1  # (a context split's last rank: any would do, the split is balanced)
+        rank = (context - 1) * tensor  # (a context split's last rank, tensor rank 0: any would do, all are alike)
         form_fake_group(tensor * context, rank)
         environ = {**os.environ, "WORLD_SIZE": str(tensor * context), "LOCAL_WORLD_SIZE": str(tensor * context),
                    "RANK": str(rank)}
