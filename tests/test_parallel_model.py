@@ -283,6 +283,10 @@ def test_context_ranks_read_one_shard_count_their_own_tokens_and_fold_into_the_d
     assert all(ddp.counts_loss(r) for r in range(4)) and ddp.describe() == "dp_replicate2 x cp2"
     assert ddp.mesh_shape == (1, 4, 1, 1)  # the gradients are reduced over data x context ranks
     assert MeshLayout(1, 1, 2, 1, context=2, context_sharded=True).mesh_shape == (1, 1, 4, 1)
+    split = MeshLayout(1, 1, 1, 2, context=2)  # tp2 x cp2: tensor innermost
+    assert [split.coords(r)["cp"] for r in range(4)] == [0, 0, 1, 1] and split.mesh_shape == (1, 2, 1, 2)
+    assert [r for r in range(4) if split.counts_loss(r)] == [0, 2]  # (tensor rank 0 of each share of the sequence)
+    assert [r for r in range(4) if split.counts_outputs(r)] == [0]  # (one rank of the group: the whole outputs)
 
 
 @pytest.mark.parametrize("overrides, world, expected", [
@@ -291,6 +295,7 @@ def test_context_ranks_read_one_shard_count_their_own_tokens_and_fold_into_the_d
     (["parallel.strategy=hsdp", "parallel.hsdp_shard_size=2", "parallel.pipeline=2"], 8, MeshLayout(2, 2, 2, 1)),
     (["parallel.strategy=hsdp", "parallel.hsdp_shard_size=2"], 4, MeshLayout(1, 2, 2, 1)),
     (["parallel.context=2"], 4, MeshLayout(1, 2, 1, 1, context=2)),  # ddp: cp folds into the replicated axis
+    (["parallel.context=2", "parallel.tensor=2"], 4, MeshLayout(1, 1, 1, 2, context=2)),
     (["parallel.strategy=fsdp", "parallel.context=2"], 4, MeshLayout(1, 1, 2, 1, context=2, context_sharded=True)),
 ])
 def test_layout_from_settings(overrides, world, expected):
@@ -300,7 +305,12 @@ def test_layout_from_settings(overrides, world, expected):
 
 
 @pytest.mark.parametrize("overrides, world, message", [
-    (["parallel.tensor=2"], 3, r"parallel.pipeline x parallel.tensor = 1 x 2 = 2 does not divide the world size 3"),
+    (["parallel.tensor=2"], 3, r"parallel.pipeline x parallel.tensor x parallel.context = 1 x 2 x 1 = 2 does not "
+     "divide the world size 3"),
+    (["parallel.tensor=2", "parallel.context=2"], 6, r"parallel.pipeline x parallel.tensor x parallel.context = "
+     "1 x 2 x 2 = 4 does not divide the world size 6"),
+    (["parallel.tensor=4", "parallel.context=2", "parallel.sequence_parallel=true", "model.seq_len=12"], 8,
+     r"model.seq_len = 12: a rank's share \(1/parallel.context = 1/2 of it\) is not divisible by parallel.tensor = 4"),
     (["parallel.tensor=0"], 2, r"parallel.tensor = 0: must be >= 1"),
     (["parallel.strategy=zero1", "parallel.tensor=2"], 2, "'zero1' does not compose with parallel.pipeline"),
     (["parallel.sequence_parallel=true"], 2, "sequence_parallel = true needs parallel.tensor > 1"),
@@ -325,7 +335,7 @@ def test_layout_from_settings(overrides, world, expected):
     (["parallel.pipeline=2", "parallel.pipeline_schedule=dualpipev", "model.n_layer=4", "data.global_batch_size=12",
       "data.micro_batch_size=4"], 2, "'dualpipev' needs at least as many micro-batches per step as stages \\(4\\)"),
     (["parallel.context=2", "parallel.pipeline=2"], 4, "parallel.context = 2 does not compose with parallel.pipeline"),
-    (["parallel.context=3"], 4, "parallel.context = 3 does not divide the world size 4"),
+    (["parallel.context=3"], 4, "parallel.tensor x parallel.context = 1 x 1 x 3 = 3 does not divide the world size 4"),
     (["parallel.context=3", "model.seq_len=32"], 3, "model.seq_len = 32 is not divisible by 2 x "
      "parallel.context \\(= 6"),
     (["parallel.tensor=2", "model.n_head=3", "model.d_model=96"], 2, "model.n_head = 3 is not divisible by "

@@ -269,13 +269,14 @@ def test_service_fsdp_matches_reference(reference, plain, strategy):
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("nproc, strategy, parallel", [(4, "fsdp", {"pipeline": 2}),
-                                                       (2, "auto", {"tensor": 2, "sequence_parallel": True}),
-                                                       (2, "auto", {"context": 2})], ids=["pp2+fsdp2", "tp2+sp", "cp2"])
+@pytest.mark.parametrize("nproc, strategy, parallel", [
+    (4, "fsdp", {"pipeline": 2}), (2, "auto", {"tensor": 2, "sequence_parallel": True}), (2, "auto", {"context": 2}),
+    (4, "auto", {"tensor": 2, "context": 2, "loss_parallel": True})], ids=["pp2+fsdp2", "tp2+sp", "cp2", "tp2+cp2+lp"])
 def test_service_with_the_model_split_matches_reference(tmp_path, reference, plain, nproc, strategy, parallel):
     """A pipeline of two stages, each sharded over two ranks (state_dict gathers a stage's DTensors one at a time),
-    the blocks split tensor-wise, or each sequence in two chunks: the same losses, weights (every stage's), outputs
-    (the chunks' joined once), and a checkpoint that reloads."""
+    the blocks split tensor-wise, each sequence over two ranks, or both (the logits split by vocabulary too): the same
+    losses, weights (every stage's), outputs (the vocabulary's and the sequence's shares joined once), and a
+    checkpoint that reloads."""
     async def scenario():
         service = await TrainingService.options(nproc=nproc, threads_per_rank=1).as_service(
             "gpt", model_args=job.MODEL, optimizer=job.OPTIM, seed=job.SEED, strategy=strategy, parallel=parallel)

@@ -329,7 +329,8 @@ class TrainingBackend:
             outputs = self.forward(batch)
             return self.loss_terms(outputs, batch, loss_fn) if self.prepared.counts_loss else None
         batch, loss_fn = self._chunk(to_device(batch, self.runtime.device, self.precision.param_dtype), loss_fn)
-        return self.loss_terms(self._eval_call(batch), batch, loss_fn)
+        terms = self.loss_terms(self._eval_call(batch), batch, loss_fn)  # (every rank: loss parallel's collectives)
+        return terms if self.prepared.counts_loss else None
 
     @torch.no_grad()
     def forward(self, batch: Any) -> Any:
@@ -338,9 +339,9 @@ class TrainingBackend:
         batch = to_device(batch, self.runtime.device, self.precision.param_dtype)
         context = self.prepared.context  # (context parallelism: this rank's pieces, then the whole sequences)
         outputs = self._eval_call(context.shard(batch) if context is not None else batch)
-        outputs = context.whole(outputs, batch["input_ids"].shape[1]) if context is not None else outputs
-        split = self.prepared.split_logits  # (loss parallel's logits split by vocabulary: gathered)
-        return outputs if split is None else split.whole(outputs)
+        split = self.prepared.split_logits  # (loss parallel's logits split by vocabulary: gathered first)
+        outputs = outputs if split is None else split.whole(outputs)
+        return context.whole(outputs, batch["input_ids"].shape[1]) if context is not None else outputs
 
     def _eval_call(self, batch: Any) -> Any:
         """The model's outputs for `batch` (on the device), in eval mode under the precision's autocast."""

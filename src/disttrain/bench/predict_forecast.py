@@ -185,8 +185,8 @@ def _context_line(work: Workload, local: int) -> str:
     size = sum(call[2] for call in calls) / 2**20
     sent = {part: sum(1 for call in calls if call[0] == part) for part in ("forward", "backward")}
     return (f"- context split over {c} GPUs of a node (parallel.context): a group's ranks share its {local} sequences, "
-            f"each computing 2 of {2 * c} pieces of every sequence (tokens per GPU: 1/{c} of them; as many causal "
-            f"query-key pairs each); each micro-batch sends {sent['forward']} collectives in forward and "
+            f"each computing 2 of {2 * c} pieces of every sequence (tokens per GPU: 1/{c * work.tensor} of them; as "
+            f"many causal query-key pairs each); each micro-batch sends {sent['forward']} collectives in forward and "
             f"{sent['backward']} in backward ({size:,.1f} MiB: each attention's keys and values, and their "
             "gradients), each holding up the compute; the strategy runs over every GPU"
             + (", each with the whole model" if work.tensor == 1 else f" / {work.tensor} (the tensor split's groups)"))

@@ -273,8 +273,9 @@ def _preset_calls(cfg: Config, shape: ModelShape, precision: str, data_axis: boo
 
 
 def scaled_calls(calls: tuple, sequences: float) -> tuple:
-    """A tensor split's calls of one sequence (`tensor_calls_of(..., 1)`) in a micro-batch of `sequences`: the
-    forward's and backward's sizes times it, the step's (the parameters') as they are."""
+    """A split's calls of one sequence (`tensor_calls_of(..., 1)`: under a context split a rank's share of one) in a
+    micro-batch of `sequences`: the forward's and backward's sizes times it, the step's (the parameters') as they
+    are."""
     return tuple((part, collective, nbytes * (1 if part == "step" else sequences), dtype)
                  for part, collective, nbytes, dtype in calls)
 

@@ -136,8 +136,8 @@ def sitting(args: argparse.Namespace, out: Path, dtypes: list[str]) -> tuple[Pat
     cfg = load_config(args.config, args.overrides)
     n_layer, split = cfg.model.n_layer, sum(1 for c in count(cfg) if c.part != "step")  # (a micro-batch's)
     recomputed = cfg.parallel.activation_checkpointing  # (a context split's keys and values each way, gathered again)
-    split = (split or (6 if recomputed else 4) * n_layer * (cfg.parallel.context > 1)
-             or 2 * cfg.parallel.pipeline * (cfg.parallel.pipeline > 1))  # (a stage's send, each way)
+    split += (6 if recomputed else 4) * n_layer * (cfg.parallel.context > 1)  # (beside a tensor split's: both)
+    split = split or 2 * cfg.parallel.pipeline * (cfg.parallel.pipeline > 1)  # (a stage's send, each way)
     # on GPUs the compute runs on the devices: no host phase; and the links are fitted over every rank measured
     # (nccl picks its algorithm by the number of ranks), where on CPU 2 ranks fit what 3 share (the cores)
     cuda = uses_cuda(cfg, torch.cuda.device_count())

@@ -65,6 +65,7 @@ def prepare(spec: StrategySpec, model: nn.Module, runtime, parallel, materialize
         from disttrain.parallel.context import ContextParallel
 
         prepared.context = ContextParallel(layouts.context_groups(layout), layout.context,
-                                           layout.coords(runtime.rank)["cp"], prepared.comm)
+                                           layout.coords(runtime.rank)["cp"], prepared.comm,
+                                           layout.tensor if parallel.sequence_parallel else 1)
         prepared.context.parallelize(model)
     return prepared

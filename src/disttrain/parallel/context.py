@@ -23,6 +23,7 @@ data x context ranks (parallel/mesh.py folds `cp` into the data axis of the Devi
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
@@ -37,8 +38,11 @@ class ContextParallel:
     """This rank's pieces of every sequence (`shard`), the attention over the whole sequence (`attend`), and the
     outputs of the whole sequence (`whole`)."""
 
-    def __init__(self, group, size: int, rank: int, meter: Any = None):
+    def __init__(self, group, size: int, rank: int, meter: Any = None, shares: int = 1):
         self.group, self.size, self.rank = group, size, rank
+        self.shares = shares
+        """What else splits a rank's share of a sequence (sequence parallelism's tensor degree): a batch is padded to
+        2 x size pieces whose pairs divide by it."""
         self.meter = meter
         """The strategy's `CommMeter` (parallel/comm.py), which times the keys' and values' gathers and their
         gradients' reduce-scatters too (`comm_s`, `comm_bytes`); None: untimed."""
@@ -90,7 +94,8 @@ class ContextParallel:
         from disttrain.parallel.pipeline import check_mask
 
         check_mask(batch, "parallel.context")  # (the whole sequence's: its pieces attend without a mask)
-        width, pieces = batch["input_ids"].shape[1], 2 * self.size
+        width = batch["input_ids"].shape[1]
+        pieces = 2 * self.size * (self.shares // math.gcd(self.shares, 2))  # (a rank's two pieces split in `shares`)
         if width % pieces:  # (a batch padded to its longest sequence): right-padded on to equal pieces
             batch = {key: _pad(value, width, -width % pieces, key) for key, value in batch.items()}
             width += -width % pieces

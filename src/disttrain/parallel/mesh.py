@@ -117,8 +117,8 @@ def layout_for(p: ParallelConfig, world: int, spec: StrategySpec | None = None) 
     split = p.pipeline * p.tensor * p.context
     if world % split:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
-        names = "parallel.context" if p.context > 1 else "parallel.pipeline x parallel.tensor"
-        degrees = f"{p.context}" if p.context > 1 else f"{p.pipeline} x {p.tensor} = {split}"
+        names = "parallel.pipeline x parallel.tensor x parallel.context"
+        degrees = f"{p.pipeline} x {p.tensor} x {p.context} = {split}"
         raise ConfigError(f"{names} = {degrees} does not divide the world size {world}; choose degrees whose "
                           f"product divides {world} ({divisors}) or run on a multiple of {split} processes")
     data = world // split
@@ -157,6 +157,10 @@ def check_model_split(cfg: Config, layout: MeshLayout) -> None:
         raise ConfigError(f"model.seq_len = {m.seq_len} is not divisible by 2 x parallel.context "
                           f"(= {2 * layout.context}: each rank takes two of as many equal pieces of every sequence); "
                           "choose a sequence length or degree that divides")
+    if p.sequence_parallel and layout.context > 1 and (m.seq_len // layout.context) % layout.tensor:
+        raise ConfigError(f"model.seq_len = {m.seq_len}: a rank's share (1/parallel.context = 1/{layout.context} of "
+                          f"it) is not divisible by parallel.tensor = {layout.tensor} (sequence parallelism splits it);"
+                          " choose a sequence length that divides, or parallel.sequence_parallel = false")
     if p.sequence_parallel and m.seq_len % layout.tensor:
         raise ConfigError(f"model.seq_len = {m.seq_len} is not divisible by parallel.tensor = {layout.tensor} "
                           "(sequence parallelism splits the sequence); choose a divisor, or "
