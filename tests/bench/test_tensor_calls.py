@@ -177,3 +177,24 @@ def test_the_context_split_s_calls_are_what_two_ranks_send_in_the_trainer_s_step
     llama = load_config(None, ["model.seq_len=16", "parallel.context=2", *variants["llama-bf16"]])
     assert predict_job.context_calls_of(llama, replace(SHAPE, seq_len=16), "bf16-mixed", 2) == \
         predict_job.context_calls_of(llama, predict_job.counted_shape(llama.model), "bf16-mixed", 2)
+
+
+def test_a_tensor_and_context_split_s_calls_are_what_four_ranks_send(tmp_path):
+    """tp2 x cp2 (4 ranks, the GPT in fp32, two micro-batches of two sequences of 16 tokens): each rank sends the
+    tensor split's recorded calls for its share of a sequence (1/2 of them) and the context split's for its heads'
+    keys and values (1/2 of them), as the scale model prices them (`tensor_calls_of`, `context_calls_of`)."""
+    settings = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "parallel.tensor=2"]
+    result = run_cli(["launch", "--fork", "--nproc", "4", "--run-dir", str(tmp_path / "launch"),
+                      str(SCRIPTS / "context_calls_job.py"), str(tmp_path), f"tp:{','.join(settings)}"], tmp_path,
+                     timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    cfg = load_config(None, ["model.seq_len=16", "parallel.context=2", *settings])
+    shape = predict_job.counted_shape(cfg.model)
+    expected = Counter()
+    for part, kind, nbytes, dtype in predict_job.tensor_calls_of(cfg, shape, "fp32", 2, True):
+        expected[kind, nbytes, dtype] += 1 if part == "step" else 2
+    for _, kind, nbytes, dtype in predict_job.context_calls_of(cfg, shape, "fp32", 2):
+        expected[kind, nbytes, dtype] += 2
+    for rank in range(4):
+        sent = json.loads((tmp_path / f"calls-{rank}.json").read_text())["tp"]
+        assert Counter((kind, nbytes, dtype) for _, kind, nbytes, dtype in sent) == expected, rank
