@@ -52,12 +52,21 @@ class ContextParallel:
         """The positions of a sequence of `width` tokens (a multiple of 2 x size) that this rank holds: pieces r and
         2 size - 1 - r of 2 size equal ones (built on `device`: no copy to it, which would wait for the stream)."""
         piece = width // (2 * self.size)
-        return torch.cat([torch.arange(p * piece, (p + 1) * piece, device=device)
-                          for p in (self.rank, 2 * self.size - 1 - self.rank)])
+        return torch.cat([torch.arange(p * piece, (p + 1) * piece, device=device) for p in self.held()])
+
+    def held(self) -> tuple[int, int]:
+        """The indices of this rank's two pieces among the sequence's 2 x size: r and 2 size - 1 - r."""
+        return self.rank, 2 * self.size - 1 - self.rank
 
     def owners(self) -> list[tuple[int, int]]:
         """(rank, its first or second piece) of each of the sequence's 2 x size pieces, in the sequence's order."""
         return [(p, 0) if p < self.size else (2 * self.size - 1 - p, 1) for p in range(2 * self.size)]
+
+    def in_order(self, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+        """Every rank's two pieces (`parts`, in rank order, each its pieces joined along `dim`) in the sequence's
+        order."""
+        piece = parts[0].shape[dim] // 2
+        return torch.cat([parts[rank].narrow(dim, second * piece, piece) for rank, second in self.owners()], dim=dim)
 
     def parallelize(self, model: nn.Module) -> None:
         """Give every attention of `model` this rank's: a Hugging Face model's through transformers' attention
@@ -117,9 +126,7 @@ class ContextParallel:
                               f"{type(outputs).__name__}; return logits (or an output with a `logits` field)")
         parts = [torch.empty_like(outputs) for _ in range(self.size)]
         dist.all_gather(parts, outputs.contiguous(), group=self.group)
-        piece = outputs.shape[1] // 2
-        return torch.cat([parts[rank].narrow(1, second * piece, piece) for rank, second in self.owners()],
-                         dim=1)[:, :width]
+        return self.in_order(parts, 1)[:, :width]
 
     def attend(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         """Causal attention of this rank's two pieces of queries, each over the keys and values of the sequence up
@@ -132,7 +139,7 @@ class ContextParallel:
         metered = torch.is_grad_enabled()  # (evaluation's and forward()'s gathers are not a step's: not metered)
         keys, values = _Gather.apply(k, self, metered), _Gather.apply(v, self, metered)
         out = []
-        for half, p in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
+        for half, p in enumerate(self.held()):
             seen = (p + 1) * piece
             out.append(F.scaled_dot_product_attention(
                 q.narrow(-2, half * piece, piece), keys.narrow(-2, 0, seen), values.narrow(-2, 0, seen),
@@ -184,8 +191,7 @@ class _Gather(torch.autograd.Function):
         _metered(split.meter if metered else None, functools.partial(dist.all_gather, parts, mine.contiguous(),
                                                                         group=split.group),
                  mine.numel() * mine.element_size() * split.size)
-        piece = ctx.width // 2
-        return torch.cat([parts[rank].narrow(-2, second * piece, piece) for rank, second in split.owners()], dim=-2)
+        return split.in_order(parts, -2)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
