@@ -97,10 +97,15 @@ def test_out_of_memory_in_one_process_is_one_line_with_advice(tmp_path, entry):
     assert "micro_batch_size" in line[0] and "estimate-memory" in line[0]
 
 
-def test_a_hung_rank_is_named_within_timeout_with_its_stack(tmp_path):
+@pytest.mark.parametrize("entry", ["train", "launch"])
+def test_a_hung_rank_is_named_within_timeout_with_its_stack(tmp_path, entry):
+    """`disttrain train`, and `disttrain launch --run-dir D` of a script whose trainer writes its run elsewhere
+    (`run.out_dir`): its ranks' statuses go to the folder the launcher watches, D."""
+    job = _job(tmp_path, "hang", 20, "--set", "dist.timeout_s=8")
+    if entry == "launch":
+        job = ["launch", "--nproc", "2", "--run-dir", str(tmp_path / "launcher"), "-m", "disttrain.run", *job[3:]]
     start = time.monotonic()
-    result = run_cli(_job(tmp_path, "hang", 20, "--set", "dist.timeout_s=8"), tmp_path, timeout=90,
-                     env={"FAULT": "sleep", "FAULT_RANK": "1", "FAULT_STEP": "5"})
+    result = run_cli(job, tmp_path, timeout=90, env={"FAULT": "sleep", "FAULT_RANK": "1", "FAULT_STEP": "5"})
     elapsed = time.monotonic() - start
     assert result.returncode != 0 and elapsed < 30
     assert "rank 1 in forward after step 4" in result.stderr
@@ -117,7 +122,8 @@ def test_a_hung_rank_is_named_within_timeout_with_its_stack(tmp_path):
     assert re.fullmatch(r"    rank 1: none unfinished; its last: gloo:\w+ \w+ \[\d+\] #(\d+) of default_pg",
                         collectives[2]), collectives
     assert collectives[3].startswith(f"    default_pg: rank(s) 1 never started collective #{waiting[1]} "), collectives
-    assert processes_mentioning(str(tmp_path / "hang")) == []
+    assert processes_mentioning(str(tmp_path)) == []
+    assert (tmp_path / "hang" / "metrics.jsonl").is_file()  # the run itself is where the trainer was told
 
 
 def _sleeping_job(tmp_path, name: str) -> subprocess.Popen:

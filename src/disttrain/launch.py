@@ -112,7 +112,7 @@ def _run_torchrun(plan: LaunchPlan, entry: list[str], run_dir: Path, module: boo
     from torch.distributed.run import get_args_parser, run
 
     from disttrain.launch_fork import forks, run_forked
-    from disttrain.monitor import clear_statuses, mark_ended
+    from disttrain.monitor import WATCHED_ENV, clear_statuses, mark_ended
     from disttrain.watchdog import Watchdog, summary
 
     argv = torchrun_argv(plan, entry, run_dir / "logs", module)
@@ -127,7 +127,8 @@ def _run_torchrun(plan: LaunchPlan, entry: list[str], run_dir: Path, module: boo
         _reach_rendezvous(plan)
     watchdog = Watchdog(run_dir, plan.timeout_s, plan.startup_timeout_s)
     console = Console(run_dir / "logs", run_dir / "metrics.jsonl" if progress_total else None, progress_total)
-    exported = {DRAWS_ENV: "1" if progress_total else "0"}  # the workers inherit it: no bar of their own
+    exported = {DRAWS_ENV: "1" if progress_total else "0",  # the workers inherit it: no bar of their own
+                WATCHED_ENV: str(run_dir.resolve())}  # their statuses come here, whatever run.out_dir they train in
     if not plan.single_node:  # the workers check that no other node was given this --node-rank (runtime.py)
         exported[NODE_CLAIM_ENV] = f"{plan.node_rank}@{plan.rdzv_endpoint}"
     saved = {name: os.environ.get(name) for name in exported}

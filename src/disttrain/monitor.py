@@ -1,10 +1,12 @@
 """Who is doing what: per-rank status files (worker side), and what the launcher reads of them (the watchdog and the
 failure summary are in watchdog.py).
 
-Each rank keeps `RUN_DIR/status/rank<R>.json` current: node, pid, attempt, last completed step, the phase
-it is in (startup, data, forward, backward, optimizer, eval, checkpoint, done) and since when, and, if it
-failed, the exception and the last lines of its traceback. A background thread rewrites the file once a
-second (a heartbeat; the main thread only updates a dict), and immediately on errors.
+Each rank keeps `RUN_DIR/status/rank<R>.json` current (RUN_DIR: the folder its launcher watches, `WATCHED_ENV`,
+where a script's `run.out_dir / run.name` differs from `disttrain launch --run-dir`; else the run's own): node, pid,
+attempt, last completed step, the phase it is in (startup, data, forward, backward, optimizer, eval, checkpoint, done)
+and since when, its job's time limits, and, if it failed, the exception and the last lines of its traceback. A
+background thread rewrites the file once a second (a heartbeat; the main thread only updates a dict), and immediately
+on errors.
 
 The launcher reads these files: its watchdog SIGKILLs the job when a rank has made no progress for longer
 than `dist.timeout_s` (a longer `dist.startup_timeout_s` before the first step completes, and no limit
@@ -40,19 +42,34 @@ DUMP_REQUEST = "dump_request"
 records of its collectives (`rank<R>.collectives.json`)."""
 
 
+WATCHED_ENV = "DISTTRAIN_WATCHED_RUN_DIR"
+"""Set by the launcher for its workers: the run folder whose status files its watchdog reads. A script launched by
+`disttrain launch --run-dir D` may train into any `run.out_dir`: its ranks' statuses still go to D, so that a hang
+is named (and `disttrain status D` finds them)."""
+
+
+def watched(run_dir: Path) -> Path:
+    """Where this process's rank statuses go: its launcher's run folder, else `run_dir`."""
+    return Path(os.environ.get(WATCHED_ENV) or run_dir)
+
+
 def status_dir(run_dir: Path) -> Path:
     return Path(run_dir) / STATUS_DIR
 
 
 class RankStatus:
-    """This rank's status file. `phase()` is cheap (a dict update); a thread writes the file."""
+    """This rank's status file, in the folder its launcher watches (`watched`). `phase()` is cheap (a dict update); a
+    thread writes the file."""
 
-    def __init__(self, run_dir: Path, rank: int, node: int, interval_s: float = 1.0):
+    def __init__(self, run_dir: Path, rank: int, node: int, interval_s: float = 1.0,
+                 limits: tuple[float, float] | None = None):
+        """`limits`: this job's (`dist.timeout_s`, `dist.startup_timeout_s`), for the watchdog (its own otherwise)."""
+        self.run_dir = watched(run_dir)
         # a torchrun worker runs in a session of its own: if its launcher dies (SIGKILL, the OOM killer) nothing
         # would end it, and a rank blocked outside a collective (a data loader, a sleep) would outlive the job.
         # The heartbeat notices the parent change and ends the rank.
         self._launcher = os.getppid() if os.environ.get("TORCHELASTIC_RUN_ID") else None
-        self.path = status_dir(run_dir) / f"rank{rank}.json"
+        self.path = status_dir(self.run_dir) / f"rank{rank}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         now = time.time()
         self.state: dict[str, Any] = {
@@ -60,6 +77,8 @@ class RankStatus:
             "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "step": 0, "phase": "startup",
             "since": now, "heartbeat": now,
         }
+        if limits is not None:
+            self.state["timeout_s"], self.state["startup_timeout_s"] = limits
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._beat, args=(interval_s,), name="disttrain-status", daemon=True)

@@ -101,7 +101,8 @@ class Trainer:
         world = detect_launch(os.environ).world_size
         spec = registry.resolve(self.cfg.parallel.strategy, world)
         runtime = self.runtime or init_runtime(self.cfg.dist, always_form_group=spec.needs_group)
-        status = RankStatus(self.cfg.run_dir, runtime.rank, runtime.node_rank)
+        limits = self.cfg.dist.timeout_s, self.cfg.dist.startup_timeout_s  # the watchdog's, for this job
+        status = RankStatus(self.cfg.run_dir, runtime.rank, runtime.node_rank, limits=limits)
         clean = False
         try:
             with StopSignals(self.cfg.dist.shutdown_grace_s) as stop:
@@ -156,7 +157,7 @@ class Trainer:
         self.backend = backend
         backend.on_phase = status.phase
         stop.on_signal = backend.request_stop
-        stop.peer_failed = lambda: peer_failed(cfg.run_dir, runtime.rank, status.state["attempt"])
+        stop.peer_failed = lambda: peer_failed(status.run_dir, runtime.rank, status.state["attempt"])
         check_ranks_agree(cfg, runtime, {"training samples": len(train),
                                          "evaluation samples": -1 if val is None else len(val)})
         sampler = GlobalSampler(len(train), cfg.run.seed, cfg.data.shuffle)

@@ -27,17 +27,24 @@ from disttrain.monitor import (
 )
 
 
+def limit(status: dict, timeout_s: float, startup_timeout_s: float) -> float:
+    """How long a rank may go without progress: before its first step, the startup limit."""
+    if status["step"] == 0:
+        return status.get("startup_timeout_s", startup_timeout_s)
+    return status.get("timeout_s", timeout_s)
+
+
 def stuck_ranks(statuses: list[dict], timeout_s: float, startup_timeout_s: float, now: float | None = None
                 ) -> list[dict]:
-    """Ranks that have made no progress for longer than their limit. While one rank hangs, its peers wait
-    for it inside a collective, so only the rank(s) stuck the longest are named."""
+    """Ranks that have made no progress for longer than their limit: the one their status carries (its job's
+    `dist.timeout_s` / `dist.startup_timeout_s`: a launched script's own), else the launcher's. While one rank hangs,
+    its peers wait for it inside a collective, so only the rank(s) stuck the longest are named."""
     now = time.time() if now is None else now
     over = []
     for s in statuses:
         if s["phase"] in ("done", "checkpoint") or "error" in s:
             continue
-        limit = startup_timeout_s if s["step"] == 0 else timeout_s
-        if now - s["since"] > limit:
+        if now - s["since"] > limit(s, timeout_s, startup_timeout_s):
             over.append(s)
     if not over:
         return []
@@ -227,7 +234,8 @@ class Watchdog:
             ended = ended_elsewhere(statuses, host, self._before)
             if stuck:
                 self.stuck = stuck
-                why = (f"rank(s) {', '.join(str(s['rank']) for s in stuck)} made no progress for {self.timeout_s:g}s; "
+                waited = limit(stuck[0], self.timeout_s, self.startup_timeout_s)
+                why = (f"rank(s) {', '.join(str(s['rank']) for s in stuck)} made no progress for {waited:g}s; "
                        "stopping the job")
             elif ended:
                 self.ended = ended
