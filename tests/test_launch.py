@@ -108,7 +108,9 @@ def test_a_hung_rank_is_named_within_timeout_with_its_stack(tmp_path, entry):
     result = run_cli(job, tmp_path, timeout=90, env={"FAULT": "sleep", "FAULT_RANK": "1", "FAULT_STEP": "5"})
     elapsed = time.monotonic() - start
     assert result.returncode != 0 and elapsed < 30
-    assert "rank 1 in forward after step 4" in result.stderr
+    # only the rank the other waits for is named: rank 0 waits in a collective (its heartbeat read its flight recorder)
+    assert "rank(s) 1 made no progress for 8s" in result.stderr
+    assert "stuck: rank 1 in forward after step 4; other ranks were waiting for it" in result.stderr
     # where it hung: its stack, asked for before it was killed (faulthandler, from a C signal handler)
     stack = result.stderr.split("rank 1's stack when stopped (most recent call first; every thread's: ")[1]
     assert stack.splitlines()[0].endswith("rank1.stack):")
@@ -124,6 +126,24 @@ def test_a_hung_rank_is_named_within_timeout_with_its_stack(tmp_path, entry):
     assert collectives[3].startswith(f"    default_pg: rank(s) 1 never started collective #{waiting[1]} "), collectives
     assert processes_mentioning(str(tmp_path)) == []
     assert (tmp_path / "hang" / "metrics.jsonl").is_file()  # the run itself is where the trainer was told
+
+
+def test_the_rank_the_others_wait_for_is_named_not_the_waiting_ones():
+    """`watchdog.stuck_ranks`: of the ranks past their limit, those not waiting in a collective; where every one
+    waits (a collective some never started) or none said, those in their phase the longest; each rank's own
+    limits (a launched script's config) before the launcher's."""
+    from disttrain.watchdog import stuck_ranks
+
+    def status(rank, since, step=4, **more):
+        return {"rank": rank, "since": since, "step": step, "phase": "backward", **more}
+
+    waiting, stuck = status(0, 100.0, in_collective=True), status(1, 100.5)  # rank 0 entered its phase first
+    assert stuck_ranks([waiting, stuck], 60, 600, now=200) == [stuck]
+    assert stuck_ranks([status(0, 100.0), status(1, 102.0)], 60, 600, now=200) == [status(0, 100.0)]
+    both = [status(0, 100.0, in_collective=True), status(1, 100.4, in_collective=True), status(2, 150.0)]
+    assert stuck_ranks(both, 60, 600, now=200) == both[:2]  # rank 2 is not over its limit
+    own = [status(0, 100.0, timeout_s=300.0), status(1, 100.0, step=0, startup_timeout_s=50.0)]
+    assert stuck_ranks(own, 60, 600, now=200) == own[1:]  # the job's limits, not the launcher's 60 s and 600 s
 
 
 def _sleeping_job(tmp_path, name: str) -> subprocess.Popen:

@@ -411,6 +411,36 @@ def test_fail_policy_names_the_worker_within_the_interval(sig):
     asyncio.run(scenario())
 
 
+def test_a_worker_stuck_in_a_training_phase_is_named_within_timeout():
+    """A worker whose main thread hangs still sends heartbeats; the driver names it once it has been in one training
+    phase longer than `timeout_s` (its peer, waiting for it in the backward's all-reduce, entered its phase later),
+    long before the collective's own timeout (`timeout_s` + `startup_timeout_s`), and no worker is left behind."""
+    limit = 4.0
+
+    async def scenario():
+        service = await start("ddp", timeout_s=limit)
+        pids = [service.group.workers[rank].pid for rank in range(2)]
+        try:
+            await train(service, 0, 1)
+            begun = time.monotonic()
+            with pytest.raises(WorkerFailure) as info:
+                await service.forward_backward(next(job.batches(2, 1)), loss_fn="service_job:stalling_loss")
+            raised = time.monotonic() - begun
+            message = str(info.value)
+            assert f"worker 1 (pid {pids[1]}" in message and "in phase 'forward' at step 1" in message, message
+            assert "worker 0" not in message and f"(limit timeout_s = {limit:g}) (the others wait for it)" in message
+            assert info.value.rank == 1
+            assert limit <= raised <= limit + 10.0, f"named {raised:.1f} s after the call began"
+            assert (await service.status())["state"] == "failed"
+        finally:
+            await service.shutdown()
+        for pid in pids:  # the stuck worker and its waiting peer are both gone
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+
+    asyncio.run(scenario())
+
+
 def run_rl_example(*args: str) -> dict:
     import json
 

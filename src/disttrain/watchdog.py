@@ -23,6 +23,7 @@ from disttrain.monitor import (
     mtime,
     read_statuses,
     status_dir,
+    the_waited_for,
     waits,
 )
 
@@ -38,7 +39,7 @@ def stuck_ranks(statuses: list[dict], timeout_s: float, startup_timeout_s: float
                 ) -> list[dict]:
     """Ranks that have made no progress for longer than their limit: the one their status carries (its job's
     `dist.timeout_s` / `dist.startup_timeout_s`: a launched script's own), else the launcher's. While one rank hangs,
-    its peers wait for it inside a collective, so only the rank(s) stuck the longest are named."""
+    its peers wait for it inside a collective, so only the rank(s) they wait for are named (`the_waited_for`)."""
     now = time.time() if now is None else now
     over = []
     for s in statuses:
@@ -46,10 +47,7 @@ def stuck_ranks(statuses: list[dict], timeout_s: float, startup_timeout_s: float
             continue
         if now - s["since"] > limit(s, timeout_s, startup_timeout_s):
             over.append(s)
-    if not over:
-        return []
-    oldest = min(s["since"] for s in over)
-    return [s for s in over if s["since"] - oldest < 1.0]
+    return the_waited_for(over, lambda s: s["since"], lambda s: s.get("in_collective", False)) if over else []
 
 
 def summary(run_dir: Path, failures: dict[int, str] | None = None, stuck: list[dict] | None = None,

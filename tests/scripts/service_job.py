@@ -108,3 +108,15 @@ def sleep(batch, seconds: float):
     import time
 
     time.sleep(seconds)
+
+
+def stalling_loss(logits, batch):
+    """A loss that never returns on rank 1 (a hang in the user's code, mid-forward): its peers go on into the
+    backward and wait for it in the gradients' all-reduce."""
+    import time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(600)
+    return mean_loss(logits, batch)

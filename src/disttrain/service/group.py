@@ -11,8 +11,10 @@ store alike;
 workers connect back and prove they were started by this driver with a random token. One reader task
 per worker routes replies to the waiting call and records heartbeats. A monitor task declares a worker
 failed when its process exits, its connection closes, or no frame (heartbeat or reply) has arrived for
-`heartbeat_timeout_s`; every call waiting on the group then fails with a `WorkerFailure` naming the
-worker, and `on_failure` is called (the service applies its policy there).
+`heartbeat_timeout_s`, or, given `progress_timeout_s`, when it has been in one training phase (`TIMED_PHASES`)
+longer than that: of the workers over the limit, those not waiting in a collective (their heartbeats say, from
+torch's flight recorder) are named, else those in their phase the longest. Every call waiting on the group then
+fails with a `WorkerFailure` naming the worker, and `on_failure` is called (the service applies its policy there).
 """
 
 from __future__ import annotations
@@ -31,9 +33,15 @@ from typing import Any
 
 import torch
 
+from disttrain.monitor import the_waited_for
 from disttrain.service.wire import WireError, encode, read_frame
 
 log = logging.getLogger(__name__)
+
+
+TIMED_PHASES = frozenset({"forward_backward", "forward", "backward", "optim_step", "optimizer"})
+"""The commands and backend phases that `progress_timeout_s` limits. Not `setup` (its own limits), `save` / `load`
+(no limit, as a Trainer's checkpoint), `call` or a weight sync (the user's work, of any length)."""
 
 
 class WorkerFailure(RuntimeError):
@@ -60,6 +68,8 @@ class WorkerHandle:
     writer: asyncio.StreamWriter
     last_seen: float
     phase: str = "startup"
+    phase_since: float = 0.0  # when it entered `phase`, on this machine's monotonic clock (0: not reported)
+    in_collective: bool = False  # waiting in a collective, as its last heartbeat said (long phases only)
     step: int = 0
     node: str = ""
     closed: str | None = None  # why the connection ended
@@ -72,12 +82,13 @@ class WorkerGroup:
 
     def __init__(self, launcher, procs: int, *, host: str = "127.0.0.1", heartbeat_s: float = 0.5,
                  heartbeat_timeout_s: float = 10.0, startup_timeout_s: float = 180.0, error_grace_s: float = 10.0,
-                 on_failure: Callable[[WorkerFailure], None] | None = None):
+                 progress_timeout_s: float = 0.0, on_failure: Callable[[WorkerFailure], None] | None = None):
         if procs < 1:
             raise ValueError(f"procs = {procs}: need at least one worker")
         self.launcher, self.procs, self.host = launcher, procs, host
         self.heartbeat_s, self.heartbeat_timeout_s = heartbeat_s, heartbeat_timeout_s
         self.startup_timeout_s, self.error_grace_s = startup_timeout_s, error_grace_s
+        self.progress_timeout_s = progress_timeout_s  # 0: off
         self.on_failure = on_failure or (lambda failure: None)
         self.workers: dict[int, WorkerHandle] = {}
         self.failure: WorkerFailure | None = None
@@ -173,6 +184,8 @@ class WorkerGroup:
                 op = message.get("op")
                 if op == "heartbeat":
                     handle.phase, handle.step = message.get("phase", ""), int(message.get("step", 0))
+                    handle.phase_since = handle.last_seen - float(message.get("in_phase_s", 0.0))
+                    handle.in_collective = bool(message.get("in_collective", False))
                     continue
                 if op == "rejected":
                     handle.rejected = str(message.get("error"))
@@ -205,7 +218,25 @@ class WorkerGroup:
                     self._check(handle)
                 except Exception as exc:  # never let the detector die silently
                     self.fail(WorkerFailure(f"health check of worker {handle.rank} failed: {exc}", handle.rank))
+            self._check_progress()
             await asyncio.sleep(tick)
+
+    def _check_progress(self) -> None:
+        """Fail the group naming the worker(s) longest in a training phase, once past `progress_timeout_s`."""
+        if not self.progress_timeout_s or self._closing or self.failure is not None:
+            return
+        now = time.monotonic()
+        over = [h for h in self.workers.values()
+                if h.phase in TIMED_PHASES and h.phase_since and now - h.phase_since > self.progress_timeout_s]
+        if not over:
+            return
+        stuck = the_waited_for(over, lambda h: h.phase_since, lambda h: h.in_collective)
+        oldest = min(h.phase_since for h in stuck)
+        names = "; ".join(f"worker {h.rank} (pid {h.pid} on {h.host}) in phase '{h.phase}' at step {h.step}"
+                          for h in stuck)
+        others = " (the others wait for it)" if len(stuck) < len(self.workers) else ""
+        self.fail(WorkerFailure(f"{names}: no progress for {now - oldest:.0f} s (limit timeout_s = "
+                                f"{self.progress_timeout_s:g}){others}", stuck[0].rank))
 
     def _check(self, handle: WorkerHandle) -> None:
         """Declare `handle`'s worker failed if it exited, hung up or went silent."""

@@ -77,8 +77,8 @@ class ServiceOptions:
     device: str = "auto"
     """`auto`, `cpu` or `cuda`, as `dist.device`."""
     timeout_s: float = 300.0
-    """Collective timeout inside the worker group, as `dist.timeout_s` (a collective may take this plus
-    `startup_timeout_s`, as under the Trainer)."""
+    """As `dist.timeout_s`: a worker in one training phase (forward, backward, optimizer) longer than this is named
+    stuck and the group fails (`on_failure` applies); a collective may take this plus `startup_timeout_s`."""
     startup_timeout_s: float = 180.0
     """How long workers may take to start and connect."""
     env: dict[str, str] = field(default_factory=dict)
@@ -246,7 +246,7 @@ class TrainingService:
         o = self.options
         group = WorkerGroup(self._launcher(), o.nproc, host=o.host, heartbeat_s=o.heartbeat_s,
                             heartbeat_timeout_s=o.heartbeat_timeout_s, startup_timeout_s=o.startup_timeout_s,
-                            on_failure=self._on_failure)
+                            progress_timeout_s=o.timeout_s, on_failure=self._on_failure)
         await group.start()
         self.group = group
         threads = o.threads_per_rank or (1 if o.launcher == "ray" else max(1, (os.cpu_count() or 1) // o.nproc))

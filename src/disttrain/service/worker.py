@@ -15,10 +15,10 @@ A worker connects to the driver, says hello (rank, pid, host, token), then serve
     shutdown         leave the process group and exit
 
 Every reply carries the command's id; an exception becomes an error reply with its traceback, and the
-worker keeps serving. A background thread sends a heartbeat (with the backend's current phase) every
-`heartbeat_s`, so the driver can tell a dead or stopped process (SIGSTOP, swapped out, frozen host) from
-a busy one. A rank blocked in a collective still beats; its collective times out after `timeout_s` and
-the command fails with that error. Messages are JSON plus
+worker keeps serving. A background thread sends a heartbeat (with the backend's current phase and how long it has
+been in it) every `heartbeat_s`, so the driver can tell a dead or stopped process (SIGSTOP, swapped out, frozen
+host) from a busy one, and a rank stuck in a training phase (a hang in the user's code, or a collective its peers
+never joined) from one that makes progress (group.py). Messages are JSON plus
 safetensors (`wire.py`); a frame that is anything else (a pickle) is rejected and the worker exits.
 
 Run directly: `python -m disttrain.service.worker --connect HOST:PORT --rank R --world N` with the token in
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import os
 import socket
 import sys
@@ -40,10 +41,12 @@ from pathlib import Path
 from typing import Any
 
 from disttrain.errors import ArgumentParser
+from disttrain.monitor import PROBE_AT, in_collective
 from disttrain.service.fork import die_with_parent
 from disttrain.service.wire import TOKEN_ENV, Connection, WireError, pack, split_batch, unpack
 
 log = logging.getLogger(__name__)
+
 
 
 def import_object(path: str, setting: str) -> Any:
@@ -67,11 +70,12 @@ class RankServer:
         self.conn, self.rank, self.world, self.heartbeat_s = conn, rank, world, heartbeat_s
         self.backend = None
         self.runtime = None
-        self.phase = "idle"
+        self.phase = ("idle", time.monotonic())  # (name, since when): one tuple, read whole by the heartbeat
         self.running = True
         self._stop = threading.Event()
         self._loss_fns: dict[str, Callable] = {}
         self.publisher = None  # a weight sync's sending side (weights/)
+        self.timeout_s = math.inf  # the service's timeout_s, from setup
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -97,8 +101,12 @@ class RankServer:
         while not self._stop.wait(self.heartbeat_s):
             try:
                 step = self.backend.step if self.backend is not None else 0
-                self.conn.send({"op": "heartbeat", "rank": self.rank, "phase": self.phase, "step": step,
-                                "time": time.time()})
+                phase, since = self.phase
+                beat = {"op": "heartbeat", "rank": self.rank, "phase": phase, "step": step,
+                        "in_phase_s": time.monotonic() - since, "time": time.time()}
+                if phase != "idle" and beat["in_phase_s"] > PROBE_AT * self.timeout_s:  # waiting on a peer?
+                    beat["in_collective"] = in_collective()  # (the driver names the rank the others wait for)
+                self.conn.send(beat)
             except OSError:
                 return
 
@@ -110,17 +118,17 @@ class RankServer:
                 raise ValueError(f"unknown command {op!r}")
             if op != "setup" and op != "shutdown" and self.backend is None:
                 raise RuntimeError(f"command {op!r} before setup")
-            self.phase = op
+            self._on_phase(op)
             reply, out = handler(message, tensors)
             self.conn.send({"id": ident, "ok": True, **reply}, out)
         except Exception as exc:  # reported to the driver, which raises it there
             self.conn.send({"id": ident, "ok": False, "rank": self.rank, "type": type(exc).__name__,
                             "error": str(exc), "traceback": traceback.format_exc()})
         finally:
-            self.phase = "idle"
+            self._on_phase("idle")
 
     def _on_phase(self, phase: str) -> None:
-        self.phase = phase
+        self.phase = (phase, time.monotonic())
 
     # -- commands ----------------------------------------------------------------------------------
 
@@ -143,7 +151,8 @@ class RankServer:
             "TORCHELASTIC_RESTART_COUNT": str(msg.get("generation", 0)),  # a fresh key prefix per group
             GPU_BOUND_ENV: "1" if msg.get("gpu_bound") else "0",  # a Ray actor with GPUs of its own
         })
-        dist_cfg = DistConfig(device=msg.get("device", "auto"), timeout_s=float(msg.get("timeout_s", 300.0)),
+        self.timeout_s = float(msg.get("timeout_s", 300.0))
+        dist_cfg = DistConfig(device=msg.get("device", "auto"), timeout_s=self.timeout_s,
                               startup_timeout_s=float(msg.get("startup_timeout_s", 900.0)),
                               threads_per_rank=int(msg.get("threads", 0)))
         parallel = ParallelConfig(**{"strategy": msg.get("strategy", "auto"), "precision": msg.get("precision", "fp32"),
