@@ -35,13 +35,9 @@ import torch
 
 from disttrain.monitor import the_waited_for
 from disttrain.service.wire import WireError, encode, read_frame
+from disttrain.service.worker import TIMED_PHASES
 
 log = logging.getLogger(__name__)
-
-
-TIMED_PHASES = frozenset({"forward_backward", "forward", "backward", "optim_step", "optimizer"})
-"""The commands and backend phases that `progress_timeout_s` limits. Not `setup` (its own limits), `save` / `load`
-(no limit, as a Trainer's checkpoint), `call` or a weight sync (the user's work, of any length)."""
 
 
 class WorkerFailure(RuntimeError):

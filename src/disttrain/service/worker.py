@@ -47,6 +47,11 @@ from disttrain.service.wire import TOKEN_ENV, Connection, WireError, pack, split
 
 log = logging.getLogger(__name__)
 
+TIMED_PHASES = frozenset({"forward_backward", "forward", "backward", "optim_step", "optimizer"})
+"""The commands and backend phases the service's `timeout_s` limits (group.py), in which a long heartbeat also says
+whether the rank waits in a collective. Not `setup` (its own limits), `save` / `load` (no limit, as a Trainer's
+checkpoint), `call` or a weight sync (the user's work, of any length)."""
+
 
 
 def import_object(path: str, setting: str) -> Any:
@@ -104,7 +109,7 @@ class RankServer:
                 phase, since = self.phase
                 beat = {"op": "heartbeat", "rank": self.rank, "phase": phase, "step": step,
                         "in_phase_s": time.monotonic() - since, "time": time.time()}
-                if phase != "idle" and beat["in_phase_s"] > PROBE_AT * self.timeout_s:  # waiting on a peer?
+                if phase in TIMED_PHASES and beat["in_phase_s"] > PROBE_AT * self.timeout_s:  # waiting on a peer?
                     beat["in_collective"] = in_collective()  # (the driver names the rank the others wait for)
                 self.conn.send(beat)
             except OSError:
