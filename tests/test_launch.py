@@ -140,8 +140,15 @@ def test_the_rank_the_others_wait_for_is_named_not_the_waiting_ones():
     waiting, stuck = status(0, 100.0, in_collective=True), status(1, 100.5)  # rank 0 entered its phase first
     assert stuck_ranks([waiting, stuck], 60, 600, now=200) == [stuck]
     assert stuck_ranks([status(0, 100.0), status(1, 102.0)], 60, 600, now=200) == [status(0, 100.0)]
-    both = [status(0, 100.0, in_collective=True), status(1, 100.4, in_collective=True), status(2, 150.0)]
-    assert stuck_ranks(both, 60, 600, now=200) == both[:2]  # rank 2 is not over its limit
+    every = [status(0, 100.0, in_collective=True), status(1, 100.4, in_collective=True),
+             status(2, 150.0, in_collective=True)]  # all wait (a collective some never started): the longest
+    assert stuck_ranks(every, 60, 600, now=200) == every[:2]
+    # every rank past its limit waits in a collective: the one it waits for entered its phase later and is within
+    # its own limit, and is named, not them
+    late = status(1, 105.0, phase="forward")
+    assert stuck_ranks([status(0, 100.0, in_collective=True), late], 60, 600, now=162) == [late]
+    assert stuck_ranks([status(0, 100.0, in_collective=True), status(1, 105.0, phase="checkpoint")], 60, 600,
+                       now=162) == [status(0, 100.0, in_collective=True)]  # (a checkpoint has no limit)
     own = [status(0, 100.0, timeout_s=300.0), status(1, 100.0, step=0, startup_timeout_s=50.0)]
     assert stuck_ranks(own, 60, 600, now=200) == own[1:]  # the job's limits, not the launcher's 60 s and 600 s
 

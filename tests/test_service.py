@@ -426,9 +426,10 @@ def test_a_worker_stuck_in_a_training_phase_is_named_within_timeout():
             with pytest.raises(WorkerFailure) as info:
                 await service.forward_backward(next(job.batches(2, 1)), loss_fn="service_job:stalling_loss")
             raised = time.monotonic() - begun
-            message = str(info.value)
-            assert f"worker 1 (pid {pids[1]}" in message and "in phase 'forward' at step 1" in message, message
-            assert "worker 0" not in message and f"(limit timeout_s = {limit:g}) (the others wait for it)" in message
+            named, _, waits = str(info.value).partition("; ")
+            assert named.startswith(f"worker 1 (pid {pids[1]} on ") and "in phase 'forward' at step 1 for" in named
+            assert named.endswith(f": no progress (limit timeout_s = {limit:g})"), named
+            assert waits == "worker(s) 0 waited for it in a collective", waits
             assert info.value.rank == 1
             assert limit <= raised <= limit + 10.0, f"named {raised:.1f} s after the call began"
             assert (await service.status())["state"] == "failed"
@@ -439,6 +440,31 @@ def test_a_worker_stuck_in_a_training_phase_is_named_within_timeout():
                 os.kill(pid, 0)
 
     asyncio.run(scenario())
+
+
+def test_the_stuck_worker_is_the_one_the_others_wait_for_and_a_cold_one_gets_the_startup_limit():
+    """`WorkerGroup._check_progress` on the health its workers' heartbeats reported: worker 0 has waited in a
+    collective past `timeout_s` for worker 1, which entered its phase later (within its own limit): worker 1 is
+    named. Before a worker's first optimizer step in its process, the limit is `startup_timeout_s`."""
+    from types import SimpleNamespace
+
+    from disttrain.service.group import WorkerGroup, WorkerHandle
+
+    def group(warm: bool) -> WorkerGroup:
+        g = WorkerGroup(None, 2, progress_timeout_s=4.0, startup_timeout_s=30.0)
+        now = time.monotonic()
+        writer = SimpleNamespace(transport=SimpleNamespace(abort=lambda: None))
+        for rank, phase, since, waiting in ((0, "backward", now - 10, True), (1, "forward", now - 3, False)):
+            g.workers[rank] = WorkerHandle(rank, 100 + rank, "vm", writer, now, phase=phase, phase_since=since,
+                                           in_collective=waiting, warm=warm)
+        g._check_progress()
+        return g
+
+    failure = group(warm=True).failure
+    assert failure.rank == 1
+    assert str(failure).startswith("worker 1 (pid 101 on vm) in phase 'forward' at step 0 for 3 s"), failure
+    assert str(failure).endswith("(limit timeout_s = 4); worker(s) 0 waited for it in a collective"), failure
+    assert group(warm=False).failure is None  # 10 s into its first step: within the startup limit
 
 
 def run_rl_example(*args: str) -> dict:

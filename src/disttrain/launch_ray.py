@@ -123,7 +123,7 @@ def _attempt(ray, actors, cfg: Config, config_path: Path, attempt: int, stop: _F
     signal (`stop`) every rank is waited for: each finishes its step and checkpoints."""
     import torch.distributed as dist
 
-    from disttrain.monitor import clear_statuses
+    from disttrain.monitor import WATCHED_ENV, clear_statuses
     from disttrain.watchdog import Watchdog, summary
 
     d, procs, run_dir = cfg.dist, cfg.dist.nproc, cfg.run_dir
@@ -146,6 +146,7 @@ def _attempt(ray, actors, cfg: Config, config_path: Path, attempt: int, stop: _F
                "MASTER_ADDR": host, "MASTER_PORT": str(store.port),
                "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": str(attempt),
                DRAWS_ENV: "1" if total else "0",  # this process draws the bar
+               WATCHED_ENV: str(run_dir.resolve()),  # (not one an outer launcher left in Ray's environment)
                "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
         refs.append(actor.run.remote(str(config_path), env, str(logs / "ray" / f"attempt_{attempt}" / str(rank))))
     failures: dict[int, str] = {}

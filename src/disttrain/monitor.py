@@ -39,10 +39,14 @@ STACK_SIGNAL = signal.SIGUSR2
 """Asks a rank for every thread's Python stack (`RankStatus`), which the watchdog sends a stuck rank before killing it.
 (SIGUSR1 is Slurm's and Lightning's usual preemption warning.)"""
 STACK_LINES = 12
+UNTIMED_PHASES = frozenset({"done", "checkpoint", "launcher gone"})
+"""Phases the watchdog puts no time limit on (a checkpoint may take as long as the storage needs)."""
 PROBE_AT = 0.5
 """A rank's heartbeat, once it has been in one phase for this fraction of its time limit, also says whether it waits
-in a collective (`in_collective`), so that the watchdog names the rank its peers wait for, not them
-(`the_waited_for`). Not sooner: reading the flight recorder takes ~0.2 s of a 2000-record buffer."""
+in a collective (`CollectiveProbe`), so that the watchdog names the rank its peers wait for, not them
+(`the_waited_for`). Not sooner, and then every `PROBE_EVERY_S`: reading the flight recorder takes ~0.2 s (2000
+records), on the heartbeat's thread but holding the GIL."""
+PROBE_EVERY_S = 5.0
 LIVE_HEARTBEAT_S = 10.0
 """A rank whose heartbeat (once a second) is older than this is not asked for dumps by `disttrain status --dump`."""
 DUMP_REQUEST = "dump_request"
@@ -92,6 +96,7 @@ class RankStatus:
         self._thread = threading.Thread(target=self._beat, args=(interval_s,), name="disttrain-status", daemon=True)
         self._dumped = mtime(self.path.parent / DUMP_REQUEST)  # (a request left by an earlier run is not for us)
         self._stacks = _stacks_on_request(self.path.with_suffix(".stack"))
+        self._probe = CollectiveProbe()
         self.state["stacks"] = self._stacks is not None  # the watchdog signals only a rank that answers
         self.write()
         self._thread.start()
@@ -111,8 +116,9 @@ class RankStatus:
     def write(self) -> None:
         with self._lock:
             self.state["heartbeat"] = time.time()
-            if self.state["heartbeat"] - self.state["since"] > PROBE_AT * self._limit():  # waiting on a peer?
-                self.state["in_collective"] = in_collective()
+            long = self.state["heartbeat"] - self.state["since"] > PROBE_AT * self._limit()
+            if long and self.state["phase"] not in UNTIMED_PHASES:  # waiting on a peer?
+                self.state["in_collective"] = self._probe((self.state["phase"], self.state["since"]))
             else:
                 self.state.pop("in_collective", None)
             _write_json(self.path, self.state)
@@ -206,18 +212,31 @@ def collective_records() -> dict[str, Any]:
         return {"entries": [], "note": f"no records: {type(exc).__name__}: {exc}"}
 
 
-def the_waited_for(over: list[T], since: Callable[[T], float], waiting: Callable[[T], bool]) -> list[T]:
+def the_waited_for(over: list[T], live: list[T], since: Callable[[T], float], waiting: Callable[[T], bool]
+                   ) -> list[T]:
     """Of the ranks past their time limit (`over`), those the others wait for: the ones not waiting in a collective
-    themselves (a rank stuck in its own code, or in a collective its peers never started), else all; of these, the
-    ones in their phase the longest (within a second)."""
-    suspects = [r for r in over if not waiting(r)] or over
+    themselves (a rank stuck in its own code, or in a collective its peers never started). Where all of them wait in
+    one, the rank they wait for may still be within its own limit (it entered its phase later): then the ranks in a
+    timed phase (`live`) that do not wait in one, if any, else all. Of these, the ones in their phase the longest
+    (within a second)."""
+    suspects = [r for r in over if not waiting(r)] or [r for r in live if not waiting(r)] or over
     oldest = min(map(since, suspects))
     return [r for r in suspects if since(r) - oldest < 1.0]
 
 
-def in_collective() -> bool:
-    """Is this process waiting in a collective (its flight recorder holds an unfinished record)?"""
-    return any(not e.get("retired") for e in collective_records().get("entries") or [])
+class CollectiveProbe:
+    """Is this process waiting in a collective (its flight recorder holds an unfinished record)? Read again
+    `PROBE_EVERY_S` after the last read, or at once in another phase (`phase`: one that began at a given time)."""
+
+    def __init__(self) -> None:
+        self.read_at, self.phase, self.waiting = -math.inf, None, False
+
+    def __call__(self, phase: tuple) -> bool:
+        now = time.monotonic()
+        if phase != self.phase or now - self.read_at >= PROBE_EVERY_S:
+            entries = collective_records().get("entries") or []
+            self.read_at, self.phase, self.waiting = now, phase, any(not e.get("retired") for e in entries)
+        return self.waiting
 
 
 def waits(records: dict[int, dict[str, Any]], now_ns: int | None = None) -> list[str]:

@@ -19,6 +19,7 @@ from disttrain.monitor import (
     DUMP_REQUEST,
     LIVE_HEARTBEAT_S,
     STACK_SIGNAL,
+    UNTIMED_PHASES,
     main_stack,
     mtime,
     read_statuses,
@@ -41,13 +42,9 @@ def stuck_ranks(statuses: list[dict], timeout_s: float, startup_timeout_s: float
     `dist.timeout_s` / `dist.startup_timeout_s`: a launched script's own), else the launcher's. While one rank hangs,
     its peers wait for it inside a collective, so only the rank(s) they wait for are named (`the_waited_for`)."""
     now = time.time() if now is None else now
-    over = []
-    for s in statuses:
-        if s["phase"] in ("done", "checkpoint") or "error" in s:
-            continue
-        if now - s["since"] > limit(s, timeout_s, startup_timeout_s):
-            over.append(s)
-    return the_waited_for(over, lambda s: s["since"], lambda s: s.get("in_collective", False)) if over else []
+    live = [s for s in statuses if s["phase"] not in UNTIMED_PHASES and "error" not in s]
+    over = [s for s in live if now - s["since"] > limit(s, timeout_s, startup_timeout_s)]
+    return the_waited_for(over, live, lambda s: s["since"], lambda s: s.get("in_collective", False)) if over else []
 
 
 def summary(run_dir: Path, failures: dict[int, str] | None = None, stuck: list[dict] | None = None,

@@ -66,6 +66,7 @@ class WorkerHandle:
     phase: str = "startup"
     phase_since: float = 0.0  # when it entered `phase`, on this machine's monotonic clock (0: not reported)
     in_collective: bool = False  # waiting in a collective, as its last heartbeat said (long phases only)
+    warm: bool = False  # it finished an optimizer step in this process (before: the startup limit)
     step: int = 0
     node: str = ""
     closed: str | None = None  # why the connection ended
@@ -182,10 +183,12 @@ class WorkerGroup:
                     handle.phase, handle.step = message.get("phase", ""), int(message.get("step", 0))
                     handle.phase_since = handle.last_seen - float(message.get("in_phase_s", 0.0))
                     handle.in_collective = bool(message.get("in_collective", False))
+                    handle.warm = bool(message.get("warm", False))
                     continue
                 if op == "rejected":
                     handle.rejected = str(message.get("error"))
                     continue
+                handle.phase, handle.phase_since = "idle", handle.last_seen  # a reply: the command is over
                 future = handle.pending.pop(message.get("id"), None)
                 if future is None or future.done():
                     continue
@@ -217,22 +220,29 @@ class WorkerGroup:
             self._check_progress()
             await asyncio.sleep(tick)
 
+    def _limit(self, handle: WorkerHandle) -> tuple[str, float]:
+        """The time limit of `handle`'s phase: `startup_timeout_s` until its first optimizer step in this process
+        (a cold start: lazily made communicators, first allocations), as the Trainer's step 0."""
+        if handle.warm:
+            return "timeout_s", self.progress_timeout_s
+        return "startup_timeout_s", max(self.startup_timeout_s, self.progress_timeout_s)
+
     def _check_progress(self) -> None:
-        """Fail the group naming the worker(s) longest in a training phase, once past `progress_timeout_s`."""
+        """Fail the group naming the worker(s) the others wait for, once one is past its limit in a training phase."""
         if not self.progress_timeout_s or self._closing or self.failure is not None:
             return
         now = time.monotonic()
-        over = [h for h in self.workers.values()
-                if h.phase in TIMED_PHASES and h.phase_since and now - h.phase_since > self.progress_timeout_s]
+        live = [h for h in self.workers.values() if h.phase in TIMED_PHASES and h.phase_since]
+        over = [h for h in live if now - h.phase_since > self._limit(h)[1]]
         if not over:
             return
-        stuck = the_waited_for(over, lambda h: h.phase_since, lambda h: h.in_collective)
-        oldest = min(h.phase_since for h in stuck)
-        names = "; ".join(f"worker {h.rank} (pid {h.pid} on {h.host}) in phase '{h.phase}' at step {h.step}"
-                          for h in stuck)
-        others = " (the others wait for it)" if len(stuck) < len(self.workers) else ""
-        self.fail(WorkerFailure(f"{names}: no progress for {now - oldest:.0f} s (limit timeout_s = "
-                                f"{self.progress_timeout_s:g}){others}", stuck[0].rank))
+        stuck = the_waited_for(over, live, lambda h: h.phase_since, lambda h: h.in_collective)
+        names = "; ".join(f"worker {h.rank} (pid {h.pid} on {h.host}) in phase '{h.phase}' at step {h.step} for "
+                          f"{now - h.phase_since:.0f} s" for h in stuck)
+        setting, limit = self._limit(over[0])
+        waiting = [str(h.rank) for h in live if h.in_collective and h not in stuck]
+        waits = f"; worker(s) {', '.join(waiting)} waited for it in a collective" if waiting else ""
+        self.fail(WorkerFailure(f"{names}: no progress (limit {setting} = {limit:g}){waits}", stuck[0].rank))
 
     def _check(self, handle: WorkerHandle) -> None:
         """Declare `handle`'s worker failed if it exited, hung up or went silent."""

@@ -77,8 +77,10 @@ class ServiceOptions:
     device: str = "auto"
     """`auto`, `cpu` or `cuda`, as `dist.device`."""
     timeout_s: float = 300.0
-    """As `dist.timeout_s`: a worker in one training phase (forward, backward, optimizer) longer than this is named
-    stuck and the group fails (`on_failure` applies); a collective may take this plus `startup_timeout_s`."""
+    """As `dist.timeout_s`: a worker in one training phase longer than this (a `forward_backward` micro-batch's forward
+    or backward, an `optim_step`, a `forward` call) is named stuck and the group fails (`on_failure` applies);
+    `startup_timeout_s` before a worker's first `optim_step`. Also the collectives' timeout, with
+    `startup_timeout_s` added."""
     startup_timeout_s: float = 180.0
     """How long workers may take to start and connect."""
     env: dict[str, str] = field(default_factory=dict)

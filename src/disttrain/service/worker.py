@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from disttrain.errors import ArgumentParser
-from disttrain.monitor import PROBE_AT, in_collective
+from disttrain.monitor import PROBE_AT, CollectiveProbe
 from disttrain.service.fork import die_with_parent
 from disttrain.service.wire import TOKEN_ENV, Connection, WireError, pack, split_batch, unpack
 
@@ -81,6 +81,8 @@ class RankServer:
         self._loss_fns: dict[str, Callable] = {}
         self.publisher = None  # a weight sync's sending side (weights/)
         self.timeout_s = math.inf  # the service's timeout_s, from setup
+        self.probe = CollectiveProbe()
+        self.warm = False  # an optimizer step done: the driver's limit is timeout_s from now on (startup before)
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -108,9 +110,9 @@ class RankServer:
                 step = self.backend.step if self.backend is not None else 0
                 phase, since = self.phase
                 beat = {"op": "heartbeat", "rank": self.rank, "phase": phase, "step": step,
-                        "in_phase_s": time.monotonic() - since, "time": time.time()}
+                        "in_phase_s": time.monotonic() - since, "warm": self.warm, "time": time.time()}
                 if phase in TIMED_PHASES and beat["in_phase_s"] > PROBE_AT * self.timeout_s:  # waiting on a peer?
-                    beat["in_collective"] = in_collective()  # (the driver names the rank the others wait for)
+                    beat["in_collective"] = self.probe((phase, since))  # (the driver names whom others wait for)
                 self.conn.send(beat)
             except OSError:
                 return
@@ -125,12 +127,13 @@ class RankServer:
                 raise RuntimeError(f"command {op!r} before setup")
             self._on_phase(op)
             reply, out = handler(message, tensors)
+            self.warm = self.warm or op == "optim_step"
+            self._on_phase("idle")  # before the reply: no heartbeat after it says the command still runs
             self.conn.send({"id": ident, "ok": True, **reply}, out)
         except Exception as exc:  # reported to the driver, which raises it there
+            self._on_phase("idle")
             self.conn.send({"id": ident, "ok": False, "rank": self.rank, "type": type(exc).__name__,
                             "error": str(exc), "traceback": traceback.format_exc()})
-        finally:
-            self._on_phase("idle")
 
     def _on_phase(self, phase: str) -> None:
         self.phase = (phase, time.monotonic())
