@@ -149,7 +149,8 @@ PARITY = ["ddp", "ddp+ac", "zero1", "zero1+ac", "zero2", "zero2+ac", "fsdp", "fs
 # the embeddings (tied to the head) and the first layer frozen (model.freeze): against one process frozen alike
 FROZEN = ["fsdp+freeze", "ddp+pp2+1f1b+freeze", "deepspeed+stage3+freeze"]
 # 4 ranks: tp2 x fsdp2 (the sharded start), pp2 x dp2, pp2 x fsdp2 (gpipe, zero-bubble), hsdp 2 x 2
-PARITY_FOUR = ["fsdp+tp2", "ddp+pp2", "fsdp+pp2+gpipe", "fsdp+pp2+zb", "hsdp:2", "ddp+pp2+tp2+sp", "fsdp+tp2+sp+cp2+ac"]
+PARITY_FOUR = ["fsdp+tp2", "ddp+pp2", "fsdp+pp2+gpipe", "fsdp+pp2+zb", "hsdp:2", "ddp+pp2+tp2+sp", "fsdp+tp2+sp+cp2+ac",
+               "fsdp+pp2+cp2"]  # (pipeline x context: each stage rotates its pieces' positions)
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ def measured_4_ranks(tmp_path_factory):
     tp2 x cp2, in one 4-rank launch."""
     out = tmp_path_factory.mktemp("memory4")
     assert memory_bench.main(["--nproc", "4", "--world-sizes", "4", "--n-layer", "4", "--d-model", "96", "--micro",
-                              "4", "--strategies", "none", "--layouts", "pp2-1f1b,pp2-fsdp,pp2-zbv,tp2-cp2",
+                              "4", "--strategies", "none", "--layouts", "pp2-1f1b,pp2-fsdp,pp2-zbv,tp2-cp2,pp2-cp2",
                               "--out", str(out)]) == 0
     return json.loads((out / "memory.json").read_text())["rows"]
 
@@ -186,10 +186,14 @@ def test_a_users_model_with_frozen_parameters_is_estimated_without_activations(m
 
 def test_estimate_matches_measurement_for_a_pipeline_with_a_data_axis(measured_4_ranks):
     by = _check_layout_rows(measured_4_ranks, {"pp2-1f1b": "pp2 x dp_replicate2", "pp2-fsdp": "pp2 x dp_shard2",
-                                               "pp2-zbv": "pp2 x dp_replicate2", "tp2-cp2": "cp2 x tp2"})
+                                               "pp2-zbv": "pp2 x dp_replicate2", "tp2-cp2": "cp2 x tp2",
+                                               "pp2-cp2": "pp2 x cp2"})
     for rank in range(4):  # FSDP2 on the data axis halves a stage's model states; activations are the same
         assert by["pp2-fsdp", rank]["params"] < 0.52 * by["pp2-1f1b", rank]["params"]
         assert by["pp2-fsdp", rank]["activations"] == by["pp2-1f1b", rank]["activations"]
+        # a context split under a pipeline: the same stage's states, half of each sequence's activations and more
+        assert by["pp2-cp2", rank]["params"] == by["pp2-1f1b", rank]["params"]
+        assert 0.5 < by["pp2-cp2", rank]["activations"] / by["pp2-1f1b", rank]["activations"] < 0.75
     # the V's rank 0 holds the first and the last stage, and under a data axis the head's own copy of the tied
     # weight (one parameter without a data axis): counted exactly
     for row in measured_4_ranks:

@@ -43,7 +43,9 @@ MIXED = ["ddp+tp2+bf16+lp", "ddp+pp2+bf16", "ddp+cp2+bf16"]
 FOUR = ["fsdp+tp2+lp", "ddp+tp2+sp", "hsdp:2", "ddp+pp2", "fsdp+pp2", "ddp+pp2+tp2", "ddp+pp2+tp2+sp",
         "fsdp+pp2+zb+layers4",
         "ddp+pp2+zbv+layers4", "fsdp+pp2+dualpipev+layers4+mb2", "fsdp+cp2", "ddp+tp2+sp+cp2", "fsdp+tp2+cp2+lp",
-        "fsdp+pp2+freeze"]  # (a first stage with nothing to train, its data axis sharded over 2 ranks)
+        "fsdp+pp2+freeze",  # (a first stage with nothing to train, its data axis sharded over 2 ranks)
+        # pipeline x context: each stage's attention gathers its pieces' keys, its embedding takes their positions
+        "ddp+pp2+cp2", "fsdp+pp2+cp2+zbv+layers4"]
 # checkpoints across layouts: A>B trains A to step 6, saves, and B resumes it to step 12
 RESUMES = ["ddp+tp2>fsdp", "fsdp>ddp+tp2+sp+lp", "ddp+tp2>ddp+tp2", "ddp+pp2+1f1b>fsdp", "fsdp>ddp+pp2+gpipe",
            "ddp+pp2>ddp+pp2", "ddp+pp2>ddp+tp2", "ddp+pp2+zbv+layers4>fsdp+layers4", "ddp+cp2>fsdp",
@@ -334,7 +336,8 @@ def test_layout_from_settings(overrides, world, expected):
     (["parallel.strategy=deepspeed", "parallel.pipeline=2"], 2, "'deepspeed' does not compose"),
     (["parallel.pipeline=2", "parallel.pipeline_schedule=dualpipev", "model.n_layer=4", "data.global_batch_size=12",
       "data.micro_batch_size=4"], 2, "'dualpipev' needs at least as many micro-batches per step as stages \\(4\\)"),
-    (["parallel.context=2", "parallel.pipeline=2"], 4, "parallel.context = 2 does not compose with parallel.pipeline"),
+    (["parallel.context=2", "parallel.pipeline=2", "parallel.tensor=2"], 8, "parallel.context = 2 composes with "
+     "parallel.pipeline or with parallel.tensor, not with both yet"),
     (["parallel.context=3"], 4, "parallel.tensor x parallel.context = 1 x 1 x 3 = 3 does not divide the world size 4"),
     (["parallel.context=3", "model.seq_len=32"], 3, "model.seq_len = 32 is not divisible by 2 x "
      "parallel.context \\(= 6"),

@@ -329,7 +329,10 @@ class TrainingBackend:
             outputs = self.forward(batch)
             return self.loss_terms(outputs, batch, loss_fn) if self.prepared.counts_loss else None
         batch, loss_fn = self._chunk(to_device(batch, self.runtime.device, self.precision.param_dtype), loss_fn)
-        terms = self.loss_terms(self._eval_call(batch), batch, loss_fn)  # (every rank: loss parallel's collectives)
+        outputs = self._eval_call(batch)
+        if not self.prepared.counts_loss and self.prepared.split_logits is None:
+            return None  # (a pipeline stage without the head, a tensor rank whose loss another one counts)
+        terms = self.loss_terms(outputs, batch, loss_fn)  # (every tensor rank under loss parallel: its collectives)
         return terms if self.prepared.counts_loss else None
 
     @torch.no_grad()

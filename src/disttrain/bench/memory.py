@@ -44,6 +44,7 @@ LAYOUTS = {
     "cp2": ("parallel.context=2",),
     "cp2-fsdp": ("parallel.context=2", "parallel.strategy=fsdp"),
     "tp2-cp2": ("parallel.tensor=2", "parallel.context=2"),
+    "pp2-cp2": ("parallel.pipeline=2", "parallel.context=2"),
     "frozen": (f"model.freeze={FROZEN}",),
     "frozen-fsdp": (f"model.freeze={FROZEN}", "parallel.strategy=fsdp"),
     "pp2-frozen": ("parallel.pipeline=2", f"model.freeze={FROZEN}"),

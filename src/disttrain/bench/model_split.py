@@ -79,8 +79,9 @@ def check_context(strategy: str, n: int, work: Workload, net: Interconnect) -> N
     if c == 1:
         return
     if work.pipeline > 1:
-        raise ConfigError(f"parallel.context = {c} does not compose with parallel.pipeline in disttrain; predict it "
-                          "with a data-parallel strategy (and parallel.tensor)")
+        raise ConfigError(f"parallel.context = {c} with parallel.pipeline: the scale model does not price them "
+                          "together yet; predict the context split with a data-parallel strategy (and "
+                          "parallel.tensor)")
     names = "parallel.context" if t == 1 else "parallel.tensor x parallel.context"
     _check_group(names, c * t, n, net, "each attention's gathers hold up its compute")
     if not work.model.kv_width:

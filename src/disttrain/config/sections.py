@@ -185,7 +185,7 @@ class ParallelConfig:
     """Context-parallel degree N: each sequence in 2N pieces, rank r taking r and 2N - 1 - r (balanced causal
     attention), each attention gathering the whole sequence's keys and values (parallel/context.py); for long
     sequences. 1 = not split. The reference GPT and Hugging Face models, with a data-parallel strategy (gradients
-    reduced over data x context ranks), and parallel.tensor; not with parallel.pipeline. Causal: pad on the right."""
+    reduced over data x context ranks), and parallel.tensor or parallel.pipeline. Causal: pad on the right."""
     sequence_parallel: bool = False
     """parallel.tensor > 1: also split the layer norms' and dropouts' activations along the sequence across the
     tensor-parallel ranks (less activation memory; the same numbers)."""

@@ -10,8 +10,10 @@ as torchtitan does:
                a pipeline, leaves the logits split by vocabulary for the loss (`Prepared.split_logits`)
     data       the strategy over the data axes only (`mesh=`: DDP on the dp_replicate group, FSDP2 on dp_shard
                or dp_replicate x dp_shard); skipped when the data-parallel degree (x context) is 1
-    pipeline   parallel/pipeline.py splits the (tensor-parallel) model into stages; the data axis wraps each stage
-    context    parallel/context.py gives each attention the rank's share (`Prepared.context`: the backend cuts batches)
+    pipeline   parallel/pipeline.py splits the (tensor-parallel) model into stages; the data axis (x context) wraps
+               each stage
+    context    parallel/context.py gives each attention the rank's share (`Prepared.context`: the backend cuts batches;
+               a pipeline's stages take their positions)
 
 The `Prepared` it returns says which share of each batch this rank reads (`data_parallel`) and whether its loss
 counts in the global totals (one rank per data shard and share of the sequences), so the backend and the Trainer stay as
@@ -48,7 +50,9 @@ def prepare(spec: StrategySpec, model: nn.Module, runtime, parallel, materialize
     if layout.pipeline > 1:
         from disttrain.parallel import pipeline
 
-        data = (lambda part: spec.apply(part, runtime, parallel, mesh=device_mesh)) if layout.data > 1 else None
+        data = None  # (context ranks reduce their gradients as data ranks do)
+        if layout.data * layout.context > 1:
+            data = lambda part: spec.apply(part, runtime, parallel, mesh=device_mesh)  # noqa: E731
         # the stream between stages: the parameters' dtype, or FSDP2's compute dtype under mixed precision
         compute = get_precision(parallel.precision).compute_dtype
         stream = compute if compute is not None and data is not None else next(model.parameters()).dtype

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disttrain.errors import ConfigError
+from disttrain.parallel.stages import POSITIONS
 
 
 class ContextParallel:
@@ -54,6 +55,11 @@ class ContextParallel:
         piece = width // (2 * self.size)
         return torch.cat([torch.arange(p * piece, (p + 1) * piece, device=device) for p in self.held()])
 
+    def positions(self, width: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The positions of this rank's `width` tokens of a sequence (its two pieces, joined): a pipeline stage's
+        (parallel/stages.py `POSITIONS`)."""
+        return self.pieces(width * self.size, device)
+
     def held(self) -> tuple[int, int]:
         """The indices of this rank's two pieces among the sequence's 2 x size: r and 2 size - 1 - r."""
         return self.rank, 2 * self.size - 1 - self.rank
@@ -70,7 +76,9 @@ class ContextParallel:
 
     def parallelize(self, model: nn.Module) -> None:
         """Give every attention of `model` this rank's: a Hugging Face model's through transformers' attention
-        interface (`HF_ATTENTION`), another's attention modules through their `attention_fn` (the reference GPT)."""
+        interface (`HF_ATTENTION`), another's attention modules through their `attention_fn` (the reference GPT);
+        and a pipeline's stages their pieces' positions (`stages.POSITIONS`)."""
+        setattr(model, POSITIONS, self.positions)
         if hasattr(model, "config") and hasattr(model.config, "_attn_implementation"):  # a transformers model
             try:
                 from transformers import AttentionInterface, AttentionMaskInterface
@@ -124,6 +132,8 @@ class ContextParallel:
         if not isinstance(outputs, torch.Tensor):
             raise ConfigError(f"parallel.context > 1 joins the ranks' logits, and the model returned "
                               f"{type(outputs).__name__}; return logits (or an output with a `logits` field)")
+        if outputs.dim() == 1 and not outputs.numel():  # a pipeline stage without the head (as its whole group)
+            return outputs
         parts = [torch.empty_like(outputs) for _ in range(self.size)]
         dist.all_gather(parts, outputs.contiguous(), group=self.group)
         return self.in_order(parts, 1)[:, :width]

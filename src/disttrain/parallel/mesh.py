@@ -111,9 +111,9 @@ def layout_for(p: ParallelConfig, world: int, spec: StrategySpec | None = None) 
         value = getattr(p, key)
         if value < 1:
             raise ConfigError(f"parallel.{key} = {value}: must be >= 1 (1 = not split)")
-    if p.context > 1 and p.pipeline > 1:
-        raise ConfigError(f"parallel.context = {p.context} does not compose with parallel.pipeline yet; use context "
-                          "with a data-parallel strategy (and parallel.tensor), or set parallel.context = 1")
+    if p.context > 1 and p.pipeline > 1 and p.tensor > 1:
+        raise ConfigError(f"parallel.context = {p.context} composes with parallel.pipeline or with parallel.tensor, "
+                          "not with both yet; set parallel.tensor = 1, parallel.pipeline = 1 or parallel.context = 1")
     split = p.pipeline * p.tensor * p.context
     if world % split:
         divisors = [d for d in range(1, world + 1) if world % d == 0]

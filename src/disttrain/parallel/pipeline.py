@@ -70,7 +70,8 @@ class PipelinePrepared(Prepared):
     """(micro-batches, micro-batch size, width) -> schedule (static shapes: nothing but tensors on the wire)."""
 
     def forward_backward(self, inputs, loss_terms, on_loss, sync, autocast):
-        check_mask(inputs.kwargs)
+        if self.context is None:  # (context parallelism checked the whole sequences and gave its pieces' positions)
+            check_mask(inputs.kwargs)
         ids_now = _ids_of(inputs)
         self.pending.append(Pending(ids_now, loss_terms))
         # on the batch's device: a stage without the head hands these to fp16's scaler, which would otherwise keep
@@ -86,6 +87,10 @@ class PipelinePrepared(Prepared):
                               "data-parallel degree")
         totals = [zero, zero]
         widths = [p.ids.shape[1] for p in pending]
+        if self.context is not None and len(set(widths)) > 1:  # (padding a rank's pieces would move their positions)
+            raise ConfigError(f"parallel.pipeline with parallel.context: the micro-batches of a step hold {widths} "
+                              "tokens of each sequence on this rank; give sequences of one length (pad every batch "
+                              "to model.seq_len)")
         scale = self.scaler.get_scale() if self.scaler is not None else 1.0
 
         def loss_fn(output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -228,8 +233,9 @@ class StageRunner(nn.Module):
     def forward(self, input_ids: torch.Tensor, **ignored) -> torch.Tensor:
         """(Other arguments of the model's call, e.g. an HF attention mask, are not passed between stages: the
         stages attend causally, which right padding never changes for the positions before it.)"""
-        check_mask(ignored)
         p = self._prepared[0]
+        if p.context is None:
+            check_mask(ignored)
         lay, mine = p.layout, dict(p.parts)
         width = input_ids.shape[1]
         input_ids = _pad_cat([input_ids], lay.shards)  # (equal shares of a sequence-parallel stream)

@@ -41,16 +41,28 @@ class Family:
     finish: Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
 
+POSITIONS = "_disttrain_positions"
+"""Set on a model whose sequences are cut across ranks (context parallelism): `positions(width, device)`, the
+positions of the `width` tokens of a sequence this rank holds (pipeline.py)."""
+
+
+def positions(model: nn.Module, width: int, device) -> torch.Tensor:
+    """The positions of the `width` tokens a stage gets of each sequence: 0, 1, 2, ..., or under context parallelism
+    the rank's pieces' (`POSITIONS`)."""
+    held = getattr(model, POSITIONS, None)
+    return held(width, device) if held is not None else torch.arange(width, device=device)
+
+
 def _gpt_embed(model, ids):
-    return model.drop(model.tok_emb(ids) + model.pos_emb(torch.arange(ids.shape[1], device=ids.device)))
+    return model.drop(model.tok_emb(ids) + model.pos_emb(positions(model, ids.shape[1], ids.device)))
 
 
 def _llama_block(model, block, x):
     # under sequence parallelism a block after the first gets its rank's share of the sequence, while its attention
     # runs on the whole (gathered on entry): the rotary embedding of every position
-    positions = torch.arange(x.shape[1] * getattr(block, SEQUENCE_SHARDS, 1), device=x.device)[None]
-    rotary = model.model.rotary_emb(x, positions)
-    return block(x, attention_mask=None, position_ids=positions, position_embeddings=rotary)
+    where = positions(model, x.shape[1] * getattr(block, SEQUENCE_SHARDS, 1), x.device)[None]
+    rotary = model.model.rotary_emb(x, where)
+    return block(x, attention_mask=None, position_ids=where, position_embeddings=rotary)
 
 
 FAMILIES = {
