@@ -216,9 +216,9 @@ def _gpt_split_activations(cfg: Config, linears: str, mesh: MeshLayout, model: n
         chunks, exact = placement.in_flight(p.pipeline_schedule, mesh.pipeline, stage_rank, microbatches, sizes) \
             if mesh.pipeline > 1 else ([0], True)
         counts.append(len(chunks))
-        out.append(sum(sizes[c] for c in chunks)
-                   + (8 * microbatches * micro * m.seq_len if 0 in stages and not spared.embeds and mesh.pipeline > 1
-                      else 0))
+        ids = 8 * microbatches * micro * chunk.seq_len  # (a pipeline's first stage keeps the step's token ids)
+        out.append(sum(sizes[c] for c in chunks) + (ids if 0 in stages and not spared.embeds and mesh.pipeline > 1
+                                                    else 0))
     notes = []
     if mesh.tensor > 1 and p.precision != "fp32":  # checked: fp32; bf16-mixed tp2 measured 11% below the estimate
         notes.append("activations under parallel.tensor > 1 are checked in fp32; in 16 bits they are approximate")

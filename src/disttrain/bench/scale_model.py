@@ -230,7 +230,7 @@ def step_time(strategy: str, n: int, work: Workload, net: Interconnect, model_sp
     compute = work.compute_s * slowdown
     if n == 1:  # (under a pipeline, its stages on one device; under a tensor split, one of its ranks alone)
         return Step(compute * work.pipeline, compute * work.pipeline, 0.0, 0.0)
-    check_context(strategy, n, work, net)  # (before a pipeline's: disttrain runs no context split under one)
+    check_context(strategy, n, work, net)  # (before a pipeline's: the model prices no context split under one)
     if work.pipeline > 1:
         return _pipeline_step(strategy, n, work, net)
     check_tensor(strategy, n, work, net)

@@ -89,8 +89,8 @@ class PipelinePrepared(Prepared):
         widths = [p.ids.shape[1] for p in pending]
         if self.context is not None and len(set(widths)) > 1:  # (padding a rank's pieces would move their positions)
             raise ConfigError(f"parallel.pipeline with parallel.context: the micro-batches of a step hold {widths} "
-                              "tokens of each sequence on this rank; give sequences of one length (pad every batch "
-                              "to model.seq_len)")
+                              "tokens of each sequence on this rank; give rows of one length (disttrain's token "
+                              "data are; pad your dataset's rows to one length, not each batch to its longest)")
         scale = self.scaler.get_scale() if self.scaler is not None else 1.0
 
         def loss_fn(output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
