@@ -366,24 +366,6 @@ def test_bad_layout_exits_2_before_any_process_starts(tmp_path, small_gpt):
     assert "torchrun" not in result.stdout + result.stderr
 
 
-def test_a_pipeline_with_a_context_split_refuses_micro_batches_of_different_widths():
-    """Under pipeline x context a stage computes its pieces' positions from the width it gets: a step's micro-batches
-    of different widths (each cut into pieces at its own width) would be padded into wrong positions, so the step is
-    refused in one line, before any stage runs."""
-    from types import SimpleNamespace
-
-    from disttrain.parallel.pipeline import PipelinePrepared
-
-    prepared = PipelinePrepared(module=None, model=None)
-    prepared.context = SimpleNamespace(size=2)
-    calls = [SimpleNamespace(args=(torch.zeros(4, width, dtype=torch.long),), kwargs={}) for width in (8, 12)]
-    assert prepared.forward_backward(calls[0], None, None, sync=False, autocast=None)[1] == 0
-    with pytest.raises(ConfigError, match=r"the micro-batches of a step hold \[8, 12\] tokens of each sequence on "
-                                          r"this rank; give rows of one length") as info:
-        prepared.forward_backward(calls[1], None, None, sync=True, autocast=None)
-    assert "\n" not in str(info.value) and prepared.pending == []
-
-
 def test_a_stage_without_gradients_still_joins_the_norm():
     """The gradient norm over pipeline stages is one all-reduce over them: a stage whose parameters got no gradient
     in a step contributes 0 and joins it, rather than skipping a collective its partner stage enters (a hang)."""

@@ -309,6 +309,20 @@ def test_service_with_the_model_split_matches_reference(tmp_path, reference, pla
             receiver.close()
             assert await service.load(tmp_path / "ckpt") == 10
             assert await train(service, 10, STEPS) == second
+            # a step of two micro-batches of different widths, one of 11 tokens (rows of different lengths, each batch
+            # padded to its longest): the plain model's loss over their tokens (sequence parallelism pads 11 to equal
+            # shares, a context split to equal pieces, and with a pipeline cuts both at the wider one's width)
+            one.load_state_dict(await service.state_dict())
+            wide, narrow = next(job.batches(2, 1)), {k: v[:, :11] for k, v in next(job.batches(3, 2)).items()}
+            with torch.no_grad():  # and the outputs of 11 tokens, cut back from what was padded
+                assert torch.allclose(await service.forward(narrow), one(narrow["input_ids"]), atol=1e-5)
+            await service.forward_backward(wide, sync=False)
+            await service.forward_backward(narrow)
+            with torch.no_grad():
+                sums = [torch.nn.functional.cross_entropy(one(b["input_ids"]).flatten(0, 1), b["labels"].flatten(),
+                                                          reduction="sum") for b in (wide, narrow)]
+            expected = float(sum(sums)) / (wide["labels"].numel() + narrow["labels"].numel())
+            assert abs((await service.optim_step())["loss"] - expected) < 1e-5
         finally:
             await service.shutdown()
 

@@ -32,6 +32,7 @@ from disttrain.models.meta import has_meta_parameters, materialize
 from disttrain.optim import OptimizerFactory, align_groups
 from disttrain.parallel import Prepared, compose, registry
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
+from disttrain.parallel.context import pad_sequences
 from disttrain.parallel.fsdp import reshard_gathered
 from disttrain.precision import Precision, get_precision
 from disttrain.runtime import Runtime, detect_launch, init_runtime
@@ -141,13 +142,14 @@ class TrainingBackend:
         goes on queuing work instead of waiting for this micro-batch's backward (the Trainer's loop: its step's loss
         comes from `optim_step`).
         """
-        batch, loss_fn = self._chunk(to_device(batch, self.runtime.device, self.precision.param_dtype), loss_fn)
+        batch, loss_fn = self._chunk(to_device(batch, self.runtime.device, self.precision.param_dtype), loss_fn,
+                                     cut=not self.prepared.cuts_context)
         self.prepared.module.train()
         self.on_phase("forward")
         joined: list[torch.Tensor] = []
 
-        def loss_terms(outputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-            return self.loss_terms(outputs, batch, loss_fn)
+        def loss_terms(outputs: Any, cut: Callable[[Any], Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.loss_terms(outputs, batch if cut is None else cut(batch), loss_fn)
 
         def on_loss(loss_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
             # this micro-batch joins the step's totals once its backward has run (a backward that raises
@@ -309,15 +311,19 @@ class TrainingBackend:
                 "The model is producing inf/NaN: lower optim.lr, set optim.grad_clip, use parallel.precision = "
                 "'bf16-mixed' or 'fp32', or raise train.max_consecutive_skips")
 
-    def _chunk(self, batch: Any, loss_fn: LossFn | None) -> tuple[Any, LossFn | None]:
+    def _chunk(self, batch: Any, loss_fn: LossFn | None, cut: bool = True) -> tuple[Any, LossFn | None]:
         """Under context parallelism, this rank's pieces of every sequence, and the loss to take on it (HF's labels
-        cross the cut: shifted before it, and taken as pre-shifted); otherwise both as they are."""
-        context = self.prepared.context
+        cross the cut: shifted before it, and taken as pre-shifted); otherwise both as they are. `cut=False`: the
+        whole batch, shifted (the strategy cuts it: `Prepared.cuts_context`)."""
+        context, multiple = self.prepared.context, self.prepared.sequence_multiple
+        if context is None and multiple > 1 and isinstance(batch, dict) and "input_ids" in batch:
+            width = batch["input_ids"].shape[1]  # (sequence parallelism: a batch of any width, cut in equal shares)
+            return pad_sequences(batch, width + -width % multiple), loss_fn
         if context is None:
             return batch, loss_fn
         if (loss_fn or self.loss_fn) is causal_lm_loss and isinstance(batch, dict) and "labels" in batch:
             batch, loss_fn = shifted(batch), lm_loss
-        return context.shard(batch), loss_fn
+        return context.shard(batch) if cut else batch, loss_fn
 
     @torch.no_grad()
     def evaluate(self, batch: Any, loss_fn: LossFn | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -341,10 +347,14 @@ class TrainingBackend:
         under sharded strategies)."""
         batch = to_device(batch, self.runtime.device, self.precision.param_dtype)
         context = self.prepared.context  # (context parallelism: this rank's pieces, then the whole sequences)
-        outputs = self._eval_call(context.shard(batch) if context is not None else batch)
+        outputs = self._eval_call(context.shard(batch) if context is not None else self._chunk(batch, None)[0])
         split = self.prepared.split_logits  # (loss parallel's logits split by vocabulary: gathered first)
         outputs = outputs if split is None else split.whole(outputs)
-        return context.whole(outputs, batch["input_ids"].shape[1]) if context is not None else outputs
+        if context is not None:
+            return context.whole(outputs, batch["input_ids"].shape[1])
+        if self.prepared.sequence_multiple > 1 and isinstance(batch, dict) and "input_ids" in batch:
+            return _trimmed(outputs, batch["input_ids"].shape[1])  # (the padding `_chunk` added, cut off)
+        return outputs
 
     def _eval_call(self, batch: Any) -> Any:
         """The model's outputs for `batch` (on the device), in eval mode under the precision's autocast."""
@@ -403,6 +413,15 @@ class TrainingBackend:
         if self.scheduler is not None and scheduler_state is not None:
             self.scheduler.load_state_dict(scheduler_state)
         self.step = int(state["step"])
+
+
+def _trimmed(outputs: Any, width: int) -> Any:
+    """The logits of `outputs` (a tensor, or an output with a `logits` field, changed in place) cut to `width`."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs[:, :width]
+    if isinstance(outputs, dict) and isinstance(outputs.get("logits"), torch.Tensor):
+        outputs["logits"] = outputs["logits"][:, :width]
+    return outputs
 
 
 def create_backend(model: nn.Module, optimizer_factory: OptimizerFactory, parallel: ParallelConfig | None = None, *,

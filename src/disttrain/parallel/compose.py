@@ -65,6 +65,8 @@ def prepare(spec: StrategySpec, model: nn.Module, runtime, parallel, materialize
     prepared.data_parallel = (layout.data, layout.data_rank(runtime.rank))
     prepared.counts_loss = layout.counts_loss(runtime.rank)
     prepared.split_logits = split_logits
+    if parallel.sequence_parallel and layout.pipeline == layout.context == 1:
+        prepared.sequence_multiple = layout.tensor
     if layout.context > 1:
         from disttrain.parallel.context import ContextParallel
 
@@ -72,4 +74,5 @@ def prepare(spec: StrategySpec, model: nn.Module, runtime, parallel, materialize
                                            layout.coords(runtime.rank)["cp"], prepared.comm,
                                            layout.tensor if parallel.sequence_parallel else 1)
         prepared.context.parallelize(model)
+        prepared.cuts_context = layout.pipeline > 1  # (one width for all of a step's micro-batches: pipeline.py)
     return prepared

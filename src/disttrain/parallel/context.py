@@ -102,20 +102,24 @@ class ContextParallel:
         for module in modules:
             module.attention_fn = self.attend
 
-    def shard(self, batch: Any) -> Any:
+    def padded(self, width: int) -> int:
+        """`width` tokens right-padded on to a multiple of the 2 x size pieces (each split in `shares`)."""
+        pieces = 2 * self.size * (self.shares // math.gcd(self.shares, 2))  # (a rank's two pieces split in `shares`)
+        return width + -width % pieces
+
+    def shard(self, batch: Any, width: int = 0) -> Any:
         """This rank's two pieces of every sequence-valued tensor of a dict batch (dim 1, the sequence), with their
-        `position_ids`; other values as they are."""
+        `position_ids`; other values as they are. The sequences are first right-padded to `padded`, or to `width`
+        tokens (one of `padded`'s) where that is longer: a pipeline's micro-batches cut at one width."""
         if not isinstance(batch, dict) or not isinstance(batch.get("input_ids"), torch.Tensor):
             raise ConfigError("parallel.context > 1 cuts sequences by their 'input_ids': give dict batches with "
                               "'input_ids' (and 'labels')")
         from disttrain.parallel.pipeline import check_mask
 
         check_mask(batch, "parallel.context")  # (the whole sequence's: its pieces attend without a mask)
-        width = batch["input_ids"].shape[1]
-        pieces = 2 * self.size * (self.shares // math.gcd(self.shares, 2))  # (a rank's two pieces split in `shares`)
-        if width % pieces:  # (a batch padded to its longest sequence): right-padded on to equal pieces
-            batch = {key: _pad(value, width, -width % pieces, key) for key, value in batch.items()}
-            width += -width % pieces
+        given, width = width, batch["input_ids"].shape[1]
+        target = max(self.padded(width), given)
+        batch, width = pad_sequences(batch, target), max(width, target)  # (padded to its longest: to equal pieces)
         mine = self.pieces(width, batch["input_ids"].device)
         out = {key: value.index_select(1, mine) if _is_sequence(value, width) else value
                for key, value in batch.items()}
@@ -226,6 +230,13 @@ def _metered(meter: Any, call, nbytes: int) -> None:
     from disttrain.parallel.comm import timed_call
 
     timed_call(meter, call, nbytes)
+
+
+def pad_sequences(batch: dict, width: int) -> dict:
+    """A dict batch whose sequence-valued tensors are right-padded to `width` tokens (`_pad`); as it is where they
+    are that wide already."""
+    now = batch["input_ids"].shape[1]
+    return {key: _pad(value, now, width - now, key) for key, value in batch.items()} if width > now else batch
 
 
 def _pad(value: Any, width: int, extra: int, key: str) -> Any:

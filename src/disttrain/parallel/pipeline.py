@@ -15,11 +15,14 @@ embedding and head weights, which live on the first and last stage, get their tw
 (under a V-shaped schedule both stages run on rank 0, where the weight is one parameter; with a data axis, where each
 stage is its own data-parallel root, the head holds a copy that follows the embedding: `_untie_head`).
 Evaluation runs the stages forward one after another with point-to-point sends (no schedule, any batch size).
+Under context parallelism the step's micro-batches come whole and are cut into the rank's pieces at the step's widest
+width (`Prepared.cuts_context`): the schedule's one shape, and the positions each stage computes from it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -70,8 +73,7 @@ class PipelinePrepared(Prepared):
     """(micro-batches, micro-batch size, width) -> schedule (static shapes: nothing but tensors on the wire)."""
 
     def forward_backward(self, inputs, loss_terms, on_loss, sync, autocast):
-        if self.context is None:  # (context parallelism checked the whole sequences and gave its pieces' positions)
-            check_mask(inputs.kwargs)
+        check_mask(inputs.kwargs)  # (the whole micro-batch's, also under context parallelism: cut below)
         ids_now = _ids_of(inputs)
         self.pending.append(Pending(ids_now, loss_terms))
         # on the batch's device: a stage without the head hands these to fp16's scaler, which would otherwise keep
@@ -87,20 +89,22 @@ class PipelinePrepared(Prepared):
                               "data-parallel degree")
         totals = [zero, zero]
         widths = [p.ids.shape[1] for p in pending]
-        if self.context is not None and len(set(widths)) > 1:  # (padding a rank's pieces would move their positions)
-            raise ConfigError(f"parallel.pipeline with parallel.context: the micro-batches of a step hold {widths} "
-                              "tokens of each sequence on this rank; give rows of one length (disttrain's token "
-                              "data are; pad your dataset's rows to one length, not each batch to its longest)")
+        cut = None
+        if self.context is not None:  # each micro-batch cut into pieces at the step's widest: one shape, and every
+            cut = functools.partial(self.context.shard, width=self.context.padded(max(widths)))  # stage's positions
+            ids = torch.cat([cut({"input_ids": p.ids})["input_ids"] for p in pending])  # those of that width
+            widths = [ids.shape[1]] * len(pending)
+        else:
+            ids = _pad_cat([p.ids for p in pending], self.layout.shards)
         scale = self.scaler.get_scale() if self.scaler is not None else 1.0
 
         def loss_fn(output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
             i = int(index.reshape(-1)[0])
-            loss_sum, count = pending[i].loss_terms(output[:, :widths[i]])
+            loss_sum, count = pending[i].loss_terms(output[:, :widths[i]], cut)
             totals[0] = totals[0] + loss_sum.detach().double()
             totals[1] = totals[1] + count
             return loss_sum * scale if scale != 1.0 else loss_sum
 
-        ids = _pad_cat([p.ids for p in pending], self.layout.shards)
         schedule = self._schedule(len(pending), pending[0].ids.shape[0], ids.shape[1], ids.device)
         schedule._loss_fn = loss_fn  # this step's micro-batches (the target is their index)
         target = torch.arange(len(pending))  # on the host: reading a micro-batch's index never waits for the device

@@ -126,6 +126,13 @@ class Prepared:
     context: Any = None
     """Context parallelism (parallel/context.py): cuts each batch to this rank's pieces of every sequence, and is the
     mode under which forward and backward attend over the whole sequence. None: sequences are whole."""
+    sequence_multiple: int = 1
+    """Each batch's sequences are right-padded to a multiple of this many tokens (sequence parallelism's tensor
+    degree, for equal shares; a pipeline and a context split pad their own)."""
+    cuts_context: bool = False
+    """`forward_backward` takes whole micro-batches and cuts them into the context split's pieces itself, once a
+    step's are all known (a pipeline: every micro-batch at the step's widest, one shape for its stages); its
+    `loss_terms` then takes the cut as a second argument (a function of the whole batch)."""
     norm_group: Any = None
     """A process group whose ranks hold different parameters that no DTensor spans (pipeline stages): the squared
     gradient norm is summed over it. None: the norm is complete on each rank."""

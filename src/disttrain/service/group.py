@@ -34,8 +34,7 @@ from typing import Any
 import torch
 
 from disttrain.monitor import the_waited_for
-from disttrain.service.wire import WireError, encode, read_frame
-from disttrain.service.worker import TIMED_PHASES
+from disttrain.service.wire import TIMED_PHASES, WireError, encode, read_frame
 
 log = logging.getLogger(__name__)
 

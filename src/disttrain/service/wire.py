@@ -28,6 +28,10 @@ MAGIC = b"DTW1"
 PREFIX = struct.Struct("!4sIQ")
 MAX_JSON_BYTES = 64 << 20
 TOKEN_ENV = "DISTTRAIN_SERVICE_TOKEN"  # how a local worker learns the token that proves it to its driver
+TIMED_PHASES = frozenset({"forward_backward", "forward", "backward", "optim_step", "optimizer"})
+"""The commands and backend phases (a heartbeat's `phase`) the service's `timeout_s` limits (group.py), in which a
+long heartbeat also says whether the rank waits in a collective (worker.py). Not `setup` (its own limits), `save` /
+`load` (no limit, as a Trainer's checkpoint), `call` or a weight sync (the user's work, of any length)."""
 
 
 class WireError(ValueError):

@@ -43,14 +43,10 @@ from typing import Any
 from disttrain.errors import ArgumentParser
 from disttrain.monitor import PROBE_AT, CollectiveProbe
 from disttrain.service.fork import die_with_parent
-from disttrain.service.wire import TOKEN_ENV, Connection, WireError, pack, split_batch, unpack
+from disttrain.service.wire import TIMED_PHASES, TOKEN_ENV, Connection, WireError, pack, split_batch, unpack
 
 log = logging.getLogger(__name__)
 
-TIMED_PHASES = frozenset({"forward_backward", "forward", "backward", "optim_step", "optimizer"})
-"""The commands and backend phases the service's `timeout_s` limits (group.py), in which a long heartbeat also says
-whether the rank waits in a collective. Not `setup` (its own limits), `save` / `load` (no limit, as a Trainer's
-checkpoint), `call` or a weight sync (the user's work, of any length)."""
 
 
 
