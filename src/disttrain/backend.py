@@ -321,9 +321,10 @@ class TrainingBackend:
             return pad_sequences(batch, width + -width % multiple), loss_fn
         if context is None:
             return batch, loss_fn
-        if (loss_fn or self.loss_fn) is causal_lm_loss and isinstance(batch, dict) and "labels" in batch:
+        context.check(batch)  # (every rank, before any stage runs: a pipeline cuts the batch later)
+        if (loss_fn or self.loss_fn) is causal_lm_loss and "labels" in batch:
             batch, loss_fn = shifted(batch), lm_loss
-        return context.shard(batch) if cut else batch, loss_fn
+        return context.shard(batch, check=False) if cut else batch, loss_fn
 
     @torch.no_grad()
     def evaluate(self, batch: Any, loss_fn: LossFn | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -421,6 +422,8 @@ def _trimmed(outputs: Any, width: int) -> Any:
         return outputs[:, :width]
     if isinstance(outputs, dict) and isinstance(outputs.get("logits"), torch.Tensor):
         outputs["logits"] = outputs["logits"][:, :width]
+    elif isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor):
+        return type(outputs)([outputs[0][:, :width], *outputs[1:]])
     return outputs
 
 

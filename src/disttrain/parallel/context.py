@@ -107,16 +107,23 @@ class ContextParallel:
         pieces = 2 * self.size * (self.shares // math.gcd(self.shares, 2))  # (a rank's two pieces split in `shares`)
         return width + -width % pieces
 
-    def shard(self, batch: Any, width: int = 0) -> Any:
-        """This rank's two pieces of every sequence-valued tensor of a dict batch (dim 1, the sequence), with their
-        `position_ids`; other values as they are. The sequences are first right-padded to `padded`, or to `width`
-        tokens (one of `padded`'s) where that is longer: a pipeline's micro-batches cut at one width."""
+    def check(self, batch: Any) -> None:
+        """ConfigError (one line) for a batch that cannot be cut: not a dict with `input_ids`, or one whose attention
+        mask or positions the pieces would ignore (`pipeline.check_mask`)."""
         if not isinstance(batch, dict) or not isinstance(batch.get("input_ids"), torch.Tensor):
             raise ConfigError("parallel.context > 1 cuts sequences by their 'input_ids': give dict batches with "
                               "'input_ids' (and 'labels')")
         from disttrain.parallel.pipeline import check_mask
 
         check_mask(batch, "parallel.context")  # (the whole sequence's: its pieces attend without a mask)
+
+    def shard(self, batch: Any, width: int = 0, check: bool = True) -> Any:
+        """This rank's two pieces of every sequence-valued tensor of a dict batch (dim 1, the sequence), with their
+        `position_ids`; other values as they are. The sequences are first right-padded to `padded`, or to `width`
+        tokens (one of `padded`'s) where that is longer: a pipeline's micro-batches cut at one width. `check=False`:
+        `check` ran on the batch already (its mask read once)."""
+        if check:
+            self.check(batch)
         given, width = width, batch["input_ids"].shape[1]
         target = max(self.padded(width), given)
         batch, width = pad_sequences(batch, target), max(width, target)  # (padded to its longest: to equal pieces)

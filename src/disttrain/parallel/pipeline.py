@@ -73,7 +73,8 @@ class PipelinePrepared(Prepared):
     """(micro-batches, micro-batch size, width) -> schedule (static shapes: nothing but tensors on the wire)."""
 
     def forward_backward(self, inputs, loss_terms, on_loss, sync, autocast):
-        check_mask(inputs.kwargs)  # (the whole micro-batch's, also under context parallelism: cut below)
+        if self.context is None:  # (under context parallelism the backend checked the whole batch: cut below)
+            check_mask(inputs.kwargs)
         ids_now = _ids_of(inputs)
         self.pending.append(Pending(ids_now, loss_terms))
         # on the batch's device: a stage without the head hands these to fp16's scaler, which would otherwise keep
@@ -91,8 +92,8 @@ class PipelinePrepared(Prepared):
         widths = [p.ids.shape[1] for p in pending]
         cut = None
         if self.context is not None:  # each micro-batch cut into pieces at the step's widest: one shape, and every
-            cut = functools.partial(self.context.shard, width=self.context.padded(max(widths)))  # stage's positions
-            ids = torch.cat([cut({"input_ids": p.ids})["input_ids"] for p in pending])  # those of that width
+            cut = functools.partial(self.context.shard, width=self.context.padded(max(widths)), check=False)
+            ids = torch.cat([cut({"input_ids": p.ids})["input_ids"] for p in pending])  # (the stages' positions)
             widths = [ids.shape[1]] * len(pending)
         else:
             ids = _pad_cat([p.ids for p in pending], self.layout.shards)

@@ -48,8 +48,6 @@ from disttrain.service.wire import TIMED_PHASES, TOKEN_ENV, Connection, WireErro
 log = logging.getLogger(__name__)
 
 
-
-
 def import_object(path: str, setting: str) -> Any:
     """`package.module:name` -> the object; a failure names the setting."""
     module_name, _, attr = path.partition(":")
