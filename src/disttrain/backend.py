@@ -26,7 +26,7 @@ from torch import nn
 from disttrain.batches import ModelCall, batch_size, to_device
 from disttrain.config import DistConfig, ParallelConfig
 from disttrain.errors import ConfigError, UserError
-from disttrain.losses import causal_lm_loss, default_loss, lm_loss, shifted, takes_split_logits
+from disttrain.losses import causal_lm_loss, cut_logits, default_loss, lm_loss, shifted, takes_split_logits
 from disttrain.models.hf import is_hf_model
 from disttrain.models.meta import has_meta_parameters, materialize
 from disttrain.optim import OptimizerFactory, align_groups
@@ -354,7 +354,7 @@ class TrainingBackend:
         if context is not None:
             return context.whole(outputs, batch["input_ids"].shape[1])
         if self.prepared.sequence_multiple > 1 and isinstance(batch, dict) and "input_ids" in batch:
-            return _trimmed(outputs, batch["input_ids"].shape[1])  # (the padding `_chunk` added, cut off)
+            return cut_logits(outputs, batch["input_ids"].shape[1])  # (the padding `_chunk` added, cut off)
         return outputs
 
     def _eval_call(self, batch: Any) -> Any:
@@ -414,17 +414,6 @@ class TrainingBackend:
         if self.scheduler is not None and scheduler_state is not None:
             self.scheduler.load_state_dict(scheduler_state)
         self.step = int(state["step"])
-
-
-def _trimmed(outputs: Any, width: int) -> Any:
-    """The logits of `outputs` (a tensor, or an output with a `logits` field, changed in place) cut to `width`."""
-    if isinstance(outputs, torch.Tensor):
-        return outputs[:, :width]
-    if isinstance(outputs, dict) and isinstance(outputs.get("logits"), torch.Tensor):
-        outputs["logits"] = outputs["logits"][:, :width]
-    elif isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor):
-        return type(outputs)([outputs[0][:, :width], *outputs[1:]])
-    return outputs
 
 
 def create_backend(model: nn.Module, optimizer_factory: OptimizerFactory, parallel: ParallelConfig | None = None, *,

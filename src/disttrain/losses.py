@@ -23,6 +23,18 @@ from disttrain.errors import ConfigError
 from disttrain.models.hf import is_hf_model
 
 
+def cut_logits(outputs: Any, width: int) -> Any:
+    """`outputs` with its logits (a tensor, an output's `logits` field, changed in place, or a tuple's first) cut to
+    their first `width` positions."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs[:, :width]
+    if isinstance(outputs, dict) and isinstance(outputs.get("logits"), torch.Tensor):
+        outputs["logits"] = outputs["logits"][:, :width]
+    elif isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor):
+        return type(outputs)([outputs[0][:, :width], *outputs[1:]])
+    return outputs
+
+
 def logits_of(outputs: Any) -> torch.Tensor:
     if isinstance(outputs, torch.Tensor):
         return outputs

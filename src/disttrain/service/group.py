@@ -216,7 +216,10 @@ class WorkerGroup:
                     self._check(handle)
                 except Exception as exc:  # never let the detector die silently
                     self.fail(WorkerFailure(f"health check of worker {handle.rank} failed: {exc}", handle.rank))
-            self._check_progress()
+            try:
+                self._check_progress()
+            except Exception as exc:  # (as above)
+                self.fail(WorkerFailure(f"progress check of the workers failed: {exc}"))
             await asyncio.sleep(tick)
 
     def _limit(self, handle: WorkerHandle) -> tuple[str, float]:
