@@ -51,8 +51,9 @@ RESUMES = ["ddp+tp2>fsdp", "fsdp>ddp+tp2+sp+lp", "ddp+tp2>ddp+tp2", "ddp+pp2+1f1
            "ddp+pp2>ddp+pp2", "ddp+pp2>ddp+tp2", "ddp+pp2+zbv+layers4>fsdp+layers4", "ddp+cp2>fsdp",
            "ddp+pp2+freeze>fsdp+freeze"]
 # ... on 4 ranks, between 2-D layouts: pp2 x fsdp2 -> tp2 x dp2 (sequence parallel), tp2 x fsdp2 -> pp2 x dp2, and
-# fsdp -> pp2 x dp2 under zbv (the V's head copy of the tied weight reads the embedding's weight and optimizer state)
-RESUMES_FOUR = ["fsdp+pp2>ddp+tp2+sp", "fsdp+tp2>ddp+pp2", "fsdp+layers4>ddp+pp2+zbv+layers4"]
+# fsdp -> pp2 x dp2 under zbv (the V's head copy of the tied weight reads the embedding's weight and optimizer state),
+# pp2 x cp2 -> fsdp
+RESUMES_FOUR = ["fsdp+pp2>ddp+tp2+sp", "fsdp+tp2>ddp+pp2", "fsdp+layers4>ddp+pp2+zbv+layers4", "ddp+pp2+cp2>fsdp"]
 # ... and into one process: the step-6 checkpoints of these runs (tp2, pp2, pp2 x fsdp2), resumed by `single`
 STEPS = ["train.steps=12", "train.eval_every=6"]  # (>= 10 steps: the issue's bar; each launch trains ~20 jobs)
 INTO_ONE = {"tp": "ddp+tp2>fsdp", "pp": "ddp+pp2+1f1b>fsdp", "pp_fsdp": "fsdp+pp2>ddp+tp2+sp"}
