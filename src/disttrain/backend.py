@@ -316,10 +316,10 @@ class TrainingBackend:
         cross the cut: shifted before it, and taken as pre-shifted); otherwise both as they are. `cut=False`: the
         whole batch, shifted (the strategy cuts it: `Prepared.cuts_context`)."""
         context, multiple = self.prepared.context, self.prepared.sequence_multiple
-        if context is None and multiple > 1 and isinstance(batch, dict) and "input_ids" in batch:
-            width = batch["input_ids"].shape[1]  # (sequence parallelism: a batch of any width, cut in equal shares)
-            return pad_sequences(batch, width + -width % multiple), loss_fn
         if context is None:
+            if multiple > 1 and isinstance(batch, dict) and "input_ids" in batch:  # (sequence parallelism: a batch
+                width = batch["input_ids"].shape[1]  # of any width, cut in equal shares; as it is if they are)
+                batch = pad_sequences(batch, width + -width % multiple)
             return batch, loss_fn
         context.check(batch)  # (every rank, before any stage runs: a pipeline cuts the batch later)
         if (loss_fn or self.loss_fn) is causal_lm_loss and "labels" in batch:
@@ -348,13 +348,14 @@ class TrainingBackend:
         under sharded strategies)."""
         batch = to_device(batch, self.runtime.device, self.precision.param_dtype)
         context = self.prepared.context  # (context parallelism: this rank's pieces, then the whole sequences)
-        outputs = self._eval_call(context.shard(batch) if context is not None else self._chunk(batch, None)[0])
+        given = context.shard(batch) if context is not None else self._chunk(batch, None)[0]
+        outputs = self._eval_call(given)
         split = self.prepared.split_logits  # (loss parallel's logits split by vocabulary: gathered first)
         outputs = outputs if split is None else split.whole(outputs)
         if context is not None:
             return context.whole(outputs, batch["input_ids"].shape[1])
-        if self.prepared.sequence_multiple > 1 and isinstance(batch, dict) and "input_ids" in batch:
-            return cut_logits(outputs, batch["input_ids"].shape[1])  # (the padding `_chunk` added, cut off)
+        if given is not batch:  # (sequence parallelism's padding, cut off)
+            return cut_logits(outputs, batch["input_ids"].shape[1])
         return outputs
 
     def _eval_call(self, batch: Any) -> Any:

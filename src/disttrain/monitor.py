@@ -116,17 +116,12 @@ class RankStatus:
     def write(self) -> None:
         with self._lock:
             self.state["heartbeat"] = time.time()
-            long = self.state["heartbeat"] - self.state["since"] > PROBE_AT * self._limit()
+            long = self.state["heartbeat"] - self.state["since"] > PROBE_AT * limit(self.state)  # (none: never)
             if long and self.state["phase"] not in UNTIMED_PHASES:  # waiting on a peer?
                 self.state["in_collective"] = self._probe((self.state["phase"], self.state["since"]))
             else:
                 self.state.pop("in_collective", None)
             _write_json(self.path, self.state)
-
-    def _limit(self) -> float:
-        """This phase's time limit (none known: never probed)."""
-        key = "startup_timeout_s" if self.state["step"] == 0 else "timeout_s"
-        return self.state.get(key, math.inf)
 
     def _beat(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
@@ -210,6 +205,14 @@ def collective_records() -> dict[str, Any]:
         return json.loads(_dump_fr_trace_json(True, False))
     except Exception as exc:  # a torch without it, or a recorder that cannot dump: say so rather than fail
         return {"entries": [], "note": f"no records: {type(exc).__name__}: {exc}"}
+
+
+def limit(status: dict, timeout_s: float = math.inf, startup_timeout_s: float = math.inf) -> float:
+    """How long a rank may go without progress: the limit its status carries (its job's `dist.timeout_s`, or
+    `dist.startup_timeout_s` before its first step), else the one given (the launcher's)."""
+    if status["step"] == 0:
+        return status.get("startup_timeout_s", startup_timeout_s)
+    return status.get("timeout_s", timeout_s)
 
 
 def the_waited_for(over: list[T], live: list[T], since: Callable[[T], float], waiting: Callable[[T], bool]

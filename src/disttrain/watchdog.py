@@ -20,6 +20,7 @@ from disttrain.monitor import (
     LIVE_HEARTBEAT_S,
     STACK_SIGNAL,
     UNTIMED_PHASES,
+    limit,
     main_stack,
     mtime,
     read_statuses,
@@ -27,13 +28,6 @@ from disttrain.monitor import (
     the_waited_for,
     waits,
 )
-
-
-def limit(status: dict, timeout_s: float, startup_timeout_s: float) -> float:
-    """How long a rank may go without progress: before its first step, the startup limit."""
-    if status["step"] == 0:
-        return status.get("startup_timeout_s", startup_timeout_s)
-    return status.get("timeout_s", timeout_s)
 
 
 def stuck_ranks(statuses: list[dict], timeout_s: float, startup_timeout_s: float, now: float | None = None
