@@ -316,6 +316,13 @@ def test_service_with_the_model_split_matches_reference(tmp_path, reference, pla
             wide, narrow = next(job.batches(2, 1)), {k: v[:, :11] for k, v in next(job.batches(3, 2)).items()}
             with torch.no_grad():  # and the outputs of 11 tokens, cut back from what was padded
                 assert torch.allclose(await service.forward(narrow), one(narrow["input_ids"]), atol=1e-5)
+            if parallel.get("sequence_parallel"):  # a tensor batch is not padded: one line where shares are unequal
+                with pytest.raises(RemoteError, match="sequence_parallel: a batch of 11 tokens cannot be cut into "
+                                                      "parallel.tensor = 2 equal shares; give dict batches"):
+                    await service.forward((narrow["input_ids"],))
+                ten = narrow["input_ids"][:, :10]
+                with torch.no_grad():
+                    assert torch.allclose(await service.forward(ten), one(ten), atol=1e-5)
             await service.forward_backward(wide, sync=False)
             await service.forward_backward(narrow)
             with torch.no_grad():

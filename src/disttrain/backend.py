@@ -32,7 +32,7 @@ from disttrain.models.meta import has_meta_parameters, materialize
 from disttrain.optim import OptimizerFactory, align_groups
 from disttrain.parallel import Prepared, compose, registry
 from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
-from disttrain.parallel.context import pad_sequences
+from disttrain.parallel.context import pad_to_shares
 from disttrain.parallel.fsdp import reshard_gathered
 from disttrain.precision import Precision, get_precision
 from disttrain.runtime import Runtime, detect_launch, init_runtime
@@ -317,10 +317,7 @@ class TrainingBackend:
         whole batch, shifted (the strategy cuts it: `Prepared.cuts_context`)."""
         context, multiple = self.prepared.context, self.prepared.sequence_multiple
         if context is None:
-            if multiple > 1 and isinstance(batch, dict) and "input_ids" in batch:  # (sequence parallelism: a batch
-                width = batch["input_ids"].shape[1]  # of any width, cut in equal shares; as it is if they are)
-                batch = pad_sequences(batch, width + -width % multiple)
-            return batch, loss_fn
+            return (pad_to_shares(batch, multiple) if multiple > 1 else batch), loss_fn  # (sequence parallelism)
         context.check(batch)  # (every rank, before any stage runs: a pipeline cuts the batch later)
         if (loss_fn or self.loss_fn) is causal_lm_loss and "labels" in batch:
             batch, loss_fn = shifted(batch), lm_loss

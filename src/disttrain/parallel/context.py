@@ -239,6 +239,23 @@ def _metered(meter: Any, call, nbytes: int) -> None:
     timed_call(meter, call, nbytes)
 
 
+def pad_to_shares(batch: Any, shares: int) -> Any:
+    """Sequence parallelism's batch, cut later into `shares` equal pieces of its width: a dict batch with `input_ids`
+    right-padded to a multiple of `shares` (`pad_sequences`), any other batch as it is where its width divides, else
+    ConfigError (one line): disttrain cannot tell which of a tuple's or tensor's positions a loss reads."""
+    if isinstance(batch, dict) and "input_ids" in batch:
+        width = batch["input_ids"].shape[1]
+        return pad_sequences(batch, width + -width % shares)
+    inputs = batch
+    if isinstance(batch, (dict, tuple, list)):  # (what the model is called with: batches.ModelCall)
+        inputs = batch.get("inputs") if isinstance(batch, dict) else next(iter(batch), None)
+    if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] % shares:
+        raise ConfigError(f"parallel.sequence_parallel: a batch of {inputs.shape[1]} tokens cannot be cut into "
+                          f"parallel.tensor = {shares} equal shares; give dict batches with input_ids (and labels), "
+                          f"which are padded to fit, or sequences of a multiple of {shares} tokens")
+    return batch
+
+
 def pad_sequences(batch: dict, width: int) -> dict:
     """A dict batch whose sequence-valued tensors are right-padded to `width` tokens (`_pad`); as it is where they
     are that wide already."""
