@@ -143,7 +143,7 @@ def test_gloo_across_nodes_from_a_host_named_on_loopback_is_refused(monkeypatch)
 def test_service_local_ranks_follow_the_nodes_ray_placed_the_workers_on():
     from types import SimpleNamespace
 
-    from disttrain.service.service import _local_ranks
+    from disttrain.service.lifecycle import _local_ranks
 
     assert _local_ranks(SimpleNamespace(), 3) == [(0, 3), (1, 3), (2, 3)]  # the local launchers: one machine
     spread = SimpleNamespace(nodes=["a", "b", "a", "b"], gpus=[[], [], [], []])
