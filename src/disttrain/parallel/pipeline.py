@@ -35,9 +35,17 @@ from torch import nn
 from disttrain.errors import ConfigError
 from disttrain.parallel.mesh import VIRTUAL_SCHEDULES, holder, stage_count, stages_of
 from disttrain.parallel.spec import Prepared
-from disttrain.parallel.stages import FAMILIES, Family, StagePart, family_of, prune, schedule_class, stage_bounds
+from disttrain.parallel.stages import (
+    FAMILIES,
+    SEQUENCE_SHARDS,
+    Family,
+    StagePart,
+    family_of,
+    prune,
+    schedule_class,
+    stage_bounds,
+)
 from disttrain.parallel.state import dtensor_targets, full_state_dict_fns, local_tensor, tie_groups
-from disttrain.parallel.tensor import SEQUENCE_SHARDS
 
 KEPT_SCHEDULES = 4
 """Schedules (with their stages' device buffers) kept for the step shapes seen last (`PipelinePrepared._schedule`)."""

@@ -35,6 +35,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from disttrain.errors import ConfigError
 from disttrain.parallel.activation_checkpoint import transformer_blocks
+from disttrain.parallel.stages import SEQUENCE_SHARDS
 from disttrain.parallel.state import tie_groups
 
 # Per model family: names inside one block. `attention`/`mlp` are the submodules whose input is gathered under
@@ -83,12 +84,6 @@ def check_divisible(model: nn.Module, kind: str, degree: int) -> None:
             raise ConfigError(f"parallel.tensor = {degree} does not divide the model's {what} ({value}); choose a "
                               f"tensor degree that divides {value}")
 
-
-SEQUENCE_SHARDS = "disttrain_sequence_shards"
-"""Attribute `parallelize` sets on the model and each of its blocks: the shares the stream between them comes in
-(the tensor degree under sequence parallelism, else 1; a Llama's first block takes the whole sequence and splits
-it). The pipeline sends a stage's share (parallel/pipeline.py), and a stage's Llama block computes the rotary
-positions of the whole sequence from its share (parallel/stages.py)."""
 
 SPLIT_LOGITS_FROM = 8192
 """`parallel.loss_parallel = auto` splits the logits of vocabularies this large and larger."""
