@@ -145,7 +145,9 @@ PARITY = ["ddp", "ddp+ac", "zero1", "zero1+ac", "zero2", "zero2+ac", "fsdp", "fs
           # stages per rank
           "ddp+pp2+1f1b", "ddp+pp2+gpipe", "ddp+pp2+i1f1b", "ddp+pp2+zb", "ddp+pp2+zbv", "ddp+pp2+dualpipev",
           # context parallel: each sequence in two chunks (HF's labels shifted before the cut), with checkpointing
-          "ddp+cp2", "fsdp+cp2+ac"]
+          "ddp+cp2", "fsdp+cp2+ac",
+          # compiled decoder layers (parallel.compile, aot_eager), checkpointed and sharded, and around a context split
+          "fsdp+compile+ac", "ddp+cp2+compile"]
 # the embeddings (tied to the head) and the first layer frozen (model.freeze): against one process frozen alike
 FROZEN = ["fsdp+freeze", "ddp+pp2+1f1b+freeze", "deepspeed+stage3+freeze"]
 # 4 ranks: tp2 x fsdp2 (the sharded start), pp2 x dp2, pp2 x fsdp2 (gpipe, zero-bubble), hsdp 2 x 2
@@ -204,6 +206,7 @@ def test_hf_model_matches_single_process(parity, variant):
     assert got["params"].keys() == single["params"].keys()
     for name, tensor in single["params"].items():
         assert torch.allclose(got["params"][name], tensor, atol=1e-5), name
+    assert (got["graphs"] > 0) == ("compile" in variant)  # (compiled: not dynamo's eager fallback)
 
 
 def test_frozen_hf_parameters_keep_their_pretrained_values(llama_dir, parity):

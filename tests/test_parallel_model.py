@@ -18,6 +18,7 @@ from conftest import SCRIPTS, cli_env, read_metrics, run_alongside, run_cli
 from disttrain.config import ConfigError, load_config, validate
 from disttrain.parallel.mesh import MeshLayout, layout_for
 
+COMPILED = ["ddp+compile", "fsdp+compile+ac", "ddp+pp2+zb+layers4+compile", "ddp+cp2+compile"]
 # 2 ranks: tensor parallel over both (data degree 1: no data axis); a pipeline of 2 stages under each schedule
 # (interleaved, zero-bubble, zbv and dualpipev put 2 virtual stages on each rank: a 4-block model, `layers4`; the V of
 # zbv and dualpipev puts the first and last stage, and so the tied embedding and head, on rank 0; interleaved and
@@ -33,7 +34,10 @@ TWO = ["ddp+tp2", "ddp+tp2+sp", "ddp+tp2+lp", "fsdp+tp2", "ddp+pp2+gpipe", "ddp+
        # gradient to clip) under 1F1B and zero-bubble; FSDP2 and ZeRO shard groups of trainable and frozen ones
        # (sequence parallel: torch's SequenceParallel re-registers the norms' parameters, which stay frozen)
        "ddp+pp2+freeze", "ddp+pp2+zb+layers4+freeze", "fsdp+tp2+freeze", "ddp+tp2+sp+freeze", "fsdp+freeze",
-       "zero2+freeze"]
+       "zero2+freeze",
+       # compiled blocks (parallel.compile, aot_eager: traced, the same arithmetic) under data parallelism, FSDP2 with
+       # activation checkpointing, a pipeline whose schedule splits the backward, and a context split's gathers
+       *COMPILED]
 # bf16-mixed: against one process in bf16-mixed, to bf16's rounding
 MIXED = ["ddp+tp2+bf16+lp", "ddp+pp2+bf16", "ddp+cp2+bf16"]
 # 4 ranks: tp2 x fsdp2, tp2 (sequence parallel) x replicate2, hsdp 2 x 2, pp2 x replicate2, pp2 x fsdp2, pp2 x tp2
@@ -45,11 +49,12 @@ FOUR = ["fsdp+tp2+lp", "ddp+tp2+sp", "hsdp:2", "ddp+pp2", "fsdp+pp2", "ddp+pp2+t
         "ddp+pp2+zbv+layers4", "fsdp+pp2+dualpipev+layers4+mb2", "fsdp+cp2", "ddp+tp2+sp+cp2", "fsdp+tp2+cp2+lp",
         "fsdp+pp2+freeze",  # (a first stage with nothing to train, its data axis sharded over 2 ranks)
         # pipeline x context: each stage's attention gathers its pieces' keys, its embedding takes their positions
-        "ddp+pp2+cp2", "fsdp+pp2+cp2+zbv+layers4"]
+        "ddp+pp2+cp2", "fsdp+pp2+cp2+zbv+layers4",
+        "fsdp+pp2+compile"]  # (compiled blocks in the stages of pp2 x fsdp2)
 # checkpoints across layouts: A>B trains A to step 6, saves, and B resumes it to step 12
 RESUMES = ["ddp+tp2>fsdp", "fsdp>ddp+tp2+sp+lp", "ddp+tp2>ddp+tp2", "ddp+pp2+1f1b>fsdp", "fsdp>ddp+pp2+gpipe",
            "ddp+pp2>ddp+pp2", "ddp+pp2>ddp+tp2", "ddp+pp2+zbv+layers4>fsdp+layers4", "ddp+cp2>fsdp",
-           "ddp+pp2+freeze>fsdp+freeze"]
+           "ddp+pp2+freeze>fsdp+freeze", "ddp+compile>fsdp"]  # (a compiled run's names: the eager model's)
 # ... on 4 ranks, between 2-D layouts: pp2 x fsdp2 -> tp2 x dp2 (sequence parallel), tp2 x fsdp2 -> pp2 x dp2, and
 # fsdp -> pp2 x dp2 under zbv (the V's head copy of the tied weight reads the embedding's weight and optimizer state),
 # pp2 x cp2 -> fsdp
@@ -88,7 +93,8 @@ def runs(tmp_path_factory):
                 for world, variants in ((2, TWO + MIXED + RESUMES), (4, FOUR + RESUMES_FOUR))]
 
     single, multi = run_alongside([sys.executable, script, str(tmp), *STEPS, "single", "single+layers4",
-                                   "single+layers6", "single+bf16", "single+freeze", "single+layers4+freeze"], tmp,
+                                   "single+layers6", "single+bf16", "single+freeze", "single+layers4+freeze",
+                                   "single+inductor"], tmp,
                                   launches)
     assert single.returncode == 0, single.stderr[-3000:]
     for launched in multi:
@@ -251,6 +257,19 @@ def test_single_process_learns(runs):
     assert references["single"]["losses"][0] != references["single+layers4"]["losses"][0]
 
 
+def test_compiled_blocks_train_as_the_eager_ones(runs):
+    """parallel.compile: every compiled variant made graphs (dynamo, past its recompile limit, would run the blocks
+    eagerly and pass unseen); inductor's fused C++ kernels in one process follow the eager run to float32's rounding
+    (the layouts above match one process at 1e-5 with aot_eager's unfused arithmetic)."""
+    references, multi, _ = runs
+    compiled = {v: run["graphs"] for world in (2, 4) for v, run in multi[world].items() if "compile" in v}
+    assert len(compiled) == len(COMPILED) + 2 and compiled.pop("ddp+compile>fsdp") == 0  # (resumed eagerly)
+    assert all(graphs > 0 for graphs in compiled.values()), compiled
+    inductor, eager = references["single+inductor"], references["single"]
+    assert inductor["graphs"] > 0 and eager["graphs"] == 0
+    assert_same_training(inductor, eager)
+
+
 @pytest.mark.parametrize("world, variant", [(2, v) for v in RESUMES] + [(4, v) for v in RESUMES_FOUR])
 def test_checkpoint_resumes_across_layouts(runs, world, variant):
     """Steps 7-12 after resuming (a sharded DCP checkpoint, resharded to the new layout) are the single-process
@@ -351,6 +370,10 @@ def test_layout_from_settings(overrides, world, expected):
      "hsdp_shard_size = 4 does not divide the 2 data-parallel ranks"),
     (["parallel.tensor=2", "data.global_batch_size=12", "data.micro_batch_size=4"], 4,
      r"not divisible by data.micro_batch_size x data-parallel degree = 4 x 2 = 8"),
+    (["parallel.tensor=2", "parallel.compile=inductor"], 2, "parallel.compile = 'inductor' with parallel.tensor = 2 "
+     "is not supported"),
+    (["parallel.compile=inductr"], 2, "parallel.compile = 'inductr' is not a torch.compile backend here; give one of "
+     ".*inductor"),
 ])
 def test_bad_layouts_are_one_line(overrides, world, message):
     cfg = load_config(None, overrides)

@@ -31,7 +31,7 @@ from disttrain.models.hf import is_hf_model
 from disttrain.models.meta import has_meta_parameters, materialize
 from disttrain.optim import OptimizerFactory, align_groups
 from disttrain.parallel import Prepared, compose, registry
-from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing
+from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing, compile_blocks
 from disttrain.parallel.context import pad_to_shares
 from disttrain.parallel.fsdp import reshard_gathered
 from disttrain.precision import Precision, get_precision
@@ -440,6 +440,8 @@ def create_backend(model: nn.Module, optimizer_factory: OptimizerFactory, parall
     policy = get_precision(parallel.precision)
     if parallel.activation_checkpointing:
         apply_activation_checkpointing(model)
+    if parallel.compile:
+        compile_blocks(model, parallel.compile)
     deferred = has_meta_parameters(model)
     if deferred and not spec.starts_sharded(parallel):
         materialize(model, runtime.device)

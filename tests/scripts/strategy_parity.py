@@ -9,7 +9,7 @@ A variant is `strategy[+flag...][:hsdp_shard_size]`, flags: `ac` (activation che
 `tinybuckets` (parallel.bucket_cap_mb=0.01: many DDP buckets), `tpN` (parallel.tensor=N), `sp` (sequence parallel),
 `lp` (parallel.loss_parallel=true: the loss on logits split by vocabulary),
 `ppN` (parallel.pipeline=N), `gpipe` / `1f1b` / `i1f1b` / `zb` / `zbv` / `dualpipev` (parallel.pipeline_schedule),
-`vN` (parallel.pipeline_stages_per_rank=N),
+`vN` (parallel.pipeline_stages_per_rank=N), `compile` / `inductor` (parallel.compile=aot_eager / inductor),
 `layersN` (model.n_layer=N), `mbN` (data.micro_batch_size=N), `cpN` (parallel.context=N), `freeze` (model.freeze:
 the embeddings and the first block, i.e. the first pipeline stage, do not train), `freezevec` (model.freeze: the
 biases and norms, so that the optimizer's group of them is empty), `freezeboth` (the two; all three `FROZEN`),
@@ -21,7 +21,8 @@ An argument with `=` is a setting for every variant (e.g. `model.name=hf:DIR` tr
 (its losses are steps 11-20). `variant@label` runs the variant under another name (e.g. twice, with different settings).
 The strategy `plain` (1 process only) is not disttrain but the plain-torch loop of
 plain_reference.py on the same job. Rank 0 writes OUT/<world>.json: {variant: {"losses": [...],
-"grad_norms": [...], "eval": {...}}} and each variant's final parameters to OUT/<world>/<variant>.safetensors
+"grad_norms": [...], "eval": {...}, "graphs": N}} (N: graphs torch.compile made, 0 without `parallel.compile`)
+and each variant's final parameters to OUT/<world>/<variant>.safetensors
 (under a pipeline, rank 0's stage; the other ranks' in <variant>.rank<R>.safetensors). Under tensor parallelism
 each rank also writes the pieces it would send in a weight sync to OUT/<world>/pieces/<run name>.rank<R>.safetensors.
 """
@@ -55,7 +56,8 @@ FLAGS = {"ac": "parallel.activation_checkpointing=true", "offload": "parallel.cp
          "i1f1b": "parallel.pipeline_schedule=interleaved-1f1b", "zb": "parallel.pipeline_schedule=zero-bubble",
          "zbv": "parallel.pipeline_schedule=zbv", "dualpipev": "parallel.pipeline_schedule=dualpipev",
          "v": "parallel.pipeline_stages_per_rank={}",
-         "layers": "model.n_layer={}", "mb": "data.micro_batch_size={}", "cp": "parallel.context={}"}
+         "layers": "model.n_layer={}", "mb": "data.micro_batch_size={}", "cp": "parallel.context={}",
+         "compile": "parallel.compile=aot_eager", "inductor": "parallel.compile=inductor"}
 FROZEN = {"freeze": {"gpt": "tok_emb.*,pos_emb.*,blocks.0.*", "hf": "model.embed_tokens.*,model.layers.0.*"},
           "freezevec": {"gpt": "*.bias,*ln*", "hf": "*norm*"},
           "freezeboth": {"gpt": "tok_emb.*,pos_emb.*,blocks.0.*,*.bias,*ln*"}}
@@ -89,14 +91,19 @@ def train(out: Path, runtime, name: str, variant: str, extra: list[str]) -> tupl
         ref = plain_reference.from_config(cfg)
         return {"losses": ref.losses, "grad_norms": ref.grad_norms, "eval": {}}, ref.params
     comm.meter_for = device_meter if "+devtimed" in variant else METER_FOR
+    if cfg.parallel.compile:  # (the jobs before compiled the same blocks' code: their graphs would count against
+        torch._dynamo.reset()  # dynamo's recompile limit, past which it runs the blocks eagerly)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] if cfg.parallel.compile else 0
     trainer = Trainer(cfg, runtime=runtime)
     result = trainer.fit()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs if cfg.parallel.compile else 0
     # collectives under sharded strategies (the state dict, gathering its shards): every rank calls them
     params = {k: plain_tensor(v) for k, v in trainer.backend.state_dict()["model"].items()}
     if "+tp" in variant and runtime.world_size > 1:  # tensor shards, and FSDP's strided shards of them
         dump_pieces(out / str(runtime.world_size) / "pieces" / f"{name}.rank{runtime.rank}.safetensors", trainer, cfg,
                     runtime)
-    return {"losses": result.losses, "grad_norms": result.grad_norms, "eval": result.eval_losses}, params
+    return {"losses": result.losses, "grad_norms": result.grad_norms, "eval": result.eval_losses,
+            "graphs": graphs}, params
 
 
 def dump_pieces(path: Path, trainer, cfg, runtime) -> None:

@@ -1,13 +1,14 @@
 """Typed configuration: nested dataclasses, TOML loading, dotted overrides and pure validation.
 
-Every field carries a docstring (the string literal under it); `describe()` reads them back, so the
-README table and `--help` never drift from the code. Each component receives only its own section.
+Every field carries a docstring (the string literal under it); `describe()` (describe.py) reads them back, so
+the README table and `--help` never drift from the code. Each component receives only its own section.
 The sections live in `sections.py`, reading and writing a configuration in `loading.py`, the checks that run
 before any process starts in `validation.py`; this module is the one place to import them from.
 """
 
 from __future__ import annotations
 
+from disttrain.config.describe import describe
 from disttrain.config.loading import (
     GPU_BOUND_ENV,
     NODE_CLAIM_ENV,
@@ -30,7 +31,6 @@ from disttrain.config.sections import (
     ParallelConfig,
     RunConfig,
     TrainConfig,
-    describe,
 )
 from disttrain.config.validation import (
     profile_range,

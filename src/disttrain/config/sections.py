@@ -4,7 +4,6 @@ setting accepts."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import difflib
 import hashlib
@@ -13,8 +12,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from disttrain.parallel import registry
 
 
 @dataclass
@@ -155,6 +152,12 @@ class ParallelConfig:
     """DDP: tolerate parameters that receive no gradient in a step (slower; needed for branching models)."""
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward (less memory, ~1/3 more compute)."""
+    compile: str = ""
+    """Compile each transformer block with `torch.compile`, in place (names and checkpoints unchanged), under every
+    strategy, pipeline and context split (not a tensor split): `""` off, `"inductor"` (fused kernels: Triton on a
+    GPU, C++ on a CPU, which needs a C compiler), `"aot_eager"` (traced, not fused: checks that the model compiles)
+    or another of `torch._dynamo.list_backends()`. The first steps compile (seconds to minutes, within
+    `dist.startup_timeout_s`)."""
     reshard_after_forward: bool = True
     """fsdp/zero3/hsdp: free gathered parameters after each block's forward (gather again in backward). Not under
     a pipeline schedule that splits the backward (zero-bubble, zbv, dualpipev): there the weight part needs the
@@ -334,10 +337,8 @@ class Config:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
-SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config)}
-
-
-SECTIONS = {name: globals()[typ] if isinstance(typ, str) else typ for name, typ in SECTIONS.items()}
+SECTIONS: dict[str, type] = {f.name: globals()[f.type] if isinstance(f.type, str) else f.type
+                              for f in dataclasses.fields(Config)}
 
 
 # Values accepted by choice-valued settings; strategies and precisions come from their registries,
@@ -367,34 +368,3 @@ def suggest(word: str, options: list[str]) -> str:
 def field_types(section_cls: type) -> dict[str, type]:
     hints = inspect.get_annotations(section_cls, eval_str=True)
     return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
-
-
-def describe() -> list[tuple[str, str, Any, str]]:
-    """(dotted key, type, default, docstring) for every setting, read from the source docstrings; the strategy
-    names, and which strategies read each strategy-specific setting, come from the strategy registry."""
-    users = registry.option_users()
-    rows = []
-    for section, cls in SECTIONS.items():
-        docs = _field_docstrings(cls)
-        defaults = cls()
-        for name, typ in field_types(cls).items():
-            doc = docs.get(name, "")
-            if section == "parallel" and name == "strategy":
-                doc += " " + "; ".join(f"`{spec.name}`: {spec.summary}" + (
-                    f" (alias {', '.join(spec.aliases)})" if spec.aliases else "") + (
-                    f" (`pip install 'disttrain[{spec.package}]'`)" if spec.package else "")
-                    for spec in map(registry.get, registry.names())) + "."
-            elif section == "parallel" and name in users:
-                doc += f" Read by: {', '.join(users[name])}."
-            rows.append((f"{section}.{name}", typ.__name__, getattr(defaults, name), doc))
-    return rows
-
-
-def _field_docstrings(cls: type) -> dict[str, str]:
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:], strict=False):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
-    return docs

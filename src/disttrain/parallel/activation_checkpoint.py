@@ -1,11 +1,12 @@
-"""Activation checkpointing, and finding the transformer blocks that it (and FSDP2's per-block sharding) works on."""
+"""Activation checkpointing and compiling, and finding the transformer blocks that they (and FSDP2's per-block
+sharding) work on."""
 
 from __future__ import annotations
 
-import functools
-
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from disttrain.errors import ConfigError
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -37,4 +38,38 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     checkpoints are unchanged, and it composes with whichever strategy is applied afterwards (DDP, FSDP2).
     """
     for block in transformer_blocks(model):
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        block.forward = _checkpointed(block.forward)
+
+
+def _checkpointed(forward):
+    """`forward` run under a non-reentrant checkpoint. A function (not a `functools.partial` of `checkpoint`, which
+    dynamo does not trace at all: `parallel.compile` would run such blocks eagerly) that a compiled block traces as
+    torch's checkpoint operator, recomputed in its backward graph."""
+    def checkpointed(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return checkpointed
+
+
+def check_compile_backend(backend: str) -> None:
+    """ConfigError (one line) unless `backend` names a torch.compile backend (imports torch._dynamo: ~1 s)."""
+    import torch._dynamo
+
+    if backend not in torch._dynamo.list_backends(exclude_tags=()):  # (the debugging ones too, e.g. aot_eager)
+        raise ConfigError(f"parallel.compile = {backend!r} is not a torch.compile backend here; give one of "
+                          f"{', '.join(torch._dynamo.list_backends())}, aot_eager or eager, or \"\" for none")
+
+
+def compile_blocks(model: nn.Module, backend: str) -> None:
+    """`torch.compile` each transformer block in place with `backend` (`nn.Module.compile`: the module, its names,
+    hooks and wrapped forward stay; it compiles at its first call, inside whatever the strategy has wrapped around it
+    by then), as torchtitan does: the blocks share one code, so one compiled graph serves them all. Graph breaks are
+    allowed (a context split's gathers, a strategy's hooks run between graphs). A second shape (an evaluation's last
+    batch, rows of another length) compiles one graph for any shape."""
+    check_compile_backend(backend)
+    blocks = transformer_blocks(model)
+    if not blocks:
+        raise ConfigError(f"parallel.compile = {backend!r}: {type(model).__name__} has no repeated blocks (an "
+                          "nn.ModuleList) to compile one by one; compile it yourself, or parallel.compile = \"\"")
+    for block in blocks:
+        block.compile(backend=backend)

@@ -72,7 +72,7 @@ def prepare(spec: StrategySpec, model: nn.Module, runtime, parallel, materialize
 
         prepared.context = ContextParallel(layouts.context_groups(layout), layout.context,
                                            layout.coords(runtime.rank)["cp"], prepared.comm,
-                                           layout.tensor if parallel.sequence_parallel else 1)
+                                           layout.tensor if parallel.sequence_parallel else 1, bool(parallel.compile))
         prepared.context.parallelize(model)
         prepared.cuts_context = layout.pipeline > 1  # (one width for all of a step's micro-batches: pipeline.py)
     return prepared

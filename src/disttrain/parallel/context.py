@@ -39,8 +39,11 @@ class ContextParallel:
     """This rank's pieces of every sequence (`shard`), the attention over the whole sequence (`attend`), and the
     outputs of the whole sequence (`whole`)."""
 
-    def __init__(self, group, size: int, rank: int, meter: Any = None, shares: int = 1):
+    def __init__(self, group, size: int, rank: int, meter: Any = None, shares: int = 1, compiled: bool = False):
         self.group, self.size, self.rank = group, size, rank
+        self.gather = torch.compiler.disable(_Gather.apply) if compiled else _Gather.apply
+        """The keys' and values' gather; under `parallel.compile` run between the compiled graphs (a graph break dynamo
+        would otherwise make at the meter's clock, with a warning on every rank)."""
         self.shares = shares
         """What else splits a rank's share of a sequence (sequence parallelism's tensor degree): a batch is padded to
         2 x size pieces whose pairs divide by it."""
@@ -158,7 +161,7 @@ class ContextParallel:
                               "no bidirectional attention)")
         piece = q.shape[-2] // 2
         metered = torch.is_grad_enabled()  # (evaluation's and forward()'s gathers are not a step's: not metered)
-        keys, values = _Gather.apply(k, self, metered), _Gather.apply(v, self, metered)
+        keys, values = self.gather(k, self, metered), self.gather(v, self, metered)
         out = []
         for half, p in enumerate(self.held()):
             seen = (p + 1) * piece
