@@ -72,7 +72,7 @@ def test_defaults_are_the_issues_sizes():
                                                 "comm none", "comm bf16", "comm fsdp", "comm trace", "checkpoint",
                                                 "overhead", "overhead medium", "tp", "pp 1f1b", "pp interleaved-1f1b",
                                                 "pp zbv", "pp dualpipev", "pp zbv x tp", "cpu_offload", "mfu",
-                                                "mfu fsdp", "service ray"]
+                                                "mfu fsdp", "mfu blocks", "service ray"]
 
 
 @pytest.mark.parametrize("precision", ["fp16-mixed"])

@@ -49,7 +49,8 @@ one-line reason and the others still run:
                        power-of-two micro-batch whose estimate fits --memory-fraction of the device (or --micro),
                        torch.compile, flash attention forced through SDPA: tokens/s, TFLOP/s (perf.flops_per_token),
                        MFU against perf.peak_tflops (or --peak-tflops); target >= 45%; then the same under fsdp
-                       (a one-rank nccl group: FSDP2's wrapping and compile, no collective)
+                       (a one-rank nccl group: FSDP2's wrapping and compile, no collective); `mfu blocks`: under
+                       fsdp with each block compiled as `parallel.compile = "inductor"` does (a user's job)
     service ray        (SKIP without ray) two TrainingServices on a local Ray cluster sharing this GPU by fractions
                        (training 1 x 0.5 GPU under fsdp, rollout 1 x 0.25): each rank's device, the GPU ids Ray gave,
                        the training one's losses fall
@@ -194,6 +195,7 @@ CHECKS: list[tuple[str, Callable]] = [
     ("cpu_offload", check_cpu_offload),
     ("mfu", check_mfu),
     ("mfu fsdp", partial(check_mfu, strategy="fsdp")),
+    ("mfu blocks", partial(check_mfu, strategy="fsdp", blocks=True)),
     ("service ray", check_service),
 ]
 

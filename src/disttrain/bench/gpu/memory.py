@@ -101,7 +101,9 @@ def check_cpu_offload(args, check: Check, size: dict[str, int] = OFFLOAD, micro:
         "" if check.passed else f": {saved / states:.0%}")
 
 
-def check_mfu(args, check: Check, strategy: str = "single") -> None:
+def check_mfu(args, check: Check, strategy: str = "single", blocks: bool = False) -> None:
+    """`blocks`: compiled as a user's job is, each transformer block (`parallel.compile = "inductor"`), not the whole
+    model (the embedding, head and loss then run eagerly)."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -116,7 +118,7 @@ def check_mfu(args, check: Check, strategy: str = "single") -> None:
                            "at micro-batch 1; pass a smaller --n-layer / --d-model / --seq-len")
     from disttrain.parallel import registry
 
-    cfg = kit.config(size, micro, strategy, precision)
+    cfg = kit.config(size, micro, strategy, precision, ("parallel.compile=inductor",) if blocks else ())
     needs_group = registry.get(strategy).needs_group
     backend = kit.backend(cfg, kit.runtime(device, group=needs_group), grad_clip=1.0)  # the Trainer's clip
     flops = flops_per_token(backend.model, args.seq_len)
@@ -124,9 +126,10 @@ def check_mfu(args, check: Check, strategy: str = "single") -> None:
     check.figures.update({"model": kit.describe(size, micro) + f", {strategy}, {precision}, AdamW, grad clip 1.0",
                           "parameters": f"{sum(p.numel() for p in backend.model.parameters()) / 1e9:.3f} B",
                           "training FLOPs per token": f"{flops / 1e9:.2f} GFLOP",
-                          "torch.compile": str(args.compile), "attention": "SDPA, flash attention forced",
+                          "torch.compile": "each block (parallel.compile)" if blocks else str(args.compile),
+                          "attention": "SDPA, flash attention forced",
                           "estimate total": kit.gib(estimate(cfg, 1, strategy).total(False))})
-    if args.compile:
+    if args.compile and not blocks:
         backend.model.compile()  # in place: the module keeps its class, names and forward signature
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(args.vocab, (micro, args.seq_len + 1), generator=gen)
