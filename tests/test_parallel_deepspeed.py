@@ -29,8 +29,10 @@ FP16 = ["ddp+fp16", "deepspeed+stage0+fp16", "deepspeed+stage1+fp16", "deepspeed
         "deepspeed+stage3+fp16", "deepspeed+stage2+offload+fp16"]
 
 
+COMPILED = ["deepspeed+stage2+compile"]  # the blocks compiled inside the engine (parallel.compile; ZeRO-3 is refused)
+
 ONE_PROCESS = ["single", "plain", "plain+sgd+noclip", "single+freezevec", "single+freezeboth"]
-LAUNCHED = [*STAGES, *UNCLIPPED, *RESUMES, *EMPTY_GROUP, BF16, *FP16]
+LAUNCHED = [*STAGES, *UNCLIPPED, *RESUMES, *EMPTY_GROUP, BF16, *FP16, *COMPILED]
 """Trained by conftest's `gpt_parity`, in the same two processes as test_parallel_fsdp.py's variants."""
 
 
@@ -54,10 +56,11 @@ def test_zero_stage_matches_plain_torch(results, variant):
     assert not problems, "; ".join(problems)
 
 
-@pytest.mark.parametrize("variant", STAGES)
+@pytest.mark.parametrize("variant", STAGES + COMPILED)
 def test_zero_stage_matches_single_process(results, variant):
     reference, two = results
     assert len(two[variant]["losses"]) == 12
+    assert (two[variant]["graphs"] > 0) == (variant in COMPILED)
     assert two[variant]["losses"] == pytest.approx(reference["losses"], abs=1e-5)
     for step in reference["eval"]:
         assert two[variant]["eval"][step] == pytest.approx(reference["eval"][step], abs=1e-5)

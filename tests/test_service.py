@@ -340,6 +340,11 @@ def test_service_refuses_a_layout_the_workers_cannot_form():
     with pytest.raises(ConfigError, match="does not divide the world size 3"):
         asyncio.run(TrainingService.options(nproc=3).as_service("gpt", model_args=job.MODEL,
                                                                  parallel={"tensor": 2}))
+    # parallel.compile: a name torch.compile does not know, and a split it does not compose with (before any worker)
+    for parallel, message in (({"compile": "inductr"}, "'inductr' is not a torch.compile backend here"),
+                              ({"compile": "inductor", "tensor": 2}, "with parallel.tensor = 2: compiled")):
+        with pytest.raises(ConfigError, match=message):
+            asyncio.run(TrainingService.options(nproc=2).as_service("gpt", model_args=job.MODEL, parallel=parallel))
 
 
 def test_a_wildcard_host_is_refused_and_a_rank_listens_on_its_own_machines_address():

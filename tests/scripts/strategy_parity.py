@@ -21,8 +21,8 @@ An argument with `=` is a setting for every variant (e.g. `model.name=hf:DIR` tr
 (its losses are steps 11-20). `variant@label` runs the variant under another name (e.g. twice, with different settings).
 The strategy `plain` (1 process only) is not disttrain but the plain-torch loop of
 plain_reference.py on the same job. Rank 0 writes OUT/<world>.json: {variant: {"losses": [...],
-"grad_norms": [...], "eval": {...}, "graphs": N}} (N: graphs torch.compile made, 0 without `parallel.compile`)
-and each variant's final parameters to OUT/<world>/<variant>.safetensors
+"grad_norms": [...], "eval": {...}, "graphs": N}} (N: graphs torch.compile made, in both runs of A>B; 0 without
+`parallel.compile`) and each variant's final parameters to OUT/<world>/<variant>.safetensors
 (under a pipeline, rank 0's stage; the other ranks' in <variant>.rank<R>.safetensors). Under tensor parallelism
 each rank also writes the pieces it would send in a weight sync to OUT/<world>/pieces/<run name>.rank<R>.safetensors.
 """
@@ -92,7 +92,8 @@ def train(out: Path, runtime, name: str, variant: str, extra: list[str]) -> tupl
         return {"losses": ref.losses, "grad_norms": ref.grad_norms, "eval": {}}, ref.params
     comm.meter_for = device_meter if "+devtimed" in variant else METER_FOR
     if cfg.parallel.compile:  # (the jobs before compiled the same blocks' code: their graphs would count against
-        torch._dynamo.reset()  # dynamo's recompile limit, past which it runs the blocks eagerly)
+        torch._dynamo.reset()  # dynamo's recompile limit; past it dynamo would run the blocks eagerly: fail instead)
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] if cfg.parallel.compile else 0
     trainer = Trainer(cfg, runtime=runtime)
     result = trainer.fit()
@@ -140,8 +141,9 @@ def main() -> None:
         name = variant.replace(":", "_").replace(">", "_to_").replace("@", "_")
         if then:  # the second run resumes the first's checkpoint (same run dir, checkpoint.resume = auto)
             half = load_config(None, [*JOB, *SETTINGS]).train.steps // 2
-            train(out, runtime, name, first, [f"checkpoint.every={half}", f"train.stop_at={half}"])
+            before, _ = train(out, runtime, name, first, [f"checkpoint.every={half}", f"train.stop_at={half}"])
             results[variant], params = train(out, runtime, name, then, [f"checkpoint.every={half}"])
+            results[variant]["graphs"] += before["graphs"]
         else:
             results[variant], params = train(out, runtime, name, first, [])
         folder = out / str(runtime.world_size)

@@ -153,11 +153,12 @@ class ParallelConfig:
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward (less memory, ~1/3 more compute)."""
     compile: str = ""
-    """Compile each transformer block with `torch.compile`, in place (names and checkpoints unchanged), under every
-    strategy, pipeline and context split (not a tensor split): `""` off, `"inductor"` (fused kernels: Triton on a
+    """Compile each transformer block with `torch.compile`, in place (names and checkpoints unchanged), under the
+    strategies, pipelines and context splits (not a tensor split, DeepSpeed's ZeRO-3 or a checkpointed context
+    split): `""` off, `"inductor"` (fused kernels: Triton on a
     GPU, C++ on a CPU, which needs a C compiler), `"aot_eager"` (traced, not fused: checks that the model compiles)
-    or another of `torch._dynamo.list_backends()`. The first steps compile (seconds to minutes, within
-    `dist.startup_timeout_s`)."""
+    or another of `torch._dynamo.list_backends()`. The first step compiles (seconds to minutes, within
+    `dist.startup_timeout_s`), the first evaluation and a new shape again (within `dist.timeout_s`)."""
     reshard_after_forward: bool = True
     """fsdp/zero3/hsdp: free gathered parameters after each block's forward (gather again in backward). Not under
     a pipeline schedule that splits the backward (zero-bubble, zbv, dualpipev): there the weight part needs the

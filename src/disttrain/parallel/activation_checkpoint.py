@@ -60,6 +60,28 @@ def check_compile_backend(backend: str) -> None:
                           f"{', '.join(torch._dynamo.list_backends())}, aot_eager or eager, or \"\" for none")
 
 
+def check_compile_composes(p) -> None:
+    """ConfigError (one line) where `parallel.compile` (`p`: the ParallelConfig) meets what it does not compose with,
+    as seen in disttrain's checks (torch 2.13, CPU, gloo): a tensor split (a Hugging Face Llama's compiled
+    tensor-parallel layers failed in backward, and with sequence and loss parallelism trained 8e-3 off the eager run);
+    DeepSpeed's ZeRO-3 (its hooks on every module recompile past dynamo's limit: run eagerly); activation
+    checkpointing over a context split (the keys' gathers run between graphs, and a checkpoint cannot hold a graph
+    break: dynamo ran the whole block eagerly)."""
+    why = ""
+    if p.tensor > 1:
+        why = (f"with parallel.tensor = {p.tensor}: compiled tensor-parallel blocks failed or trained off the eager "
+               "run in disttrain's checks (torch 2.13); set parallel.tensor = 1")
+    elif p.strategy == "deepspeed" and p.deepspeed_stage == 3:
+        why = ("with DeepSpeed's ZeRO-3: its hooks on every module exceed dynamo's recompile limit, so the blocks "
+               "would run eagerly; use parallel.strategy = 'fsdp' or parallel.deepspeed_stage <= 2")
+    elif p.context > 1 and p.activation_checkpointing:
+        why = (f"with parallel.context = {p.context} and activation checkpointing: the keys' gathers run between "
+               "graphs, which a checkpointed block cannot, so it would run eagerly; set "
+               "parallel.activation_checkpointing = false")
+    if why:
+        raise ConfigError(f"parallel.compile = {p.compile!r} {why}, or parallel.compile = \"\"")
+
+
 def compile_blocks(model: nn.Module, backend: str) -> None:
     """`torch.compile` each transformer block in place with `backend` (`nn.Module.compile`: the module, its names,
     hooks and wrapped forward stay; it compiles at its first call, inside whatever the strategy has wrapped around it

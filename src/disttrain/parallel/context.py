@@ -244,8 +244,9 @@ def _metered(meter: Any, call, nbytes: int) -> None:
 
 def pad_to_shares(batch: Any, shares: int) -> Any:
     """Sequence parallelism's batch, cut later into `shares` equal pieces of its width: a dict batch with `input_ids`
-    right-padded to a multiple of `shares` (`pad_sequences`), any other batch as it is where its width divides, else
-    ConfigError (one line): disttrain cannot tell which of a tuple's or tensor's positions a loss reads."""
+    right-padded to a multiple of `shares` (`pad_sequences`); a tuple, a tensor or a dict with `inputs` as it is where
+    the model's input's width divides, else ConfigError (one line): disttrain cannot tell which of their positions a
+    loss reads. (A dict of other keys, called by the names its model's forward takes, is passed as it is.)"""
     if isinstance(batch, dict) and "input_ids" in batch:
         width = batch["input_ids"].shape[1]
         return pad_sequences(batch, width + -width % shares)

@@ -114,11 +114,10 @@ def layout_for(p: ParallelConfig, world: int, spec: StrategySpec | None = None) 
     if p.context > 1 and p.pipeline > 1 and p.tensor > 1:
         raise ConfigError(f"parallel.context = {p.context} composes with parallel.pipeline or with parallel.tensor, "
                           "not with both yet; set parallel.tensor = 1, parallel.pipeline = 1 or parallel.context = 1")
-    if p.compile and p.tensor > 1:  # (seen on CPU: a Hugging Face Llama's blocks failed in backward, and with sequence
-        # and loss parallelism trained 8e-3 off the eager run; the reference GPT's matched)
-        raise ConfigError(f"parallel.compile = {p.compile!r} with parallel.tensor = {p.tensor} is not supported: "
-                          "compiled tensor-parallel blocks failed or trained off the eager run in disttrain's checks "
-                          "(torch 2.13); set parallel.compile = \"\" or parallel.tensor = 1")
+    if p.compile:
+        from disttrain.parallel.activation_checkpoint import check_compile_composes
+
+        check_compile_composes(p)
     split = p.pipeline * p.tensor * p.context
     if world % split:
         divisors = [d for d in range(1, world + 1) if world % d == 0]

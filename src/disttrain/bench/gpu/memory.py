@@ -110,6 +110,13 @@ def check_mfu(args, check: Check, strategy: str = "single", blocks: bool = False
     from disttrain.memory import estimate
     from disttrain.perf import flops_per_token, peak_tflops
 
+    if blocks:
+        if not args.compile:
+            raise kit.Skipped("--no-compile: this check measures compiled blocks")
+        import torch._dynamo
+
+        torch._dynamo.reset()  # (the whole-model compiles of the checks before: their graphs are not these)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] if blocks else 0
     device, size, precision = args.device, mfu_size(args), args.mfu_precision
     budget = args.memory_fraction * torch.cuda.get_device_properties(device).total_memory
     micro = args.micro or pick_micro_batch(size, precision, budget, strategy)
@@ -140,6 +147,11 @@ def check_mfu(args, check: Check, strategy: str = "single", blocks: bool = False
             backend.forward_backward(batch)
             backend.optim_step()
         check.figures["warm-up (3 steps, compilation included)"] = f"{time.perf_counter() - start:.1f} s"
+        if blocks:
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+            check.figures["graphs compiled"] = str(graphs)
+            if not graphs:
+                raise RuntimeError("parallel.compile made no graph: the blocks ran eagerly")
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
