@@ -89,7 +89,7 @@ def train(out: Path, runtime, name: str, variant: str, extra: list[str]) -> tupl
     cfg = load_config(None, [*JOB, *SETTINGS, f"run.out_dir={out}", f"run.name={name}", *overrides(variant), *extra])
     if cfg.parallel.strategy == "plain":
         ref = plain_reference.from_config(cfg)
-        return {"losses": ref.losses, "grad_norms": ref.grad_norms, "eval": {}}, ref.params
+        return {"losses": ref.losses, "grad_norms": ref.grad_norms, "eval": {}, "graphs": 0}, ref.params
     comm.meter_for = device_meter if "+devtimed" in variant else METER_FOR
     if cfg.parallel.compile:  # (the jobs before compiled the same blocks' code: their graphs would count against
         torch._dynamo.reset()  # dynamo's recompile limit; past it dynamo would run the blocks eagerly: fail instead)

@@ -88,7 +88,6 @@ def compile_blocks(model: nn.Module, backend: str) -> None:
     by then), as torchtitan does: the blocks share one code, so one compiled graph serves them all. Graph breaks are
     allowed (a context split's gathers, a strategy's hooks run between graphs). A second shape (an evaluation's last
     batch, rows of another length) compiles one graph for any shape."""
-    check_compile_backend(backend)
     blocks = transformer_blocks(model)
     if not blocks:
         raise ConfigError(f"parallel.compile = {backend!r}: {type(model).__name__} has no repeated blocks (an "
