@@ -151,6 +151,21 @@ def test_strategy_and_precision_are_named_one_way_by_the_parallel_config():
         build(strategy="single")
 
 
+def test_compile_settings_it_cannot_run_are_refused_before_the_model_is_touched():
+    """`create_backend` called from a user's own loop: an unknown torch.compile backend, or a split it does not
+    compose with, is one line, and the model was not moved, wrapped or compiled."""
+    from disttrain.errors import ConfigError
+
+    model = GPT(ModelConfig(n_layer=2, d_model=32, n_head=2, seq_len=8))
+    forwards = [block.forward for block in model.blocks]
+    for parallel, message in ((ParallelConfig(compile="inductr", activation_checkpointing=True), "'inductr' is not"),
+                              (ParallelConfig(compile="inductor", tensor=2), "with parallel.tensor = 2: compiled")):
+        with pytest.raises(ConfigError, match=message):
+            create_backend(model, optimizer_factory(OptimConfig()), parallel, runtime=_runtime())
+    assert [block.forward for block in model.blocks] == forwards  # (not checkpointed)
+    assert all(block._compiled_call_impl is None for block in model.blocks)
+
+
 def test_a_strategy_that_needs_a_group_forms_it_under_torchrun_with_one_process(tmp_path):
     """`torchrun --nproc-per-node 1 script.py` with ddp: the group is formed at world size 1 (it used to fail
     with 'launch with --nproc N')."""
