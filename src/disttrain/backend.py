@@ -31,12 +31,7 @@ from disttrain.models.hf import is_hf_model
 from disttrain.models.meta import has_meta_parameters, materialize
 from disttrain.optim import OptimizerFactory, align_groups
 from disttrain.parallel import Prepared, compose, registry
-from disttrain.parallel.activation_checkpoint import (
-    apply_activation_checkpointing,
-    check_compile_backend,
-    check_compile_composes,
-    compile_blocks,
-)
+from disttrain.parallel.activation_checkpoint import apply_activation_checkpointing, check_compile, compile_blocks
 from disttrain.parallel.context import pad_to_shares
 from disttrain.parallel.fsdp import reshard_gathered
 from disttrain.precision import Precision, get_precision
@@ -437,8 +432,7 @@ def create_backend(model: nn.Module, optimizer_factory: OptimizerFactory, parall
     """
     parallel = parallel or ParallelConfig()
     if parallel.compile:  # (refused before the model or the process group is touched)
-        check_compile_backend(parallel.compile)
-        check_compile_composes(parallel)
+        check_compile(parallel)
     world = runtime.world_size if runtime is not None else detect_launch(os.environ).world_size
     spec = registry.resolve(parallel.strategy, world)  # "auto" is resolved here, once
     runtime = runtime or init_runtime(dist or DistConfig(), always_form_group=spec.needs_group)

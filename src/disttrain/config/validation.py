@@ -197,10 +197,6 @@ def _validate_parallel(cfg: Config, world: int, layout: mesh.MeshLayout) -> None
     _check(p.bucket_cap_mb > 0, f"parallel.bucket_cap_mb = {p.bucket_cap_mb}: must be > 0")
     _check(p.powersgd_rank >= 1, f"parallel.powersgd_rank = {p.powersgd_rank}: must be >= 1")
     registry.check_options(spec, p, ParallelConfig())
-    if p.compile:
-        from disttrain.parallel.activation_checkpoint import check_compile_backend  # (torch: only when asked)
-
-        check_compile_backend(p.compile)
     if spec.check is not None:
         spec.check(cfg, layout.data)
     mesh.check_model_split(cfg, layout)

@@ -51,22 +51,19 @@ def _checkpointed(forward):
     return checkpointed
 
 
-def check_compile_backend(backend: str) -> None:
-    """ConfigError (one line) unless `backend` names a torch.compile backend (imports torch._dynamo: ~1 s)."""
+def check_compile(p) -> None:
+    """ConfigError (one line) where `parallel.compile` (`p`: the ParallelConfig) names no torch.compile backend
+    (imports torch._dynamo: ~1 s), or meets what it does not compose with, as seen in disttrain's checks (torch 2.13,
+    CPU, gloo): a tensor split (a Hugging Face Llama's compiled tensor-parallel layers failed in backward, and with
+    sequence and loss parallelism trained 8e-3 off the eager run); DeepSpeed's ZeRO-3 (its hooks on every module
+    recompile past dynamo's limit: run eagerly); activation checkpointing over a context split (the keys' gathers run
+    between graphs, and a checkpoint cannot hold a graph break: dynamo ran the whole block eagerly). `mesh.layout_for`
+    calls it (validation, the TrainingService's driver, `compose.prepare`), and `create_backend` first of all."""
     import torch._dynamo
 
-    if backend not in torch._dynamo.list_backends(exclude_tags=()):  # (the debugging ones too, e.g. aot_eager)
-        raise ConfigError(f"parallel.compile = {backend!r} is not a torch.compile backend here; give one of "
+    if p.compile not in torch._dynamo.list_backends(exclude_tags=()):  # (the debugging ones too, e.g. aot_eager)
+        raise ConfigError(f"parallel.compile = {p.compile!r} is not a torch.compile backend here; give one of "
                           f"{', '.join(torch._dynamo.list_backends())}, aot_eager or eager, or \"\" for none")
-
-
-def check_compile_composes(p) -> None:
-    """ConfigError (one line) where `parallel.compile` (`p`: the ParallelConfig) meets what it does not compose with,
-    as seen in disttrain's checks (torch 2.13, CPU, gloo): a tensor split (a Hugging Face Llama's compiled
-    tensor-parallel layers failed in backward, and with sequence and loss parallelism trained 8e-3 off the eager run);
-    DeepSpeed's ZeRO-3 (its hooks on every module recompile past dynamo's limit: run eagerly); activation
-    checkpointing over a context split (the keys' gathers run between graphs, and a checkpoint cannot hold a graph
-    break: dynamo ran the whole block eagerly)."""
     why = ""
     if p.tensor > 1:
         why = (f"with parallel.tensor = {p.tensor}: compiled tensor-parallel blocks failed or trained off the eager "

@@ -115,9 +115,9 @@ def layout_for(p: ParallelConfig, world: int, spec: StrategySpec | None = None) 
         raise ConfigError(f"parallel.context = {p.context} composes with parallel.pipeline or with parallel.tensor, "
                           "not with both yet; set parallel.tensor = 1, parallel.pipeline = 1 or parallel.context = 1")
     if p.compile:
-        from disttrain.parallel.activation_checkpoint import check_compile_composes
+        from disttrain.parallel.activation_checkpoint import check_compile
 
-        check_compile_composes(p)
+        check_compile(p)
     split = p.pipeline * p.tensor * p.context
     if world % split:
         divisors = [d for d in range(1, world + 1) if world % d == 0]

@@ -148,10 +148,6 @@ class ServiceOptions:
 
         # pipeline / tensor degrees checked as arithmetic before any worker starts
         layout = layout_for(ParallelConfig(strategy=strategy, precision=precision, **(parallel or {})), self.nproc)
-        if (parallel or {}).get("compile"):  # (a name torch.compile does not know: one line, before any worker starts)
-            from disttrain.parallel.activation_checkpoint import check_compile_backend
-
-            check_compile_backend(parallel["compile"])
         service = TrainingService(self, setup, layout, live)
         await service._start()
         service._started = True
