@@ -20,7 +20,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from disttrain.batches import ModelCall, batch_size, to_device
@@ -36,6 +35,7 @@ from disttrain.parallel.context import pad_to_shares
 from disttrain.parallel.fsdp import reshard_gathered
 from disttrain.precision import Precision, get_precision
 from disttrain.runtime import Runtime, detect_launch, init_runtime
+from disttrain.totals import StepTotals
 
 LossOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor | int]
 LossFn = Callable[[Any, Any], LossOutput]
@@ -91,7 +91,8 @@ class TrainingBackend:
         self.step = 0
         self.skipped_steps = 0  # total optimizer steps skipped (fp16 overflow, or non-finite with "skip")
         self._consecutive_skips = 0
-        self._reset_accumulators()
+        self.totals = StepTotals(runtime, prepared)
+        """What this step's micro-batches added up, and their one all-reduce (totals.py)."""
 
     @property
     def model(self) -> nn.Module:
@@ -103,14 +104,6 @@ class TrainingBackend:
         """(data-parallel degree, this rank's index on it): this rank reads shard `index` of `degree` of every
         global batch (ranks that split the model between them read the same shard)."""
         return self.prepared.data_parallel or (self.runtime.world_size, self.runtime.rank)
-
-    def _reset_accumulators(self) -> None:
-        self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
-        self._count = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
-        self._nonfinite = torch.zeros((), dtype=torch.float64, device=self.runtime.device)  # 1: a loss was inf/NaN
-        self._micro_batches = 0
-        self._unsynced = False
-        self._totals: tuple[Any, torch.Tensor, int] | None = None  # (all-reduce in flight, buffer, micro-batches)
 
     def loss_terms(self, outputs: Any, batch: Any, loss_fn: LossFn | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,6 +140,7 @@ class TrainingBackend:
         self.prepared.module.train()
         self.on_phase("forward")
         joined: list[torch.Tensor] = []
+        totals = self.totals
 
         def loss_terms(outputs: Any, cut: Callable[[Any], Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
             return self.loss_terms(outputs, batch if cut is None else cut(batch), loss_fn)
@@ -155,24 +149,22 @@ class TrainingBackend:
             # this micro-batch joins the step's totals once its backward has run (a backward that raises
             # leaves them as they were); the last one starts their all-reduce now, to overlap its backward
             loss_sum_d = loss_sum.detach().double()
-            nonfinite = torch.maximum(self._nonfinite, (~torch.isfinite(loss_sum_d)).double())
+            nonfinite = torch.maximum(totals.nonfinite, (~torch.isfinite(loss_sum_d)).double())
             if not self.prepared.counts_loss:  # another rank counts this data shard's loss (pipeline, tensor)
                 loss_sum_d, count = torch.zeros_like(loss_sum_d), torch.zeros_like(count)
             joined.extend([loss_sum_d, nonfinite, count])
             if sync:
-                self._start_totals(self._loss_sum + loss_sum_d, self._count + count, joined[1],
-                                   self._micro_batches + 1)
+                totals.start(totals.loss_sum + loss_sum_d, totals.count + count, joined[1], totals.micro_batches + 1,
+                             self._stop_requested)
             self.on_phase("backward")
             return self.scaler.scale(loss_sum) if self.scaler is not None else loss_sum
 
         autocast = self.precision.autocast(self.runtime.device.type)
         loss_sum, count = self.prepared.forward_backward(self.model_call(batch), loss_terms, on_loss, sync, autocast)
         if joined:  # (a pipeline joins a step's micro-batches at once, on its last: parallel/pipeline.py)
-            self._loss_sum += joined[0]
-            self._count += joined[2]
-            self._nonfinite = joined[1]
-        self._micro_batches += 1
-        self._unsynced = not sync
+            totals.add(*joined)
+        totals.micro_batches += 1
+        totals.unsynced = not sync
         if not values:
             return {}
         local_loss, local_count = torch.stack([loss_sum.detach().to(count), count]).tolist()  # one read
@@ -184,9 +176,9 @@ class TrainingBackend:
         `grad_norm=False`: the caller does not need the gradient norm this step (it is NaN in the result), so
         without clipping the step skips that pass over the gradients (and with it the check for non-finite
         gradients whose loss was finite; non-finite losses are always caught)."""
-        if self._micro_batches == 0:
+        if self.totals.micro_batches == 0:
             raise RuntimeError("optim_step() called before any forward_backward() in this step")
-        if self._unsynced:
+        if self.totals.unsynced:
             raise RuntimeError("the last forward_backward() before optim_step() ran with sync=False, so its "
                                "gradients were never reduced across ranks; pass sync=True on the last micro-batch")
         self.on_phase("optimizer")
@@ -197,7 +189,7 @@ class TrainingBackend:
             self._refuse_if_empty(count)  # (the queued step was refused on the device, its gradients cleared)
             loss, skip = loss_sum / count, bool(bad_ranks)
         else:
-            loss_sum, count, bad_ranks, stop = self._parse_totals(self._totals_done().tolist())
+            loss_sum, count, bad_ranks, stop = self.totals.parse(self.totals.done(self._stop_requested).tolist())
             self._refuse_if_empty(count)
             loss = loss_sum / count
             skip = bool(bad_ranks) and self.scaler is None  # under fp16 a non-finite loss is an overflow like others
@@ -210,7 +202,7 @@ class TrainingBackend:
         self._count_skip(skipped, bad_ranks, loss)
         if self.scheduler is not None and not skipped:
             self.scheduler.step()  # a skipped step does not advance the schedule (as in HF Accelerate)
-        self._reset_accumulators()
+        self.totals.reset()
         self.step += 1
         out = {"step": self.step, "loss": loss, "grad_norm": norm, "lr": lr, "count": count,
                "skipped": skipped, "skipped_steps": self.skipped_steps, "stop_requested": stop}
@@ -223,56 +215,13 @@ class TrainingBackend:
         rank at the same step, as `stop_requested`."""
         self._stop_requested = True
 
-    def _start_totals(self, loss_sum: torch.Tensor, count: torch.Tensor, nonfinite: torch.Tensor,
-                      micro_batches: int) -> None:
-        """Start the step's one small all-reduce: global loss sum, global item count, which ranks saw a
-        non-finite loss, whether any rank asked to stop (a request that comes later is seen next step).
-
-        On gloo it runs while the backward computes. Under NCCL the compute stream waits for it at once
-        (the CPU does not): torch requires that before another communicator (DeepSpeed's, HSDP's groups)
-        is used, and the backward's reductions would otherwise run concurrently with it. So on a GPU a rank
-        that finished its micro-batches' forwards first waits here for the slowest: the device-timed
-        communication meter counts this all-reduce's time (not its bytes) in `comm_s`, which a GPU's straggler
-        figure reads as the rank's wait (perf.StepMeter)."""
-        if self._totals is not None and self._totals[0] is not None:
-            self._totals[0].wait()  # one started by an earlier sync=True micro-batch: finish it (every rank has)
-        world, rank = self.runtime.world_size, self.runtime.rank
-        flags = torch.zeros(world + 1, dtype=torch.float64, device=self.runtime.device)
-        flags[rank] = nonfinite
-        flags[world] = float(self._stop_requested)
-        totals = torch.cat([torch.stack([loss_sum, count]), flags])
-        work = dist.all_reduce(totals, async_op=True) if self.runtime.distributed else None
-        if work is not None and self.runtime.device.type != "cpu":
-            meter = self.prepared.comm
-            if meter is not None and meter.on_device:
-                meter.timed(work, 0, 0.0)  # nccl's timing of it; the step's bookkeeping, not the model's bytes
-            work.wait()
-            work = None
-        self._totals = (work, totals, micro_batches)
-
-    def _totals_done(self) -> torch.Tensor:
-        """The step's totals (global loss sum, global item count, a flag per rank whose loss was non-finite, stop
-        requested anywhere) on the device, from the all-reduce the last micro-batch started (again if micro-batches
-        came after it), once it has finished."""
-        if self._totals is None or self._totals[2] != self._micro_batches:
-            self._start_totals(self._loss_sum, self._count, self._nonfinite, self._micro_batches)
-        work, totals, _ = self._totals
-        if work is not None:
-            work.wait()
-        return totals
-
-    def _parse_totals(self, values: list[float]) -> tuple[float, float, list[int], bool]:
-        """(global loss sum, global item count, ranks whose loss was non-finite, stop requested anywhere)."""
-        world = self.runtime.world_size
-        return values[0], values[1], [r for r in range(world) if values[2 + r] > 0], values[2 + world] > 0
-
     def _refuse_if_empty(self, count: float) -> None:
         """Refuse a step whose global batch counted no item (nothing to normalise by): its gradients are dropped and
         the step's accumulators reset, so the caller may go on with the next batch; one line says why."""
         if count > 0:
             return
         self.prepared.drop_gradients(self.optimizer)
-        self._reset_accumulators()
+        self.totals.reset()
         raise EmptyBatchError(f"step {self.step + 1}: the global batch has no valid items (every label is padding "
                               "or ignored, e.g. -100, on every rank); the optimizer did not touch the parameters. "
                               "Check the data's labels, or the item count the loss function returns")
@@ -282,12 +231,12 @@ class TrainingBackend:
         totals, the gradient norm and whether the update was applied, read back together: the step's one wait for
         the device, after all of its work is queued. A step refused there (a non-finite loss on any rank, non-finite
         gradients, or no valid items) left the parameters and the optimizer's state as they were."""
-        totals = self._totals_done()
+        totals = self.totals.done(self._stop_requested)
         world = self.runtime.world_size
         refused = (totals[2:2 + world].amax() > 0) | (totals[1] <= 0)
         norm, applied = self.prepared.step(self.prepared.grads_averaged_over / totals[1], refused, grad_norm)
         values = torch.cat([totals, norm.reshape(1).double(), applied.reshape(1).double()]).tolist()
-        return (*self._parse_totals(values[:-2]), values[-2], values[-1] > 0)
+        return (*self.totals.parse(values[:-2]), values[-2], values[-1] > 0)
 
     def _refuse(self, bad_ranks: list[int], loss: float) -> None:
         raise NonFiniteError(self._nonfinite_message(bad_ranks, loss)
