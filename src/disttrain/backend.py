@@ -86,7 +86,6 @@ class TrainingBackend:
         self.before_update: Callable[[], None] = lambda: None
         """Called before `optim_step` changes any parameter or optimizer state (e.g. an async checkpoint
         still copying them)."""
-        self._stop_requested = False
         self.scaler = prepared.scaler
         self.step = 0
         self.skipped_steps = 0  # total optimizer steps skipped (fp16 overflow, or non-finite with "skip")
@@ -154,8 +153,7 @@ class TrainingBackend:
                 loss_sum_d, count = torch.zeros_like(loss_sum_d), torch.zeros_like(count)
             joined.extend([loss_sum_d, nonfinite, count])
             if sync:
-                totals.start(totals.loss_sum + loss_sum_d, totals.count + count, joined[1], totals.micro_batches + 1,
-                             self._stop_requested)
+                totals.start(totals.loss_sum + loss_sum_d, totals.count + count, joined[1], totals.micro_batches + 1)
             self.on_phase("backward")
             return self.scaler.scale(loss_sum) if self.scaler is not None else loss_sum
 
@@ -189,7 +187,7 @@ class TrainingBackend:
             self._refuse_if_empty(count)  # (the queued step was refused on the device, its gradients cleared)
             loss, skip = loss_sum / count, bool(bad_ranks)
         else:
-            loss_sum, count, bad_ranks, stop = self.totals.parse(self.totals.done(self._stop_requested).tolist())
+            loss_sum, count, bad_ranks, stop = self.totals.parse(self.totals.done().tolist())
             self._refuse_if_empty(count)
             loss = loss_sum / count
             skip = bool(bad_ranks) and self.scaler is None  # under fp16 a non-finite loss is an overflow like others
@@ -213,7 +211,7 @@ class TrainingBackend:
     def request_stop(self) -> None:
         """Ask every rank to stop after the current step (e.g. on SIGTERM); `optim_step` reports it, on every
         rank at the same step, as `stop_requested`."""
-        self._stop_requested = True
+        self.totals.stop_requested = True
 
     def _refuse_if_empty(self, count: float) -> None:
         """Refuse a step whose global batch counted no item (nothing to normalise by): its gradients are dropped and
@@ -231,7 +229,7 @@ class TrainingBackend:
         totals, the gradient norm and whether the update was applied, read back together: the step's one wait for
         the device, after all of its work is queued. A step refused there (a non-finite loss on any rank, non-finite
         gradients, or no valid items) left the parameters and the optimizer's state as they were."""
-        totals = self.totals.done(self._stop_requested)
+        totals = self.totals.done()
         world = self.runtime.world_size
         refused = (totals[2:2 + world].amax() > 0) | (totals[1] <= 0)
         norm, applied = self.prepared.step(self.prepared.grads_averaged_over / totals[1], refused, grad_norm)

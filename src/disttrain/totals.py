@@ -13,6 +13,8 @@ import torch.distributed as dist
 class StepTotals:
     def __init__(self, runtime: Any, prepared: Any):
         self.runtime, self.prepared = runtime, prepared  # (the strategy's communication meter: `prepared.comm`)
+        self.stop_requested = False
+        """Set by `TrainingBackend.request_stop` (kept across steps): every rank learns it from the next all-reduce."""
         self.reset()
 
     def reset(self) -> None:
@@ -27,10 +29,9 @@ class StepTotals:
         included) and item count."""
         self.loss_sum, self.count, self.nonfinite = self.loss_sum + loss_sum, self.count + count, nonfinite
 
-    def start(self, loss_sum: torch.Tensor, count: torch.Tensor, nonfinite: torch.Tensor, micro_batches: int,
-              stop: bool) -> None:
+    def start(self, loss_sum: torch.Tensor, count: torch.Tensor, nonfinite: torch.Tensor, micro_batches: int) -> None:
         """Start the step's one small all-reduce: global loss sum, global item count, which ranks saw a
-        non-finite loss, whether any rank asked to stop (`stop`; a request that comes later is seen next step).
+        non-finite loss, whether any rank asked to stop (a request that comes later is seen next step).
 
         On gloo it runs while the backward computes. Under NCCL the compute stream waits for it at once
         (the CPU does not): torch requires that before another communicator (DeepSpeed's, HSDP's groups)
@@ -43,7 +44,7 @@ class StepTotals:
         world, rank = self.runtime.world_size, self.runtime.rank
         flags = torch.zeros(world + 1, dtype=torch.float64, device=self.runtime.device)
         flags[rank] = nonfinite
-        flags[world] = float(stop)
+        flags[world] = float(self.stop_requested)
         totals = torch.cat([torch.stack([loss_sum, count]), flags])
         work = dist.all_reduce(totals, async_op=True) if self.runtime.distributed else None
         if work is not None and self.runtime.device.type != "cpu":
@@ -54,12 +55,12 @@ class StepTotals:
             work = None
         self._reduced = (work, totals, micro_batches)
 
-    def done(self, stop: bool) -> torch.Tensor:
+    def done(self) -> torch.Tensor:
         """The step's totals (global loss sum, global item count, a flag per rank whose loss was non-finite, stop
-        requested anywhere) on the device, from the all-reduce the last micro-batch started (again, with `stop`, if
-        micro-batches came after it), once it has finished."""
+        requested anywhere) on the device, from the all-reduce the last micro-batch started (again if micro-batches
+        came after it), once it has finished."""
         if self._reduced is None or self._reduced[2] != self.micro_batches:
-            self.start(self.loss_sum, self.count, self.nonfinite, self.micro_batches, stop)
+            self.start(self.loss_sum, self.count, self.nonfinite, self.micro_batches)
         work, totals, _ = self._reduced
         if work is not None:
             work.wait()

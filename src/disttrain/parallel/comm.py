@@ -18,7 +18,7 @@ counts sizes (all-reduce: the buffer; all-gather: the gathered output; reduce-sc
 the wire. Which part the step waited for (`comm_exposed_s`) is worked out by the caller (perf.py). The step's own
 small all-reduce of the loss totals is not counted on a CPU (it runs beside the backward, whose buckets wait for a
 late rank). On CUDA its time is (not its bytes): the compute stream waits for it before the backward, so there it is
-where a rank waits for the slowest one's forwards (backend.TrainingBackend._start_totals).
+where a rank waits for the slowest one's forwards (totals.StepTotals.start).
 
 On CUDA a collective's future completes when the work is queued, not done, so host clocks cannot time it. There
 the device times it: an asynchronous collective by nccl itself, with CUDA events on its own stream
