@@ -271,12 +271,13 @@ def test_service_fsdp_matches_reference(reference, plain, strategy):
 
 @pytest.mark.parametrize("nproc, strategy, parallel", [
     (4, "fsdp", {"pipeline": 2}), (2, "auto", {"tensor": 2, "sequence_parallel": True}), (2, "auto", {"context": 2}),
-    (4, "auto", {"tensor": 2, "context": 2, "loss_parallel": True}), (4, "auto", {"pipeline": 2, "context": 2})],
-    ids=["pp2+fsdp2", "tp2+sp", "cp2", "tp2+cp2+lp", "pp2+cp2"])
+    (4, "auto", {"tensor": 2, "context": 2, "loss_parallel": True}), (4, "auto", {"pipeline": 2, "context": 2}),
+    (2, "auto", {"context": 2, "compile": "aot_eager"})],
+    ids=["pp2+fsdp2", "tp2+sp", "cp2", "tp2+cp2+lp", "pp2+cp2", "cp2+compile"])
 def test_service_with_the_model_split_matches_reference(tmp_path, reference, plain, nproc, strategy, parallel):
     """A pipeline of two stages, each sharded over two ranks (state_dict gathers a stage's DTensors one at a time),
     the blocks split tensor-wise, each sequence over two ranks, tensor or pipeline and sequence (the logits split by
-    vocabulary too): the same
+    vocabulary too), and compiled blocks (batches of several widths): the same
     losses, weights (every stage's), outputs (the vocabulary's and the sequence's shares joined once), and a
     checkpoint that reloads."""
     async def scenario():
@@ -330,6 +331,8 @@ def test_service_with_the_model_split_matches_reference(tmp_path, reference, pla
                                                           reduction="sum") for b in (wide, narrow)]
             expected = float(sum(sums)) / (wide["labels"].numel() + narrow["labels"].numel())
             assert abs((await service.optim_step())["loss"] - expected) < 1e-5
+            if parallel.get("compile"):  # (compiled in each worker: not dynamo's eager fallback)
+                assert all(graphs > 0 for graphs in await service.call("service_job:compiled_graphs"))
         finally:
             await service.shutdown()
 

@@ -92,6 +92,13 @@ def rows(batch):
     return len(batch["x"])
 
 
+def compiled_graphs(batch) -> int:
+    """`service.call` target: the graphs torch.compile made in this worker (0: its blocks ran eagerly)."""
+    import torch._dynamo
+
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 def dying_model():
     """A model factory that kills its process on rank $SERVICE_JOB_DIE_RANK (a worker dying during setup)."""
     import os
