@@ -153,7 +153,7 @@ class TrainingBackend:
                 loss_sum_d, count = torch.zeros_like(loss_sum_d), torch.zeros_like(count)
             joined.extend([loss_sum_d, nonfinite, count])
             if sync:
-                totals.start(totals.loss_sum + loss_sum_d, totals.count + count, joined[1], totals.micro_batches + 1)
+                totals.start_with(*joined)
             self.on_phase("backward")
             return self.scaler.scale(loss_sum) if self.scaler is not None else loss_sum
 
@@ -161,8 +161,7 @@ class TrainingBackend:
         loss_sum, count = self.prepared.forward_backward(self.model_call(batch), loss_terms, on_loss, sync, autocast)
         if joined:  # (a pipeline joins a step's micro-batches at once, on its last: parallel/pipeline.py)
             totals.add(*joined)
-        totals.micro_batches += 1
-        totals.unsynced = not sync
+        totals.ran(sync)
         if not values:
             return {}
         local_loss, local_count = torch.stack([loss_sum.detach().to(count), count]).tolist()  # one read

@@ -29,6 +29,15 @@ class StepTotals:
         included) and item count."""
         self.loss_sum, self.count, self.nonfinite = self.loss_sum + loss_sum, self.count + count, nonfinite
 
+    def ran(self, sync: bool) -> None:
+        """A micro-batch ran (`sync=False`: its gradients were not reduced; the step may not end on it)."""
+        self.micro_batches += 1
+        self.unsynced = not sync
+
+    def start_with(self, loss_sum: torch.Tensor, nonfinite: torch.Tensor, count: torch.Tensor) -> None:
+        """`start` with the step's last micro-batch, not added yet (its backward is still to run)."""
+        self.start(self.loss_sum + loss_sum, self.count + count, nonfinite, self.micro_batches + 1)
+
     def start(self, loss_sum: torch.Tensor, count: torch.Tensor, nonfinite: torch.Tensor, micro_batches: int) -> None:
         """Start the step's one small all-reduce: global loss sum, global item count, which ranks saw a
         non-finite loss, whether any rank asked to stop (a request that comes later is seen next step).

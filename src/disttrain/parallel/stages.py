@@ -26,7 +26,7 @@ SEQUENCE_SHARDS = "disttrain_sequence_shards"
 """Attribute `tensor.parallelize` sets on the model and each of its blocks: the shares the stream between them comes
 in (the tensor degree under sequence parallelism, else 1; a Llama's first block takes the whole sequence and splits
 it). The pipeline sends a stage's share (parallel/pipeline.py), and a stage's Llama block computes the rotary
-positions of the whole sequence from its share (parallel/stages.py)."""
+positions of the whole sequence from its share (`_llama_block` below)."""
 
 # ----------------------------------------------------------------------------------------------
 # What a stage runs, per model family
