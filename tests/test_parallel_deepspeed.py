@@ -96,7 +96,7 @@ def test_checkpoint_resumes_across_strategies(results, variant):
 
 
 def test_the_engines_collectives_are_timed_and_counted(results):
-    """comm_s / comm_bytes under DeepSpeed (parallel/comm.deepspeed_comms): what each stage sends per step, from its
+    """comm_s / comm_bytes under DeepSpeed (parallel/deepspeed/timed.py): what each stage sends per step, from its
     design, with 2 micro-batches per rank per step (global batch 16, micro-batch 4, 2 ranks)."""
     _, two = results
     numel = sum(t.numel() for t in two["ddp"]["params"].values()) - two["ddp"]["params"]["tok_emb.weight"].numel()

@@ -182,10 +182,10 @@ def disttrain_loop(cfg, runtime, train, sampler):
 @contextlib.contextmanager
 def _untimed_deepspeed():
     """deepspeed.comm's collectives as its class defines them, for the duration: disttrain's DeepSpeed engine times
-    them by setting wrappers on the process-wide `cdb` (`comm.deepspeed_comms`), which would otherwise time the
-    loops built after it too."""
+    them by setting wrappers on the process-wide `cdb` (`parallel/deepspeed/timed.py`), which would otherwise time
+    the loops built after it too."""
     cdb = getattr(sys.modules.get("deepspeed.comm.comm"), "cdb", None)
-    from disttrain.parallel.comm import DEEPSPEED_COLLECTIVES
+    from disttrain.parallel.deepspeed.timed import DEEPSPEED_COLLECTIVES
 
     saved = {name: vars(cdb).pop(name) for name in DEEPSPEED_COLLECTIVES if cdb is not None and name in vars(cdb)}
     try:

@@ -9,7 +9,7 @@ synchronised for the measurement:
 - zero2 / fsdp / hsdp: FSDP2's all-gather and reduce-scatter are replaced by FSDP2's own default implementations
   wrapped the same way (`set_custom_all_gather` / `set_custom_reduce_scatter`).
 - deepspeed: every collective of the engine goes through `deepspeed.comm`'s backend object (its `TorchBackend`);
-  that object's collective methods are replaced by timed calls of the class's own (`deepspeed_comms`). This counts
+  that object's collective methods are replaced by timed calls of the class's own (`deepspeed/timed.py`). This counts
   the engine's small all-reduces too (gradient norm, overflow flag), which are part of its step.
 
 `comm_s` is the wall time during which at least one of them was in flight (the union of the intervals, so
@@ -211,7 +211,7 @@ def meter_for(device: torch.device, compression: str = "none") -> CommMeter | No
     return None
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
+def nbytes_of(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
@@ -232,7 +232,7 @@ def _powersgd_bytes(bucket, state) -> int:
     compresses, and the other tensors whole; the full buffer before `start_powerSGD_iter`."""
     buffer = bucket.buffer()
     if state.iter < state.start_powerSGD_iter:
-        return _nbytes(buffer)
+        return nbytes_of(buffer)
     rank, total = state.matrix_approximation_rank, 0
     for grad in bucket.gradients():
         rows = grad.shape[0] if grad.dim() > 1 else 1
@@ -257,7 +257,7 @@ def ddp_hook(compression: str, meter: CommMeter | None, powersgd_rank: int = 1):
                  "bf16": bf16_hook}[compression]
         wire = WIRE_DTYPES.get(compression)
         size = (lambda bucket: bucket.buffer().numel() * wire.itemsize) if wire else \
-            (lambda bucket: _nbytes(bucket.buffer()))
+            (lambda bucket: nbytes_of(bucket.buffer()))
     if meter is None:
         return state, inner
     if meter.on_device:
@@ -282,7 +282,7 @@ def device_timed_hook(meter: CommMeter, wire: torch.dtype | None):
         buffer = bucket.buffer()
         tensor = buffer if wire is None else buffer.to(wire)
         tensor.div_(dist.get_world_size(group))
-        work = meter.timed(dist.all_reduce(tensor, group=group, async_op=True), _nbytes(tensor), start)
+        work = meter.timed(dist.all_reduce(tensor, group=group, async_op=True), nbytes_of(tensor), start)
 
         def unpack(future):
             reduced = future.value()[0]
@@ -295,7 +295,7 @@ def device_timed_hook(meter: CommMeter, wire: torch.dtype | None):
 
 def single_bucket_mb(model: torch.nn.Module) -> float:
     """A DDP `bucket_cap_mb` that puts every gradient into one bucket."""
-    return sum(_nbytes(p) for p in model.parameters() if p.requires_grad) / 2**20 + 1.0
+    return sum(nbytes_of(p) for p in model.parameters() if p.requires_grad) / 2**20 + 1.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -331,23 +331,23 @@ def fsdp_comms(meter: CommMeter):
     class TimedAllGather(DefaultAllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             call = functools.partial(super().__call__, output_tensor, input_tensor, group, async_op)
-            return timed_call(meter, call, _nbytes(output_tensor))
+            return timed_call(meter, call, nbytes_of(output_tensor))
 
     class TimedReduceScatter(DefaultReduceScatter):
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             call = functools.partial(super().__call__, output_tensor, input_tensor, group, op, async_op)
-            result = timed_call(meter, call, _nbytes(input_tensor))
+            result = timed_call(meter, call, nbytes_of(input_tensor))
             scattered[0] = _now(meter)
             return result
 
     def all_reduced(output: torch.Tensor) -> None:
         begin, scattered[0] = scattered[0], None
         if begin is None:
-            meter.untimed(_nbytes(output))
+            meter.untimed(nbytes_of(output))
         elif meter.on_device:
-            meter.timed(_Timing(begin=begin, end=_now(meter)), _nbytes(output), 0.0)
+            meter.timed(_Timing(begin=begin, end=_now(meter)), nbytes_of(output), 0.0)
         else:
-            meter.timed(None, _nbytes(output), begin)
+            meter.timed(None, nbytes_of(output), begin)
 
     return TimedAllGather(), TimedReduceScatter(), all_reduced
 
@@ -362,43 +362,6 @@ def _now(meter: CommMeter) -> Any:
     event = torch.cuda.Event(enable_timing=True)
     event.record()
     return event
-
-
-# ----------------------------------------------------------------------------------------------
-# DeepSpeed: the engine's collectives, timed
-
-DEEPSPEED_COLLECTIVES = {
-    "all_reduce": (0, "tensor"), "all_reduce_coalesced": (0, "tensors"), "reduce": (0, "tensor"),
-    "broadcast": (0, "tensor"), "reduce_scatter": (1, "input_list"), "reduce_scatter_tensor": (1, "input_tensor"),
-    "all_gather": (0, "tensor_list"), "all_gather_into_tensor": (0, "output_tensor"),
-    "all_gather_base": (0, "output_tensor"), "all_gather_coalesced": (0, "output_tensors"),
-    "all_to_all_single": (1, "input"), "all_to_all": (1, "input_tensor_list"),
-}
-"""The collective methods of DeepSpeed's `TorchBackend` and the argument whose size is counted (nccl-tests' sizes:
-an all-gather's output, a reduce-scatter's input, the buffer otherwise), by position and name: the class's
-decorators hide its signatures from `inspect`."""
-
-
-def deepspeed_comms(backend: Any, meter: CommMeter) -> None:
-    """Time each collective of `backend` (`deepspeed.comm`'s `cdb`, shared by every engine of the process) with
-    `meter`: the class's method, timed, is set on that object. A later engine's call replaces the earlier wrappers
-    (they wrap the class's methods, never each other)."""
-    for name, counted in DEEPSPEED_COLLECTIVES.items():
-        method = getattr(type(backend), name, None)
-        if method is not None:
-            setattr(backend, name, _deepspeed_timed(method.__get__(backend), counted, meter))
-
-
-def _deepspeed_timed(method, counted: tuple[int, str], meter: CommMeter):
-    position, name = counted
-
-    @functools.wraps(method)
-    def timed(*args, **kwargs):
-        tensors = args[position] if len(args) > position else kwargs[name]
-        nbytes = sum(map(_nbytes, tensors)) if isinstance(tensors, list | tuple) else _nbytes(tensors)
-        return timed_call(meter, functools.partial(method, *args, **kwargs), nbytes)
-
-    return timed
 
 
 def reduce_dtype(compression: str) -> torch.dtype | None:

@@ -1,6 +1,7 @@
 """`deepspeed`: DeepSpeed's engine running ZeRO stage 0-3 (optional extra: `pip install 'disttrain[deepspeed]'`).
 
-engine.py (apply, the engine's backward/step/state dict), config.py (the engine JSON), memory.py (ZeRO's layout).
+engine.py (apply, the engine's backward/step/state dict), config.py (the engine JSON), memory.py (ZeRO's layout),
+timed.py (its collectives timed for comm_s).
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from torch import nn
 
 from disttrain.parallel import comm
 from disttrain.parallel.deepspeed.config import DeepSpeedConfig
+from disttrain.parallel.deepspeed.timed import deepspeed_comms
 from disttrain.parallel.spec import Prepared, unfused
 from disttrain.precision import update_scale
 
@@ -96,7 +97,7 @@ class EnginePrepared(Prepared):
         self.engine, _, _, _ = self.ds.initialize(model=self.model, optimizer=optimizer, config=config,
                                                   dist_init_required=False)
         if self.comm is not None:  # every collective of the engine goes through deepspeed.comm's backend object
-            comm.deepspeed_comms(importlib.import_module("deepspeed.comm.comm").cdb, self.comm)
+            deepspeed_comms(importlib.import_module("deepspeed.comm.comm").cdb, self.comm)
         self.optimizer = optimizer  # the user's; under ZeRO its groups now hold this rank's flat partitions
         self.module = self.engine
         return optimizer
