@@ -12,7 +12,7 @@ import pytest
 from disttrain.bench import buckets, timeline
 from disttrain.bench import interconnect as ic
 from disttrain.bench import scale_model as sm
-from disttrain.bench.model_shapes import MODELS, ModelShape, UnitShape, gpt_shape
+from disttrain.bench.model_shapes import MODELS, ModelShape, UnitShape, gpt_shape, joined
 from disttrain.bench.model_split import split_shape
 from disttrain.bench.published_scaling import PUBLISHED
 from disttrain.errors import ConfigError
@@ -755,14 +755,42 @@ def test_a_context_split_runs_the_strategy_over_every_gpu_and_its_calls_hold_up_
     (dict(context=4, tensor=4), [16], "parallel.tensor x parallel.context = 16: its groups would straddle nodes of 8"),
     (dict(context=2, model=MODELS["resnet50"]), [8], "resnet50 has no attention the model knows of"),
     (dict(context=2, grad_compression="powersgd"), [8], "'powersgd' with parallel.context = 2 does not run"),
-    (dict(context=2, pipeline=2, stages=(LLAMA, LLAMA)), [8], "parallel.context = 2 with parallel.pipeline: the "
-     "scale model does not price them together yet"),
+    (dict(context=2, pipeline=2, tensor=2, stages=(LLAMA, LLAMA)), [8], "parallel.context = 2 with "
+     "parallel.pipeline and parallel.tensor together does not run in disttrain"),
 ])
 def test_what_a_context_split_does_not_price_is_refused(change, gpus, says):
     with pytest.raises(ConfigError, match=says):
         sm.predict("ddp", gpus, replace(sm.Workload(LLAMA, 1.0, 8192), **change), NET)
     with pytest.raises(ConfigError, match="hsdp with parallel.context = 2 is not modelled"):
         sm.predict("hsdp", [16], replace(sm.Workload(LLAMA, 1.0, 8192), context=2), NET)
+
+
+def test_a_pipeline_of_context_splits_runs_each_stage_s_blocks_calls_and_the_bubble_waits_for_them():
+    """p = 2 stages of 5 and 1 of 6 equal blocks, each stage's sequence cut over c = 2 GPUs, 32 GPUs: each rank's step
+    is its stage's under the context split with its own blocks' calls (5 of the 6 blocks' on the first stage), over
+    the 16 GPUs of its stage (context ranks in the data axis); the first rank, whose forwards outlast the other
+    stage's round trip, runs without a wait, so the pipeline's step is its step; the sends carry a rank's pieces."""
+    from disttrain.bench.model_split import context_calls, stage_context_calls
+
+    blocks = [UnitShape(1e9, 1e9, 1 / 3, 2 / 3)] * 6
+    model = replace(joined("m", [], blocks, 8192), kv_width=1024)
+    stages = (joined("s0", [], blocks[:5], 8192), joined("s1", [], blocks[5:], 8192))
+    calls = context_calls(model, "bfloat16")
+    work = sm.Workload(model, 1.0, 1, "bf16-mixed", micro_steps=4, log_every=0, pipeline=2, stages=stages,
+                       context=2, context_calls=calls)
+    own = [stage_context_calls(work, stage) for stage in stages]
+    assert (len(own[0]), len(own[1])) == (5 * 4, 4) and own[0] + own[1] == calls  # (4 calls a block)
+    alone = [sm.step_time("fsdp", 16, replace(work, model=replace(st, kv_width=1024),
+                                              compute_s=2 * st.flops_per_token() / 6, pipeline=1, stages=(),
+                                              context_calls=mine), NET, model_split=True, pipelined=True)
+             for st, mine in zip(stages, own, strict=True)]
+    step = sm.step_time("fsdp", 32, work, NET)
+    assert step.step_s == pytest.approx(alone[0].step_s, rel=1e-9)
+    held = sum(ic.collective_time(c, b, 2, NET.for_dtype(d, c)) for _, c, b, d in own[0])
+    quiet = sm.step_time("fsdp", 32, replace(work, context_calls=()), NET)
+    assert step.step_s - quiet.step_s == pytest.approx(4 * held, rel=1e-9)  # (each micro-batch's, on the first rank)
+    with pytest.raises(ConfigError, match="parallel.context = 16: its groups would straddle nodes of 8 devices"):
+        sm.step_time("fsdp", 32, replace(work, context=16), NET)
 
 
 def test_the_first_stage_s_full_backward_carries_its_split_calls_under_dualpipev():

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import run_cli
 from disttrain.bench import interconnect as ic
-from disttrain.bench import predict, predict_job, predict_measure, predict_validate
+from disttrain.bench import model_split, predict, predict_job, predict_measure, predict_validate
 from disttrain.bench import scale_model as sm
 from disttrain.bench.model_shapes import MODELS
 from disttrain.bench.predict_job import counted_shape
@@ -315,6 +315,37 @@ def test_forecast_of_a_tensor_and_context_split_prices_both_splits_calls_on_a_sh
     for row in csv.DictReader(open(tmp_path / "gpt" / "predict.csv")):
         expected = sm.step_time("fsdp", int(row["gpus"]), work, ic.PRESETS["h100-nvlink+ib-ndr"])
         assert float(row["step_s"]) == pytest.approx(expected.step_s, rel=1e-9)
+
+
+def test_forecast_of_a_pipeline_of_context_splits_prices_each_stage_s_calls_and_a_share_of_the_stream(tmp_path):
+    """parallel.pipeline = 2 x parallel.context = 2 on the Llama 3 8B preset: a group of 4 GPUs reads one batch, each
+    stage's ranks sending their blocks' context calls (16 of 32 blocks' each) and half of the stream between stages
+    (their pieces of each sequence); each row is the model's step of that workload, slower than the pipeline with
+    its context calls free."""
+    common = ["--model", "llama3-8b", "--set", "parallel.precision=bf16-mixed", "--local-batch", "4",
+              "--micro-batch", "1", "--strategy", "fsdp", "--gpus", "8,64"]
+    assert cli(["bench", "predict", *common, "--set", "parallel.pipeline=2", "--set", "parallel.context=2",
+                "--out", str(tmp_path / "ppcp")]) == 0
+    cfg = load_config(None, ["model.name=llama3-8b", "parallel.precision=bf16-mixed", "parallel.pipeline=2",
+                             "parallel.context=2"])
+    alone = load_config(None, ["model.name=llama3-8b", "parallel.precision=bf16-mixed", "parallel.pipeline=2"])
+    shape = MODELS["llama3-8b"]
+    split = predict_job.pipeline_stages(cfg, shape, "bf16-mixed", True)
+    assert split.send_bytes == predict_job.pipeline_stages(alone, shape, "bf16-mixed", True).send_bytes / 2
+    calls = predict_job.context_calls_of(cfg, shape, "bf16-mixed", 1)
+    compute = sm.compute_seconds(shape, 4 * shape.seq_len / 4, sm.H100_BF16_TFLOPS, 0.35)
+    work = sm.Workload(shape, compute, 4 * shape.seq_len / 4, "bf16-mixed", 4, pipeline=2, context=2,
+                       stages=split.stages, send_bytes=split.send_bytes, context_calls=calls)
+    assert [len(model_split.stage_context_calls(work, stage)) for stage in split.stages] == [4 * 16, 4 * 16]
+    net = ic.PRESETS["h100-nvlink+ib-ndr"]
+    for row in csv.DictReader(open(tmp_path / "ppcp" / "predict.csv")):
+        expected = sm.step_time("fsdp", int(row["gpus"]), work, net)
+        assert float(row["step_s"]) == pytest.approx(expected.step_s, rel=1e-9)
+        assert expected.step_s > sm.step_time("fsdp", int(row["gpus"]), replace(work, context_calls=()), net).step_s
+    text = (tmp_path / "ppcp" / "predict.md").read_text()
+    assert "(tokens per GPU: 1/4 of them), in 4 micro-batches" in text
+    assert "each micro-batch sends 32 collectives in forward and 32 in backward" in text
+    assert "the busiest stage" in text and "the strategy runs over every GPU of a stage" in text
 
 
 def test_a_sweep_of_the_splits_forecasts_each_degree_as_on_its_own(tmp_path):

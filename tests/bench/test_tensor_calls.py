@@ -12,7 +12,8 @@ import torch.distributed as dist
 import transformers
 
 from conftest import SCRIPTS, run_cli
-from disttrain.bench import model_shapes, predict_job, tensor_calls
+from disttrain.bench import model_shapes, model_split, predict_job, tensor_calls
+from disttrain.bench import scale_model as sm
 from disttrain.bench.interconnect import ITEMSIZE
 from disttrain.bench.scale_model import WIRE_DTYPES
 from disttrain.config import load_config
@@ -182,12 +183,28 @@ def test_the_context_split_s_calls_are_what_two_ranks_send_in_the_trainer_s_step
 def test_a_tensor_and_context_split_s_calls_are_what_four_ranks_send(tmp_path):
     """tp2 x cp2 (4 ranks, the GPT in fp32, two micro-batches of two sequences of 16 tokens): each rank sends the
     tensor split's recorded calls for its share of a sequence (1/2 of them) and the context split's for its heads'
-    keys and values (1/2 of them), as the scale model prices them (`tensor_calls_of`, `context_calls_of`)."""
+    keys and values (1/2 of them), as the scale model prices them (`tensor_calls_of`, `context_calls_of`). pp2 x cp2
+    (3 blocks, in the same launch): each rank sends the context calls of its stage's blocks
+    (`model_split.stage_context_calls` of disttrain's split, `predict_job.pipeline_stages`)."""
     settings = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "parallel.tensor=2"]
+    staged = ["model.n_layer=3", "model.d_model=32", "model.n_head=2", "parallel.pipeline=2"]
     result = run_cli(["launch", "--fork", "--nproc", "4", "--run-dir", str(tmp_path / "launch"),
-                      str(SCRIPTS / "context_calls_job.py"), str(tmp_path), f"tp:{','.join(settings)}"], tmp_path,
-                     timeout=180)
+                      str(SCRIPTS / "context_calls_job.py"), str(tmp_path), f"tp:{','.join(settings)}",
+                      f"pp:{','.join(staged)}"], tmp_path, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
+    cfg = load_config(None, ["model.seq_len=16", "parallel.context=2", "data.global_batch_size=4", *staged])
+    shape = predict_job.counted_shape(cfg.model)
+    stages = predict_job.pipeline_stages(cfg, shape, "fp32", True).stages
+    work = sm.Workload(shape, 1.0, 1, context=2, pipeline=2, stages=stages,
+                       context_calls=predict_job.context_calls_of(cfg, shape, "fp32", 2))
+    blocks = []
+    for rank in range(4):
+        sent = json.loads((tmp_path / f"calls-{rank}.json").read_text())["pp"]
+        stage = stages[rank // 2]  # (the pipeline the outer axis: ranks 0, 1 hold the first stage)
+        blocks.append(stage.n_layer)
+        assert Counter((kind, nbytes, dtype) for _, kind, nbytes, dtype in sent) == Counter(
+            (kind, nbytes, dtype) for _, kind, nbytes, dtype in model_split.stage_context_calls(work, stage) * 2), rank
+    assert sorted(set(blocks)) == [1, 2]  # (stages of unequal blocks: each rank's own)
     cfg = load_config(None, ["model.seq_len=16", "parallel.context=2", *settings])
     shape = predict_job.counted_shape(cfg.model)
     expected = Counter()

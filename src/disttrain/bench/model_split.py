@@ -74,20 +74,27 @@ def context_calls(model: ModelShape, compute: str, recompute: bool = False) -> t
 def check_context(strategy: str, n: int, work: Workload, net: Interconnect) -> None:
     """What the model does not price of a context split (a count it does not divide, a group not within a node
     (with a tensor split, both within one), a model whose keys' width is not known, hsdp) and what disttrain does
-    not run (with a pipeline, zero1, powersgd)."""
+    not run (with a pipeline and a tensor split together, zero1, powersgd)."""
     c, t = work.context, work.tensor
     if c == 1:
         return
-    if work.pipeline > 1:
-        raise ConfigError(f"parallel.context = {c} with parallel.pipeline: the scale model does not price them "
-                          "together yet; predict the context split with a data-parallel strategy (and "
-                          "parallel.tensor)")
+    if work.pipeline > 1 and t > 1:
+        raise ConfigError(f"parallel.context = {c} with parallel.pipeline and parallel.tensor together does not run "
+                          "in disttrain yet; predict the context split with one of them")
     names = "parallel.context" if t == 1 else "parallel.tensor x parallel.context"
     _check_group(names, c * t, n, net, "each attention's gathers hold up its compute")
     if not work.model.kv_width:
         raise ConfigError(f"parallel.context = {c}: {work.model.name} has no attention the model knows of (its keys' "
                           "width); predict a transformer, or parallel.context = 1")
     check_model_split(strategy, work, f"parallel.context = {c}")
+
+
+def stage_context_calls(work: Workload, stage: ModelShape) -> tuple[tuple[str, str, float, str], ...]:
+    """A pipeline stage's share of `work.context_calls`: its blocks' (each block sends the same calls)."""
+    if not work.context_calls:
+        return ()
+    per_block = len(work.context_calls) // work.model.n_layer
+    return work.context_calls[:per_block * stage.n_layer]
 
 
 def split_seconds(work: Workload, net: Interconnect) -> tuple[tuple[float, float, float], tuple[float, float]]:

@@ -181,15 +181,21 @@ def _workload(args, shape: ModelShape, precision: str, cfg: Config, local: int, 
 
 def _context_line(work: Workload, local: int) -> str:
     """The report's line on a context split: its degree, the batch its ranks share, its calls."""
-    c, calls = work.context, work.context_calls
+    from disttrain.bench.model_split import stage_context_calls
+
+    c, p, calls = work.context, work.pipeline, work.context_calls
+    if p > 1:  # (a stage's blocks': the busiest stage's)
+        calls = max((stage_context_calls(work, stage) for stage in work.stages), key=len)
     size = sum(call[2] for call in calls) / 2**20
     sent = {part: sum(1 for call in calls if call[0] == part) for part in ("forward", "backward")}
+    over = (", each with the whole model" if work.tensor == 1 and p == 1 else
+            f" / {work.tensor} (the tensor split's groups)" if p == 1 else " of a stage (each with its stage)")
     return (f"- context split over {c} GPUs of a node (parallel.context): a group's ranks share its {local} sequences, "
-            f"each computing 2 of {2 * c} pieces of every sequence (tokens per GPU: 1/{c * work.tensor} of them; as "
-            f"many causal query-key pairs each); each micro-batch sends {sent['forward']} collectives in forward and "
-            f"{sent['backward']} in backward ({size:,.1f} MiB: each attention's keys and values, and their "
-            "gradients), each holding up the compute; the strategy runs over every GPU"
-            + (", each with the whole model" if work.tensor == 1 else f" / {work.tensor} (the tensor split's groups)"))
+            f"each computing 2 of {2 * c} pieces of every sequence (tokens per GPU: 1/{c * work.tensor * p} of them; "
+            f"as many causal query-key pairs each); each micro-batch sends {sent['forward']} collectives in forward "
+            f"and {sent['backward']} in backward ({size:,.1f} MiB{', the busiest stage' if p > 1 else ''}: each "
+            f"attention's keys and values, and their gradients), each holding up the compute; the strategy runs over "
+            f"every GPU{over}")
 
 
 def _pipeline_line(cfg: Config, stages: tuple[ModelShape, ...], send: float, micro_batches: int) -> str:
@@ -205,7 +211,8 @@ def _pipeline_line(cfg: Config, stages: tuple[ModelShape, ...], send: float, mic
               "moves at its heaviest stage's pace" if inner and min(inner) != max(inner) else "")
     return (f"- pipeline of {p} ranks (parallel.pipeline, {schedule}, {len(stages) // p} stage"
             f"{'s' * (len(stages) > p)} a rank{uneven}): a group's ranks share "
-            f"its batch (tokens per GPU: 1/{p} of them), in {micro_batches} micro-batches; the ranks hold {held} "
+            f"its batch (tokens per GPU: 1/{p * max(1, cfg.parallel.tensor) * max(1, cfg.parallel.context)} of "
+            f"them), in {micro_batches} micro-batches; the ranks hold {held} "
             f"(disttrain's split: embeddings on the first, the head on the last); {send / 2**20:,.2f} MiB of "
             f"activations cross a stage boundary each micro-batch, each way; the strategy runs over each stage's "
             f"GPUs / {p}")

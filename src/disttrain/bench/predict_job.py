@@ -310,7 +310,8 @@ def pipeline_stages(cfg: Config, shape: ModelShape, precision: str, data_axis: b
     a unit of its embedding (the first) or head (the last: the root's FLOPs, the head's matmul). The stream between
     stages is counted in the parameters' dtype, or beside a data axis (`data_axis`) in FSDP2's compute dtype (bf16
     under bf16-mixed), a tensor rank's share of it under sequence parallelism (the stream is split along the
-    sequence), and a tied weight's rows too (split by vocabulary). A preset's root is split half and half."""
+    sequence) or a context split (its pieces of the sequence), and a tied weight's rows too (split by vocabulary).
+    A preset's root is split half and half."""
     from disttrain.parallel import mesh
     from disttrain.parallel import stages as pipe
     from disttrain.parallel.state import tie_groups
@@ -346,7 +347,8 @@ def pipeline_stages(cfg: Config, shape: ModelShape, precision: str, data_axis: b
     parts = tuple(joined(f"{shape.name}, stage {s}", [ends[0]] * (s == 0) + [ends[1]] * (s == count - 1),
                          [units[1 + i] for i in range(*bounds[s])], shape.seq_len) for s in range(count))
     t = max(1, cfg.parallel.tensor)  # (each tensor rank sends its share of a sequence-split stream, sums its rows)
-    return PipelineSplit(parts, shape.seq_len * hidden * stream / (t if cfg.parallel.sequence_parallel else 1),
+    c = max(1, cfg.parallel.context)  # (each context rank its pieces of every sequence)
+    return PipelineSplit(parts, shape.seq_len * hidden * stream / (t if cfg.parallel.sequence_parallel else 1) / c,
                          tied / t)
 
 

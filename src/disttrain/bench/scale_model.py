@@ -12,7 +12,14 @@ from dataclasses import dataclass, replace
 from disttrain.bench.buckets import bucket_calls, bucket_units, waits_behind_backward
 from disttrain.bench.interconnect import ITEMSIZE, Interconnect, bus_factor, collective_time
 from disttrain.bench.model_shapes import ModelShape, joined
-from disttrain.bench.model_split import check_context, check_pipeline, check_tensor, split_seconds, split_shape
+from disttrain.bench.model_split import (
+    check_context,
+    check_pipeline,
+    check_tensor,
+    split_seconds,
+    split_shape,
+    stage_context_calls,
+)
 from disttrain.bench.pipeline_timeline import StageCost, one_stage_order, play
 from disttrain.bench.timeline import Step, Unit, run_pass
 from disttrain.errors import ConfigError
@@ -230,7 +237,7 @@ def step_time(strategy: str, n: int, work: Workload, net: Interconnect, model_sp
     compute = work.compute_s * slowdown
     if n == 1:  # (under a pipeline, its stages on one device; under a tensor split, one of its ranks alone)
         return Step(compute * work.pipeline, compute * work.pipeline, 0.0, 0.0)
-    check_context(strategy, n, work, net)  # (before a pipeline's: the model prices no context split under one)
+    check_context(strategy, n, work, net)  # (under a pipeline too: each stage's ranks cut the sequence)
     if work.pipeline > 1:
         return _pipeline_step(strategy, n, work, net)
     check_tensor(strategy, n, work, net)
@@ -271,11 +278,12 @@ def _pipeline_step(strategy: str, n: int, work: Workload, net: Interconnect) -> 
     """A pipeline of p ranks (n / p GPUs a stage), v stages a rank: the schedule played through
     (`pipeline_timeline.play`: each rank runs its computations in the schedule's order, each when its rank is free
     and its input has come; a stage's forward and backward as its units' FLOPs share its compute, a split backward
-    half and half), each stage's micro-batch holding its tensor split's calls; then each rank's data-parallel
-    collectives beyond its computations (`step_time` on the rank's stages together), and the sum of a tied
-    embedding and head's gradients between the first and last stage where two ranks hold them (`tied_bytes`). A
-    send of `send_bytes` between ranks delays the computation waiting for it (across nodes once the job spans
-    several); on a CPU host it is a call on each rank's timeline instead, 2 v a micro-batch."""
+    half and half), each stage's micro-batch holding its tensor or context split's calls (a context split's: its
+    blocks'); then each rank's data-parallel collectives beyond its computations (`step_time` on the rank's stages
+    together), and the sum of a tied embedding and head's gradients between the first and last stage where two
+    ranks hold them (`tied_bytes`). A send of `send_bytes` between ranks delays the computation waiting for it
+    (across nodes once the job spans several); on a CPU host it is a call on each rank's timeline instead, 2 v a
+    micro-batch."""
     p, m, v = work.pipeline, work.micro_steps, check_pipeline(strategy, n, work)
     apart = n > net.gpus_per_node  # (a stage boundary on other nodes)
 
@@ -294,12 +302,15 @@ def _pipeline_step(strategy: str, n: int, work: Workload, net: Interconnect) -> 
         strategy = "zero2"
     steps, busy = [], []
     for rank, mine in enumerate(held):
-        shape = joined(f"pipeline rank {rank}", [work.stages[s].units()[0] for s in mine],
-                       [u for s in mine for u in work.stages[s].units()[1:]], work.model.seq_len)
+        shape = replace(joined(f"pipeline rank {rank}", [work.stages[s].units()[0] for s in mine],
+                               [u for s in mine for u in work.stages[s].units()[1:]], work.model.seq_len),
+                        kv_width=work.model.kv_width)
         calls = tuple(c for s in mine for c in work.stage_calls[s]) + work.step_calls[rank] if work.tensor > 1 else ()
+        context = tuple(c for s in mine for c in stage_context_calls(work, work.stages[s]))
         compute = sum(computes[s] for s in mine) + (2 * m * v * send if work.cpu_cores else 0.0)
         steps.append(step_time(strategy, n // p, replace(work, model=shape, compute_s=compute, pipeline=1, stages=(),
-                                                         stage_calls=(), step_calls=(), orders=(), tensor_calls=calls),
+                                                         stage_calls=(), step_calls=(), orders=(), tensor_calls=calls,
+                                                         context_calls=context),
                                net, model_split=True, pipelined=True))
         busy.append(compute + m * sum(costs[s].whole() - computes[s] / m for s in mine))
     orders = work.orders or tuple(one_stage_order(work.schedule, p, rank, m) for rank in range(p))
@@ -318,7 +329,7 @@ def _pipeline_step(strategy: str, n: int, work: Workload, net: Interconnect) -> 
 def _stage_costs(work: Workload, net: Interconnect) -> tuple[list[float], tuple[StageCost, ...]]:
     """(each stage's compute in a step, the seconds of one micro-batch's forward and backward through it): its share
     of the FLOPs (`compute_s` is a GPU's share of equal stages), forward and backward as its units' FLOPs say, each
-    with its tensor split's calls."""
+    with its tensor or context split's calls."""
     total, p, m = work.model.flops_per_token(), work.pipeline, work.micro_steps
     computes, costs = [], []
     for s, stage in enumerate(work.stages):
@@ -327,7 +338,8 @@ def _stage_costs(work: Workload, net: Interconnect) -> tuple[list[float], tuple[
         forward = sum(u.forward_flops for u in units) / flops if flops else 1 / 3
         compute = work.compute_s * p * stage.flops_per_token() / total
         calls = work.stage_calls[s] if work.tensor > 1 else ()
-        (split_fwd, split_bwd, _), _ = split_seconds(replace(work, tensor_calls=calls), net)
+        (split_fwd, split_bwd, _), _ = split_seconds(replace(work, tensor_calls=calls,
+                                                             context_calls=stage_context_calls(work, stage)), net)
         computes.append(compute)
         backward = compute / m * (1 - forward)
         # (torch runs a split backward's first stage whole, as the weight part: its input has no gradient)
