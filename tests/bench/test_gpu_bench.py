@@ -69,10 +69,22 @@ def test_defaults_are_the_issues_sizes():
     assert args.out == "docs/benchmarks/gpu.md" and args.compile and args.mfu_precision == "bf16-mixed"
     assert [name for name, _ in gpu.CHECKS] == ["nccl", "steps bf16-mixed", "steps fp16-mixed", "steps bf16-true",
                                                 "queued step", "memory single", "memory ddp", "memory fsdp",
-                                                "comm none", "comm bf16", "comm fsdp", "comm trace", "checkpoint",
-                                                "overhead", "overhead medium", "tp", "pp 1f1b", "pp interleaved-1f1b",
-                                                "pp zbv", "pp dualpipev", "pp zbv x tp", "cpu_offload", "mfu",
+                                                "memory compiled", "comm none", "comm bf16", "comm fsdp",
+                                                "comm trace", "checkpoint", "overhead", "overhead medium", "tp",
+                                                "pp 1f1b", "pp interleaved-1f1b", "pp zbv", "pp dualpipev",
+                                                "pp zbv x tp", "cpu_offload", "mfu",
                                                 "mfu fsdp", "mfu blocks", "service ray"]
+
+
+def test_the_checks_of_compiled_blocks_skip_under_no_compile():
+    """`memory compiled` and `mfu blocks` measure what parallel.compile does: with --no-compile each skips in a line
+    before touching the device (here a CPU, which they would otherwise fail on)."""
+    args = gpu._args(["--no-compile"])
+    args.device = torch.device("cpu")
+    checks = [(name, fn) for name, fn in gpu.CHECKS if name in ("memory compiled", "mfu blocks")]
+    done = gpu.run_checks(checks, args)
+    assert [c.name for c in done] == ["memory compiled", "mfu blocks"]
+    assert all(c.skipped and c.reason == "--no-compile: this check measures compiled blocks" for c in done), done
 
 
 @pytest.mark.parametrize("precision", ["fp16-mixed"])

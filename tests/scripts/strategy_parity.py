@@ -21,9 +21,10 @@ An argument with `=` is a setting for every variant (e.g. `model.name=hf:DIR` tr
 (its losses are steps 11-20). `variant@label` runs the variant under another name (e.g. twice, with different settings).
 The strategy `plain` (1 process only) is not disttrain but the plain-torch loop of
 plain_reference.py on the same job. Rank 0 writes OUT/<world>.json: {variant: {"losses": [...],
-"grad_norms": [...], "eval": {...}, "graphs": N}} (N: graphs torch.compile made, in both runs of A>B; 0 without
-`parallel.compile`) and each variant's final parameters to OUT/<world>/<variant>.safetensors
-(under a pipeline, rank 0's stage; the other ranks' in <variant>.rank<R>.safetensors). Under tensor parallelism
+"grad_norms": [...], "eval": {...}, "graphs": N, "activations": A}} (N: graphs torch.compile made, in both runs of A>B;
+0 without `parallel.compile`; A: under inductor, `compiled_activations`, else null) and each variant's final
+parameters to OUT/<world>/<variant>.safetensors (under a pipeline, rank 0's stage; the other ranks' in
+<variant>.rank<R>.safetensors). Under tensor parallelism
 each rank also writes the pieces it would send in a weight sync to OUT/<world>/pieces/<run name>.rank<R>.safetensors.
 """
 
@@ -103,8 +104,31 @@ def train(out: Path, runtime, name: str, variant: str, extra: list[str]) -> tupl
     if "+tp" in variant and runtime.world_size > 1:  # tensor shards, and FSDP's strided shards of them
         dump_pieces(out / str(runtime.world_size) / "pieces" / f"{name}.rank{runtime.rank}.safetensors", trainer, cfg,
                     runtime)
+    saved = compiled_activations(cfg) if cfg.parallel.compile == "inductor" and runtime.world_size == 1 else None
     return {"losses": result.losses, "grad_norms": result.grad_norms, "eval": result.eval_losses,
-            "graphs": graphs}, params
+            "graphs": graphs, "activations": saved}, params
+
+
+def compiled_activations(cfg) -> list[list[int]]:
+    """[measured, estimated] bytes of activations a step of one micro-batch saves for backward, without and with
+    activation checkpointing (memory.measure, on a backend of `cfg` built afresh: the compiled blocks' graphs, as
+    inductor's partitioner chose what to save; memory.estimate counts what the eager blocks save)."""
+    from dataclasses import replace
+
+    from disttrain.backend import create_backend
+    from disttrain.memory import estimate, measure
+    from disttrain.models import build_model, vocab_size
+    from disttrain.optim import optimizer_factory
+
+    x = torch.randint(0, vocab_size(cfg.model), (cfg.data.micro_batch_size, cfg.model.seq_len))
+    sizes = []
+    for checkpointed in (False, True):
+        one = replace(cfg, parallel=replace(cfg.parallel, activation_checkpointing=checkpointed))
+        got = measure(lambda one=one: create_backend(build_model(one.model), optimizer_factory(one.optim),
+                                                     one.parallel), {"input_ids": x, "labels": x})
+        want = estimate(one, 1)
+        sizes.append([got["activations"], want.activations_ac if checkpointed else want.activations])
+    return sizes
 
 
 def dump_pieces(path: Path, trainer, cfg, runtime) -> None:

@@ -20,7 +20,9 @@ one-line reason and the others still run:
     memory STRATEGY    single, ddp, fsdp (one-rank nccl group): `memory.estimate` against
                        torch.cuda.max_memory_allocated of the third step of two micro-batches (gradients are held
                        while the second one's activations are, the sum the estimate counts; under ddp beside its
-                       buckets, which it rebuilt in the second step), fp32, at a medium size; target: within 10%
+                       buckets, which it rebuilt in the second step), fp32, at a medium size; target: within 10%;
+                       `memory compiled`: single with each block compiled (parallel.compile = "inductor"), against
+                       the same estimate (which counts what eager blocks save)
     comm COMPRESSION   ddp over a one-rank nccl group, compression none and bf16: comm_s from nccl's own timing of
                        each all-reduce (parallel/comm.py) over 10 steps, comm_bytes against the gradients' size in the
                        wire dtype (target: comm_s measured and positive, bytes equal)
@@ -182,6 +184,7 @@ CHECKS: list[tuple[str, Callable]] = [
     *((f"steps {p}", partial(check_steps, precision=p)) for p in ("bf16-mixed", "fp16-mixed", "bf16-true")),
     ("queued step", check_queued_step),
     *((f"memory {s}", partial(check_memory, strategy=s)) for s in ("single", "ddp", "fsdp")),
+    ("memory compiled", partial(check_memory, strategy="single", compiled=True)),
     *((f"comm {c}", partial(check_comm, compression=c)) for c in ("none", "bf16")),
     ("comm fsdp", check_fsdp_comm),
     ("comm trace", check_comm_trace),

@@ -34,15 +34,23 @@ def pick_micro_batch(size: dict[str, int], precision: str, budget_bytes: float, 
     return best
 
 
-def check_memory(args, check: Check, strategy: str, size: dict[str, int] = MEDIUM, micro: int = 4) -> None:
+def check_memory(args, check: Check, strategy: str, size: dict[str, int] = MEDIUM, micro: int = 4,
+                 compiled: bool = False) -> None:
     """The estimate's total against the allocator's peak over the third step, the steady state the estimate counts
-    (the first creates optimizer state; in the second DDP rebuilds its buckets and frees the old ones)."""
+    (the first creates optimizer state; in the second DDP rebuilds its buckets and frees the old ones). `compiled`:
+    each block compiled (`parallel.compile = "inductor"`), whose graphs save what inductor's partitioner chose; the
+    estimate counts what the eager blocks save."""
     import torch
 
     from disttrain.memory import estimate
     from disttrain.parallel import registry
 
-    cfg = kit.config(size, micro, strategy, "fp32", (f"data.global_batch_size={2 * micro}",))  # the 2 micro-batches run
+    if compiled:
+        if not args.compile:
+            raise kit.Skipped("--no-compile: this check measures compiled blocks")
+        torch._dynamo.reset()
+    settings = (f"data.global_batch_size={2 * micro}",) + (("parallel.compile=inductor",) if compiled else ())
+    cfg = kit.config(size, micro, strategy, "fp32", settings)  # the 2 micro-batches run
     est = estimate(cfg, 1, strategy)
     backend = kit.backend(cfg, kit.runtime(args.device, group=registry.get(strategy).needs_group))
     windows = kit.windows(size["seq_len"])
@@ -59,7 +67,8 @@ def check_memory(args, check: Check, strategy: str, size: dict[str, int] = MEDIU
     total = est.total(False)
     ratio = peak / total
     check.figures.update({
-        "model": kit.describe(size, micro) + ", fp32, AdamW, 2 micro-batches per step",
+        "model": kit.describe(size, micro) + ", fp32, AdamW, 2 micro-batches per step"
+                 + (", each block compiled (inductor)" if compiled else ""),
         "estimate: params / grads / optimizer / activations":
             " / ".join(kit.gib(n) for n in (est.params, est.grads, est.optimizer, est.activations)),
         "estimate total": kit.gib(total), "measured peak (max_memory_allocated)": kit.gib(peak),
