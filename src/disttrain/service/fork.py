@@ -69,11 +69,12 @@ def fork_problem(gpu: bool = False) -> str | None:
     torch's intra-op pool on CPU, is not fork-safe: once a parallel operation ran here with more than one thread, a
     forked child that runs one hangs). tqdm's monitor thread, which any progress bar starts (transformers' loading
     among them), is stopped first: tqdm starts it again when a bar next needs it."""
-    monitor = getattr(sys.modules.get("tqdm._monitor"), "TMonitor", None)
+    monitor, stopped = getattr(sys.modules.get("tqdm._monitor"), "TMonitor", None), False
     for thread in threading.enumerate():
         if monitor is not None and isinstance(thread, monitor):
             thread.exit()
             thread.join()
+            stopped = True
     others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
     if others:
         return f"{len(others)} other Python thread(s) run in this process ({', '.join(others[:3])})"
@@ -83,10 +84,12 @@ def fork_problem(gpu: bool = False) -> str | None:
     if gpu and cuda_driver_loaded():  # (`gpu`: the children train on a GPU; CPU workers do not mind)
         return ("CUDA's driver already started in this process (torch.cuda.is_available() or a CUDA call did that; "
                 "with PYTORCH_NVML_BASED_CUDA_CHECK=1 is_available() does not), and a forked worker cannot use it")
-    native, deadline = _native_threads(), time.monotonic() + 1.0
+    # a thread just joined (tqdm's monitor) can still be listed in /proc/self/task for a moment after Python's join
+    # returns (a suite run saw one): longer on a loaded host, so a stopped monitor is given more time
+    native, deadline = _native_threads(), time.monotonic() + (5.0 if stopped else 1.0)
     native -= _after_import() if native > 1 else 1  # (only asked when there is more than the main thread)
-    while native > 0 and time.monotonic() < deadline:  # a thread just joined (tqdm's monitor) can still be listed
-        time.sleep(0.01)  # in /proc/self/task for a moment after Python's join returns: a suite run saw one
+    while native > 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
         native = _native_threads() - _after_import()
     if native > 0:
         return (f"{native} native thread(s) run in this process (torch's CPU thread pool starts with its first "
