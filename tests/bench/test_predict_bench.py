@@ -321,9 +321,10 @@ def test_forecast_of_a_pipeline_of_context_splits_prices_each_stage_s_calls_and_
     """parallel.pipeline = 2 x parallel.context = 2 on the Llama 3 8B preset: a group of 4 GPUs reads one batch, each
     stage's ranks sending their blocks' context calls (16 of 32 blocks' each) and half of the stream between stages
     (their pieces of each sequence); each row is the model's step of that workload, slower than the pipeline with
-    its context calls free."""
+    its context calls free. At 4 GPUs, one group, the context ranks are the stages' data axis: the stream is in bf16
+    there too (FSDP2's gathered copies), as at 8 and 64."""
     common = ["--model", "llama3-8b", "--set", "parallel.precision=bf16-mixed", "--local-batch", "4",
-              "--micro-batch", "1", "--strategy", "fsdp", "--gpus", "8,64"]
+              "--micro-batch", "1", "--strategy", "fsdp", "--gpus", "4,8,64"]
     assert cli(["bench", "predict", *common, "--set", "parallel.pipeline=2", "--set", "parallel.context=2",
                 "--out", str(tmp_path / "ppcp")]) == 0
     cfg = load_config(None, ["model.name=llama3-8b", "parallel.precision=bf16-mixed", "parallel.pipeline=2",
@@ -338,7 +339,12 @@ def test_forecast_of_a_pipeline_of_context_splits_prices_each_stage_s_calls_and_
                        stages=split.stages, send_bytes=split.send_bytes, context_calls=calls)
     assert [len(model_split.stage_context_calls(work, stage)) for stage in split.stages] == [4 * 16, 4 * 16]
     net = ic.PRESETS["h100-nvlink+ib-ndr"]
-    for row in csv.DictReader(open(tmp_path / "ppcp" / "predict.csv")):
+    rows = list(csv.DictReader(open(tmp_path / "ppcp" / "predict.csv")))
+    assert cli(["bench", "predict", *common[:-1], "4", "--set", "parallel.pipeline=2", "--set", "parallel.context=2",
+                "--out", str(tmp_path / "one")]) == 0  # (one group the only count)
+    rows += list(csv.DictReader(open(tmp_path / "one" / "predict.csv")))
+    assert [int(row["gpus"]) for row in rows] == [4, 8, 64, 4]
+    for row in rows:
         expected = sm.step_time("fsdp", int(row["gpus"]), work, net)
         assert float(row["step_s"]) == pytest.approx(expected.step_s, rel=1e-9)
         assert expected.step_s > sm.step_time("fsdp", int(row["gpus"]), replace(work, context_calls=()), net).step_s

@@ -185,7 +185,9 @@ def test_a_tensor_and_context_split_s_calls_are_what_four_ranks_send(tmp_path):
     tensor split's recorded calls for its share of a sequence (1/2 of them) and the context split's for its heads'
     keys and values (1/2 of them), as the scale model prices them (`tensor_calls_of`, `context_calls_of`). pp2 x cp2
     (3 blocks, in the same launch): each rank sends the context calls of its stage's blocks
-    (`model_split.stage_context_calls` of disttrain's split, `predict_job.pipeline_stages`)."""
+    (`model_split.stage_context_calls` of disttrain's split, `predict_job.pipeline_stages`) and, to the other
+    stage, each micro-batch's stream (activations forward, their gradients back) cut to its pieces: 1/2 of a
+    sequence's (`send_bytes`)."""
     settings = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "parallel.tensor=2"]
     staged = ["model.n_layer=3", "model.d_model=32", "model.n_head=2", "parallel.pipeline=2"]
     result = run_cli(["launch", "--fork", "--nproc", "4", "--run-dir", str(tmp_path / "launch"),
@@ -194,16 +196,19 @@ def test_a_tensor_and_context_split_s_calls_are_what_four_ranks_send(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     cfg = load_config(None, ["model.seq_len=16", "parallel.context=2", "data.global_batch_size=4", *staged])
     shape = predict_job.counted_shape(cfg.model)
-    stages = predict_job.pipeline_stages(cfg, shape, "fp32", True).stages
-    work = sm.Workload(shape, 1.0, 1, context=2, pipeline=2, stages=stages,
+    split = predict_job.pipeline_stages(cfg, shape, "fp32", True)
+    work = sm.Workload(shape, 1.0, 1, context=2, pipeline=2, stages=split.stages,
                        context_calls=predict_job.context_calls_of(cfg, shape, "fp32", 2))
     blocks = []
     for rank in range(4):
         sent = json.loads((tmp_path / f"calls-{rank}.json").read_text())["pp"]
-        stage = stages[rank // 2]  # (the pipeline the outer axis: ranks 0, 1 hold the first stage)
+        stage = split.stages[rank // 2]  # (the pipeline the outer axis: ranks 0, 1 hold the first stage)
         blocks.append(stage.n_layer)
-        assert Counter((kind, nbytes, dtype) for _, kind, nbytes, dtype in sent) == Counter(
-            (kind, nbytes, dtype) for _, kind, nbytes, dtype in model_split.stage_context_calls(work, stage) * 2), rank
+        expected = Counter((kind, nbytes, dtype)
+                           for _, kind, nbytes, dtype in model_split.stage_context_calls(work, stage) * 2)
+        expected["send", split.send_bytes * 2, "float32"] += 2  # (2 micro-batches of 2 sequences)
+        assert Counter((kind, nbytes, dtype) for _, kind, nbytes, dtype in sent) == expected, rank
+    assert split.send_bytes == 16 * 32 * 4 / 2  # (a sequence's stream, fp32: each rank its half)
     assert sorted(set(blocks)) == [1, 2]  # (stages of unequal blocks: each rank's own)
     cfg = load_config(None, ["model.seq_len=16", "parallel.context=2", *settings])
     shape = predict_job.counted_shape(cfg.model)

@@ -104,12 +104,13 @@ def train(out: Path, runtime, name: str, variant: str, extra: list[str]) -> tupl
     if "+tp" in variant and runtime.world_size > 1:  # tensor shards, and FSDP's strided shards of them
         dump_pieces(out / str(runtime.world_size) / "pieces" / f"{name}.rank{runtime.rank}.safetensors", trainer, cfg,
                     runtime)
-    saved = compiled_activations(cfg) if cfg.parallel.compile == "inductor" and runtime.world_size == 1 else None
+    saved = compiled_activations(cfg, runtime) if cfg.parallel.compile == "inductor" and runtime.world_size == 1 \
+        else None
     return {"losses": result.losses, "grad_norms": result.grad_norms, "eval": result.eval_losses,
             "graphs": graphs, "activations": saved}, params
 
 
-def compiled_activations(cfg) -> list[list[int]]:
+def compiled_activations(cfg, runtime) -> list[list[int]]:
     """[measured, estimated] bytes of activations a step of one micro-batch saves for backward, without and with
     activation checkpointing (memory.measure, on a backend of `cfg` built afresh: the compiled blocks' graphs, as
     inductor's partitioner chose what to save; memory.estimate counts what the eager blocks save)."""
@@ -120,12 +121,13 @@ def compiled_activations(cfg) -> list[list[int]]:
     from disttrain.models import build_model, vocab_size
     from disttrain.optim import optimizer_factory
 
+    torch._dynamo.reset()  # (graphs of its own, whatever the training run left in dynamo's cache)
     x = torch.randint(0, vocab_size(cfg.model), (cfg.data.micro_batch_size, cfg.model.seq_len))
     sizes = []
     for checkpointed in (False, True):
         one = replace(cfg, parallel=replace(cfg.parallel, activation_checkpointing=checkpointed))
         got = measure(lambda one=one: create_backend(build_model(one.model), optimizer_factory(one.optim),
-                                                     one.parallel), {"input_ids": x, "labels": x})
+                                                     one.parallel, runtime=runtime), {"input_ids": x, "labels": x})
         want = estimate(one, 1)
         sizes.append([got["activations"], want.activations_ac if checkpointed else want.activations])
     return sizes

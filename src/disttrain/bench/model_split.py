@@ -139,8 +139,8 @@ def check_pipeline(strategy: str, n: int, work: Workload) -> int:
         raise ConfigError(f"parallel.pipeline = {p} does not divide {n} GPUs; give multiples of it")
     if work.cpu_cores and (n > p or p > work.cpu_cores):
         raise ConfigError(f"parallel.pipeline = {p} on {n} ranks of a CPU host with {work.cpu_cores} cores is not "
-                          "modelled (a tensor split or data parallelism beside it, or more stages than cores: ranks "
-                          "sharing the cores); predict the pipeline alone, on as many ranks as cores")
+                          "modelled (a tensor or context split or data parallelism beside it, or more stages than "
+                          "cores: ranks sharing the cores); predict the pipeline alone, on as many ranks as cores")
     if v > 1 and work.schedule not in mesh.V_SCHEDULES and work.micro_steps % p:
         raise ConfigError(f"parallel.pipeline_schedule = {work.schedule!r} runs micro-batches in multiples of "
                           f"parallel.pipeline = {p}, not {work.micro_steps}; give a batch of such micro-batches")

@@ -71,7 +71,7 @@ def forecast(args, strategies, gpus, shape, precision, net, fit, cfg) -> tuple[s
     job = settings(cfg)
     tensor, pipeline, context = job["tensor"], job["pipeline"], job["context"]
     group = split_group(cfg)
-    base, source = _workload(args, shape, precision, cfg, local, micro, fit, max(gpus) > group)  # (the header's too)
+    base, source = _workload(args, shape, precision, cfg, local, micro, fit, _data_axis(cfg, gpus))  # (the header's)
     rows, failed = [], {}
     for setting, swept in jobs:
         names = strategies or ["fsdp" if args.model else config_strategy(swept)]
@@ -153,10 +153,17 @@ def _workloads(args, shape: ModelShape, precision: str, cfg: Config, batch: tupl
     and others are more, its workload alone: no data axis beside the split, whose calls travel in the parameters'
     dtype there)."""
     group = split_group(cfg)
-    work = base or _workload(args, shape, precision, cfg, *batch, fit, max(gpus) > group)[0]
-    alone = _workload(args, shape, precision, cfg, *batch, fit, False)[0] if 1 < group == min(gpus) < max(gpus) \
-        else None
+    work = base or _workload(args, shape, precision, cfg, *batch, fit, _data_axis(cfg, gpus))[0]
+    alone = _workload(args, shape, precision, cfg, *batch, fit, False)[0] \
+        if 1 < group == min(gpus) < max(gpus) and not _data_axis(cfg, [group]) else None
     return work, alone
+
+
+def _data_axis(cfg: Config, gpus: list[int]) -> bool:
+    """Whether the largest of `gpus` has a data axis beside the splits: more GPUs than a group, or a context split,
+    whose ranks are one themselves (disttrain wraps them in the strategy: FSDP2's gathered copies, in the compute
+    dtype under a mixed precision)."""
+    return max(gpus) > split_group(cfg) or cfg.parallel.context > 1
 
 
 def _workload(args, shape: ModelShape, precision: str, cfg: Config, local: int, micro: int, fit: dict | None,

@@ -248,18 +248,18 @@ def _tied_as_held(model, params: list, ties: list[list[str]]) -> None:
             param.grad = grad.redistribute(placements=param.placements)
 
 
-PROCESS_GROUP_CALLS = {"allgather_": "all_gather", "_reduce_scatter_base_": "reduce_scatter"}
+PROCESS_GROUP_CALLS = {"allgather_": "all_gather", "_reduce_scatter_base_": "reduce_scatter", "send": "send"}
 """torch.distributed's list all-gather and its reduce-scatter of one tensor (a context split's, parallel/context.py)
-as the scale model names them. FSDP2 gathers through the other all-gather, but reduce-scatters through this one:
-record a context split's calls beside a data axis that shards no gradients (ddp, as tests/scripts/
-context_calls_job.py does)."""
+as the scale model names them, and a point-to-point send (a pipeline stage's, of the stream between stages). FSDP2
+gathers through the other all-gather, but reduce-scatters through this one: record a context split's calls beside a
+data axis that shards no gradients (ddp, as tests/scripts/context_calls_job.py does)."""
 
 
 @contextlib.contextmanager
 def recording(process_group_calls: bool = False) -> Iterator:
     """Records each functional collective issued inside (DTensor's included: it runs before the recorder) as a
     `TensorCall` in `.calls`, of the part `.part` names ("forward" until set); with `process_group_calls`, also
-    those of `PROCESS_GROUP_CALLS` (a context split's)."""
+    those of `PROCESS_GROUP_CALLS` (a context split's, a pipeline's sends)."""
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -278,7 +278,8 @@ def recording(process_group_calls: bool = False) -> Iterator:
                 self.calls.append(TensorCall(self.part, COLLECTIVES[name], first.numel() * first.element_size() * whole,
                                              str(first.dtype).removeprefix("torch.")))
             elif process_group_calls and getattr(func, "namespace", "") == "c10d" and name in PROCESS_GROUP_CALLS:
-                sent = args[1][0] if name == "allgather_" else args[1]  # (its input: a list of one, or the whole)
+                # (its input: a list of one, or the whole; a send's first argument, a list of one)
+                sent = args[1][0] if name == "allgather_" else args[0][0] if name == "send" else args[1]
                 whole = len(args[0][0]) if name == "allgather_" else 1  # (a list of the group's outputs)
                 self.calls.append(TensorCall(self.part, PROCESS_GROUP_CALLS[name],
                                              sent.numel() * sent.element_size() * whole,

@@ -299,8 +299,8 @@ def single_bucket_mb(model: torch.nn.Module) -> float:
 
 
 # ----------------------------------------------------------------------------------------------
-# Timed collectives: FSDP2's all-gather and reduce-scatter, DeepSpeed's backend (and a context split's gathers,
-# parallel/context.py)
+# Timed collectives: FSDP2's all-gather and reduce-scatter (and a context split's gathers, parallel/context.py;
+# DeepSpeed's backend: parallel/deepspeed/timed.py)
 
 
 def timed_call(meter: CommMeter, call, nbytes: int):

@@ -84,13 +84,15 @@ def fork_problem(gpu: bool = False) -> str | None:
     if gpu and cuda_driver_loaded():  # (`gpu`: the children train on a GPU; CPU workers do not mind)
         return ("CUDA's driver already started in this process (torch.cuda.is_available() or a CUDA call did that; "
                 "with PYTORCH_NVML_BASED_CUDA_CHECK=1 is_available() does not), and a forked worker cannot use it")
+    # (the child interpreter's count is asked only when there is more than the main thread; it takes seconds on a
+    # loaded host, so the threads are counted again after it)
+    base = _after_import() if _native_threads() > 1 else 1
     # a thread just joined (tqdm's monitor) can still be listed in /proc/self/task for a moment after Python's join
     # returns (a suite run saw one): longer on a loaded host, so a stopped monitor is given more time
-    native, deadline = _native_threads(), time.monotonic() + (5.0 if stopped else 1.0)
-    native -= _after_import() if native > 1 else 1  # (only asked when there is more than the main thread)
+    native, deadline = _native_threads() - base, time.monotonic() + (5.0 if stopped else 1.0)
     while native > 0 and time.monotonic() < deadline:
         time.sleep(0.01)
-        native = _native_threads() - _after_import()
+        native = _native_threads() - base
     if native > 0:
         return (f"{native} native thread(s) run in this process (torch's CPU thread pool starts with its first "
                 "parallel operation; call torch.set_num_threads(1) before building the model, the workers set their "

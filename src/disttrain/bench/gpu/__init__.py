@@ -98,7 +98,8 @@ def _args(argv):
     p.add_argument("--micro", type=int, default=0, help="MFU micro-batch (0: the largest the estimator fits)")
     p.add_argument("--mfu-precision", default="bf16-mixed", choices=("bf16-mixed", "bf16-true"))
     p.add_argument("--steps", type=int, default=10, help="MFU: timed steps (after 3 warm-up steps)")
-    p.add_argument("--no-compile", dest="compile", action="store_false", help="MFU without torch.compile")
+    p.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="MFU without torch.compile; skips the checks of compiled blocks")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="the device's dense peak (0: perf.PEAK_TFLOPS)")
     p.add_argument("--memory-fraction", type=float, default=0.8,
                    help="share of the device's memory the MFU model's estimate may fill (temporaries come on top)")

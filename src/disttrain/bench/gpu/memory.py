@@ -55,10 +55,16 @@ def check_memory(args, check: Check, strategy: str, size: dict[str, int] = MEDIU
     backend = kit.backend(cfg, kit.runtime(args.device, group=registry.get(strategy).needs_group))
     windows = kit.windows(size["seq_len"])
     meter = getattr(backend.prepared, "comm", None)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] if compiled else 0
     for index in range(2):  # the first creates optimizer state; DDP rebuilds its buckets in the second's forward
         kit.step(backend, windows, index, micro, accumulate=2)
         if meter is not None:  # as the Trainer does after each step (perf.StepMeter): the meter holds the
             meter.take()  # collectives' Works, and with them the buckets they reduced
+    if compiled:
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+        check.figures["graphs compiled"] = str(graphs)
+        if not graphs:
+            raise RuntimeError("parallel.compile made no graph: the blocks ran eagerly")
     torch.cuda.synchronize(args.device)
     torch.cuda.reset_peak_memory_stats(args.device)
     held = torch.cuda.memory_allocated(args.device)
@@ -75,10 +81,15 @@ def check_memory(args, check: Check, strategy: str, size: dict[str, int] = MEDIU
         "measured / estimate": f"{ratio:.3f}",
         "held between steps (params + optimizer state; under ddp its buckets too) vs the estimate's params + "
         "optimizer state":
-            f"{kit.gib(held)} vs {kit.gib(est.params + est.optimizer)}"})
+            f"{kit.gib(held)} vs {kit.gib(est.params + est.optimizer)}",
+        "the step's peak above that (gradients + a micro-batch's activations) vs the estimate's":
+            f"{kit.gib(peak - held)} vs {kit.gib(est.grads + est.activations)} "
+            f"({(peak - held) / (est.grads + est.activations):.3f})"})
     check.passed = abs(ratio - 1) <= MEMORY_TOLERANCE
     check.reason = f"measured / estimate within 1 +- {MEMORY_TOLERANCE:g}" + ("" if check.passed else
                                                                               f": {ratio:.3f}")
+    if compiled:
+        torch._dynamo.reset()  # (the checks after it compile graphs of their own)
 
 
 def check_cpu_offload(args, check: Check, size: dict[str, int] = OFFLOAD, micro: int = 2) -> None:
