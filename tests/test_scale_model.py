@@ -653,8 +653,8 @@ def test_a_pipeline_s_sends_cross_nodes_once_the_job_does_and_its_tied_weight_is
      "micro-batches a step, not 3"),
     ("fsdp", dict(schedule="dualpipe"), 8, "'dualpipe' is not modelled; predict gpipe, 1f1b, interleaved-1f1b, "
      "zero-bubble, zbv, dualpipev"),
-    ("fsdp", dict(tensor=2, cpu_cores=2, stage_calls=((), ()), step_calls=((), ())), 4, "a tensor split or data "
-     "parallelism beside it"),
+    ("fsdp", dict(tensor=2, cpu_cores=2, stage_calls=((), ()), step_calls=((), ())), 4, "a tensor or context split "
+     "or data parallelism beside it"),
     ("hsdp", {}, 16, "hsdp with parallel.pipeline = 2 is not modelled"),
     ("zero1", {}, 8, "zero1 with parallel.pipeline = 2 does not run in disttrain"),
     ("fsdp", dict(cpu_cores=2), 4, "parallel.pipeline = 2 on 4 ranks of a CPU host with 2 cores is not modelled"),
