@@ -351,7 +351,11 @@ def test_forecast_of_a_pipeline_of_context_splits_prices_each_stage_s_calls_and_
     text = (tmp_path / "ppcp" / "predict.md").read_text()
     assert "(tokens per GPU: 1/4 of them), in 4 micro-batches" in text
     assert "each micro-batch sends 32 collectives in forward and 32 in backward" in text
-    assert "the busiest stage" in text and "the strategy runs over every GPU of a stage" in text
+    assert "the busiest pipeline rank" in text and "the strategy runs over every GPU of a stage" in text
+    assert cli(["bench", "predict", *common, "--set", "parallel.pipeline=2", "--set", "parallel.context=2", "--set",
+                "parallel.pipeline_schedule=interleaved-1f1b", "--out", str(tmp_path / "looped")]) == 0
+    text = (tmp_path / "looped" / "predict.md").read_text()  # (2 stages a rank, 8 blocks each: a rank's 16 blocks)
+    assert "each micro-batch sends 32 collectives in forward and 32 in backward" in text
 
 
 def test_a_sweep_of_the_splits_forecasts_each_degree_as_on_its_own(tmp_path):

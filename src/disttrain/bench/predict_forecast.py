@@ -189,10 +189,12 @@ def _workload(args, shape: ModelShape, precision: str, cfg: Config, local: int, 
 def _context_line(work: Workload, local: int) -> str:
     """The report's line on a context split: its degree, the batch its ranks share, its calls."""
     from disttrain.bench.model_split import stage_context_calls
+    from disttrain.parallel.mesh import stages_of
 
     c, p, calls = work.context, work.pipeline, work.context_calls
-    if p > 1:  # (a stage's blocks': the busiest stage's)
-        calls = max((stage_context_calls(work, stage) for stage in work.stages), key=len)
+    if p > 1:  # (its stages' blocks': the busiest pipeline rank's)
+        calls = max((tuple(call for s in stages_of(rank, p, len(work.stages), work.schedule)
+                           for call in stage_context_calls(work, work.stages[s])) for rank in range(p)), key=len)
     size = sum(call[2] for call in calls) / 2**20
     sent = {part: sum(1 for call in calls if call[0] == part) for part in ("forward", "backward")}
     over = (", each with the whole model" if work.tensor == 1 and p == 1 else
@@ -200,9 +202,9 @@ def _context_line(work: Workload, local: int) -> str:
     return (f"- context split over {c} GPUs of a node (parallel.context): a group's ranks share its {local} sequences, "
             f"each computing 2 of {2 * c} pieces of every sequence (tokens per GPU: 1/{c * work.tensor * p} of them; "
             f"as many causal query-key pairs each); each micro-batch sends {sent['forward']} collectives in forward "
-            f"and {sent['backward']} in backward ({size:,.1f} MiB{', the busiest stage' if p > 1 else ''}: each "
-            f"attention's keys and values, and their gradients), each holding up the compute; the strategy runs over "
-            f"every GPU{over}")
+            f"and {sent['backward']} in backward ({size:,.1f} MiB{', the busiest pipeline rank' if p > 1 else ''}: "
+            f"each attention's keys and values, and their gradients), each holding up the compute; the strategy runs "
+            f"over every GPU{over}")
 
 
 def _pipeline_line(cfg: Config, stages: tuple[ModelShape, ...], send: float, micro_batches: int) -> str:
