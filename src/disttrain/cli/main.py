@@ -24,68 +24,9 @@ import math
 import sys
 from pathlib import Path
 
+from disttrain.cli.plan import describe_plan, launch_arguments, launch_plan, nproc_of
 from disttrain.config import ConfigError, describe, dumps_toml, load_config, save_config
 from disttrain.errors import ArgumentParser, exit_code, make_folder
-
-
-def _launch_arguments(p: argparse.ArgumentParser, nproc_default: str | None) -> None:
-    """The launch flags `train` and `launch` share, with the spellings torchrun users type."""
-    p.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc", default=nproc_default,
-                   help="processes on this node: a number, or auto (GPUs if any, else 1), gpu (every GPU), cpu "
-                        "(every core)")
-    p.add_argument("--nnodes", default="1", help="nodes in the job, or MIN:MAX for elastic membership")
-    p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0,
-                   help="this node's rank (informational with c10d)")
-    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint",
-                   help="HOST:PORT of the rendezvous, the same on every node")
-    p.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id",
-                   help="the job's id at the rendezvous: give each multi-node job its own (default: 'disttrain'; "
-                        "one node: a fresh one)")
-    p.add_argument("--master-addr", "--master_addr", dest="master_addr",
-                   help="torch.distributed.launch's spelling: the rendezvous host (with --master-port)")
-    p.add_argument("--master-port", "--master_port", dest="master_port", type=int,
-                   help="the rendezvous port (default 29500 with --master-addr)")
-    p.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0,
-                   help="restart the whole group up to K times when a rank fails; each restart resumes from "
-                        "the newest committed checkpoint")
-
-
-def nproc_of(value: str | int) -> int:
-    """`--nproc`: a number, or auto / gpu / cpu (torchrun's words)."""
-    import os
-
-    text = str(value).strip().lower()
-    if text.lstrip("-").isdigit():
-        return int(text)  # (below 1: validation says so, naming dist.nproc)
-    if text in ("auto", "gpu"):
-        import torch
-
-        gpus = torch.cuda.device_count()
-        if text == "gpu" and not gpus:
-            raise ConfigError("--nproc gpu: no CUDA GPU is visible on this node; use --nproc cpu or a number")
-        return gpus or 1
-    if text == "cpu":
-        return os.cpu_count() or 1
-    raise ConfigError(f"--nproc {value}: use a number of processes, or auto, gpu or cpu")
-
-
-def _plan(args: argparse.Namespace, nproc: int, cfg=None):
-    """The LaunchPlan of `train` / `launch` from their shared flags."""
-    from disttrain.launch import LaunchPlan
-
-    endpoint = args.rdzv_endpoint
-    if args.master_port is not None and not 1 <= args.master_port <= 65535:
-        raise ConfigError(f"--master-port {args.master_port}: give a port from 1 to 65535, e.g. 29500")
-    if args.master_addr or args.master_port is not None:
-        if endpoint:
-            raise ConfigError("give either --rdzv-endpoint HOST:PORT or --master-addr/--master-port, not both")
-        endpoint = f"{args.master_addr or '127.0.0.1'}:{29500 if args.master_port is None else args.master_port}"
-    timing = {} if cfg is None else {"timeout_s": cfg.dist.timeout_s, "startup_timeout_s": cfg.dist.startup_timeout_s,
-                                     "shutdown_grace_s": cfg.dist.shutdown_grace_s}
-    plan = LaunchPlan(nproc=nproc, nnodes=str(args.nnodes), node_rank=args.node_rank, rdzv_endpoint=endpoint,
-                      rdzv_id=args.rdzv_id, max_restarts=args.max_restarts, **timing)
-    plan.check()
-    return plan
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -97,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a config (default: the built-in GPT job)")
     train.add_argument("config", nargs="?", help="config file: TOML, YAML (.yaml/.yml) or JSON")
-    _launch_arguments(train, nproc_default=None)
+    launch_arguments(train, nproc_default=None)
     train.add_argument("--launcher", choices=["torchrun", "ray"],
                        help="torchrun (this node's processes, default) or ray (Ray actors; sets dist.launcher)")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -125,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--force", action="store_true", help="replace an existing OUT")
 
     launch = sub.add_parser("launch", help="run your own training script on N processes through torchrun")
-    _launch_arguments(launch, nproc_default="1")
+    launch_arguments(launch, nproc_default="1")
     launch.add_argument("--run-dir", default="runs/launch", help="where torchrun's logs go")
     launch.add_argument("-m", dest="module", action="store_true", help="SCRIPT is a module name (python -m SCRIPT)")
     launch.add_argument("--fork", action="store_true",
@@ -192,7 +133,7 @@ def _prepare_train(args: argparse.Namespace):
 
     from disttrain.config import validate
 
-    plan = _plan(args, cfg.dist.nproc, cfg)
+    plan = launch_plan(args, cfg.dist.nproc, cfg)
     if cfg.dist.launcher == "ray" and not plan.single_node:
         raise ConfigError(f"--nnodes {plan.nnodes} with --launcher ray: Ray places the ranks on its nodes itself; "
                           "drop --nnodes and --rdzv-endpoint (choose nodes with dist.ray_placement or resources)")
@@ -222,8 +163,6 @@ def _prepare_train(args: argparse.Namespace):
 def cmd_train(args: argparse.Namespace) -> int:
     cfg, plan = _prepare_train(args)
     if args.dry_run:
-        from disttrain.cli.plan import describe_plan
-
         print(describe_plan(cfg, plan))
         return 0
     config_path = make_folder(cfg.run_dir, "run.out_dir / run.name") / "config.toml"
@@ -270,7 +209,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise ConfigError(f"script '{args.script}' not found; pass the path of your training script (or -m MODULE)")
     from disttrain.launch import launch
 
-    plan = _plan(args, nproc)
+    plan = launch_plan(args, nproc)
     make_folder(Path(args.run_dir), "--run-dir")
     return launch(plan, [args.script, *args.args], Path(args.run_dir), module=args.module,
                   fork=args.fork)

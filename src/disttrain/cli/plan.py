@@ -1,10 +1,73 @@
-"""`disttrain train --dry-run`: what a job would do, from its validated config; nothing starts, nothing is written."""
+"""A launch's plan: the launch flags `train` and `launch` share (`launch_arguments`, `nproc_of`), the LaunchPlan they
+make (`launch_plan`), and `disttrain train --dry-run`: what a job would do, from its validated config; nothing
+starts, nothing is written (`describe_plan`)."""
 
 from __future__ import annotations
 
+import argparse
 import shlex
 
-from disttrain.config import Config
+from disttrain.config import Config, ConfigError
+
+
+def launch_arguments(p: argparse.ArgumentParser, nproc_default: str | None) -> None:
+    """The launch flags `train` and `launch` share, with the spellings torchrun users type."""
+    p.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc", default=nproc_default,
+                   help="processes on this node: a number, or auto (GPUs if any, else 1), gpu (every GPU), cpu "
+                        "(every core)")
+    p.add_argument("--nnodes", default="1", help="nodes in the job, or MIN:MAX for elastic membership")
+    p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0,
+                   help="this node's rank (informational with c10d)")
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint",
+                   help="HOST:PORT of the rendezvous, the same on every node")
+    p.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id",
+                   help="the job's id at the rendezvous: give each multi-node job its own (default: 'disttrain'; "
+                        "one node: a fresh one)")
+    p.add_argument("--master-addr", "--master_addr", dest="master_addr",
+                   help="torch.distributed.launch's spelling: the rendezvous host (with --master-port)")
+    p.add_argument("--master-port", "--master_port", dest="master_port", type=int,
+                   help="the rendezvous port (default 29500 with --master-addr)")
+    p.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0,
+                   help="restart the whole group up to K times when a rank fails; each restart resumes from "
+                        "the newest committed checkpoint")
+
+
+def nproc_of(value: str | int) -> int:
+    """`--nproc`: a number, or auto / gpu / cpu (torchrun's words)."""
+    import os
+
+    text = str(value).strip().lower()
+    if text.lstrip("-").isdigit():
+        return int(text)  # (below 1: validation says so, naming dist.nproc)
+    if text in ("auto", "gpu"):
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if text == "gpu" and not gpus:
+            raise ConfigError("--nproc gpu: no CUDA GPU is visible on this node; use --nproc cpu or a number")
+        return gpus or 1
+    if text == "cpu":
+        return os.cpu_count() or 1
+    raise ConfigError(f"--nproc {value}: use a number of processes, or auto, gpu or cpu")
+
+
+def launch_plan(args: argparse.Namespace, nproc: int, cfg=None):
+    """The LaunchPlan of `train` / `launch` from their shared flags."""
+    from disttrain.launch import LaunchPlan
+
+    endpoint = args.rdzv_endpoint
+    if args.master_port is not None and not 1 <= args.master_port <= 65535:
+        raise ConfigError(f"--master-port {args.master_port}: give a port from 1 to 65535, e.g. 29500")
+    if args.master_addr or args.master_port is not None:
+        if endpoint:
+            raise ConfigError("give either --rdzv-endpoint HOST:PORT or --master-addr/--master-port, not both")
+        endpoint = f"{args.master_addr or '127.0.0.1'}:{29500 if args.master_port is None else args.master_port}"
+    timing = {} if cfg is None else {"timeout_s": cfg.dist.timeout_s, "startup_timeout_s": cfg.dist.startup_timeout_s,
+                                     "shutdown_grace_s": cfg.dist.shutdown_grace_s}
+    plan = LaunchPlan(nproc=nproc, nnodes=str(args.nnodes), node_rank=args.node_rank, rdzv_endpoint=endpoint,
+                      rdzv_id=args.rdzv_id, max_restarts=args.max_restarts, **timing)
+    plan.check()
+    return plan
 
 
 def describe_plan(cfg: Config, plan) -> str:
