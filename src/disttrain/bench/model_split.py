@@ -97,6 +97,11 @@ def stage_context_calls(work: Workload, stage: ModelShape) -> tuple[tuple[str, s
     return work.context_calls[:per_block * stage.n_layer]
 
 
+def rank_context_calls(work: Workload, stages: list[int]) -> tuple[tuple[str, str, float, str], ...]:
+    """A pipeline rank's share of `work.context_calls`: its stages' blocks' together."""
+    return tuple(call for s in stages for call in stage_context_calls(work, work.stages[s]))
+
+
 def split_seconds(work: Workload, net: Interconnect) -> tuple[tuple[float, float, float], tuple[float, float]]:
     """((forward, backward) seconds of one micro-batch's collectives of a tensor or context split, and the step's,
     (bytes each rank sends in a micro-batch, in the step)). The step's are issued together (DTensor's functional

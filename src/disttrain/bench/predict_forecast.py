@@ -188,13 +188,13 @@ def _workload(args, shape: ModelShape, precision: str, cfg: Config, local: int, 
 
 def _context_line(work: Workload, local: int) -> str:
     """The report's line on a context split: its degree, the batch its ranks share, its calls."""
-    from disttrain.bench.model_split import stage_context_calls
+    from disttrain.bench.model_split import rank_context_calls
     from disttrain.parallel.mesh import stages_of
 
     c, p, calls = work.context, work.pipeline, work.context_calls
-    if p > 1:  # (its stages' blocks': the busiest pipeline rank's)
-        calls = max((tuple(call for s in stages_of(rank, p, len(work.stages), work.schedule)
-                           for call in stage_context_calls(work, work.stages[s])) for rank in range(p)), key=len)
+    if p > 1:  # (the busiest pipeline rank's)
+        calls = max((rank_context_calls(work, stages_of(rank, p, len(work.stages), work.schedule))
+                     for rank in range(p)), key=len)
     size = sum(call[2] for call in calls) / 2**20
     sent = {part: sum(1 for call in calls if call[0] == part) for part in ("forward", "backward")}
     over = (", each with the whole model" if work.tensor == 1 and p == 1 else

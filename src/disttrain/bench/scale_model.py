@@ -16,6 +16,7 @@ from disttrain.bench.model_split import (
     check_context,
     check_pipeline,
     check_tensor,
+    rank_context_calls,
     split_seconds,
     split_shape,
     stage_context_calls,
@@ -306,11 +307,10 @@ def _pipeline_step(strategy: str, n: int, work: Workload, net: Interconnect) -> 
                                [u for s in mine for u in work.stages[s].units()[1:]], work.model.seq_len),
                         kv_width=work.model.kv_width)
         calls = tuple(c for s in mine for c in work.stage_calls[s]) + work.step_calls[rank] if work.tensor > 1 else ()
-        context = tuple(c for s in mine for c in stage_context_calls(work, work.stages[s]))
         compute = sum(computes[s] for s in mine) + (2 * m * v * send if work.cpu_cores else 0.0)
         steps.append(step_time(strategy, n // p, replace(work, model=shape, compute_s=compute, pipeline=1, stages=(),
                                                          stage_calls=(), step_calls=(), orders=(), tensor_calls=calls,
-                                                         context_calls=context),
+                                                         context_calls=rank_context_calls(work, mine)),
                                net, model_split=True, pipelined=True))
         busy.append(compute + m * sum(costs[s].whole() - computes[s] / m for s in mine))
     orders = work.orders or tuple(one_stage_order(work.schedule, p, rank, m) for rank in range(p))
